@@ -1,0 +1,1 @@
+//! Criterion benches across the workspace (see `benches/`).

@@ -1,0 +1,1 @@
+//! allocator-cpu: filled by later issues.

@@ -1,0 +1,1 @@
+//! allocator-cuda: filled by later issues.

@@ -1,0 +1,535 @@
+//! Registry-issued identities.
+//!
+//! Every identity is an opaque `Copy + Eq + Hash` value: the id of the registry that
+//! issued it plus a serial from one of that registry's checked counters. There is no
+//! public numeric constructor; the only way to obtain one is an [`IdentityIssuer`].
+//! Any caller may create an issuer, but each issuer has a fresh process-unique
+//! [`RegistryId`], so what it mints is recognisably foreign to every other registry.
+//! Serials never wrap: exhaustion is an [`IdentityError`].
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::device::DeviceKey;
+use crate::error::IdentityError;
+
+/// Process-unique id of one identity issuer (one registry).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegistryId(NonZeroU64);
+
+impl RegistryId {
+    /// Draws the next process-unique registry id.
+    fn next() -> Result<RegistryId, IdentityError> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let serial = checked_reserve(&NEXT, 1, u64::MAX).ok_or(IdentityError::RegistriesExhausted)?;
+        Ok(RegistryId(serial))
+    }
+}
+
+impl fmt::Display for RegistryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "r{}", self.0)
+    }
+}
+
+/// Reserves `count` serials from `counter` (which holds the next free serial), never
+/// passing `limit`. Returns the first reserved serial.
+fn checked_reserve(counter: &AtomicU64, count: u64, limit: u64) -> Option<NonZeroU64> {
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+            let end = next.checked_add(count)?;
+            // `end - 1` is the last serial handed out; it may equal `limit`.
+            (end - 1 <= limit).then_some(end)
+        })
+        .ok()
+        .and_then(NonZeroU64::new)
+}
+
+/// The kinds of identity an issuer mints; each has its own counter.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IdentityKind {
+    /// [`ProviderContextIdentity`].
+    ProviderContext,
+    /// [`AuthorityIdentity`].
+    Authority,
+    /// [`MechanismIdentity`].
+    Mechanism,
+    /// [`BindingId`].
+    Binding,
+    /// [`BindingGeneration`].
+    BindingGeneration,
+    /// [`AllocationGeneration`].
+    AllocationGeneration,
+}
+
+impl IdentityKind {
+    const COUNT: usize = 6;
+
+    const fn slot(self) -> usize {
+        match self {
+            IdentityKind::ProviderContext => 0,
+            IdentityKind::Authority => 1,
+            IdentityKind::Mechanism => 2,
+            IdentityKind::Binding => 3,
+            IdentityKind::BindingGeneration => 4,
+            IdentityKind::AllocationGeneration => 5,
+        }
+    }
+
+    /// Lower-case name used in messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            IdentityKind::ProviderContext => "provider context",
+            IdentityKind::Authority => "authority",
+            IdentityKind::Mechanism => "mechanism",
+            IdentityKind::Binding => "binding",
+            IdentityKind::BindingGeneration => "binding generation",
+            IdentityKind::AllocationGeneration => "allocation generation",
+        }
+    }
+}
+
+impl fmt::Display for IdentityKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Behaviour shared by every registry-issued identity.
+///
+/// Sealed: only the identity types of this module implement it.
+pub trait Identity: Copy + Eq + std::hash::Hash + fmt::Debug + fmt::Display + sealed::Sealed {
+    /// Which kind of identity this is.
+    const KIND: IdentityKind;
+
+    /// The registry that issued this identity.
+    fn registry(&self) -> RegistryId;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! identity_type {
+    ($(#[$doc:meta])* $name:ident, $kind:ident, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name {
+            registry: RegistryId,
+            serial: NonZeroU64,
+        }
+
+        impl sealed::Sealed for $name {}
+
+        impl Identity for $name {
+            const KIND: IdentityKind = IdentityKind::$kind;
+
+            fn registry(&self) -> RegistryId {
+                self.registry
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}.{}"), self.registry, self.serial)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(self, f)
+            }
+        }
+    };
+}
+
+identity_type!(
+    /// A registered provider context (a CUDA context owner, a host arena owner).
+    ProviderContextIdentity, ProviderContext, "ctx:"
+);
+identity_type!(
+    /// A registered authority (a tenant account, a quota owner).
+    AuthorityIdentity, Authority, "auth:"
+);
+identity_type!(
+    /// A registered allocation mechanism: one allocator under one context and authority.
+    MechanismIdentity, Mechanism, "mech:"
+);
+identity_type!(
+    /// One binding of a mechanism, handed to a caller.
+    BindingId, Binding, "bind:"
+);
+identity_type!(
+    /// The generation of a binding; a rebind gets a new one.
+    BindingGeneration, BindingGeneration, "bgen:"
+);
+identity_type!(
+    /// The generation of one allocation. Never derived from an address: an address
+    /// the allocator reuses gets a new generation, so stale metadata never validates.
+    AllocationGeneration, AllocationGeneration, "agen:"
+);
+
+// Identities travel in every handle; keep them two words.
+const _: () = assert!(std::mem::size_of::<MechanismIdentity>() == 16);
+const _: () = assert!(std::mem::size_of::<Option<MechanismIdentity>>() == 16);
+
+/// Mints identities for one registry.
+///
+/// Each issuer has its own process-unique [`RegistryId`] and one checked counter per
+/// [`IdentityKind`]. The registry crate holds one; nothing else should need to.
+#[derive(Debug)]
+pub struct IdentityIssuer {
+    registry: RegistryId,
+    limit: u64,
+    counters: [AtomicU64; IdentityKind::COUNT],
+}
+
+impl IdentityIssuer {
+    /// A new issuer with a fresh registry id and the full serial space.
+    ///
+    /// # Errors
+    /// [`IdentityError::RegistriesExhausted`] once 2^64 - 1 issuers were created.
+    pub fn new() -> Result<IdentityIssuer, IdentityError> {
+        IdentityIssuer::with_serial_limit(u64::MAX)
+    }
+
+    /// A new issuer whose serials stop at `limit` (inclusive), so exhaustion can be
+    /// exercised in tests and capped in deployments.
+    ///
+    /// # Errors
+    /// [`IdentityError::RegistriesExhausted`] once 2^64 - 1 issuers were created.
+    pub fn with_serial_limit(limit: u64) -> Result<IdentityIssuer, IdentityError> {
+        Ok(IdentityIssuer {
+            registry: RegistryId::next()?,
+            limit,
+            counters: std::array::from_fn(|_| AtomicU64::new(1)),
+        })
+    }
+
+    /// The id every identity from this issuer carries.
+    pub fn registry(&self) -> RegistryId {
+        self.registry
+    }
+
+    /// Whether `identity` was issued by this issuer's registry.
+    pub fn issued<I: Identity>(&self, identity: &I) -> bool {
+        identity.registry() == self.registry
+    }
+
+    fn reserve(&self, kind: IdentityKind, count: u64) -> Result<NonZeroU64, IdentityError> {
+        checked_reserve(&self.counters[kind.slot()], count, self.limit).ok_or(IdentityError::Exhausted {
+            kind,
+            registry: self.registry,
+            limit: self.limit,
+            requested: count,
+        })
+    }
+
+    /// Mints a provider-context identity.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    pub fn provider_context(&self) -> Result<ProviderContextIdentity, IdentityError> {
+        let serial = self.reserve(IdentityKind::ProviderContext, 1)?;
+        Ok(ProviderContextIdentity { registry: self.registry, serial })
+    }
+
+    /// Mints an authority identity.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    pub fn authority(&self) -> Result<AuthorityIdentity, IdentityError> {
+        let serial = self.reserve(IdentityKind::Authority, 1)?;
+        Ok(AuthorityIdentity { registry: self.registry, serial })
+    }
+
+    /// Mints a mechanism identity.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    pub fn mechanism(&self) -> Result<MechanismIdentity, IdentityError> {
+        let serial = self.reserve(IdentityKind::Mechanism, 1)?;
+        Ok(MechanismIdentity { registry: self.registry, serial })
+    }
+
+    /// Mints a binding id.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    pub fn binding(&self) -> Result<BindingId, IdentityError> {
+        let serial = self.reserve(IdentityKind::Binding, 1)?;
+        Ok(BindingId { registry: self.registry, serial })
+    }
+
+    /// Mints a binding generation.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    pub fn binding_generation(&self) -> Result<BindingGeneration, IdentityError> {
+        let serial = self.reserve(IdentityKind::BindingGeneration, 1)?;
+        Ok(BindingGeneration { registry: self.registry, serial })
+    }
+
+    /// Mints one allocation generation.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    pub fn allocation_generation(&self) -> Result<AllocationGeneration, IdentityError> {
+        let serial = self.reserve(IdentityKind::AllocationGeneration, 1)?;
+        Ok(AllocationGeneration { registry: self.registry, serial })
+    }
+
+    /// Reserves a block of `count` allocation generations in one counter update, so a
+    /// thread can mint generations without touching the shared counter each time.
+    /// Generations from a block are unique and never reused, but not ordered across
+    /// blocks.
+    ///
+    /// # Errors
+    /// [`IdentityError::Exhausted`] when fewer than `count` serials remain; nothing is
+    /// reserved then.
+    pub fn allocation_generation_block(&self, count: u64) -> Result<AllocationGenerationBlock, IdentityError> {
+        let first = self.reserve(IdentityKind::AllocationGeneration, count.max(1))?;
+        Ok(AllocationGenerationBlock { registry: self.registry, next: first.get(), end: first.get() + count.max(1) })
+    }
+}
+
+/// A thread-local run of allocation generations reserved from an [`IdentityIssuer`].
+#[derive(Debug)]
+pub struct AllocationGenerationBlock {
+    registry: RegistryId,
+    next: u64,
+    end: u64,
+}
+
+impl AllocationGenerationBlock {
+    /// The next unused generation of this block, or `None` once it is spent.
+    // Not `Iterator`: a block is a reservation, and `next` returning `None` means
+    // "reserve another", not "the sequence ended".
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Option<AllocationGeneration> {
+        if self.next >= self.end {
+            return None;
+        }
+        let serial = NonZeroU64::new(self.next)?;
+        self.next += 1;
+        Some(AllocationGeneration { registry: self.registry, serial })
+    }
+
+    /// Generations left in this block.
+    pub fn remaining(&self) -> u64 {
+        self.end - self.next
+    }
+}
+
+/// Everything that identifies one binding: which binding, which generation of it, and
+/// the device, mechanism, provider context and authority it is pinned to.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BindingIdentity {
+    binding: BindingId,
+    generation: BindingGeneration,
+    device: DeviceKey,
+    mechanism: MechanismIdentity,
+    context: ProviderContextIdentity,
+    authority: AuthorityIdentity,
+}
+
+impl BindingIdentity {
+    /// Assembles a binding identity from issued parts (the registry does this).
+    pub fn new(
+        binding: BindingId,
+        generation: BindingGeneration,
+        device: DeviceKey,
+        mechanism: MechanismIdentity,
+        context: ProviderContextIdentity,
+        authority: AuthorityIdentity,
+    ) -> BindingIdentity {
+        BindingIdentity { binding, generation, device, mechanism, context, authority }
+    }
+
+    /// The binding id.
+    pub fn binding(&self) -> BindingId {
+        self.binding
+    }
+
+    /// The binding generation.
+    pub fn generation(&self) -> BindingGeneration {
+        self.generation
+    }
+
+    /// The device the binding allocates on.
+    pub fn device(&self) -> DeviceKey {
+        self.device
+    }
+
+    /// The mechanism the binding is pinned to.
+    pub fn mechanism(&self) -> MechanismIdentity {
+        self.mechanism
+    }
+
+    /// The provider context the binding is pinned to.
+    pub fn context(&self) -> ProviderContextIdentity {
+        self.context
+    }
+
+    /// The authority the binding is pinned to.
+    pub fn authority(&self) -> AuthorityIdentity {
+        self.authority
+    }
+
+    /// The registry that issued the binding.
+    pub fn registry(&self) -> RegistryId {
+        self.binding.registry()
+    }
+}
+
+impl fmt::Display for BindingIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{} on {} via {} ({}, {})",
+            self.binding, self.generation, self.device, self.mechanism, self.context, self.authority
+        )
+    }
+}
+
+/// A binding identity plus the generation of one allocation made through it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct AllocationIdentity {
+    binding: BindingIdentity,
+    generation: AllocationGeneration,
+}
+
+impl AllocationIdentity {
+    /// Assembles an allocation identity (the registry does this).
+    pub fn new(binding: BindingIdentity, generation: AllocationGeneration) -> AllocationIdentity {
+        AllocationIdentity { binding, generation }
+    }
+
+    /// The binding the allocation was made through.
+    pub fn binding(&self) -> &BindingIdentity {
+        &self.binding
+    }
+
+    /// The allocation generation.
+    pub fn generation(&self) -> AllocationGeneration {
+        self.generation
+    }
+
+    /// The device the allocation lives on.
+    pub fn device(&self) -> DeviceKey {
+        self.binding.device
+    }
+}
+
+impl fmt::Display for AllocationIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} of {}", self.generation, self.binding)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn identities_from_one_issuer_are_distinct_and_recognised() {
+        let issuer = IdentityIssuer::new().unwrap();
+        let a = issuer.mechanism().unwrap();
+        let b = issuer.mechanism().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a, a);
+        assert!(issuer.issued(&a));
+        assert_eq!(a.registry(), issuer.registry());
+    }
+
+    #[test]
+    fn identities_hash_by_value() {
+        let issuer = IdentityIssuer::new().unwrap();
+        let ids: Vec<_> = (0..100).map(|_| issuer.allocation_generation().unwrap()).collect();
+        let set: HashSet<_> = ids.iter().copied().collect();
+        assert_eq!(set.len(), ids.len());
+        for id in &ids {
+            assert!(set.contains(id));
+        }
+    }
+
+    #[test]
+    fn identities_from_another_issuer_are_foreign() {
+        let ours = IdentityIssuer::new().unwrap();
+        let theirs = IdentityIssuer::new().unwrap();
+        assert_ne!(ours.registry(), theirs.registry());
+        let foreign = theirs.authority().unwrap();
+        let own = ours.authority().unwrap();
+        // Same serial (both issuers' first authority), different registries.
+        assert_ne!(foreign, own);
+        assert!(!ours.issued(&foreign));
+        assert!(theirs.issued(&foreign));
+    }
+
+    #[test]
+    fn serial_exhaustion_is_an_error_not_a_wrap() {
+        let issuer = IdentityIssuer::with_serial_limit(2).unwrap();
+        let first = issuer.binding().unwrap();
+        let second = issuer.binding().unwrap();
+        assert_ne!(first, second);
+        let err = issuer.binding().unwrap_err();
+        assert!(matches!(err, IdentityError::Exhausted { kind: IdentityKind::Binding, limit: 2, .. }));
+        // Still exhausted: the failed reservation did not move the counter back or around.
+        assert!(issuer.binding().is_err());
+        // Other kinds have their own counters.
+        assert!(issuer.mechanism().is_ok());
+    }
+
+    #[test]
+    fn generation_blocks_are_disjoint_and_checked() {
+        let issuer = IdentityIssuer::with_serial_limit(10).unwrap();
+        let mut a = issuer.allocation_generation_block(4).unwrap();
+        let mut b = issuer.allocation_generation_block(4).unwrap();
+        let mut seen = HashSet::new();
+        while let Some(g) = a.next() {
+            assert!(seen.insert(g));
+        }
+        while let Some(g) = b.next() {
+            assert!(seen.insert(g));
+        }
+        assert_eq!(seen.len(), 8);
+        // Only two serials remain; a block of four is refused and reserves nothing.
+        assert!(issuer.allocation_generation_block(4).is_err());
+        assert_eq!(issuer.allocation_generation_block(2).unwrap().remaining(), 2);
+    }
+
+    #[test]
+    fn counter_at_u64_max_does_not_wrap() {
+        let counter = AtomicU64::new(u64::MAX);
+        assert_eq!(checked_reserve(&counter, 1, u64::MAX).map(NonZeroU64::get), None);
+        assert_eq!(counter.load(Ordering::Relaxed), u64::MAX);
+        let counter = AtomicU64::new(u64::MAX - 1);
+        assert_eq!(checked_reserve(&counter, 1, u64::MAX).map(NonZeroU64::get), Some(u64::MAX - 1));
+    }
+
+    #[test]
+    fn composite_identities_compare_every_part() {
+        let issuer = IdentityIssuer::new().unwrap();
+        let make = |device| {
+            BindingIdentity::new(
+                issuer.binding().unwrap(),
+                issuer.binding_generation().unwrap(),
+                device,
+                issuer.mechanism().unwrap(),
+                issuer.provider_context().unwrap(),
+                issuer.authority().unwrap(),
+            )
+        };
+        let a = make(DeviceKey::device(0));
+        let b = make(DeviceKey::device(0));
+        assert_ne!(a, b);
+        let alloc = AllocationIdentity::new(a, issuer.allocation_generation().unwrap());
+        assert_eq!(alloc.binding(), &a);
+        assert_eq!(alloc.device(), DeviceKey::device(0));
+        assert_eq!(a.registry(), issuer.registry());
+        assert!(a.to_string().contains("device:0"));
+    }
+}

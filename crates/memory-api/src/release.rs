@@ -1,0 +1,254 @@
+//! Release outcomes, honest by construction.
+//!
+//! An allocator's release answers one of three things:
+//!
+//! | outcome       | what happened                                  | ownership afterwards          |
+//! |---------------|------------------------------------------------|-------------------------------|
+//! | `Complete`    | everything was released                        | none (zero unmapped is fine)  |
+//! | `Quarantined` | something was mutated, something is still held | the block, handed back        |
+//! | `Failed`      | nothing was mutated                            | the block, handed back intact |
+//!
+//! The payload types have private fields, so the only way to build an outcome is
+//! through the constructors here, which enforce the rules: a quarantine cannot claim
+//! to have unmapped or still own more than the block (a claim that does is recorded as
+//! [`ReleaseError::DishonestOutcome`] and the whole block is treated as owned).
+
+use std::fmt;
+
+use crate::allocator::RawAllocation;
+use crate::error::ReleaseError;
+
+/// What a release did. See the [module docs](self) for the rules.
+#[must_use = "a release outcome says whether memory is still owned"]
+#[derive(Debug)]
+pub enum ReleaseOutcome {
+    /// Everything was released.
+    Complete(Completion),
+    /// Part of the teardown happened; the rest is still owned.
+    Quarantined(Quarantine),
+    /// Nothing was mutated; the block is handed back unchanged.
+    Failed(FailedRelease),
+}
+
+/// Payload of [`ReleaseOutcome::Complete`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    unmapped_bytes: usize,
+}
+
+impl Completion {
+    /// Bytes of physical memory the release unmapped or freed (zero is a valid answer,
+    /// for a reservation that had nothing committed or a zero-size block).
+    pub fn unmapped_bytes(&self) -> usize {
+        self.unmapped_bytes
+    }
+}
+
+/// Payload of [`ReleaseOutcome::Quarantined`].
+#[derive(Debug)]
+pub struct Quarantine {
+    allocation: RawAllocation,
+    unmapped_bytes: usize,
+    residual_bytes: usize,
+    error: ReleaseError,
+}
+
+impl Quarantine {
+    /// The block, still (partly) owned; release it again to retry.
+    pub fn allocation(&self) -> &RawAllocation {
+        &self.allocation
+    }
+
+    /// Bytes that really were unmapped before the failure.
+    pub fn unmapped_bytes(&self) -> usize {
+        self.unmapped_bytes
+    }
+
+    /// Bytes still owned.
+    pub fn residual_bytes(&self) -> usize {
+        self.residual_bytes
+    }
+
+    /// Why the release stopped.
+    pub fn error(&self) -> &ReleaseError {
+        &self.error
+    }
+
+    /// Whether the allocator's own claim broke the rules and was replaced by the
+    /// conservative "everything still owned".
+    pub fn was_corrected(&self) -> bool {
+        matches!(self.error, ReleaseError::DishonestOutcome { .. })
+    }
+
+    /// Splits the quarantine into the block (to retry the release) and its error.
+    pub fn into_parts(self) -> (RawAllocation, ReleaseError) {
+        (self.allocation, self.error)
+    }
+}
+
+/// Payload of [`ReleaseOutcome::Failed`].
+#[derive(Debug)]
+pub struct FailedRelease {
+    allocation: RawAllocation,
+    error: ReleaseError,
+}
+
+impl FailedRelease {
+    /// The block, untouched.
+    pub fn allocation(&self) -> &RawAllocation {
+        &self.allocation
+    }
+
+    /// Why nothing was released.
+    pub fn error(&self) -> &ReleaseError {
+        &self.error
+    }
+
+    /// Splits into the block and the error.
+    pub fn into_parts(self) -> (RawAllocation, ReleaseError) {
+        (self.allocation, self.error)
+    }
+}
+
+impl ReleaseOutcome {
+    /// Everything was released; `unmapped_bytes` of physical memory went back.
+    pub fn complete(unmapped_bytes: usize) -> ReleaseOutcome {
+        ReleaseOutcome::Complete(Completion { unmapped_bytes })
+    }
+
+    /// Something was mutated but `residual_bytes` of `allocation` are still owned.
+    ///
+    /// If `unmapped_bytes + residual_bytes` exceeds the block's size the claim is
+    /// dishonest: the outcome records [`ReleaseError::DishonestOutcome`] and treats
+    /// the whole block as still owned with nothing unmapped.
+    pub fn quarantined(
+        allocation: RawAllocation,
+        unmapped_bytes: usize,
+        residual_bytes: usize,
+        error: ReleaseError,
+    ) -> ReleaseOutcome {
+        let bytes = allocation.bytes();
+        let honest = unmapped_bytes.checked_add(residual_bytes).is_some_and(|sum| sum <= bytes);
+        if honest {
+            return ReleaseOutcome::Quarantined(Quarantine { allocation, unmapped_bytes, residual_bytes, error });
+        }
+        ReleaseOutcome::Quarantined(Quarantine {
+            allocation,
+            unmapped_bytes: 0,
+            residual_bytes: bytes,
+            error: ReleaseError::DishonestOutcome {
+                claimed_unmapped: unmapped_bytes,
+                claimed_residual: residual_bytes,
+                allocation_bytes: bytes,
+            },
+        })
+    }
+
+    /// Nothing was mutated; hands `allocation` back unchanged.
+    pub fn failed(allocation: RawAllocation, error: ReleaseError) -> ReleaseOutcome {
+        ReleaseOutcome::Failed(FailedRelease { allocation, error })
+    }
+
+    /// Whether nothing remains owned.
+    pub fn is_complete(&self) -> bool {
+        matches!(self, ReleaseOutcome::Complete(_))
+    }
+
+    /// A `Copy` summary for logs, queues and stats.
+    pub fn summary(&self) -> ReleaseSummary {
+        match self {
+            ReleaseOutcome::Complete(c) => ReleaseSummary::Complete { unmapped_bytes: c.unmapped_bytes },
+            ReleaseOutcome::Quarantined(q) => {
+                ReleaseSummary::Quarantined { unmapped_bytes: q.unmapped_bytes, residual_bytes: q.residual_bytes }
+            }
+            ReleaseOutcome::Failed(f) => ReleaseSummary::Failed { bytes: f.allocation.bytes() },
+        }
+    }
+}
+
+/// The sizes of a [`ReleaseOutcome`], without the block it may carry.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseSummary {
+    /// Released; this many bytes unmapped.
+    Complete {
+        /// Bytes unmapped.
+        unmapped_bytes: usize,
+    },
+    /// Partly released.
+    Quarantined {
+        /// Bytes unmapped.
+        unmapped_bytes: usize,
+        /// Bytes still owned.
+        residual_bytes: usize,
+    },
+    /// Nothing released.
+    Failed {
+        /// Size of the untouched block.
+        bytes: usize,
+    },
+}
+
+impl fmt::Display for ReleaseSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReleaseSummary::Complete { unmapped_bytes } => write!(f, "complete ({unmapped_bytes} bytes unmapped)"),
+            ReleaseSummary::Quarantined { unmapped_bytes, residual_bytes } => {
+                write!(f, "quarantined ({unmapped_bytes} bytes unmapped, {residual_bytes} still owned)")
+            }
+            ReleaseSummary::Failed { bytes } => write!(f, "failed (all {bytes} bytes still owned)"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DeviceAddress, DeviceKey};
+
+    fn block(bytes: usize) -> RawAllocation {
+        RawAllocation::new(DeviceAddress::new(0x1000).unwrap(), bytes, 8, DeviceKey::HOST, 0)
+    }
+
+    #[test]
+    fn complete_with_zero_unmapped_is_valid() {
+        let outcome = ReleaseOutcome::complete(0);
+        assert!(outcome.is_complete());
+        assert_eq!(outcome.summary(), ReleaseSummary::Complete { unmapped_bytes: 0 });
+    }
+
+    #[test]
+    fn honest_quarantine_keeps_the_claimed_bytes() {
+        let outcome = ReleaseOutcome::quarantined(block(8192), 4096, 4096, ReleaseError::Abandoned);
+        let ReleaseOutcome::Quarantined(q) = outcome else { panic!("expected quarantine") };
+        assert_eq!((q.unmapped_bytes(), q.residual_bytes()), (4096, 4096));
+        assert!(!q.was_corrected());
+        assert_eq!(q.allocation().bytes(), 8192);
+    }
+
+    #[test]
+    fn residual_larger_than_the_block_is_corrected_to_all_owned() {
+        let outcome = ReleaseOutcome::quarantined(block(4096), 0, 8192, ReleaseError::Abandoned);
+        let ReleaseOutcome::Quarantined(q) = outcome else { panic!("expected quarantine") };
+        assert!(q.was_corrected());
+        assert_eq!((q.unmapped_bytes(), q.residual_bytes()), (0, 4096));
+        assert!(q.error().to_string().contains("8192 still owned"), "{}", q.error());
+    }
+
+    #[test]
+    fn overflowing_claims_are_corrected() {
+        let outcome = ReleaseOutcome::quarantined(block(16), usize::MAX, 1, ReleaseError::Abandoned);
+        let ReleaseOutcome::Quarantined(q) = outcome else { panic!("expected quarantine") };
+        assert!(q.was_corrected());
+        assert_eq!(q.residual_bytes(), 16);
+    }
+
+    #[test]
+    fn failed_release_hands_the_block_back_unchanged() {
+        let original = block(64);
+        let outcome = ReleaseOutcome::failed(block(64), ReleaseError::Abandoned);
+        assert_eq!(outcome.summary(), ReleaseSummary::Failed { bytes: 64 });
+        let ReleaseOutcome::Failed(f) = outcome else { panic!("expected failure") };
+        let (returned, _) = f.into_parts();
+        assert!(returned.same_block(&original));
+    }
+}

@@ -1,0 +1,1 @@
+//! memory-binding: filled by later issues.

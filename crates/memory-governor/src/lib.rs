@@ -1,0 +1,1 @@
+//! memory-governor: filled by later issues.

@@ -1,0 +1,1 @@
+//! memory-testkit: filled by later issues.
