@@ -106,10 +106,21 @@ pub trait Identity: Copy + Eq + std::hash::Hash + fmt::Debug + fmt::Display + se
 
     /// The registry that issued this identity.
     fn registry(&self) -> RegistryId;
+
+    /// The serial inside the issuing registry. A number out, never a number in:
+    /// compact handles store it and rebuild the identity with
+    /// [`IdentityIssuer::recognise`], which accepts only serials it already issued.
+    fn serial(&self) -> NonZeroU64;
 }
 
 mod sealed {
-    pub trait Sealed {}
+    use super::{NonZeroU64, RegistryId};
+
+    pub trait Sealed {
+        /// Builds the identity; callable only inside this module, since the trait
+        /// cannot be named outside it.
+        fn from_parts(registry: RegistryId, serial: NonZeroU64) -> Self;
+    }
 }
 
 macro_rules! identity_type {
@@ -121,13 +132,21 @@ macro_rules! identity_type {
             serial: NonZeroU64,
         }
 
-        impl sealed::Sealed for $name {}
+        impl sealed::Sealed for $name {
+            fn from_parts(registry: RegistryId, serial: NonZeroU64) -> Self {
+                $name { registry, serial }
+            }
+        }
 
         impl Identity for $name {
             const KIND: IdentityKind = IdentityKind::$kind;
 
             fn registry(&self) -> RegistryId {
                 self.registry
+            }
+
+            fn serial(&self) -> NonZeroU64 {
+                self.serial
             }
         }
 
@@ -281,43 +300,61 @@ impl IdentityIssuer {
         Ok(AllocationGeneration { registry: self.registry, serial })
     }
 
-    /// Reserves a block of `count` allocation generations in one counter update, so a
-    /// thread can mint generations without touching the shared counter each time.
-    /// Generations from a block are unique and never reused, but not ordered across
-    /// blocks.
+    /// Reserves a block of `count` identities of kind `I` in one counter update, so a
+    /// thread can mint them without touching the shared counter each time. Identities
+    /// from a block are unique and never reused, but not ordered across blocks.
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when fewer than `count` serials remain; nothing is
     /// reserved then.
-    pub fn allocation_generation_block(&self, count: u64) -> Result<AllocationGenerationBlock, IdentityError> {
-        let first = self.reserve(IdentityKind::AllocationGeneration, count.max(1))?;
-        Ok(AllocationGenerationBlock { registry: self.registry, next: first.get(), end: first.get() + count.max(1) })
+    pub fn block<I: Identity>(&self, count: u64) -> Result<IdentityBlock<I>, IdentityError> {
+        let count = count.max(1);
+        let first = self.reserve(I::KIND, count)?;
+        Ok(IdentityBlock {
+            registry: self.registry,
+            next: first.get(),
+            end: first.get() + count,
+            kind: std::marker::PhantomData,
+        })
+    }
+
+    /// Rebuilds an identity of kind `I` from a serial this issuer already issued
+    /// (compact handles store serials). Returns `None` for a serial not issued yet,
+    /// so no caller can mint identities ahead of the counter.
+    pub fn recognise<I: Identity>(&self, serial: NonZeroU64) -> Option<I> {
+        let next = self.counters[I::KIND.slot()].load(Ordering::Relaxed);
+        (serial.get() < next).then(|| I::from_parts(self.registry, serial))
     }
 }
 
-/// A thread-local run of allocation generations reserved from an [`IdentityIssuer`].
+/// A run of identities reserved from an [`IdentityIssuer`] for one thread.
 #[derive(Debug)]
-pub struct AllocationGenerationBlock {
+pub struct IdentityBlock<I> {
     registry: RegistryId,
     next: u64,
     end: u64,
+    kind: std::marker::PhantomData<fn() -> I>,
 }
 
-impl AllocationGenerationBlock {
-    /// The next unused generation of this block, or `None` once it is spent.
-    // Not `Iterator`: a block is a reservation, and `next` returning `None` means
-    // "reserve another", not "the sequence ended".
+impl<I: Identity> IdentityBlock<I> {
+    /// An empty block (the first `next` asks for a refill).
+    pub fn empty(registry: RegistryId) -> IdentityBlock<I> {
+        IdentityBlock { registry, next: 1, end: 1, kind: std::marker::PhantomData }
+    }
+
+    /// The next unused identity of this block, or `None` once it is spent.
+    // Not `Iterator`: `None` means "reserve another block", not "the sequence ended".
     #[allow(clippy::should_implement_trait)]
-    pub fn next(&mut self) -> Option<AllocationGeneration> {
+    pub fn next(&mut self) -> Option<I> {
         if self.next >= self.end {
             return None;
         }
         let serial = NonZeroU64::new(self.next)?;
         self.next += 1;
-        Some(AllocationGeneration { registry: self.registry, serial })
+        Some(I::from_parts(self.registry, serial))
     }
 
-    /// Generations left in this block.
+    /// Identities left in this block.
     pub fn remaining(&self) -> u64 {
         self.end - self.next
     }
@@ -486,8 +523,8 @@ mod tests {
     #[test]
     fn generation_blocks_are_disjoint_and_checked() {
         let issuer = IdentityIssuer::with_serial_limit(10).unwrap();
-        let mut a = issuer.allocation_generation_block(4).unwrap();
-        let mut b = issuer.allocation_generation_block(4).unwrap();
+        let mut a = issuer.block::<AllocationGeneration>(4).unwrap();
+        let mut b = issuer.block::<AllocationGeneration>(4).unwrap();
         let mut seen = HashSet::new();
         while let Some(g) = a.next() {
             assert!(seen.insert(g));
@@ -497,8 +534,24 @@ mod tests {
         }
         assert_eq!(seen.len(), 8);
         // Only two serials remain; a block of four is refused and reserves nothing.
-        assert!(issuer.allocation_generation_block(4).is_err());
-        assert_eq!(issuer.allocation_generation_block(2).unwrap().remaining(), 2);
+        assert!(issuer.block::<AllocationGeneration>(4).is_err());
+        assert_eq!(issuer.block::<AllocationGeneration>(2).unwrap().remaining(), 2);
+    }
+
+    #[test]
+    fn recognise_accepts_only_issued_serials_of_its_own_registry() {
+        let issuer = IdentityIssuer::new().unwrap();
+        let other = IdentityIssuer::new().unwrap();
+        let id = issuer.binding().unwrap();
+        let rebuilt: BindingId = issuer.recognise(id.serial()).unwrap();
+        assert_eq!(rebuilt, id);
+        // A serial not issued yet cannot be minted through `recognise`.
+        let ahead = NonZeroU64::new(id.serial().get() + 1).unwrap();
+        assert!(issuer.recognise::<BindingId>(ahead).is_none());
+        // The same serial in another registry is a different identity.
+        let _ = other.binding().unwrap();
+        let theirs: BindingId = other.recognise(id.serial()).unwrap();
+        assert_ne!(theirs, id);
     }
 
     #[test]

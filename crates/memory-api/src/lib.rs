@@ -80,9 +80,8 @@ pub use capability::{
 pub use device::{DeviceKey, MemoryRole, Tier};
 pub use error::{AllocError, BackendError, CapabilityError, IdentityError, LayoutError, MaybeBytes, ReleaseError};
 pub use identity::{
-    AllocationGeneration, AllocationGenerationBlock, AllocationIdentity, AuthorityIdentity, BindingGeneration,
-    BindingId, BindingIdentity, Identity, IdentityIssuer, IdentityKind, MechanismIdentity, ProviderContextIdentity,
-    RegistryId,
+    AllocationGeneration, AllocationIdentity, AuthorityIdentity, BindingGeneration, BindingId, BindingIdentity,
+    Identity, IdentityBlock, IdentityIssuer, IdentityKind, MechanismIdentity, ProviderContextIdentity, RegistryId,
 };
 pub use queue::{DeferredReleaseQueue, PreparedRelease, QueueRefusal, QueueRefusalReason, ReleaseCompletion};
 pub use release::{Completion, FailedRelease, Quarantine, ReleaseOutcome, ReleaseSummary};

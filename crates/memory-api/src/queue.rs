@@ -69,6 +69,21 @@ impl PreparedRelease {
     }
 }
 
+impl PreparedRelease {
+    /// Withdraws the release without running it: the completion is dropped uncalled
+    /// and the block comes back (the owner re-records it, for example after a queue
+    /// refused the release).
+    pub fn cancel(mut self) -> RawAllocation {
+        self.completion = None;
+        match self.allocation.take() {
+            Some(allocation) => allocation,
+            // Unreachable: the block is taken only by `execute`, `cancel` and `drop`,
+            // each of which consumes `self`.
+            None => unreachable!("a prepared release always holds its block until consumed"),
+        }
+    }
+}
+
 impl Drop for PreparedRelease {
     fn drop(&mut self) {
         if let (Some(allocation), Some(completion)) = (self.allocation.take(), self.completion.take()) {
