@@ -1,0 +1,427 @@
+//! Steps and the runner that executes a list of them.
+//!
+//! A task (`test`, `loom`, `bench`) is a `Vec<Step>`: a name, a command and a
+//! [`Check`] that turns the command's exit status and output into a verdict. The runner
+//! prints each step's name and command before running it, times it, stops at the first
+//! failure with a message that names the step and why it failed, and ends with one
+//! summary line. New steps (loom, stress) are new entries in a list, nothing more.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io::{self, BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::libtest::{parse_device_count, parse_test_results};
+
+/// A command line: program, arguments and extra environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Cmd {
+    program: OsString,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl Cmd {
+    /// `cargo <args>`, using the cargo that runs xtask (`$CARGO`) when there is one.
+    pub(crate) fn cargo<I, S>(args: I) -> Cmd
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let program = std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"));
+        Cmd { program, args: args.into_iter().map(Into::into).collect(), env: Vec::new() }
+    }
+
+    /// The same command with `key=value` in its environment.
+    #[must_use]
+    pub(crate) fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Cmd {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// The arguments (for tests).
+    #[cfg(test)]
+    pub(crate) fn arg_list(&self) -> &[String] {
+        &self.args
+    }
+
+    /// The value this command sets for `key`, if any (for tests).
+    #[cfg(test)]
+    pub(crate) fn env_value(&self, key: &str) -> Option<&str> {
+        self.env.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
+    /// Runs the command from `root` with inherited stdio and waits for it.
+    ///
+    /// # Errors
+    /// When the program cannot be started.
+    pub(crate) fn status(&self, root: &Path) -> io::Result<ExitStatus> {
+        self.command(root).status()
+    }
+
+    fn command(&self, root: &Path) -> Command {
+        let mut command = Command::new(&self.program);
+        command.args(&self.args).current_dir(root);
+        command.envs(self.env.iter().map(|(k, v)| (k, v)));
+        command
+    }
+}
+
+/// Shell-like rendering (`RUSTDOCFLAGS="-D warnings" cargo doc ...`), printed before a
+/// step runs so that any step can be re-run by hand.
+impl fmt::Display for Cmd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (key, value) in &self.env {
+            write!(f, "{key}={} ", quote(value))?;
+        }
+        // Print plain `cargo` even when `$CARGO` is a full path: that is what a reader types.
+        let program = Path::new(&self.program)
+            .file_stem()
+            .map_or_else(|| self.program.to_string_lossy().into_owned(), |stem| stem.to_string_lossy().into_owned());
+        f.write_str(&program)?;
+        for arg in &self.args {
+            write!(f, " {}", quote(arg))?;
+        }
+        Ok(())
+    }
+}
+
+fn quote(word: &str) -> String {
+    if !word.is_empty() && word.chars().all(|c| c.is_ascii_alphanumeric() || "-_=./:,@+".contains(c)) {
+        word.to_owned()
+    } else {
+        format!("\"{}\"", word.replace('\\', "\\\\").replace('"', "\\\""))
+    }
+}
+
+/// How a step's result is judged.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// The command exits successfully.
+    Success,
+    /// The CUDA probe: it exits successfully and prints `cuda devices: N` with N > 0.
+    CudaDevice,
+    /// GPU-gated tests: success, none failed, and at least one passed. A GPU run that
+    /// silently ran nothing is a failure.
+    GpuTests,
+    /// loom models: success and none failed. Zero models is a warning for now (the
+    /// models arrive with issue 7), never reported as "checked".
+    LoomModels,
+}
+
+impl Check {
+    /// Whether the runner must capture stdout to judge the step.
+    fn reads_output(self) -> bool {
+        !matches!(self, Check::Success)
+    }
+
+    /// The verdict on a finished command: `Ok(warning)` or `Err(reason)`.
+    pub(crate) fn judge(self, status: &ExitStatus, stdout: &str) -> Result<Option<String>, String> {
+        self.judge_parts(status.success(), &status.to_string(), stdout)
+    }
+
+    fn judge_parts(self, success: bool, status: &str, stdout: &str) -> Result<Option<String>, String> {
+        match self {
+            Check::Success if success => Ok(None),
+            Check::Success => Err(format!("the command exited with {status}")),
+            Check::CudaDevice => {
+                if !success {
+                    return Err(format!(
+                        "the CUDA probe exited with {status}: no usable CUDA driver (see its message above); \
+                         `cargo xtask test --gpu` needs a machine with an NVIDIA driver and a GPU, \
+                         use `cargo xtask test` elsewhere"
+                    ));
+                }
+                match parse_device_count(stdout) {
+                    Some(0) => Err("the CUDA driver reports 0 devices (cuda devices: 0); \
+                                    `cargo xtask test --gpu` needs at least one GPU"
+                        .to_owned()),
+                    Some(_) => Ok(None),
+                    None => {
+                        Err("the CUDA probe printed no `cuda devices: N` line; fix the cuda_probe example".to_owned())
+                    }
+                }
+            }
+            Check::GpuTests => {
+                let counts = parse_test_results(stdout);
+                if counts.failed > 0 {
+                    return Err(format!("{} GPU test(s) failed ({} passed)", counts.failed, counts.passed));
+                }
+                if !success {
+                    return Err(format!("cargo test exited with {status} before the GPU tests could report"));
+                }
+                if counts.passed == 0 {
+                    return Err(format!(
+                        "zero GPU tests ran ({} test binaries reported, {} tests filtered out): a GPU run that \
+                         runs nothing is a failure; GPU tests live in allocator-cuda, are #[ignore = \"gpu: ...\"] \
+                         and their names start with gpu_",
+                        counts.suites, counts.filtered_out
+                    ));
+                }
+                Ok(None)
+            }
+            Check::LoomModels => {
+                let counts = parse_test_results(stdout);
+                if counts.failed > 0 {
+                    return Err(format!("{} loom model(s) failed ({} passed)", counts.failed, counts.passed));
+                }
+                if !success {
+                    return Err(format!("cargo test exited with {status}"));
+                }
+                if counts.ran() == 0 {
+                    return Ok(Some(
+                        "no loom models ran: memory-binding and memory-governor have no tests whose names contain \
+                         `loom` yet, so nothing was model-checked"
+                            .to_owned(),
+                    ));
+                }
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// One named command with its check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Step {
+    /// Short name shown in progress and summary lines.
+    pub(crate) name: &'static str,
+    /// What to run.
+    pub(crate) cmd: Cmd,
+    /// How to judge it.
+    pub(crate) check: Check,
+}
+
+impl Step {
+    /// A step judged by its exit status alone.
+    pub(crate) fn new(name: &'static str, cmd: Cmd) -> Step {
+        Step { name, cmd, check: Check::Success }
+    }
+
+    /// The same step judged by `check`.
+    #[must_use]
+    pub(crate) fn check(self, check: Check) -> Step {
+        Step { check, ..self }
+    }
+}
+
+/// A task that did not pass.
+#[derive(Debug, thiserror::Error)]
+#[error("{task}: step {index}/{total} ({step}) failed: {reason}")]
+pub(crate) struct StepFailed {
+    /// The task (`xtask test`).
+    pub(crate) task: String,
+    /// The failed step's name.
+    pub(crate) step: &'static str,
+    /// Its 1-based position.
+    pub(crate) index: usize,
+    /// How many steps the task has.
+    pub(crate) total: usize,
+    /// Why it failed.
+    pub(crate) reason: String,
+}
+
+/// Runs `steps` in order from `root`, stopping at the first failure.
+///
+/// # Errors
+/// [`StepFailed`] naming the first step that did not pass.
+pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), StepFailed> {
+    let total = steps.len();
+    let started = Instant::now();
+    let mut done: Vec<(&'static str, Duration, Option<String>)> = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        let index = i + 1;
+        println!("\n{task}: [{index}/{total}] {}\n$ {}", step.name, step.cmd);
+        flush();
+        let step_started = Instant::now();
+        let verdict = execute(step, root);
+        let elapsed = step_started.elapsed();
+        match verdict {
+            Ok(warning) => {
+                println!("{task}: [{index}/{total}] {} ok in {}", step.name, secs(elapsed));
+                if let Some(warning) = &warning {
+                    println!("{task}: warning: {warning}");
+                }
+                done.push((step.name, elapsed, warning));
+            }
+            Err(reason) => {
+                print_table(task, &done);
+                let failure = StepFailed { task: task.to_owned(), step: step.name, index, total, reason };
+                println!("{task}: [{index}/{total}] {} FAILED after {}: {}", step.name, secs(elapsed), failure.reason);
+                println!(
+                    "{task}: FAILED at step {index}/{total} ({}); {}/{total} steps passed in {}",
+                    step.name,
+                    done.len(),
+                    secs(started.elapsed())
+                );
+                flush();
+                return Err(failure);
+            }
+        }
+    }
+    print_table(task, &done);
+    let warnings = done.iter().filter(|(_, _, warning)| warning.is_some()).count();
+    let note = match warnings {
+        0 => String::new(),
+        1 => " (1 warning, see above)".to_owned(),
+        n => format!(" ({n} warnings, see above)"),
+    };
+    println!("{task}: {}/{total} steps passed in {}{note}", done.len(), secs(started.elapsed()));
+    flush();
+    Ok(())
+}
+
+/// Runs one step's command and judges it.
+fn execute(step: &Step, root: &Path) -> Result<Option<String>, String> {
+    if !step.check.reads_output() {
+        let status = step.cmd.status(root).map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
+        return step.check.judge(&status, "");
+    }
+    // Echo stdout line by line while keeping it for the check; stderr (cargo's
+    // progress and errors) goes straight through.
+    let mut child = step
+        .cmd
+        .command(root)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
+    let mut captured = String::new();
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            let line = line.map_err(|err| format!("could not read the output of `{}`: {err}", step.cmd))?;
+            // `println!` (not a raw handle) so that libtest captures it in xtask's own tests.
+            println!("{line}");
+            captured.push_str(&line);
+            captured.push('\n');
+        }
+    }
+    let status = child.wait().map_err(|err| format!("could not wait for `{}`: {err}", step.cmd))?;
+    step.check.judge(&status, &captured)
+}
+
+fn print_table(task: &str, done: &[(&'static str, Duration, Option<String>)]) {
+    if done.is_empty() {
+        return;
+    }
+    println!("\n{task} summary:");
+    for (name, elapsed, warning) in done {
+        let mark = if warning.is_some() { "ok (warning)" } else { "ok" };
+        println!("  {name:<12} {mark:<13} {:>8}", secs(*elapsed));
+    }
+}
+
+fn secs(duration: Duration) -> String {
+    let secs = duration.as_secs_f64();
+    if secs < 10.0 { format!("{secs:.1}s") } else { format!("{secs:.0}s") }
+}
+
+fn flush() {
+    let _ = io::stdout().flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OK: &str = "exit status: 0";
+    const FAIL: &str = "exit status: 101";
+
+    #[test]
+    fn zero_gpu_tests_ran_is_a_failure() {
+        let output = "test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 12 filtered out; finished in 0.00s\n";
+        let err = Check::GpuTests.judge_parts(true, OK, output).unwrap_err();
+        assert!(err.contains("zero GPU tests ran"), "{err}");
+        assert!(err.contains("12 tests filtered out"), "{err}");
+    }
+
+    #[test]
+    fn gpu_run_with_no_summary_at_all_is_a_failure() {
+        assert!(Check::GpuTests.judge_parts(true, OK, "").unwrap_err().contains("zero GPU tests ran"));
+    }
+
+    #[test]
+    fn failed_gpu_tests_are_counted_in_the_failure() {
+        let output = "test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n";
+        let err = Check::GpuTests.judge_parts(false, FAIL, output).unwrap_err();
+        assert!(err.contains("1 GPU test(s) failed (3 passed)"), "{err}");
+    }
+
+    #[test]
+    fn gpu_build_failure_is_reported_as_such() {
+        let err = Check::GpuTests.judge_parts(false, FAIL, "").unwrap_err();
+        assert!(err.contains("before the GPU tests could report"), "{err}");
+    }
+
+    #[test]
+    fn passing_gpu_tests_pass() {
+        let output = "test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 9 filtered out\n";
+        assert_eq!(Check::GpuTests.judge_parts(true, OK, output), Ok(None));
+    }
+
+    #[test]
+    fn cuda_probe_needs_a_driver_and_a_device() {
+        let no_driver = Check::CudaDevice.judge_parts(false, "exit status: 1", "").unwrap_err();
+        assert!(no_driver.contains("no usable CUDA driver"), "{no_driver}");
+        let no_device = Check::CudaDevice.judge_parts(true, OK, "cuda devices: 0\n").unwrap_err();
+        assert!(no_device.contains("0 devices"), "{no_device}");
+        let silent = Check::CudaDevice.judge_parts(true, OK, "hello\n").unwrap_err();
+        assert!(silent.contains("no `cuda devices: N` line"), "{silent}");
+        assert_eq!(Check::CudaDevice.judge_parts(true, OK, "cuda devices: 1\n"), Ok(None));
+    }
+
+    #[test]
+    fn zero_loom_models_is_a_warning_not_a_pass_in_silence() {
+        let output = "test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 40 filtered out\n";
+        let warning = Check::LoomModels.judge_parts(true, OK, output).unwrap().expect("a warning");
+        assert!(warning.contains("no loom models ran"), "{warning}");
+        let output = "test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured; 40 filtered out\n";
+        assert_eq!(Check::LoomModels.judge_parts(true, OK, output), Ok(None));
+        let output = "test result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n";
+        assert!(Check::LoomModels.judge_parts(false, FAIL, output).unwrap_err().contains("1 loom model(s) failed"));
+    }
+
+    #[test]
+    fn plain_steps_are_judged_by_exit_status() {
+        assert_eq!(Check::Success.judge_parts(true, OK, ""), Ok(None));
+        assert_eq!(Check::Success.judge_parts(false, FAIL, ""), Err(format!("the command exited with {FAIL}")));
+    }
+
+    #[test]
+    fn commands_render_like_a_shell_line() {
+        let cmd = Cmd { program: "/usr/bin/cargo".into(), args: vec!["doc".into(), "--no-deps".into()], env: vec![] }
+            .env("RUSTDOCFLAGS", "-D warnings");
+        assert_eq!(cmd.to_string(), "RUSTDOCFLAGS=\"-D warnings\" cargo doc --no-deps");
+        assert_eq!(cmd.env_value("RUSTDOCFLAGS"), Some("-D warnings"));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn runner_stops_at_the_first_failure() {
+        let sh = |script: &str| Cmd { program: "sh".into(), args: vec!["-c".into(), script.into()], env: vec![] };
+        let steps = [
+            Step::new("first", sh("exit 0")),
+            Step::new("second", sh("exit 3")),
+            Step::new("third", sh("echo must-not-run; exit 9")),
+        ];
+        let failure = run_steps("xtask self-test", Path::new("."), &steps).unwrap_err();
+        assert_eq!((failure.step, failure.index, failure.total), ("second", 2, 3));
+        assert!(failure.reason.contains("exit status: 3"), "{}", failure.reason);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn runner_judges_captured_output() {
+        let sh = |script: &str| Cmd { program: "sh".into(), args: vec!["-c".into(), script.into()], env: vec![] };
+        let nothing_ran =
+            Step::new("gpu", sh("echo 'test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'"))
+                .check(Check::GpuTests);
+        let failure = run_steps("xtask self-test", Path::new("."), &[nothing_ran]).unwrap_err();
+        assert!(failure.reason.contains("zero GPU tests ran"), "{}", failure.reason);
+        let ran =
+            Step::new("gpu", sh("echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'"))
+                .check(Check::GpuTests);
+        assert!(run_steps("xtask self-test", Path::new("."), &[ran]).is_ok());
+    }
+}

@@ -1,0 +1,189 @@
+//! The tasks: each builds a list of [`Step`]s (or, for `demo`, one command to hand the
+//! terminal to).
+//!
+//! Extending a task means pushing a step. Issue 7 adds a bounded loom step to
+//! `cargo xtask test` with `steps.push(loom_step(2, &loom_target_dir()))` and stress
+//! steps the same way; issue 8 grows [`bench_steps`].
+
+use std::path::{Path, PathBuf};
+
+use crate::flags;
+use crate::step::{Check, Cmd, Step};
+
+/// Crates whose loom models `cargo xtask loom` runs.
+pub(crate) const LOOM_CRATES: [&str; 2] = ["memory-binding", "memory-governor"];
+
+/// The steps of `cargo xtask test [--gpu]`, in order.
+pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
+    let mut steps = Vec::new();
+    if flags.gpu {
+        // Fail in seconds, before the long steps, on a machine without a GPU.
+        steps.push(
+            Step::new(
+                "cuda-probe",
+                Cmd::cargo(["run", "-q", "--locked", "-p", "allocator-cuda", "--example", "cuda_probe"]),
+            )
+            .check(Check::CudaDevice),
+        );
+    }
+    steps.push(Step::new("fmt", Cmd::cargo(["fmt", "--all", "--check"])));
+    // The architecture tidy test also runs inside `cargo test --workspace`; running it
+    // first on its own reports a layering mistake in seconds rather than minutes.
+    steps.push(Step::new("tidy", Cmd::cargo(["test", "--locked", "-p", "xtask", "--test", "tidy"])));
+    steps.push(Step::new(
+        "clippy",
+        Cmd::cargo(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
+    ));
+    steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])));
+    steps.push(Step::new(
+        "docs",
+        Cmd::cargo(["doc", "--workspace", "--no-deps", "--locked"])
+            .env("RUSTDOCFLAGS", extend_flags(std::env::var("RUSTDOCFLAGS").ok(), "-D warnings")),
+    ));
+    if flags.gpu {
+        steps.push(
+            Step::new("gpu-tests", Cmd::cargo(["test", "-p", "allocator-cuda", "--locked", "--", "--ignored", "gpu_"]))
+                .check(Check::GpuTests),
+        );
+    }
+    steps
+}
+
+/// The loom step: the `--lib` tests of [`LOOM_CRATES`] whose names contain `loom`, in
+/// release mode with `--cfg memory_loom`, built in `target_dir` so that the changed
+/// `RUSTFLAGS` never invalidate the normal build.
+pub(crate) fn loom_step(preemptions: u32, target_dir: &Path) -> Step {
+    let mut args = vec!["test".to_owned(), "--release".to_owned(), "--locked".to_owned(), "--lib".to_owned()];
+    for krate in LOOM_CRATES {
+        args.extend(["-p".to_owned(), krate.to_owned()]);
+    }
+    args.extend(["--target-dir".to_owned(), target_dir.display().to_string(), "loom".to_owned()]);
+    Step::new(
+        "loom",
+        Cmd::cargo(args)
+            .env("RUSTFLAGS", extend_flags(std::env::var("RUSTFLAGS").ok(), "--cfg memory_loom"))
+            .env("LOOM_MAX_PREEMPTIONS", preemptions.to_string()),
+    )
+    .check(Check::LoomModels)
+}
+
+/// The steps of `cargo xtask loom`.
+pub(crate) fn loom_steps(flags: &flags::Loom) -> Vec<Step> {
+    vec![loom_step(flags.preemptions, &loom_target_dir())]
+}
+
+/// The steps of `cargo xtask bench`: criterion as it is, nothing more yet.
+pub(crate) fn bench_steps() -> Vec<Step> {
+    vec![Step::new("bench", Cmd::cargo(["bench", "-p", "memory-benches"]))]
+}
+
+/// The command `cargo xtask demo ARGS` runs.
+pub(crate) fn demo_cmd(flags: &flags::Demo) -> Cmd {
+    let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo", "--"].map(String::from).to_vec();
+    args.extend(flags.args.iter().cloned());
+    Cmd::cargo(args)
+}
+
+/// The workspace root (the parent of xtask's manifest directory).
+pub(crate) fn project_root() -> PathBuf {
+    let manifest_dir =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest_dir.parent().map_or(manifest_dir.clone(), Path::to_path_buf)
+}
+
+/// `target/loom` under the target directory in use (`$CARGO_TARGET_DIR` or `target/`).
+pub(crate) fn loom_target_dir() -> PathBuf {
+    let base = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            if dir.is_absolute() {
+                dir
+            } else {
+                std::env::current_dir().map_or_else(|_| project_root().join(&dir), |cwd| cwd.join(&dir))
+            }
+        }
+        None => project_root().join("target"),
+    };
+    base.join("loom")
+}
+
+/// `existing` flags (from the environment) with `extra` appended.
+pub(crate) fn extend_flags(existing: Option<String>, extra: &str) -> String {
+    match existing {
+        Some(flags) if !flags.trim().is_empty() => format!("{} {extra}", flags.trim()),
+        _ => extra.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(steps: &[Step]) -> Vec<&'static str> {
+        steps.iter().map(|step| step.name).collect()
+    }
+
+    #[test]
+    fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
+        let steps = test_steps(&flags::Test { gpu: false });
+        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "docs"]);
+        assert!(steps.iter().all(|step| step.check == Check::Success));
+    }
+
+    #[test]
+    fn gpu_probes_first_and_runs_the_gpu_tests_last() {
+        let steps = test_steps(&flags::Test { gpu: true });
+        assert_eq!(names(&steps), ["cuda-probe", "fmt", "tidy", "clippy", "tests", "docs", "gpu-tests"]);
+        assert_eq!(steps[0].check, Check::CudaDevice);
+        let gpu = steps.last().unwrap();
+        assert_eq!(gpu.check, Check::GpuTests);
+        assert!(gpu.cmd.arg_list().ends_with(&["--".into(), "--ignored".into(), "gpu_".into()]));
+    }
+
+    #[test]
+    fn building_steps_are_locked_and_clippy_denies_warnings() {
+        for step in test_steps(&flags::Test { gpu: true }) {
+            if step.name != "fmt" {
+                assert!(step.cmd.arg_list().contains(&"--locked".to_owned()), "{} is not --locked", step.name);
+            }
+        }
+        let steps = test_steps(&flags::Test::default());
+        let clippy = steps.iter().find(|step| step.name == "clippy").unwrap();
+        assert!(clippy.cmd.to_string().ends_with("-- -D warnings"), "{}", clippy.cmd);
+        let docs = steps.iter().find(|step| step.name == "docs").unwrap();
+        assert!(docs.cmd.env_value("RUSTDOCFLAGS").unwrap().ends_with("-D warnings"));
+    }
+
+    #[test]
+    fn loom_builds_in_its_own_target_dir_with_the_namespaced_cfg() {
+        let step = loom_step(2, Path::new("/tmp/t/loom"));
+        assert_eq!(step.check, Check::LoomModels);
+        assert_eq!(step.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
+        assert!(step.cmd.env_value("RUSTFLAGS").unwrap().ends_with("--cfg memory_loom"));
+        let line = step.cmd.to_string();
+        for part in ["--release", "--lib", "-p memory-binding", "-p memory-governor", "--target-dir /tmp/t/loom"] {
+            assert!(line.contains(part), "{line} lacks {part}");
+        }
+        assert!(line.ends_with(" loom"), "{line}");
+        assert!(loom_target_dir().ends_with("loom"));
+    }
+
+    #[test]
+    fn demo_forwards_its_arguments_after_a_separator() {
+        let cmd = demo_cmd(&flags::Demo { args: vec!["--help".into()] });
+        assert!(cmd.to_string().ends_with("run --release -q -p memory-demo -- --help"), "{cmd}");
+    }
+
+    #[test]
+    fn extra_flags_are_appended_to_the_environment() {
+        assert_eq!(extend_flags(None, "-D warnings"), "-D warnings");
+        assert_eq!(extend_flags(Some("  ".into()), "-D warnings"), "-D warnings");
+        assert_eq!(extend_flags(Some("-C target-cpu=native".into()), "--cfg x"), "-C target-cpu=native --cfg x");
+    }
+
+    #[test]
+    fn project_root_holds_the_workspace_manifest() {
+        assert!(project_root().join("Cargo.toml").is_file());
+        assert!(project_root().join("xtask").is_dir());
+    }
+}
