@@ -49,10 +49,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(failure) => {
-            eprintln!("error: {failure}");
-            ExitCode::FAILURE
-        }
+        // The runner has already printed which step failed and why.
+        Err(_) => ExitCode::FAILURE,
     }
 }
 
@@ -62,7 +60,7 @@ fn run_demo(demo: &flags::Demo, root: &std::path::Path) -> ExitCode {
     match cmd.status(root) {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {
-            eprintln!("xtask demo: `{cmd}` exited with {status}");
+            eprintln!("xtask demo: `{cmd}` failed ({status})");
             ExitCode::from(
                 status.code().and_then(|code| u8::try_from(code).ok()).filter(|&code| code != 0).unwrap_or(1),
             )

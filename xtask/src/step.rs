@@ -101,6 +101,9 @@ fn quote(word: &str) -> String {
 pub(crate) enum Check {
     /// The command exits successfully.
     Success,
+    /// A `cargo test` run: it exits successfully; its test counts are shown in the
+    /// summary.
+    Tests,
     /// The CUDA probe: it exits successfully and prints `cuda devices: N` with N > 0.
     CudaDevice,
     /// GPU-gated tests: success, none failed, and at least one passed. A GPU run that
@@ -112,6 +115,17 @@ pub(crate) enum Check {
 }
 
 impl Check {
+    /// Test counts for the summary table, for checks that read libtest output.
+    pub(crate) fn note(self, stdout: &str) -> Option<String> {
+        match self {
+            Check::Success | Check::CudaDevice => None,
+            Check::Tests | Check::GpuTests | Check::LoomModels => {
+                let counts = parse_test_results(stdout);
+                Some(format!("{} passed, {} failed, {} ignored", counts.passed, counts.failed, counts.ignored))
+            }
+        }
+    }
+
     /// Whether the runner must capture stdout to judge the step.
     fn reads_output(self) -> bool {
         !matches!(self, Check::Success)
@@ -124,12 +138,19 @@ impl Check {
 
     fn judge_parts(self, success: bool, status: &str, stdout: &str) -> Result<Option<String>, String> {
         match self {
-            Check::Success if success => Ok(None),
-            Check::Success => Err(format!("the command exited with {status}")),
+            Check::Success | Check::Tests if success => Ok(None),
+            Check::Success => Err(format!("the command failed ({status})")),
+            Check::Tests => {
+                let counts = parse_test_results(stdout);
+                match counts.failed {
+                    0 => Err(format!("cargo test failed ({status}) without a failing test: a build error or a crashed test binary")),
+                    failed => Err(format!("{failed} test(s) failed, {} passed; see the failures above", counts.passed)),
+                }
+            }
             Check::CudaDevice => {
                 if !success {
                     return Err(format!(
-                        "the CUDA probe exited with {status}: no usable CUDA driver (see its message above); \
+                        "the CUDA probe failed ({status}): no usable CUDA driver (see its message above); \
                          `cargo xtask test --gpu` needs a machine with an NVIDIA driver and a GPU, \
                          use `cargo xtask test` elsewhere"
                     ));
@@ -150,7 +171,7 @@ impl Check {
                     return Err(format!("{} GPU test(s) failed ({} passed)", counts.failed, counts.passed));
                 }
                 if !success {
-                    return Err(format!("cargo test exited with {status} before the GPU tests could report"));
+                    return Err(format!("cargo test failed ({status}) before the GPU tests could report"));
                 }
                 if counts.passed == 0 {
                     return Err(format!(
@@ -168,7 +189,7 @@ impl Check {
                     return Err(format!("{} loom model(s) failed ({} passed)", counts.failed, counts.passed));
                 }
                 if !success {
-                    return Err(format!("cargo test exited with {status}"));
+                    return Err(format!("cargo test failed ({status})"));
                 }
                 if counts.ran() == 0 {
                     return Ok(Some(
@@ -223,6 +244,14 @@ pub(crate) struct StepFailed {
     pub(crate) reason: String,
 }
 
+/// A step that passed, for the summary table.
+struct Passed {
+    name: &'static str,
+    elapsed: Duration,
+    warning: Option<String>,
+    note: Option<String>,
+}
+
 /// Runs `steps` in order from `root`, stopping at the first failure.
 ///
 /// # Errors
@@ -230,7 +259,7 @@ pub(crate) struct StepFailed {
 pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), StepFailed> {
     let total = steps.len();
     let started = Instant::now();
-    let mut done: Vec<(&'static str, Duration, Option<String>)> = Vec::new();
+    let mut passed: Vec<Passed> = Vec::new();
     for (i, step) in steps.iter().enumerate() {
         let index = i + 1;
         println!("\n{task}: [{index}/{total}] {}\n$ {}", step.name, step.cmd);
@@ -239,21 +268,21 @@ pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), S
         let verdict = execute(step, root);
         let elapsed = step_started.elapsed();
         match verdict {
-            Ok(warning) => {
+            Ok((warning, note)) => {
                 println!("{task}: [{index}/{total}] {} ok in {}", step.name, secs(elapsed));
                 if let Some(warning) = &warning {
                     println!("{task}: warning: {warning}");
                 }
-                done.push((step.name, elapsed, warning));
+                passed.push(Passed { name: step.name, elapsed, warning, note });
             }
             Err(reason) => {
-                print_table(task, &done);
+                print_table(task, &passed);
                 let failure = StepFailed { task: task.to_owned(), step: step.name, index, total, reason };
                 println!("{task}: [{index}/{total}] {} FAILED after {}: {}", step.name, secs(elapsed), failure.reason);
                 println!(
                     "{task}: FAILED at step {index}/{total} ({}); {}/{total} steps passed in {}",
                     step.name,
-                    done.len(),
+                    passed.len(),
                     secs(started.elapsed())
                 );
                 flush();
@@ -261,23 +290,23 @@ pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), S
             }
         }
     }
-    print_table(task, &done);
-    let warnings = done.iter().filter(|(_, _, warning)| warning.is_some()).count();
-    let note = match warnings {
+    print_table(task, &passed);
+    let warnings: Vec<&str> = passed.iter().filter_map(|step| step.warning.as_deref()).collect();
+    let note = match warnings.len() {
         0 => String::new(),
-        1 => " (1 warning, see above)".to_owned(),
-        n => format!(" ({n} warnings, see above)"),
+        1 => format!(" with 1 warning: {}", warnings[0]),
+        n => format!(" with {n} warnings (see above)"),
     };
-    println!("{task}: {}/{total} steps passed in {}{note}", done.len(), secs(started.elapsed()));
+    println!("{task}: {}/{total} steps passed in {}{note}", passed.len(), secs(started.elapsed()));
     flush();
     Ok(())
 }
 
-/// Runs one step's command and judges it.
-fn execute(step: &Step, root: &Path) -> Result<Option<String>, String> {
+/// Runs one step's command and judges it: `Ok((warning, note))` or `Err(reason)`.
+fn execute(step: &Step, root: &Path) -> Result<(Option<String>, Option<String>), String> {
     if !step.check.reads_output() {
         let status = step.cmd.status(root).map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
-        return step.check.judge(&status, "");
+        return step.check.judge(&status, "").map(|warning| (warning, None));
     }
     // Echo stdout line by line while keeping it for the check; stderr (cargo's
     // progress and errors) goes straight through.
@@ -288,27 +317,46 @@ fn execute(step: &Step, root: &Path) -> Result<Option<String>, String> {
         .spawn()
         .map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
     let mut captured = String::new();
+    let mut read_error = None;
     if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            let line = line.map_err(|err| format!("could not read the output of `{}`: {err}", step.cmd))?;
-            // `println!` (not a raw handle) so that libtest captures it in xtask's own tests.
-            println!("{line}");
-            captured.push_str(&line);
-            captured.push('\n');
+        let mut reader = BufReader::new(stdout);
+        let mut buffer = Vec::new();
+        loop {
+            buffer.clear();
+            match reader.read_until(b'\n', &mut buffer) {
+                Ok(0) => break,
+                Ok(_) => {
+                    let line = String::from_utf8_lossy(&buffer);
+                    let line = line.trim_end_matches(['\n', '\r']);
+                    // `println!` (not a raw handle) so that libtest captures it in xtask's own tests.
+                    println!("{line}");
+                    captured.push_str(line);
+                    captured.push('\n');
+                }
+                Err(err) => {
+                    read_error = Some(err);
+                    break;
+                }
+            }
         }
     }
     let status = child.wait().map_err(|err| format!("could not wait for `{}`: {err}", step.cmd))?;
-    step.check.judge(&status, &captured)
+    if let Some(err) = read_error {
+        return Err(format!("could not read the output of `{}`: {err}", step.cmd));
+    }
+    let warning = step.check.judge(&status, &captured)?;
+    Ok((warning, step.check.note(&captured)))
 }
 
-fn print_table(task: &str, done: &[(&'static str, Duration, Option<String>)]) {
-    if done.is_empty() {
+fn print_table(task: &str, passed: &[Passed]) {
+    if passed.is_empty() {
         return;
     }
     println!("\n{task} summary:");
-    for (name, elapsed, warning) in done {
-        let mark = if warning.is_some() { "ok (warning)" } else { "ok" };
-        println!("  {name:<12} {mark:<13} {:>8}", secs(*elapsed));
+    for step in passed {
+        let mark = if step.warning.is_some() { "ok (warning)" } else { "ok" };
+        let note = step.note.as_deref().map(|note| format!("  {note}")).unwrap_or_default();
+        println!("  {:<12} {mark:<13} {:>8}{note}", step.name, secs(step.elapsed));
     }
 }
 
@@ -383,9 +431,22 @@ mod tests {
     }
 
     #[test]
+    fn test_runs_report_failures_and_build_errors_differently() {
+        let output = "test result: FAILED. 7 passed; 2 failed; 1 ignored; 0 measured; 0 filtered out\n";
+        let err = Check::Tests.judge_parts(false, FAIL, output).unwrap_err();
+        assert!(err.contains("2 test(s) failed, 7 passed"), "{err}");
+        let err = Check::Tests.judge_parts(false, FAIL, "").unwrap_err();
+        assert!(err.contains("build error"), "{err}");
+        let output = "test result: ok. 7 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out\n";
+        assert_eq!(Check::Tests.judge_parts(true, OK, output), Ok(None));
+        assert_eq!(Check::Tests.note(output).as_deref(), Some("7 passed, 0 failed, 1 ignored"));
+        assert_eq!(Check::Success.note(output), None);
+    }
+
+    #[test]
     fn plain_steps_are_judged_by_exit_status() {
         assert_eq!(Check::Success.judge_parts(true, OK, ""), Ok(None));
-        assert_eq!(Check::Success.judge_parts(false, FAIL, ""), Err(format!("the command exited with {FAIL}")));
+        assert_eq!(Check::Success.judge_parts(false, FAIL, ""), Err(format!("the command failed ({FAIL})")));
     }
 
     #[test]

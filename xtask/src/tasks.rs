@@ -34,7 +34,7 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         "clippy",
         Cmd::cargo(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
     ));
-    steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])));
+    steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])).check(Check::Tests));
     steps.push(Step::new(
         "docs",
         Cmd::cargo(["doc", "--workspace", "--no-deps", "--locked"])
@@ -127,7 +127,8 @@ mod tests {
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
         assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "docs"]);
-        assert!(steps.iter().all(|step| step.check == Check::Success));
+        let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
+        assert_eq!(checks, [Check::Success, Check::Success, Check::Success, Check::Tests, Check::Success]);
     }
 
     #[test]
