@@ -1,1 +1,97 @@
-//! memory-binding: filled by later issues.
+//! The `BindingRegistry`: the sole issuer of provider-context, authority, mechanism,
+//! binding and allocation identities, and the owner of every lifecycle.
+//!
+//! Nothing here trusts what an allocator reports about identity. Every
+//! [`MemoryBinding`], [`BoundAllocation`], view and bound capability handle pins the
+//! exact `Arc<dyn DeviceAllocator>` plus the provider-context and authority resources
+//! it came from, and every operation checks, before any callback, that a handle
+//! belongs to this registry, mechanism and binding and that its generation still
+//! validates.
+//!
+//! # Lifecycles
+//! - Mechanism: `Active -> Retired`, `Active|Retired -> DeviceLost -> Terminated`
+//!   ([`MechanismState`]). Switching the selection affects only future binds;
+//!   retiring rejects new work but lets existing allocations release;
+//!   [`BindingRegistry::invalidate_device`] makes no allocator callback and never
+//!   waits; [`BindingRegistry::confirm_context_terminated`] succeeds only once
+//!   callbacks have drained.
+//! - Provider context: `Live -> Lost -> Terminated` ([`ContextState`]).
+//! - Allocation: live, released, quarantined (visible in snapshots, blocks removal),
+//!   or lost with its device ([`AllocationState`]).
+//!
+//! # Correctness
+//! - No `unsafe` code except the caller-attested
+//!   [`BindingRegistry::register_trusted_composite`], which is an `unsafe fn` only to
+//!   make the trust boundary explicit; the crate body forbids unsafe blocks.
+//! - The hot path (`bind`, `allocate`, `release`, views) takes no registry-wide lock:
+//!   lifecycle in a mostly-read word with per-thread in-flight slots
+//!   ([`lifecycle`]), handles pinned through per-thread pins, generations from
+//!   per-thread blocks, records in per-thread slabs addressed by slot + generation.
+//!   Every primitive comes from the [`sync`] module so loom can model the protocols
+//!   under `--cfg memory_loom`.
+//! - Callbacks and resource destructors run with no lock held; a panicking callback
+//!   restores the in-flight count on unwind and poisons nothing.
+//!
+//! # Quickstart
+//! ```
+//! use std::sync::Arc;
+//! use memory_binding::{BindingRegistry, MechanismState};
+//! use memory_api::{AllocationRequest, DeviceKey, MemoryRole};
+//! # use memory_api::*;
+//! # struct Host;
+//! # impl DeviceAllocator for Host {
+//! #     fn device(&self) -> DeviceKey { DeviceKey::HOST }
+//! #     fn name(&self) -> &str { "doc" }
+//! #     fn allocate(&self, r: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+//! #         let a = DeviceAddress::new(0x10000).unwrap();
+//! #         Ok(RawAllocation::new(a, r.bytes(), r.align(), DeviceKey::HOST, 0))
+//! #     }
+//! #     fn release(&self, a: RawAllocation) -> ReleaseOutcome { ReleaseOutcome::complete(a.bytes()) }
+//! # }
+//! # let allocator: Arc<dyn DeviceAllocator> = Arc::new(Host);
+//!
+//! let registry = BindingRegistry::new()?;
+//! let context = registry.register_provider_context(DeviceKey::HOST, Arc::new("host arena"))?;
+//! let tenant = registry.register_authority(DeviceKey::HOST, Arc::new("tenant-a"))?;
+//! let mechanism = registry.register_allocator(&context, &tenant, allocator)?;
+//!
+//! // The first mechanism for a device becomes its selection.
+//! let binding = registry.bind(DeviceKey::HOST)?;
+//! assert_eq!(binding.identity().mechanism(), mechanism);
+//!
+//! let block = binding.allocate(AllocationRequest::new(4096, 64)?.with_role(MemoryRole::KvCache))?;
+//! let view = block.view(0, 1024)?;
+//! assert_eq!(view.len(), 1024);
+//! binding.release(block)?;
+//!
+//! registry.retire(&mechanism)?;
+//! assert_eq!(binding.state(), MechanismState::Retired);
+//! assert!(registry.bind(DeviceKey::HOST).is_err());
+//! registry.remove(&mechanism)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![deny(unsafe_code)]
+
+pub mod binding;
+pub mod capability;
+pub mod entry;
+pub mod error;
+pub mod lifecycle;
+pub mod registry;
+pub mod snapshot;
+pub(crate) mod sync;
+
+// The public interface, flat.
+pub use binding::{AllocationView, BoundAllocation, MemoryBinding, ReleaseReport};
+pub use capability::{BoundSharedMapping, BoundVirtualBacking};
+pub use entry::{DropPolicy, Resource};
+pub use error::{
+    AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError, Rejected,
+    ViewError,
+};
+pub use lifecycle::MechanismState;
+pub use registry::{BindingRegistry, InvalidationReport, MechanismOptions};
+pub use snapshot::{
+    AllocationState, AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot,
+    RetryReport, TerminationReport,
+};

@@ -1,0 +1,387 @@
+//! What the registry stores: context and authority entries, the shared mechanism core,
+//! and the per-thread pins that hold allocation records.
+//!
+//! Ownership: the registry's tables hold [`Mechanism`]s; a `Mechanism` holds its
+//! [`MechanismCore`] and one [`Pin`] per thread; bindings and allocations hold a pin,
+//! and a pin holds the core. So cloning a handle touches only its thread's pin, and
+//! every handle keeps the allocator, authority and context alive on its own, even after
+//! the registry is dropped.
+
+use std::any::Any;
+use std::num::NonZeroU64;
+use std::sync::OnceLock;
+
+use memory_api::{
+    AllocationGeneration, AuthorityIdentity, BindingGeneration, BindingId, DeferredReleaseQueue, DeviceAllocator,
+    DeviceKey, IdentityBlock, IdentityError, IdentityIssuer, MechanismIdentity, ProviderContextIdentity, RawAllocation,
+    ReleaseError,
+};
+use slab::Slab;
+use thread_local::ThreadLocal;
+
+use crate::error::ContextState;
+use crate::lifecycle::{IN_FLIGHT_SLOTS, Lifecycle};
+use crate::sync::{Arc, AtomicU8, AtomicUsize, Mutex, Ordering, lock};
+
+/// An opaque resource pinned by a context or authority (a CUDA context owner, a
+/// tenant account). Its destructor runs when the last handle pinning it is gone.
+pub type Resource = Arc<dyn Any + Send + Sync>;
+
+/// A registered provider context.
+pub(crate) struct ContextEntry {
+    pub(crate) identity: ProviderContextIdentity,
+    pub(crate) device: DeviceKey,
+    state: AtomicU8,
+    pub(crate) resource: Resource,
+}
+
+impl ContextEntry {
+    pub(crate) fn new(identity: ProviderContextIdentity, device: DeviceKey, resource: Resource) -> ContextEntry {
+        ContextEntry { identity, device, state: AtomicU8::new(0), resource }
+    }
+
+    pub(crate) fn state(&self) -> ContextState {
+        match self.state.load(Ordering::SeqCst) {
+            0 => ContextState::Live,
+            1 => ContextState::Lost,
+            _ => ContextState::Terminated,
+        }
+    }
+
+    pub(crate) fn set_state(&self, state: ContextState) {
+        let raw = match state {
+            ContextState::Live => 0,
+            ContextState::Lost => 1,
+            ContextState::Terminated => 2,
+        };
+        self.state.store(raw, Ordering::SeqCst);
+    }
+}
+
+/// A registered authority.
+pub(crate) struct AuthorityEntry {
+    pub(crate) identity: AuthorityIdentity,
+    pub(crate) device: DeviceKey,
+    pub(crate) resource: Resource,
+}
+
+/// What dropping a live [`BoundAllocation`](crate::BoundAllocation) does.
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum DropPolicy {
+    /// Release through the allocator at once (host memory, or an allocator whose
+    /// release is itself stream-ordered and therefore safe at any time).
+    Release,
+    /// Hand the release to a deferred queue (free after the device is done with it).
+    Defer(Arc<dyn DeferredReleaseQueue>),
+    /// Do not free: quarantine the block with a warning, since the device may still
+    /// be using it. The bytes stay visible until a retry or termination.
+    Quarantine,
+}
+
+impl DropPolicy {
+    /// The default for a device: immediate release for host memory, quarantine for
+    /// everything else.
+    pub fn default_for(device: DeviceKey) -> DropPolicy {
+        match device.tier() {
+            memory_api::Tier::Host => DropPolicy::Release,
+            _ => DropPolicy::Quarantine,
+        }
+    }
+}
+
+impl std::fmt::Debug for DropPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DropPolicy::Release => "Release",
+            DropPolicy::Defer(_) => "Defer",
+            DropPolicy::Quarantine => "Quarantine",
+        })
+    }
+}
+
+/// One quarantined block: partly released, abandoned, or reported impossibly.
+pub(crate) struct QuarantinedAllocation {
+    pub(crate) generation: AllocationGeneration,
+    pub(crate) binding: BindingId,
+    pub(crate) allocation: RawAllocation,
+    pub(crate) unmapped_bytes: usize,
+    pub(crate) residual_bytes: usize,
+    pub(crate) error: ReleaseError,
+}
+
+/// The shared part of a mechanism: read by every handle, written only on the cold path.
+pub(crate) struct MechanismCore {
+    // Declaration order is drop order: allocator, then authority, then context.
+    pub(crate) allocator: Arc<dyn DeviceAllocator>,
+    pub(crate) authority: Arc<AuthorityEntry>,
+    pub(crate) context: Arc<ContextEntry>,
+    pub(crate) identity: MechanismIdentity,
+    pub(crate) device: DeviceKey,
+    /// Generation of bindings made through `bind_registered`.
+    pub(crate) registered_generation: BindingGeneration,
+    pub(crate) issuer: Arc<IdentityIssuer>,
+    pub(crate) lifecycle: Lifecycle,
+    pub(crate) lost_reason: OnceLock<String>,
+    pub(crate) drop_policy: DropPolicy,
+    quarantine: Mutex<Vec<QuarantinedAllocation>>,
+    quarantined: AtomicUsize,
+    next_pin_slot: AtomicUsize,
+}
+
+impl MechanismCore {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        identity: MechanismIdentity,
+        allocator: Arc<dyn DeviceAllocator>,
+        context: Arc<ContextEntry>,
+        authority: Arc<AuthorityEntry>,
+        registered_generation: BindingGeneration,
+        issuer: Arc<IdentityIssuer>,
+        drop_policy: DropPolicy,
+    ) -> MechanismCore {
+        MechanismCore {
+            device: context.device,
+            allocator,
+            authority,
+            context,
+            identity,
+            registered_generation,
+            issuer,
+            lifecycle: Lifecycle::new(),
+            lost_reason: OnceLock::new(),
+            drop_policy,
+            quarantine: Mutex::new(Vec::new()),
+            quarantined: AtomicUsize::new(0),
+            next_pin_slot: AtomicUsize::new(0),
+        }
+    }
+
+    pub(crate) fn lost_reason(&self) -> String {
+        self.lost_reason.get().cloned().unwrap_or_else(|| "device invalidated".to_owned())
+    }
+
+    /// Adds a quarantined block (warns: quarantined memory is owned but unusable).
+    pub(crate) fn quarantine(&self, entry: QuarantinedAllocation) {
+        tracing::warn!(
+            mechanism = %self.identity,
+            generation = %entry.generation,
+            bytes = entry.allocation.bytes(),
+            unmapped = entry.unmapped_bytes,
+            residual = entry.residual_bytes,
+            error = %entry.error,
+            "allocation quarantined"
+        );
+        if matches!(entry.error, ReleaseError::DishonestOutcome { .. }) {
+            tracing::error!(mechanism = %self.identity, error = %entry.error, "allocator reported an impossible release outcome");
+        }
+        let mut list = lock(&self.quarantine);
+        list.push(entry);
+        self.quarantined.store(list.len(), Ordering::SeqCst);
+    }
+
+    /// Takes every quarantined block out (to retry or to discharge).
+    pub(crate) fn take_quarantine(&self) -> Vec<QuarantinedAllocation> {
+        let mut list = lock(&self.quarantine);
+        self.quarantined.store(0, Ordering::SeqCst);
+        std::mem::take(&mut *list)
+    }
+
+    /// Puts blocks back after a retry that did not discharge them.
+    pub(crate) fn restore_quarantine(&self, entries: Vec<QuarantinedAllocation>) {
+        let mut list = lock(&self.quarantine);
+        list.extend(entries);
+        self.quarantined.store(list.len(), Ordering::SeqCst);
+    }
+
+    pub(crate) fn quarantined_count(&self) -> usize {
+        self.quarantined.load(Ordering::SeqCst)
+    }
+
+    /// Calls `f` on every quarantined block (snapshots, lookups).
+    pub(crate) fn with_quarantine<R>(&self, f: impl FnOnce(&[QuarantinedAllocation]) -> R) -> R {
+        f(&lock(&self.quarantine))
+    }
+}
+
+/// A registered mechanism: the shared core plus one pin per thread.
+pub(crate) struct Mechanism {
+    pub(crate) core: Arc<MechanismCore>,
+    pins: ThreadLocal<Arc<Pin>>,
+}
+
+impl Mechanism {
+    pub(crate) fn new(core: MechanismCore) -> Mechanism {
+        Mechanism { core: Arc::new(core), pins: ThreadLocal::new() }
+    }
+
+    /// This thread's pin (created on first use, then reused: no allocation).
+    pub(crate) fn pin(&self) -> &Arc<Pin> {
+        self.pins.get_or(|| {
+            let slot = self.core.next_pin_slot.fetch_add(1, Ordering::Relaxed) % IN_FLIGHT_SLOTS;
+            Arc::new(Pin::new(Arc::clone(&self.core), slot))
+        })
+    }
+
+    /// Every pin ever created for this mechanism.
+    pub(crate) fn pins(&self) -> impl Iterator<Item = &Arc<Pin>> {
+        self.pins.iter()
+    }
+
+    /// Live allocations across all pins.
+    pub(crate) fn live(&self) -> (usize, usize) {
+        self.pins().map(|pin| pin.live()).fold((0, 0), |(n, b), (pn, pb)| (n + pn, b + pb))
+    }
+}
+
+/// How many identities a pin reserves from the shared counters at a time.
+const IDENTITY_BLOCK: u64 = 256;
+
+/// One allocation record: the generation to validate and the block to release.
+pub(crate) struct Record {
+    pub(crate) generation: NonZeroU64,
+    pub(crate) allocation: RawAllocation,
+}
+
+struct PinRecords {
+    slab: Slab<Record>,
+    live_bytes: usize,
+    generations: IdentityBlock<AllocationGeneration>,
+}
+
+/// A per-thread copy of a mechanism entry: handles made on a thread pin the
+/// mechanism through that thread's pin, so their refcount traffic and record
+/// inserts stay on that thread's cache lines.
+pub(crate) struct Pin {
+    pub(crate) core: Arc<MechanismCore>,
+    /// In-flight slot of this pin.
+    pub(crate) slot: usize,
+    records: Mutex<PinRecords>,
+    binding_ids: Mutex<IdentityBlock<BindingId>>,
+    live: AtomicUsize,
+}
+
+impl Pin {
+    fn new(core: Arc<MechanismCore>, slot: usize) -> Pin {
+        let registry = core.issuer.registry();
+        Pin {
+            core,
+            slot,
+            records: Mutex::new(PinRecords {
+                slab: Slab::new(),
+                live_bytes: 0,
+                generations: IdentityBlock::empty(registry),
+            }),
+            binding_ids: Mutex::new(IdentityBlock::empty(registry)),
+            live: AtomicUsize::new(0),
+        }
+    }
+
+    /// Mints a binding id from this pin's block.
+    pub(crate) fn next_binding_id(&self) -> Result<BindingId, IdentityError> {
+        let mut block = lock(&self.binding_ids);
+        if let Some(id) = block.next() {
+            return Ok(id);
+        }
+        *block = self.core.issuer.block(IDENTITY_BLOCK)?;
+        block.next().ok_or(IdentityError::RegistriesExhausted)
+    }
+
+    /// Records a new allocation; returns its slot and generation.
+    ///
+    /// # Errors
+    /// Generation exhaustion, or more live records on this pin than a `u32` slot can
+    /// name; the block comes back so the caller can release it.
+    pub(crate) fn insert(
+        &self,
+        allocation: RawAllocation,
+    ) -> Result<(u32, NonZeroU64), (RawAllocation, IdentityError)> {
+        let mut records = lock(&self.records);
+        let generation = match records.generations.next() {
+            Some(generation) => generation,
+            None => match self.core.issuer.block::<AllocationGeneration>(IDENTITY_BLOCK) {
+                Ok(mut block) => match block.next() {
+                    Some(generation) => {
+                        records.generations = block;
+                        generation
+                    }
+                    None => return Err((allocation, IdentityError::RegistriesExhausted)),
+                },
+                Err(error) => return Err((allocation, error)),
+            },
+        };
+        let generation = memory_api::Identity::serial(&generation);
+        self.insert_locked(&mut records, allocation, generation)
+    }
+
+    /// Puts a block back under its existing generation (a refused release).
+    pub(crate) fn reinsert(&self, allocation: RawAllocation, generation: NonZeroU64) -> Result<u32, RawAllocation> {
+        let mut records = lock(&self.records);
+        self.insert_locked(&mut records, allocation, generation).map(|(slot, _)| slot).map_err(|(a, _)| a)
+    }
+
+    fn insert_locked(
+        &self,
+        records: &mut PinRecords,
+        allocation: RawAllocation,
+        generation: NonZeroU64,
+    ) -> Result<(u32, NonZeroU64), (RawAllocation, IdentityError)> {
+        let entry = records.slab.vacant_entry();
+        let Ok(slot) = u32::try_from(entry.key()) else {
+            return Err((allocation, IdentityError::RegistriesExhausted));
+        };
+        let bytes = allocation.bytes();
+        entry.insert(Record { generation, allocation });
+        records.live_bytes += bytes;
+        self.live.store(records.slab.len(), Ordering::Relaxed);
+        Ok((slot, generation))
+    }
+
+    /// Removes the record at `slot` if it still holds `generation` (exactly once).
+    pub(crate) fn take(&self, slot: u32, generation: NonZeroU64) -> Option<RawAllocation> {
+        let mut records = lock(&self.records);
+        let slot = slot as usize;
+        if records.slab.get(slot).is_none_or(|record| record.generation != generation) {
+            return None;
+        }
+        let record = records.slab.remove(slot);
+        records.live_bytes -= record.allocation.bytes();
+        self.live.store(records.slab.len(), Ordering::Relaxed);
+        Some(record.allocation)
+    }
+
+    /// Whether the record at `slot` still holds `generation`.
+    pub(crate) fn holds(&self, slot: u32, generation: NonZeroU64) -> bool {
+        lock(&self.records).slab.get(slot as usize).is_some_and(|record| record.generation == generation)
+    }
+
+    /// Whether the record `allocation` names is still held under its generation.
+    pub(crate) fn holds_generation(&self, allocation: &crate::BoundAllocation) -> bool {
+        let (slot, generation) = allocation.record_key();
+        self.holds(slot, generation)
+    }
+
+    /// Whether any record holds `generation`.
+    pub(crate) fn find(&self, generation: NonZeroU64) -> bool {
+        lock(&self.records).slab.iter().any(|(_, record)| record.generation == generation)
+    }
+
+    /// Removes every record (termination retires the metadata).
+    pub(crate) fn drain(&self) -> Vec<RawAllocation> {
+        let mut records = lock(&self.records);
+        records.live_bytes = 0;
+        self.live.store(0, Ordering::Relaxed);
+        records.slab.drain().map(|record| record.allocation).collect()
+    }
+
+    /// Live records and their bytes.
+    pub(crate) fn live(&self) -> (usize, usize) {
+        let records = lock(&self.records);
+        (records.slab.len(), records.live_bytes)
+    }
+
+    /// Live records, read without the lock (cold-path quiescence checks).
+    pub(crate) fn live_count(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,322 @@
+//! Errors of the registry, one enum per operation family. Messages say what was asked,
+//! what was found and what to do. An error raised before anything was mutated hands
+//! the caller's handle back inside [`Rejected`].
+
+use std::fmt;
+
+use memory_api::{
+    AllocError, CapabilityError, DeviceKey, IdentityError, MechanismIdentity, ProviderContextIdentity,
+    QueueRefusalReason, RegistryId, ReleaseError,
+};
+
+use crate::lifecycle::MechanismState;
+
+/// Which kind of registry object an error is about.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ObjectKind {
+    /// A provider context.
+    ProviderContext,
+    /// An authority.
+    Authority,
+    /// A mechanism.
+    Mechanism,
+    /// A binding.
+    Binding,
+    /// An allocation.
+    Allocation,
+}
+
+impl fmt::Display for ObjectKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ObjectKind::ProviderContext => "provider context",
+            ObjectKind::Authority => "authority",
+            ObjectKind::Mechanism => "mechanism",
+            ObjectKind::Binding => "binding",
+            ObjectKind::Allocation => "allocation",
+        })
+    }
+}
+
+/// Errors of the cold path: registration, selection, retirement, invalidation,
+/// termination, removal.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// The identity was issued by another registry.
+    #[error(
+        "{kind} {identity} was issued by registry {found}, not by this registry ({expected}); use the registry that issued it"
+    )]
+    ForeignRegistry {
+        /// What kind of object.
+        kind: ObjectKind,
+        /// The identity presented.
+        identity: String,
+        /// This registry.
+        expected: RegistryId,
+        /// The issuing registry.
+        found: RegistryId,
+    },
+    /// The identity is not (or no longer) registered here.
+    #[error("{kind} {identity} is not registered (never registered, or already removed); register it first")]
+    Unknown {
+        /// What kind of object.
+        kind: ObjectKind,
+        /// The identity presented.
+        identity: String,
+    },
+    /// Context, authority and allocator disagree about the device.
+    #[error(
+        "{what} is on {found}, but the {against} is on {expected}; register all parts of a mechanism for one device"
+    )]
+    DeviceMismatch {
+        /// The part that disagrees.
+        what: &'static str,
+        /// What it was compared against.
+        against: &'static str,
+        /// The device it should be on.
+        expected: DeviceKey,
+        /// The device it is on.
+        found: DeviceKey,
+    },
+    /// The provider context is lost or terminated and accepts no new mechanism.
+    #[error("provider context {context} is {state}; register a new context for this device")]
+    ContextNotLive {
+        /// The context.
+        context: ProviderContextIdentity,
+        /// Its state.
+        state: ContextState,
+    },
+    /// The context is still live: termination needs a lost context.
+    #[error(
+        "provider context {context} is still live; call invalidate_device for its device first, then confirm termination"
+    )]
+    ContextStillLive {
+        /// The context.
+        context: ProviderContextIdentity,
+    },
+    /// Callbacks of the context's mechanisms are still running; poll again later,
+    /// outside any lock.
+    #[error(
+        "provider context {context} still has {in_flight} callback(s) in flight; poll again once they have drained"
+    )]
+    ContextNotQuiescent {
+        /// The context.
+        context: ProviderContextIdentity,
+        /// Callbacks (and queued releases) still in flight.
+        in_flight: usize,
+    },
+    /// The mechanism is in a state that forbids the operation.
+    #[error("mechanism {mechanism} is {state}; {hint}")]
+    InvalidState {
+        /// The mechanism.
+        mechanism: MechanismIdentity,
+        /// Its state.
+        state: MechanismState,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// The object still has work or memory attached.
+    #[error(
+        "{kind} {identity} is not quiescent ({live} live allocation(s), {quarantined} quarantined, \
+         {in_flight} in flight, {dependents} dependent mechanism(s)); release, retry quarantine or terminate first"
+    )]
+    NotQuiescent {
+        /// What kind of object.
+        kind: ObjectKind,
+        /// Its identity.
+        identity: String,
+        /// Live allocations.
+        live: usize,
+        /// Quarantined allocations.
+        quarantined: usize,
+        /// Operations in flight.
+        in_flight: usize,
+        /// Mechanisms still registered that reference it.
+        dependents: usize,
+    },
+    /// Identities ran out.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+}
+
+/// The lifecycle of a provider context.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ContextState {
+    /// Usable.
+    Live,
+    /// Its device was invalidated.
+    Lost,
+    /// Its termination was confirmed; it can never be reused.
+    Terminated,
+}
+
+impl fmt::Display for ContextState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ContextState::Live => "live",
+            ContextState::Lost => "lost",
+            ContextState::Terminated => "terminated",
+        })
+    }
+}
+
+/// Why `bind` failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BindError {
+    /// No mechanism is selected for the device.
+    #[error("no mechanism is selected for {device}; register an allocator for it or call select")]
+    NoSelection {
+        /// The device asked for.
+        device: DeviceKey,
+    },
+    /// The mechanism cannot take new bindings.
+    #[error("mechanism {mechanism} is {state} and takes no new bindings; select an active mechanism")]
+    Inactive {
+        /// The mechanism.
+        mechanism: MechanismIdentity,
+        /// Its state.
+        state: MechanismState,
+    },
+    /// The mechanism is unknown or foreign.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// Why a binding operation on an allocation failed (the reason inside [`Rejected`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandleError {
+    /// The handle comes from another registry.
+    #[error("the allocation was issued by registry {found}, not {expected}; release it through its own registry")]
+    ForeignRegistry {
+        /// This binding's registry.
+        expected: RegistryId,
+        /// The handle's registry.
+        found: RegistryId,
+    },
+    /// The handle belongs to another binding (or mechanism, authority, device).
+    #[error("the allocation belongs to {found}, not to this binding ({expected}); use the binding that made it")]
+    BindingMismatch {
+        /// This binding.
+        expected: String,
+        /// The binding that made the allocation.
+        found: String,
+    },
+    /// The handle's generation no longer validates (its metadata was retired).
+    #[error(
+        "the allocation's generation is stale (its metadata was retired by termination or release); drop the handle"
+    )]
+    StaleAllocation,
+    /// The device was lost; nothing was called.
+    #[error(
+        "{device} was lost ({reason}); drop the handle, confirm the context terminated and rebind on a new context"
+    )]
+    DeviceLost {
+        /// The lost device.
+        device: DeviceKey,
+        /// Why.
+        reason: String,
+    },
+    /// The mechanism's state forbids the operation.
+    #[error("mechanism {mechanism} is {state}; this operation needs an active mechanism")]
+    Inactive {
+        /// The mechanism.
+        mechanism: MechanismIdentity,
+        /// Its state.
+        state: MechanismState,
+    },
+    /// The allocator refused the release without mutating anything.
+    #[error("the allocator refused the release: {0}; retry later")]
+    ReleaseFailed(ReleaseError),
+    /// A deferred-release queue refused the release.
+    #[error("the release queue refused: {0}")]
+    QueueRefused(QueueRefusalReason),
+}
+
+/// An operation that was refused before anything was mutated: the handle comes back.
+#[derive(Debug, thiserror::Error)]
+#[error("{reason}")]
+pub struct Rejected<T> {
+    /// The caller's handle, untouched.
+    pub handle: T,
+    /// Why the operation was refused.
+    pub reason: HandleError,
+}
+
+impl<T> Rejected<T> {
+    /// Splits into handle and reason.
+    pub fn into_parts(self) -> (T, HandleError) {
+        (self.handle, self.reason)
+    }
+}
+
+/// Why `allocate` failed. Nothing was allocated.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AllocateError {
+    /// The binding's mechanism takes no new allocations.
+    #[error("mechanism {mechanism} is {state} and takes no new allocations; rebind to the selected mechanism")]
+    Inactive {
+        /// The mechanism.
+        mechanism: MechanismIdentity,
+        /// Its state.
+        state: MechanismState,
+    },
+    /// The device was lost.
+    #[error("{device} was lost ({reason}); rebind on a new context")]
+    DeviceLost {
+        /// The lost device.
+        device: DeviceKey,
+        /// Why.
+        reason: String,
+    },
+    /// The allocator failed.
+    #[error(transparent)]
+    Allocator(#[from] AllocError),
+    /// Identities ran out.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+}
+
+/// Why a view could not be made.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ViewError {
+    /// The range leaves the allocation.
+    #[error("view at offset {offset} of {len} bytes leaves the {allocation_bytes}-byte allocation; keep it inside")]
+    OutOfBounds {
+        /// Start asked for.
+        offset: usize,
+        /// Length asked for.
+        len: usize,
+        /// Size of the allocation.
+        allocation_bytes: usize,
+    },
+    /// The allocation can no longer be used.
+    #[error(transparent)]
+    Handle(#[from] HandleError),
+}
+
+/// Why a bound capability call failed; the allocation was only borrowed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BoundCapabilityError {
+    /// The mechanism's allocator has no such capability.
+    #[error("mechanism {mechanism} has no {capability} capability; bind a mechanism whose allocator provides it")]
+    Unsupported {
+        /// The mechanism.
+        mechanism: MechanismIdentity,
+        /// Which capability.
+        capability: &'static str,
+    },
+    /// The handle cannot be used with this binding, or the device was lost.
+    #[error(transparent)]
+    Handle(#[from] HandleError),
+    /// The capability itself failed (bounds and granularity are checked first).
+    #[error(transparent)]
+    Capability(#[from] CapabilityError),
+}

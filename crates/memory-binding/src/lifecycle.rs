@@ -1,0 +1,222 @@
+//! The mechanism lifecycle word and the per-thread in-flight slots.
+//!
+//! ```text
+//!            retire                invalidate_device          confirm_context_terminated
+//!  Active ───────────▶ Retired ─────────────────────▶ DeviceLost ─────────────────────────▶ Terminated
+//!     └──────────────────────── invalidate_device ──────▲
+//! ```
+//!
+//! The protocol (checked by the loom models in `tests::loom_lifecycle`):
+//! - An operation increments its own cache-line-padded slot, *then* reads the state
+//!   word, and backs out (decrementing) if the state forbids it. Both are `SeqCst`.
+//! - Invalidation stores the state word (`SeqCst`) and never waits.
+//! - Termination requires `DeviceLost`, sums the slots (`SeqCst`) and succeeds only at
+//!   zero. In the single total order of `SeqCst` operations, an operation either read
+//!   the state after the invalidation (and backed out) or incremented before it, in
+//!   which case the sum sees it: no callback is in flight once termination succeeds,
+//!   and none starts afterwards.
+//! - The decrement runs in a guard's `Drop`, so a panicking callback restores the count.
+
+use std::fmt;
+
+use crate::sync::{AtomicU8, AtomicUsize, CachePadded, Ordering};
+
+/// Where a mechanism is in its lifecycle.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MechanismState {
+    /// Serves binds, allocations and releases.
+    Active,
+    /// Rejects new binds and allocations; existing allocations can still be viewed,
+    /// decommitted and released.
+    Retired,
+    /// Its device was invalidated: every operation fails with device lost, and no
+    /// allocator callback runs.
+    DeviceLost,
+    /// Its context was confirmed terminated; its allocation metadata is retired.
+    Terminated,
+}
+
+impl MechanismState {
+    const fn encode(self) -> u8 {
+        match self {
+            MechanismState::Active => 0,
+            MechanismState::Retired => 1,
+            MechanismState::DeviceLost => 2,
+            MechanismState::Terminated => 3,
+        }
+    }
+
+    fn decode(raw: u8) -> MechanismState {
+        match raw {
+            0 => MechanismState::Active,
+            1 => MechanismState::Retired,
+            2 => MechanismState::DeviceLost,
+            _ => MechanismState::Terminated,
+        }
+    }
+
+    /// Lower-case name for messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            MechanismState::Active => "active",
+            MechanismState::Retired => "retired",
+            MechanismState::DeviceLost => "device-lost",
+            MechanismState::Terminated => "terminated",
+        }
+    }
+}
+
+impl fmt::Display for MechanismState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which states an operation may run in.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// New work: binds, allocations, commits, maps.
+    ActiveOnly,
+    /// Work on existing allocations: releases, decommits, unmaps, views.
+    ActiveOrRetired,
+}
+
+impl Admit {
+    fn allows(self, state: MechanismState) -> bool {
+        match self {
+            Admit::ActiveOnly => state == MechanismState::Active,
+            Admit::ActiveOrRetired => matches!(state, MechanismState::Active | MechanismState::Retired),
+        }
+    }
+}
+
+/// Number of in-flight slots per mechanism. Threads map onto slots round-robin; two
+/// threads sharing a slot stay correct (the counts are atomic) and only contend.
+pub(crate) const IN_FLIGHT_SLOTS: usize = 16;
+
+/// The lifecycle word plus the in-flight slots of one mechanism.
+pub(crate) struct Lifecycle {
+    state: AtomicU8,
+    in_flight: Box<[CachePadded<AtomicUsize>]>,
+}
+
+impl Lifecycle {
+    pub(crate) fn new() -> Lifecycle {
+        Lifecycle {
+            state: AtomicU8::new(MechanismState::Active.encode()),
+            in_flight: (0..IN_FLIGHT_SLOTS).map(|_| CachePadded::new(AtomicUsize::new(0))).collect(),
+        }
+    }
+
+    /// The current state (a plain read of the mostly-read word).
+    pub(crate) fn state(&self) -> MechanismState {
+        MechanismState::decode(self.state.load(Ordering::SeqCst))
+    }
+
+    /// Starts an operation on `slot` if the state admits it; the guard ends it.
+    ///
+    /// # Errors
+    /// The state that refused the operation.
+    pub(crate) fn begin(&self, slot: usize, admit: Admit) -> Result<InFlight<'_>, MechanismState> {
+        let counter = &self.in_flight[slot % IN_FLIGHT_SLOTS];
+        counter.fetch_add(1, Ordering::SeqCst);
+        let guard = InFlight { counter };
+        let state = self.state();
+        if admit.allows(state) { Ok(guard) } else { Err(state) }
+    }
+
+    /// Starts an in-flight count that outlives this call (a queued release); the
+    /// owner must call [`Lifecycle::end_detached`] with the same slot exactly once.
+    pub(crate) fn begin_detached(&self, slot: usize, admit: Admit) -> Result<(), MechanismState> {
+        let guard = self.begin(slot, admit)?;
+        std::mem::forget(guard);
+        Ok(())
+    }
+
+    /// Ends a count started by [`Lifecycle::begin_detached`].
+    pub(crate) fn end_detached(&self, slot: usize) {
+        self.in_flight[slot % IN_FLIGHT_SLOTS].fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Operations in flight now (sum of the slots).
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.iter().map(|slot| slot.load(Ordering::SeqCst)).sum()
+    }
+
+    /// Moves from any state in `from` to `to`; returns the state found.
+    pub(crate) fn transition(
+        &self,
+        from: &[MechanismState],
+        to: MechanismState,
+    ) -> Result<MechanismState, MechanismState> {
+        let mut current = self.state.load(Ordering::SeqCst);
+        loop {
+            let state = MechanismState::decode(current);
+            if !from.contains(&state) {
+                return Err(state);
+            }
+            match self.state.compare_exchange(current, to.encode(), Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Ok(state),
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// One operation in flight; dropping it (also during unwinding) ends the count.
+#[must_use = "dropping the guard ends the in-flight count at once"]
+pub(crate) struct InFlight<'a> {
+    counter: &'a AtomicUsize,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operations_are_admitted_by_state() {
+        let life = Lifecycle::new();
+        assert!(life.begin(0, Admit::ActiveOnly).is_ok());
+        assert_eq!(life.transition(&[MechanismState::Active], MechanismState::Retired), Ok(MechanismState::Active));
+        assert_eq!(life.begin(0, Admit::ActiveOnly).err(), Some(MechanismState::Retired));
+        assert!(life.begin(0, Admit::ActiveOrRetired).is_ok());
+        life.transition(&[MechanismState::Active, MechanismState::Retired], MechanismState::DeviceLost).unwrap();
+        assert_eq!(life.begin(3, Admit::ActiveOrRetired).err(), Some(MechanismState::DeviceLost));
+        // Refused operations leave no count behind.
+        assert_eq!(life.in_flight(), 0);
+    }
+
+    #[test]
+    fn guards_count_and_uncount_even_on_unwind() {
+        let life = Lifecycle::new();
+        let a = life.begin(1, Admit::ActiveOnly).unwrap();
+        let b = life.begin(17, Admit::ActiveOnly).unwrap();
+        assert_eq!(life.in_flight(), 2);
+        drop(a);
+        assert_eq!(life.in_flight(), 1);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _guard = life.begin(2, Admit::ActiveOnly).unwrap();
+            panic!("callback panicked");
+        }));
+        assert!(result.is_err());
+        assert_eq!(life.in_flight(), 1);
+        drop(b);
+        assert_eq!(life.in_flight(), 0);
+    }
+
+    #[test]
+    fn detached_counts_last_until_ended() {
+        let life = Lifecycle::new();
+        life.begin_detached(5, Admit::ActiveOrRetired).unwrap();
+        assert_eq!(life.in_flight(), 1);
+        life.end_detached(5);
+        assert_eq!(life.in_flight(), 0);
+    }
+}

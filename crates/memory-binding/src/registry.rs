@@ -1,0 +1,618 @@
+//! `BindingRegistry`: registration, selection and every lifecycle transition (the cold
+//! path), plus `bind`.
+//!
+//! Lock order (also in docs/LIFECYCLE.md): the registry's `cold` mutex serialises
+//! lifecycle transitions and may be held while briefly touching one dashmap shard;
+//! nothing else nests. Pin and quarantine mutexes are leaves, never taken under `cold`
+//! or a shard. No allocator, capability, queue or user callback and no resource
+//! destructor runs under any of them: values are moved out, locks released, then the
+//! callback runs or the value drops.
+
+use std::fmt;
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use memory_api::{
+    AllocationIdentity, AuthorityIdentity, BindingGeneration, DeviceAllocator, DeviceKey, Identity, IdentityIssuer,
+    MechanismIdentity, ProviderContextIdentity, RawAllocation, RegistryId, ReleaseOutcome,
+};
+
+use crate::binding::MemoryBinding;
+use crate::entry::{AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
+use crate::error::{BindError, ContextState, ObjectKind, RegistryError};
+use crate::lifecycle::{Admit, MechanismState};
+use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
+use crate::sync::{Arc, Mutex, lock};
+
+/// The registry: sole issuer of identities, owner of every lifecycle.
+///
+/// Cheap to clone; clones share one registry.
+#[derive(Clone)]
+pub struct BindingRegistry {
+    pub(crate) inner: Arc<RegistryInner>,
+}
+
+/// One selected mechanism per device.
+struct Selected {
+    device: DeviceKey,
+    generation: BindingGeneration,
+    mechanism: Arc<Mechanism>,
+}
+
+pub(crate) struct RegistryInner {
+    pub(crate) issuer: Arc<IdentityIssuer>,
+    pub(crate) contexts: DashMap<ProviderContextIdentity, Arc<ContextEntry>>,
+    pub(crate) authorities: DashMap<AuthorityIdentity, Arc<AuthorityEntry>>,
+    pub(crate) mechanisms: DashMap<MechanismIdentity, Arc<Mechanism>>,
+    /// Copy-on-write selection table: `bind` reads it through an arc-swap guard, so
+    /// concurrent binds share no refcount line.
+    selection: ArcSwap<Vec<Selected>>,
+    cold: Mutex<()>,
+}
+
+/// Options for [`BindingRegistry::register_allocator_with`].
+#[derive(Clone, Debug, Default)]
+pub struct MechanismOptions {
+    /// What dropping a live allocation does; `None` picks
+    /// [`DropPolicy::default_for`] the device.
+    pub drop_policy: Option<DropPolicy>,
+}
+
+/// What `invalidate_device` changed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct InvalidationReport {
+    /// Mechanisms moved to device-lost.
+    pub mechanisms: usize,
+    /// Contexts moved to lost.
+    pub contexts: usize,
+    /// Whether the device's selection was dropped.
+    pub selection_dropped: bool,
+}
+
+impl BindingRegistry {
+    /// A new, empty registry with a fresh process-unique id.
+    ///
+    /// # Errors
+    /// [`RegistryError::Identity`] once the process has used up registry ids.
+    pub fn new() -> Result<BindingRegistry, RegistryError> {
+        Ok(BindingRegistry::with_issuer(IdentityIssuer::new()?))
+    }
+
+    /// A registry minting from `issuer` (for example one with a serial limit).
+    pub fn with_issuer(issuer: IdentityIssuer) -> BindingRegistry {
+        BindingRegistry {
+            inner: Arc::new(RegistryInner {
+                issuer: Arc::new(issuer),
+                contexts: DashMap::new(),
+                authorities: DashMap::new(),
+                mechanisms: DashMap::new(),
+                selection: ArcSwap::from_pointee(Vec::new()),
+                cold: Mutex::new(()),
+            }),
+        }
+    }
+
+    /// This registry's process-unique id.
+    pub fn id(&self) -> RegistryId {
+        self.inner.issuer.registry()
+    }
+
+    fn check_ours<I: Identity>(&self, kind: ObjectKind, identity: &I) -> Result<(), RegistryError> {
+        let (expected, found) = (self.id(), identity.registry());
+        if expected == found {
+            Ok(())
+        } else {
+            Err(RegistryError::ForeignRegistry { kind, identity: identity.to_string(), expected, found })
+        }
+    }
+
+    fn context(&self, context: &ProviderContextIdentity) -> Result<Arc<ContextEntry>, RegistryError> {
+        self.check_ours(ObjectKind::ProviderContext, context)?;
+        let entry = self.inner.contexts.get(context).map(|e| Arc::clone(&e));
+        entry.ok_or_else(|| RegistryError::Unknown { kind: ObjectKind::ProviderContext, identity: context.to_string() })
+    }
+
+    fn authority(&self, authority: &AuthorityIdentity) -> Result<Arc<AuthorityEntry>, RegistryError> {
+        self.check_ours(ObjectKind::Authority, authority)?;
+        let entry = self.inner.authorities.get(authority).map(|e| Arc::clone(&e));
+        entry.ok_or_else(|| RegistryError::Unknown { kind: ObjectKind::Authority, identity: authority.to_string() })
+    }
+
+    pub(crate) fn mechanism(&self, mechanism: &MechanismIdentity) -> Result<Arc<Mechanism>, RegistryError> {
+        self.check_ours(ObjectKind::Mechanism, mechanism)?;
+        let entry = self.inner.mechanisms.get(mechanism).map(|e| Arc::clone(&e));
+        entry.ok_or_else(|| RegistryError::Unknown { kind: ObjectKind::Mechanism, identity: mechanism.to_string() })
+    }
+
+    /// Every registered mechanism, collected so no shard lock is held afterwards.
+    pub(crate) fn all_mechanisms(&self) -> Vec<Arc<Mechanism>> {
+        self.inner.mechanisms.iter().map(|e| Arc::clone(e.value())).collect()
+    }
+
+    /// Registers a provider context for `device`, pinning `resource`.
+    ///
+    /// # Errors
+    /// [`RegistryError::Identity`] when identities ran out.
+    pub fn register_provider_context(
+        &self,
+        device: DeviceKey,
+        resource: Resource,
+    ) -> Result<ProviderContextIdentity, RegistryError> {
+        let identity = self.inner.issuer.provider_context()?;
+        self.inner.contexts.insert(identity, Arc::new(ContextEntry::new(identity, device, resource)));
+        tracing::info!(context = %identity, %device, "provider context registered");
+        Ok(identity)
+    }
+
+    /// Registers an authority (a tenant, a quota owner) for `device`, pinning `resource`.
+    ///
+    /// # Errors
+    /// [`RegistryError::Identity`] when identities ran out.
+    pub fn register_authority(
+        &self,
+        device: DeviceKey,
+        resource: Resource,
+    ) -> Result<AuthorityIdentity, RegistryError> {
+        let identity = self.inner.issuer.authority()?;
+        self.inner.authorities.insert(identity, Arc::new(AuthorityEntry { identity, device, resource }));
+        tracing::info!(authority = %identity, %device, "authority registered");
+        Ok(identity)
+    }
+
+    /// Registers `allocator` under `context` and `authority` with default options.
+    /// The first mechanism registered for a device without a selection becomes its
+    /// selection.
+    ///
+    /// # Errors
+    /// Foreign or unknown context or authority, a context that is not live, or
+    /// devices that disagree; all checked before anything is published.
+    pub fn register_allocator(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        allocator: Arc<dyn DeviceAllocator>,
+    ) -> Result<MechanismIdentity, RegistryError> {
+        self.register_allocator_with(context, authority, allocator, MechanismOptions::default())
+    }
+
+    /// [`BindingRegistry::register_allocator`] with explicit options.
+    ///
+    /// # Errors
+    /// As for [`BindingRegistry::register_allocator`].
+    pub fn register_allocator_with(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        allocator: Arc<dyn DeviceAllocator>,
+        options: MechanismOptions,
+    ) -> Result<MechanismIdentity, RegistryError> {
+        let cold = lock(&self.inner.cold);
+        let context = self.context(context)?;
+        let authority = self.authority(authority)?;
+        let state = context.state();
+        if state != ContextState::Live {
+            return Err(RegistryError::ContextNotLive { context: context.identity, state });
+        }
+        if authority.device != context.device {
+            return Err(RegistryError::DeviceMismatch {
+                what: "authority",
+                against: "provider context",
+                expected: context.device,
+                found: authority.device,
+            });
+        }
+        let device = allocator.device();
+        if device != context.device {
+            return Err(RegistryError::DeviceMismatch {
+                what: "allocator",
+                against: "provider context",
+                expected: context.device,
+                found: device,
+            });
+        }
+        let identity = self.inner.issuer.mechanism()?;
+        let generation = self.inner.issuer.binding_generation()?;
+        let drop_policy = options.drop_policy.unwrap_or_else(|| DropPolicy::default_for(device));
+        let core = MechanismCore::new(
+            identity,
+            allocator,
+            context,
+            authority,
+            generation,
+            Arc::clone(&self.inner.issuer),
+            drop_policy,
+        );
+        let mechanism = Arc::new(Mechanism::new(core));
+        self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
+        let selected = self.inner.selection.load().iter().any(|s| s.device == device);
+        if !selected {
+            self.store_selection(device, Some((generation, mechanism)));
+        }
+        drop(cold);
+        tracing::info!(mechanism = %identity, %device, selected = !selected, "mechanism registered");
+        Ok(identity)
+    }
+
+    /// Registers a composite whose allocation, capabilities and release live in
+    /// different inner objects that `allocator` routes between.
+    ///
+    /// # Safety
+    /// Rust cannot prove such a composition coherent, so the caller attests that:
+    /// every block `allocator.allocate` returns is one its `release` accepts exactly
+    /// once and frees completely; the capability objects `allocator` exposes accept
+    /// exactly those blocks and never touch memory outside them; and address ranges a
+    /// capability maps are unmapped before `release` reports `Complete`. Host backends
+    /// dereference these addresses, so breaking this is undefined behaviour.
+    ///
+    /// # Errors
+    /// As for [`BindingRegistry::register_allocator_with`].
+    // The crate forbids unsafe blocks; this `unsafe fn` only marks the trust boundary
+    // and contains none.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_trusted_composite(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        allocator: Arc<dyn DeviceAllocator>,
+        options: MechanismOptions,
+    ) -> Result<MechanismIdentity, RegistryError> {
+        tracing::info!("registering a trusted composite allocator (caller-attested coherence)");
+        self.register_allocator_with(context, authority, allocator, options)
+    }
+
+    fn store_selection(&self, device: DeviceKey, selected: Option<(BindingGeneration, Arc<Mechanism>)>) {
+        let current = self.inner.selection.load();
+        let mut table: Vec<Selected> = current
+            .iter()
+            .filter(|s| s.device != device)
+            .map(|s| Selected { device: s.device, generation: s.generation, mechanism: Arc::clone(&s.mechanism) })
+            .collect();
+        if let Some((generation, mechanism)) = selected {
+            table.push(Selected { device, generation, mechanism });
+        }
+        // Only called under `cold`, so load-modify-store cannot lose an update.
+        self.inner.selection.store(Arc::new(table));
+    }
+
+    /// Makes `mechanism` the one future `bind(device)` calls use. Existing bindings,
+    /// allocations and handles keep their original mechanism.
+    ///
+    /// # Errors
+    /// Foreign or unknown mechanism, or one that is not active.
+    pub fn select(&self, mechanism: &MechanismIdentity) -> Result<BindingGeneration, RegistryError> {
+        let cold = lock(&self.inner.cold);
+        let entry = self.mechanism(mechanism)?;
+        let state = entry.core.lifecycle.state();
+        if state != MechanismState::Active {
+            return Err(RegistryError::InvalidState {
+                mechanism: *mechanism,
+                state,
+                hint: "only an active mechanism can be selected; register a new one",
+            });
+        }
+        let generation = self.inner.issuer.binding_generation()?;
+        let device = entry.core.device;
+        self.store_selection(device, Some((generation, entry)));
+        drop(cold);
+        tracing::info!(mechanism = %mechanism, %device, %generation, "mechanism selected");
+        Ok(generation)
+    }
+
+    /// The mechanism selected for `device`, if any.
+    pub fn selected(&self, device: DeviceKey) -> Option<MechanismIdentity> {
+        self.inner.selection.load().iter().find(|s| s.device == device).map(|s| s.mechanism.core.identity)
+    }
+
+    /// Binds the mechanism selected for `device`.
+    ///
+    /// # Errors
+    /// [`BindError::NoSelection`], or [`BindError::Inactive`] when the selected
+    /// mechanism was retired or lost concurrently.
+    pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
+        let selection = self.inner.selection.load();
+        let Some(selected) = selection.iter().find(|s| s.device == device) else {
+            return Err(BindError::NoSelection { device });
+        };
+        bind_mechanism(&selected.mechanism, selected.generation)
+    }
+
+    /// Binds a specific registered mechanism, selected or not.
+    ///
+    /// # Errors
+    /// Foreign, unknown or inactive mechanism.
+    pub fn bind_registered(&self, mechanism: &MechanismIdentity) -> Result<MemoryBinding, BindError> {
+        let entry = self.mechanism(mechanism)?;
+        let generation = entry.core.registered_generation;
+        bind_mechanism(&entry, generation)
+    }
+
+    /// One-call adapter for code that still holds a bare allocator: registers an
+    /// implicit context, authority and mechanism for the allocator's device and
+    /// returns a binding to it.
+    ///
+    /// # Errors
+    /// Identity exhaustion.
+    pub fn with_memory(&self, allocator: Arc<dyn DeviceAllocator>) -> Result<MemoryBinding, BindError> {
+        let device = allocator.device();
+        let context = self.register_provider_context(device, Arc::new(()))?;
+        let authority = self.register_authority(device, Arc::new(()))?;
+        let mechanism = self.register_allocator(&context, &authority, allocator)?;
+        self.bind_registered(&mechanism)
+    }
+
+    /// Retires `mechanism`: new binds and allocations are refused; existing
+    /// allocations can still be viewed, decommitted and released. Drops its selection.
+    ///
+    /// # Errors
+    /// Foreign or unknown mechanism, or one that is not active.
+    pub fn retire(&self, mechanism: &MechanismIdentity) -> Result<(), RegistryError> {
+        let cold = lock(&self.inner.cold);
+        let entry = self.mechanism(mechanism)?;
+        entry.core.lifecycle.transition(&[MechanismState::Active], MechanismState::Retired).map_err(|state| {
+            RegistryError::InvalidState {
+                mechanism: *mechanism,
+                state,
+                hint: "only an active mechanism can be retired",
+            }
+        })?;
+        let device = entry.core.device;
+        if self.selected(device) == Some(*mechanism) {
+            self.store_selection(device, None);
+        }
+        drop(cold);
+        tracing::info!(mechanism = %mechanism, %device, "mechanism retired");
+        Ok(())
+    }
+
+    /// Marks `device` lost: its mechanisms and contexts stop at once. Makes no
+    /// allocator callback, frees and refunds nothing, and never waits.
+    pub fn invalidate_device(&self, device: DeviceKey, reason: &str) -> InvalidationReport {
+        let cold = lock(&self.inner.cold);
+        let mut report = InvalidationReport { mechanisms: 0, contexts: 0, selection_dropped: false };
+        for mechanism in self.all_mechanisms().into_iter().filter(|m| m.core.device == device) {
+            let _ = mechanism.core.lost_reason.set(reason.to_owned());
+            let moved = mechanism
+                .core
+                .lifecycle
+                .transition(&[MechanismState::Active, MechanismState::Retired], MechanismState::DeviceLost);
+            report.mechanisms += usize::from(moved.is_ok());
+        }
+        let contexts: Vec<_> = self.inner.contexts.iter().map(|e| Arc::clone(e.value())).collect();
+        for context in contexts.iter().filter(|c| c.device == device && c.state() == ContextState::Live) {
+            context.set_state(ContextState::Lost);
+            report.contexts += 1;
+        }
+        if self.selected(device).is_some() {
+            self.store_selection(device, None);
+            report.selection_dropped = true;
+        }
+        drop(cold);
+        tracing::error!(%device, reason, mechanisms = report.mechanisms, contexts = report.contexts, "device lost");
+        report
+    }
+
+    /// Confirms that `context` (whose device was invalidated) is gone and its
+    /// callbacks have drained: retires all its allocation metadata, hands the lost
+    /// blocks to each allocator's `forget_lost`, and discharges its quarantine.
+    /// Idempotent; a terminated context accepts no new mechanism.
+    ///
+    /// # Errors
+    /// [`RegistryError::ContextNotQuiescent`] at once while callbacks are in flight
+    /// (poll again, outside any lock); [`RegistryError::ContextStillLive`] when its
+    /// device was never invalidated; foreign or unknown context.
+    pub fn confirm_context_terminated(
+        &self,
+        context: &ProviderContextIdentity,
+    ) -> Result<TerminationReport, RegistryError> {
+        let cold = lock(&self.inner.cold);
+        let entry = self.context(context)?;
+        match entry.state() {
+            ContextState::Live => return Err(RegistryError::ContextStillLive { context: *context }),
+            ContextState::Terminated => {
+                return Ok(TerminationReport::empty(*context, true));
+            }
+            ContextState::Lost => {}
+        }
+        let mechanisms: Vec<_> =
+            self.all_mechanisms().into_iter().filter(|m| m.core.context.identity == *context).collect();
+        let in_flight: usize = mechanisms.iter().map(|m| m.core.lifecycle.in_flight()).sum();
+        if in_flight > 0 {
+            return Err(RegistryError::ContextNotQuiescent { context: *context, in_flight });
+        }
+        for mechanism in &mechanisms {
+            // Every mechanism of a lost context is device-lost; a failed transition
+            // means it is already terminated.
+            let _ = mechanism.core.lifecycle.transition(&[MechanismState::DeviceLost], MechanismState::Terminated);
+        }
+        entry.set_state(ContextState::Terminated);
+        drop(cold);
+
+        let mut report = TerminationReport::empty(*context, false);
+        for mechanism in &mechanisms {
+            let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.drain()).collect();
+            report.lost_allocations += lost.len();
+            report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
+            let quarantine = mechanism.core.take_quarantine();
+            report.discharged_quarantine += quarantine.len();
+            lost.extend(quarantine.into_iter().map(|q| q.allocation));
+            report.mechanisms += 1;
+            mechanism.core.allocator.forget_lost(lost);
+        }
+        tracing::info!(context = %context, ?report, "provider context terminated");
+        Ok(report)
+    }
+
+    /// Retries every quarantined release of `mechanism` through its original
+    /// allocator (on a healthy device).
+    ///
+    /// # Errors
+    /// Foreign or unknown mechanism, or one whose device was lost.
+    pub fn retry_quarantined(&self, mechanism: &MechanismIdentity) -> Result<RetryReport, RegistryError> {
+        let entry = self.mechanism(mechanism)?;
+        let core = &entry.core;
+        let slot = entry.pin().slot;
+        let Ok(in_flight) = core.lifecycle.begin(slot, Admit::ActiveOrRetired) else {
+            return Err(RegistryError::InvalidState {
+                mechanism: *mechanism,
+                state: core.lifecycle.state(),
+                hint: "quarantine on a lost device is discharged by confirm_context_terminated",
+            });
+        };
+        let mut report = RetryReport::default();
+        let mut still = Vec::new();
+        for mut entry in core.take_quarantine() {
+            match core.allocator.release(entry.allocation) {
+                ReleaseOutcome::Complete(_) => report.released += 1,
+                ReleaseOutcome::Quarantined(q) => {
+                    entry.unmapped_bytes += q.unmapped_bytes();
+                    entry.residual_bytes = q.residual_bytes();
+                    (entry.allocation, entry.error) = q.into_parts();
+                    still.push(entry);
+                }
+                ReleaseOutcome::Failed(f) => {
+                    (entry.allocation, entry.error) = f.into_parts();
+                    still.push(entry);
+                }
+            }
+        }
+        report.still_quarantined = still.len();
+        core.restore_quarantine(still);
+        drop(in_flight);
+        tracing::info!(mechanism = %mechanism, ?report, "quarantine retried");
+        Ok(report)
+    }
+
+    /// Removes a retired or terminated mechanism that has nothing live, quarantined
+    /// or in flight. Live handles keep their own pins.
+    ///
+    /// # Errors
+    /// Foreign or unknown mechanism, an active or device-lost one, or one that is not
+    /// quiescent.
+    pub fn remove(&self, mechanism: &MechanismIdentity) -> Result<(), RegistryError> {
+        let cold = lock(&self.inner.cold);
+        let entry = self.mechanism(mechanism)?;
+        let state = entry.core.lifecycle.state();
+        let hint = match state {
+            MechanismState::Active => Some("retire it first"),
+            MechanismState::DeviceLost => Some("confirm its context terminated first"),
+            MechanismState::Retired | MechanismState::Terminated => None,
+        };
+        if let Some(hint) = hint {
+            return Err(RegistryError::InvalidState { mechanism: *mechanism, state, hint });
+        }
+        let live: usize = entry.pins().map(|pin| pin.live_count()).sum();
+        let quarantined = entry.core.quarantined_count();
+        let in_flight = entry.core.lifecycle.in_flight();
+        if live + quarantined + in_flight > 0 {
+            return Err(RegistryError::NotQuiescent {
+                kind: ObjectKind::Mechanism,
+                identity: mechanism.to_string(),
+                live,
+                quarantined,
+                in_flight,
+                dependents: 0,
+            });
+        }
+        let removed = self.inner.mechanisms.remove(mechanism);
+        drop(cold);
+        drop(removed);
+        tracing::info!(mechanism = %mechanism, "mechanism removed");
+        Ok(())
+    }
+
+    fn dependents(&self, matches: impl Fn(&MechanismCore) -> bool) -> usize {
+        self.all_mechanisms().iter().filter(|m| matches(&m.core)).count()
+    }
+
+    /// Removes a provider context no registered mechanism references.
+    ///
+    /// # Errors
+    /// Foreign or unknown context, or mechanisms still referencing it.
+    pub fn remove_provider_context(&self, context: &ProviderContextIdentity) -> Result<(), RegistryError> {
+        let cold = lock(&self.inner.cold);
+        self.context(context)?;
+        let dependents = self.dependents(|core| core.context.identity == *context);
+        if dependents > 0 {
+            return Err(RegistryError::NotQuiescent {
+                kind: ObjectKind::ProviderContext,
+                identity: context.to_string(),
+                live: 0,
+                quarantined: 0,
+                in_flight: 0,
+                dependents,
+            });
+        }
+        let removed = self.inner.contexts.remove(context);
+        drop(cold);
+        drop(removed); // The resource's destructor runs here, outside every lock.
+        tracing::info!(context = %context, "provider context removed");
+        Ok(())
+    }
+
+    /// Removes an authority no registered mechanism references.
+    ///
+    /// # Errors
+    /// Foreign or unknown authority, or mechanisms still referencing it.
+    pub fn remove_authority(&self, authority: &AuthorityIdentity) -> Result<(), RegistryError> {
+        let cold = lock(&self.inner.cold);
+        self.authority(authority)?;
+        let dependents = self.dependents(|core| core.authority.identity == *authority);
+        if dependents > 0 {
+            return Err(RegistryError::NotQuiescent {
+                kind: ObjectKind::Authority,
+                identity: authority.to_string(),
+                live: 0,
+                quarantined: 0,
+                in_flight: 0,
+                dependents,
+            });
+        }
+        let removed = self.inner.authorities.remove(authority);
+        drop(cold);
+        drop(removed);
+        tracing::info!(authority = %authority, "authority removed");
+        Ok(())
+    }
+
+    /// Where the allocation named by `identity` stands, found by its generation
+    /// (never by address): an address the allocator reused under a new generation
+    /// does not make old metadata valid again.
+    pub fn allocation_state(&self, identity: &AllocationIdentity) -> AllocationState {
+        let Ok(mechanism) = self.mechanism(&identity.binding().mechanism()) else {
+            return AllocationState::Gone;
+        };
+        let generation = identity.generation().serial();
+        let state = mechanism.core.lifecycle.state();
+        if state == MechanismState::Terminated {
+            return AllocationState::Gone;
+        }
+        if mechanism.pins().any(|pin| pin.find(generation)) {
+            return if state == MechanismState::DeviceLost { AllocationState::Lost } else { AllocationState::Live };
+        }
+        let quarantined =
+            mechanism.core.with_quarantine(|list| list.iter().any(|q| q.generation == identity.generation()));
+        if quarantined { AllocationState::Quarantined } else { AllocationState::Gone }
+    }
+}
+
+fn bind_mechanism(mechanism: &Mechanism, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
+    let state = mechanism.core.lifecycle.state();
+    if state != MechanismState::Active {
+        return Err(BindError::Inactive { mechanism: mechanism.core.identity, state });
+    }
+    let pin = mechanism.pin();
+    let binding = pin.next_binding_id().map_err(RegistryError::from)?;
+    tracing::trace!(mechanism = %mechanism.core.identity, "bind");
+    Ok(MemoryBinding { pin: Arc::clone(pin), binding, generation })
+}
+
+impl fmt::Debug for BindingRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BindingRegistry")
+            .field("id", &self.id())
+            .field("contexts", &self.inner.contexts.len())
+            .field("authorities", &self.inner.authorities.len())
+            .field("mechanisms", &self.inner.mechanisms.len())
+            .finish()
+    }
+}

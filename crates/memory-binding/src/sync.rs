@@ -1,0 +1,39 @@
+//! Every concurrency primitive the registry's protocols use, from one place.
+//!
+//! Normal builds re-export `std`; under `--cfg memory_loom` the same names come from
+//! loom, so the lifecycle and record protocols can be model-checked without touching
+//! their logic. (The identity tables use dashmap, the selection arc-swap and the pins
+//! thread_local; those are cold-path containers whose own crates are tested upstream,
+//! and the loom models exercise the protocols around them with the primitives here.)
+
+#[cfg(not(memory_loom))]
+pub(crate) use std::sync::{
+    Arc, Mutex, MutexGuard, PoisonError,
+    atomic::{AtomicU8, AtomicUsize, Ordering},
+};
+
+#[cfg(memory_loom)]
+pub(crate) use loom::sync::{
+    Arc, Mutex, MutexGuard,
+    atomic::{AtomicU8, AtomicUsize, Ordering},
+};
+#[cfg(memory_loom)]
+pub(crate) use std::sync::PoisonError;
+
+pub(crate) use crossbeam_utils::CachePadded;
+
+/// Locks `mutex`, recovering the guard if a previous holder panicked.
+///
+/// No callback ever runs under a registry lock, so a panic cannot leave a
+/// half-updated value behind a poisoned lock; recovering keeps one panicking
+/// allocator from turning every later call into a permanent error.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    #[cfg(not(memory_loom))]
+    {
+        mutex.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+    #[cfg(memory_loom)]
+    {
+        mutex.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
