@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::libtest::{parse_device_count, parse_test_results};
+use crate::libtest::{TestCounts, parse_device_count, parse_test_results};
 
 /// A command line: program, arguments and extra environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,14 +115,11 @@ pub(crate) enum Check {
 }
 
 impl Check {
-    /// Test counts for the summary table, for checks that read libtest output.
-    pub(crate) fn note(self, stdout: &str) -> Option<String> {
+    /// Test counts for the summary, for checks that read libtest output.
+    pub(crate) fn counts(self, stdout: &str) -> Option<TestCounts> {
         match self {
             Check::Success | Check::CudaDevice => None,
-            Check::Tests | Check::GpuTests | Check::LoomModels => {
-                let counts = parse_test_results(stdout);
-                Some(format!("{} passed, {} failed, {} ignored", counts.passed, counts.failed, counts.ignored))
-            }
+            Check::Tests | Check::GpuTests | Check::LoomModels => Some(parse_test_results(stdout)),
         }
     }
 
@@ -143,7 +140,9 @@ impl Check {
             Check::Tests => {
                 let counts = parse_test_results(stdout);
                 match counts.failed {
-                    0 => Err(format!("cargo test failed ({status}) without a failing test: a build error or a crashed test binary")),
+                    0 => Err(format!(
+                        "cargo test failed ({status}) without a failing test: a build error or a crashed test binary"
+                    )),
                     failed => Err(format!("{failed} test(s) failed, {} passed; see the failures above", counts.passed)),
                 }
             }
@@ -249,7 +248,8 @@ struct Passed {
     name: &'static str,
     elapsed: Duration,
     warning: Option<String>,
-    note: Option<String>,
+    check: Check,
+    counts: Option<TestCounts>,
 }
 
 /// Runs `steps` in order from `root`, stopping at the first failure.
@@ -268,12 +268,12 @@ pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), S
         let verdict = execute(step, root);
         let elapsed = step_started.elapsed();
         match verdict {
-            Ok((warning, note)) => {
+            Ok((warning, counts)) => {
                 println!("{task}: [{index}/{total}] {} ok in {}", step.name, secs(elapsed));
                 if let Some(warning) = &warning {
                     println!("{task}: warning: {warning}");
                 }
-                passed.push(Passed { name: step.name, elapsed, warning, note });
+                passed.push(Passed { name: step.name, elapsed, warning, check: step.check, counts });
             }
             Err(reason) => {
                 print_table(task, &passed);
@@ -292,6 +292,17 @@ pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), S
     }
     print_table(task, &passed);
     let warnings: Vec<&str> = passed.iter().filter_map(|step| step.warning.as_deref()).collect();
+    // The workspace's test total, as a plain `N passed, N failed` line.
+    let mut tests: Option<TestCounts> = None;
+    for counts in passed.iter().filter(|step| step.check == Check::Tests).filter_map(|step| step.counts) {
+        let total = tests.get_or_insert_with(TestCounts::default);
+        total.passed += counts.passed;
+        total.failed += counts.failed;
+        total.ignored += counts.ignored;
+    }
+    if let Some(total) = tests {
+        println!("tests: {} passed, {} failed, {} skipped", total.passed, total.failed, total.ignored);
+    }
     let note = match warnings.len() {
         0 => String::new(),
         1 => format!(" with 1 warning: {}", warnings[0]),
@@ -302,8 +313,8 @@ pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), S
     Ok(())
 }
 
-/// Runs one step's command and judges it: `Ok((warning, note))` or `Err(reason)`.
-fn execute(step: &Step, root: &Path) -> Result<(Option<String>, Option<String>), String> {
+/// Runs one step's command and judges it: `Ok((warning, test counts))` or `Err(reason)`.
+fn execute(step: &Step, root: &Path) -> Result<(Option<String>, Option<TestCounts>), String> {
     if !step.check.reads_output() {
         let status = step.cmd.status(root).map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
         return step.check.judge(&status, "").map(|warning| (warning, None));
@@ -345,7 +356,7 @@ fn execute(step: &Step, root: &Path) -> Result<(Option<String>, Option<String>),
         return Err(format!("could not read the output of `{}`: {err}", step.cmd));
     }
     let warning = step.check.judge(&status, &captured)?;
-    Ok((warning, step.check.note(&captured)))
+    Ok((warning, step.check.counts(&captured)))
 }
 
 fn print_table(task: &str, passed: &[Passed]) {
@@ -355,7 +366,9 @@ fn print_table(task: &str, passed: &[Passed]) {
     println!("\n{task} summary:");
     for step in passed {
         let mark = if step.warning.is_some() { "ok (warning)" } else { "ok" };
-        let note = step.note.as_deref().map(|note| format!("  {note}")).unwrap_or_default();
+        let note = step.counts.map_or_else(String::new, |counts| {
+            format!("  {} passed, {} failed, {} ignored", counts.passed, counts.failed, counts.ignored)
+        });
         println!("  {:<12} {mark:<13} {:>8}{note}", step.name, secs(step.elapsed));
     }
 }
@@ -439,8 +452,8 @@ mod tests {
         assert!(err.contains("build error"), "{err}");
         let output = "test result: ok. 7 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out\n";
         assert_eq!(Check::Tests.judge_parts(true, OK, output), Ok(None));
-        assert_eq!(Check::Tests.note(output).as_deref(), Some("7 passed, 0 failed, 1 ignored"));
-        assert_eq!(Check::Success.note(output), None);
+        assert_eq!(Check::Tests.counts(output).map(|counts| (counts.passed, counts.ignored)), Some((7, 1)));
+        assert_eq!(Check::Success.counts(output), None);
     }
 
     #[test]
