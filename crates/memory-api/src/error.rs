@@ -164,6 +164,10 @@ pub enum ReleaseError {
         /// The size of the allocation.
         allocation_bytes: usize,
     },
+    /// The allocator panicked inside release; what it freed is unknown, so the whole
+    /// block stays owned.
+    #[error("the allocator panicked while releasing; the block stays quarantined (fix the allocator, then retry)")]
+    CallbackPanicked,
     /// The backend failed in a way not covered above.
     #[error("release failed: {0}")]
     Backend(#[from] BackendError),
