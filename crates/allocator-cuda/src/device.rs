@@ -102,7 +102,6 @@ impl CudaDevice {
         self.inner.lost.get()
     }
 
-    #[allow(dead_code, reason = "the allocators of the next step use it")]
     pub(crate) fn inner(&self) -> &DeviceInner {
         &self.inner
     }
@@ -119,7 +118,6 @@ impl fmt::Debug for CudaDevice {
     }
 }
 
-#[allow(dead_code, reason = "the allocators of the next step use these")]
 impl DeviceInner {
     pub(crate) fn ordinal(&self) -> u32 {
         self.ordinal

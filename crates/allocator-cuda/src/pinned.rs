@@ -1,0 +1,99 @@
+//! `PinnedHostAllocator`: page-locked host memory from `cuMemHostAlloc`.
+
+use std::fmt;
+
+use cudarc::driver::sys;
+use memory_api::{AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome};
+
+use crate::device::CudaDevice;
+use crate::error::CudaError;
+use crate::table::BlockBook;
+
+/// Page-locked (pinned) host memory for fast, asynchronous host-device copies
+/// (staging buffers, offloaded KV pages).
+///
+/// Blocks live on [`DeviceKey::HOST`]; their addresses are host pointers
+/// ([`memory_api::DeviceAddress::as_host_ptr`]) usable from every CUDA context
+/// (`CU_MEMHOSTALLOC_PORTABLE`). Pinned memory is a scarce system resource: keep it to
+/// staging-sized buffers.
+pub struct PinnedHostAllocator {
+    device: CudaDevice,
+    book: BlockBook,
+}
+
+impl PinnedHostAllocator {
+    /// The alignment `cuMemHostAlloc` guarantees (a page).
+    pub const NATIVE_ALIGN: usize = 4096;
+    /// The largest alignment served (by padding the block).
+    pub const MAX_ALIGN: usize = 2 << 20;
+
+    /// An allocator of pinned host memory, registered through `device`'s context.
+    pub fn new(device: &CudaDevice) -> PinnedHostAllocator {
+        PinnedHostAllocator {
+            device: device.clone(),
+            book: BlockBook::new(DeviceKey::HOST, Self::NATIVE_ALIGN, Self::MAX_ALIGN),
+        }
+    }
+
+    /// The device whose context pins the memory.
+    pub fn cuda_device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    fn driver_free(&self, base: u64) -> Result<(), CudaError> {
+        let device = self.device.inner();
+        let _current = device.enter("cuMemFreeHost")?;
+        // SAFETY: `base` is a pointer cuMemHostAlloc returned and that was taken out of
+        // the live table, so it is freed at most once; the context is current.
+        device.call("cuMemFreeHost", unsafe { sys::cuMemFreeHost(std::ptr::with_exposed_provenance_mut(base as usize)) })
+    }
+}
+
+impl DeviceAllocator for PinnedHostAllocator {
+    fn device(&self) -> DeviceKey {
+        DeviceKey::HOST
+    }
+
+    fn name(&self) -> &str {
+        "cuda-pinned-host"
+    }
+
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let device = self.device.inner();
+        self.book.allocate_with(
+            device,
+            "cuMemHostAlloc",
+            request,
+            |size| {
+                let _current = device.enter("cuMemHostAlloc")?;
+                let mut pointer: *mut std::ffi::c_void = std::ptr::null_mut();
+                // SAFETY: `pointer` is a valid out-pointer for one host pointer and the
+                // device's context is current (held by `_current`).
+                let result = unsafe { sys::cuMemHostAlloc(&mut pointer, size, sys::CU_MEMHOSTALLOC_PORTABLE) };
+                device.call("cuMemHostAlloc", result)?;
+                Ok(pointer.expose_provenance() as u64)
+            },
+            |base| self.driver_free(base),
+            || None,
+        )
+    }
+
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.book.release_with(self.device.inner(), self.name(), "cuMemFreeHost", allocation, |base| self.driver_free(base))
+    }
+
+    fn stats(&self) -> Option<AllocatorStats> {
+        Some(self.book.counters.snapshot())
+    }
+
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        let forgotten = self.book.forget(lost);
+        tracing::info!(forgotten, "forgot pinned blocks lost with their context");
+    }
+}
+
+impl fmt::Debug for PinnedHostAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedHostAllocator").field("device", &self.device).field("live", &self.book.live_blocks()).finish()
+    }
+}
