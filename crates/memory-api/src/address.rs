@@ -47,7 +47,7 @@ impl DeviceAddress {
 
     /// Whether the address is a multiple of `align` (a power of two).
     pub fn is_aligned_to(self, align: usize) -> bool {
-        align != 0 && self.get() % (align as u64) == 0
+        align != 0 && self.get().is_multiple_of(align as u64)
     }
 }
 

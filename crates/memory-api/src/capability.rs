@@ -58,7 +58,7 @@ impl ByteRange {
     /// # Errors
     /// [`CapabilityError::Misaligned`] otherwise.
     pub fn check_aligned(&self, granularity: usize) -> Result<(), CapabilityError> {
-        if granularity == 0 || self.offset % granularity != 0 || self.len % granularity != 0 {
+        if granularity == 0 || !self.offset.is_multiple_of(granularity) || !self.len.is_multiple_of(granularity) {
             return Err(CapabilityError::Misaligned { offset: self.offset, len: self.len, granularity });
         }
         Ok(())

@@ -704,11 +704,12 @@ fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
             };
             let Some(raw) = pin.take(slot, parts.generation) else { return };
             let outcome = call_release(core, &parts, raw);
-            if let Settled::Refused { slot, error } = settle(core, &pin, &parts, outcome) {
-                if let Some(raw) = pin.take(slot, parts.generation) {
-                    let bytes = raw.bytes();
-                    core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
-                }
+            // Nobody holds a handle any more: a refused drop-time release is quarantined.
+            if let Settled::Refused { slot, error } = settle(core, &pin, &parts, outcome)
+                && let Some(raw) = pin.take(slot, parts.generation)
+            {
+                let bytes = raw.bytes();
+                core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
             }
             drop(in_flight);
         }

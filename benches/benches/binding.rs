@@ -1,0 +1,187 @@
+//! BindingRegistry hot-path benches (issue 3), each against a baseline in the same run:
+//! - `pair/raw_dyn` vs `pair/bound`: allocate + release through `&dyn DeviceAllocator`
+//!   and through a binding, on a counter allocator with no memory behind it, so the
+//!   difference is the registry's own cost.
+//! - `bind`: `registry.bind(device)`.
+//! - `threads/*`: aggregate throughput of 1 thread vs 2 threads on one mechanism
+//!   (two bindings) and on two mechanisms on two devices.
+//! - `live/*`: the pair with 0, 100,000 live allocations, and after releasing them.
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use memory_api::{
+    AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
+};
+use memory_binding::{BindingRegistry, MemoryBinding};
+
+/// Hands out addresses from a per-allocator counter and frees nothing: the cheapest
+/// possible allocator, so the benches measure the layers above it.
+struct Counter {
+    device: DeviceKey,
+    next: AtomicU64,
+}
+
+impl Counter {
+    fn new(device: DeviceKey) -> Counter {
+        Counter { device, next: AtomicU64::new(1 << 20) }
+    }
+}
+
+impl DeviceAllocator for Counter {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+    fn name(&self) -> &str {
+        "counter"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        // Relaxed and per-allocator: on two devices nothing is shared.
+        let start = self.next.fetch_add(4096, Ordering::Relaxed);
+        let address = DeviceAddress::new(start).unwrap_or(DeviceAddress::new(1).unwrap_or_else(|| unreachable!()));
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+}
+
+/// A thread-local counter allocator for the contention benches: the raw allocator
+/// must not be the shared line, or the bench would measure it instead of the registry.
+struct Local {
+    device: DeviceKey,
+}
+
+impl DeviceAllocator for Local {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+    fn name(&self) -> &str {
+        "local"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        thread_local!(static NEXT: std::cell::Cell<u64> = const { std::cell::Cell::new(1 << 20) });
+        let start = NEXT.with(|n| {
+            let v = n.get();
+            n.set(v + 4096);
+            v
+        });
+        let address = DeviceAddress::new(start).unwrap_or_else(|| unreachable!("starts above zero"));
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+}
+
+fn request() -> AllocationRequest {
+    AllocationRequest::new(4096, 256).unwrap_or_else(|_| unreachable!("valid layout"))
+}
+
+fn pair(c: &mut Criterion) {
+    let request = request();
+    let raw: Arc<dyn DeviceAllocator> = Arc::new(Counter::new(DeviceKey::device(0)));
+    let registry = BindingRegistry::new().expect("registry");
+    let binding = registry.with_memory(Arc::new(Counter::new(DeviceKey::device(0)))).expect("binding");
+    let mut group = c.benchmark_group("pair");
+    group.bench_function("raw_dyn", |b| {
+        let allocator: &dyn DeviceAllocator = &*raw;
+        b.iter(|| {
+            let block = allocator.allocate(black_box(&request)).expect("allocate");
+            assert!(black_box(allocator.release(block)).is_complete());
+        })
+    });
+    group.bench_function("bound", |b| {
+        b.iter(|| {
+            let block = binding.allocate(black_box(request)).expect("allocate");
+            black_box(binding.release(block).expect("release"));
+        })
+    });
+    group.finish();
+
+    c.bench_function("bind", |b| {
+        b.iter(|| black_box(registry.bind(black_box(DeviceKey::device(0))).expect("bind")));
+    });
+}
+
+/// Runs `per_thread` pairs on each binding, one thread per binding, and returns
+/// the wall time divided by the total pairs (so lower means more throughput).
+fn run_threads(bindings: &[MemoryBinding], iters: u64) -> Duration {
+    let request = request();
+    let barrier = Arc::new(Barrier::new(bindings.len() + 1));
+    let handles: Vec<_> = bindings
+        .iter()
+        .cloned()
+        .map(|binding| {
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                barrier.wait();
+                for _ in 0..iters {
+                    let block = binding.allocate(request).expect("allocate");
+                    black_box(binding.release(block).expect("release"));
+                }
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    for handle in handles {
+        handle.join().expect("bench thread");
+    }
+    // Per pair across all threads: aggregate throughput = 1 / this.
+    start.elapsed() / bindings.len() as u32
+}
+
+fn threads(c: &mut Criterion) {
+    let registry = BindingRegistry::new().expect("registry");
+    let one = registry.with_memory(Arc::new(Local { device: DeviceKey::device(0) })).expect("binding");
+    let mechanism = one.identity().mechanism();
+    let other = registry.with_memory(Arc::new(Local { device: DeviceKey::device(1) })).expect("binding");
+    let mut group = c.benchmark_group("threads");
+    // Each thread binds on its own thread in real use; bind on a fresh thread so each
+    // binding gets that thread's pin.
+    let bind_on_thread = |registry: &BindingRegistry, mechanism| {
+        let registry = registry.clone();
+        std::thread::spawn(move || registry.bind_registered(&mechanism).expect("bind")).join().expect("bind thread")
+    };
+    let same_a = bind_on_thread(&registry, mechanism);
+    let same_b = bind_on_thread(&registry, mechanism);
+    let device_b = bind_on_thread(&registry, other.identity().mechanism());
+    group.bench_function("one_thread", |b| b.iter_custom(|iters| run_threads(std::slice::from_ref(&same_a), iters)));
+    group.bench_function("two_threads_one_mechanism", |b| {
+        b.iter_custom(|iters| run_threads(&[same_a.clone(), same_b.clone()], iters))
+    });
+    group.bench_function("two_threads_two_devices", |b| {
+        b.iter_custom(|iters| run_threads(&[same_a.clone(), device_b.clone()], iters))
+    });
+    group.finish();
+}
+
+fn live(c: &mut Criterion) {
+    let request = request();
+    let registry = BindingRegistry::new().expect("registry");
+    let binding = registry.with_memory(Arc::new(Counter::new(DeviceKey::device(0)))).expect("binding");
+    let mut group = c.benchmark_group("live");
+    let mut measure = |name: &str| {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let block = binding.allocate(black_box(request)).expect("allocate");
+                black_box(binding.release(block).expect("release"));
+            })
+        });
+    };
+    measure("none");
+    let held: Vec<_> = (0..100_000).map(|_| binding.allocate(request).expect("allocate")).collect();
+    measure("100k_live");
+    for block in held {
+        binding.release(block).expect("release");
+    }
+    measure("after_release");
+    group.finish();
+}
+
+criterion_group!(benches, pair, threads, live);
+criterion_main!(benches);

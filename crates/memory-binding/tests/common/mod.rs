@@ -1,0 +1,215 @@
+//! Shared fixtures for the registry tests: allocators with capabilities that count
+//! their callbacks, a bounded deferred-release queue, and registration helpers.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use memory_api::{
+    AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
+    DeviceKey, MappingAccess, PreparedRelease, QueueRefusal, QueueRefusalReason, RawAllocation, ReleaseOutcome,
+    ReleaseSummary, SharedBacking, SharedBackingResource, SharedMapping, SharedPlacement, VirtualBacking,
+};
+use memory_binding::{BindingRegistry, MechanismOptions, MemoryBinding};
+
+pub const PAGE: usize = 4096;
+
+/// An allocator that hands out addresses from a counter (no memory behind them) and
+/// implements both capabilities by bookkeeping, counting every callback. It makes no
+/// heap allocation per allocate/release, so it also serves the allocation-free test.
+#[derive(Debug)]
+pub struct Caps {
+    pub device: DeviceKey,
+    next: AtomicU64,
+    /// When set, every allocation gets this same address (an allocator reusing addresses).
+    pub fixed_address: Option<u64>,
+    pub allocates: AtomicUsize,
+    pub releases: AtomicUsize,
+    pub commits: AtomicUsize,
+    pub decommits: AtomicUsize,
+    pub maps: AtomicUsize,
+    pub unmaps: AtomicUsize,
+    pub forgotten: AtomicUsize,
+    committed: AtomicUsize,
+}
+
+impl Caps {
+    pub fn new(device: DeviceKey) -> Caps {
+        Caps {
+            device,
+            next: AtomicU64::new(1 << 30),
+            fixed_address: None,
+            allocates: AtomicUsize::new(0),
+            releases: AtomicUsize::new(0),
+            commits: AtomicUsize::new(0),
+            decommits: AtomicUsize::new(0),
+            maps: AtomicUsize::new(0),
+            unmaps: AtomicUsize::new(0),
+            forgotten: AtomicUsize::new(0),
+            committed: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn reusing(device: DeviceKey, address: u64) -> Caps {
+        Caps { fixed_address: Some(address), ..Caps::new(device) }
+    }
+
+    /// Every callback that touches memory, summed.
+    pub fn callbacks(&self) -> usize {
+        [&self.allocates, &self.releases, &self.commits, &self.decommits, &self.maps, &self.unmaps]
+            .iter()
+            .map(|c| c.load(Ordering::SeqCst))
+            .sum()
+    }
+}
+
+impl DeviceAllocator for Caps {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+    fn name(&self) -> &str {
+        "caps"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.allocates.fetch_add(1, Ordering::SeqCst);
+        let span = request.bytes().max(1).next_multiple_of(request.align().max(PAGE)) as u64;
+        let start = match self.fixed_address {
+            Some(address) => address,
+            None => self.next.fetch_add(span, Ordering::Relaxed).next_multiple_of(request.align().max(PAGE) as u64),
+        };
+        let address = DeviceAddress::new(start).ok_or_else(|| AllocError::Unsupported {
+            allocator: "caps".into(),
+            device: self.device,
+            what: "address zero",
+        })?;
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        Some(self)
+    }
+    fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        Some(self)
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        self.forgotten.fetch_add(lost.len(), Ordering::SeqCst);
+    }
+}
+
+impl VirtualBacking for Caps {
+    fn granularity(&self) -> usize {
+        PAGE
+    }
+    fn commit(&self, _allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.commits.fetch_add(1, Ordering::SeqCst);
+        self.committed.fetch_add(range.len(), Ordering::SeqCst);
+        Ok(range.len())
+    }
+    fn decommit(&self, _allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.decommits.fetch_add(1, Ordering::SeqCst);
+        self.committed.fetch_sub(range.len(), Ordering::SeqCst);
+        Ok(range.len())
+    }
+    fn committed_bytes(&self, _allocation: &RawAllocation) -> Result<usize, CapabilityError> {
+        Ok(self.committed.load(Ordering::SeqCst))
+    }
+}
+
+#[derive(Debug)]
+struct Backing(usize);
+impl SharedBackingResource for Backing {
+    fn bytes(&self) -> usize {
+        self.0
+    }
+}
+
+impl SharedMapping for Caps {
+    fn granularity(&self) -> usize {
+        PAGE
+    }
+    fn create_backing(&self, bytes: usize) -> Result<SharedBacking, CapabilityError> {
+        Ok(SharedBacking::new(self.device, Arc::new(Backing(bytes))))
+    }
+    fn map(
+        &self,
+        _backing: &SharedBacking,
+        _allocation: &RawAllocation,
+        _placement: SharedPlacement,
+        _access: MappingAccess,
+    ) -> Result<(), CapabilityError> {
+        self.maps.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn unmap(&self, _allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.unmaps.fetch_add(1, Ordering::SeqCst);
+        Ok(range.len())
+    }
+}
+
+/// A bounded queue that holds prepared releases until the test runs them.
+pub struct HeldQueue {
+    pub device: DeviceKey,
+    pub capacity: usize,
+    pub held: Mutex<Vec<PreparedRelease>>,
+}
+
+impl HeldQueue {
+    pub fn new(device: DeviceKey, capacity: usize) -> HeldQueue {
+        HeldQueue { device, capacity, held: Mutex::new(Vec::new()) }
+    }
+
+    /// Runs every held release (as if their events completed).
+    pub fn run_all(&self) -> Vec<ReleaseSummary> {
+        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        held.into_iter().map(PreparedRelease::execute).collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.held.lock().unwrap().len()
+    }
+}
+
+impl DeferredReleaseQueue for HeldQueue {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+    fn enqueue(&self, release: PreparedRelease) -> Result<(), QueueRefusal> {
+        let mut held = self.held.lock().unwrap();
+        if held.len() >= self.capacity {
+            return Err(QueueRefusal { release, reason: QueueRefusalReason::Full { capacity: self.capacity } });
+        }
+        held.push(release);
+        Ok(())
+    }
+}
+
+/// Registers context + authority + `allocator` on its device.
+pub fn register(
+    registry: &BindingRegistry,
+    allocator: Arc<dyn DeviceAllocator>,
+) -> (memory_api::ProviderContextIdentity, memory_api::AuthorityIdentity, memory_api::MechanismIdentity) {
+    register_with(registry, allocator, MechanismOptions::default())
+}
+
+pub fn register_with(
+    registry: &BindingRegistry,
+    allocator: Arc<dyn DeviceAllocator>,
+    options: MechanismOptions,
+) -> (memory_api::ProviderContextIdentity, memory_api::AuthorityIdentity, memory_api::MechanismIdentity) {
+    let device = allocator.device();
+    let context = registry.register_provider_context(device, Arc::new(())).unwrap();
+    let authority = registry.register_authority(device, Arc::new(())).unwrap();
+    let mechanism = registry.register_allocator_with(&context, &authority, allocator, options).unwrap();
+    (context, authority, mechanism)
+}
+
+pub fn request(bytes: usize) -> AllocationRequest {
+    AllocationRequest::new(bytes, 64).unwrap()
+}
+
+pub fn bind(registry: &BindingRegistry, mechanism: &memory_api::MechanismIdentity) -> MemoryBinding {
+    registry.bind_registered(mechanism).unwrap()
+}
