@@ -13,10 +13,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use memory_api::MechanismIdentity;
 use memory_api::{
     AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
 };
-use memory_binding::{BindingRegistry, MemoryBinding};
+use memory_binding::BindingRegistry;
 
 /// Hands out addresses from a per-allocator counter and frees nothing: the cheapest
 /// possible allocator, so the benches measure the layers above it.
@@ -107,17 +108,19 @@ fn pair(c: &mut Criterion) {
     });
 }
 
-/// Runs `per_thread` pairs on each binding, one thread per binding, and returns
-/// the wall time divided by the total pairs (so lower means more throughput).
-fn run_threads(bindings: &[MemoryBinding], iters: u64) -> Duration {
+/// Runs `iters` pairs on each thread, one thread per mechanism listed, each thread
+/// binding for itself as a worker would; returns the wall time divided by the number
+/// of threads (so lower means more aggregate throughput).
+fn run_threads(registry: &BindingRegistry, mechanisms: &[MechanismIdentity], iters: u64) -> Duration {
     let request = request();
-    let barrier = Arc::new(Barrier::new(bindings.len() + 1));
-    let handles: Vec<_> = bindings
+    let barrier = Arc::new(Barrier::new(mechanisms.len() + 1));
+    let handles: Vec<_> = mechanisms
         .iter()
-        .cloned()
-        .map(|binding| {
+        .map(|&mechanism| {
             let barrier = Arc::clone(&barrier);
+            let registry = registry.clone();
             std::thread::spawn(move || {
+                let binding = registry.bind_registered(&mechanism).expect("bind");
                 barrier.wait();
                 for _ in 0..iters {
                     let block = binding.allocate(request).expect("allocate");
@@ -131,32 +134,21 @@ fn run_threads(bindings: &[MemoryBinding], iters: u64) -> Duration {
     for handle in handles {
         handle.join().expect("bench thread");
     }
-    // Per pair across all threads: aggregate throughput = 1 / this.
-    start.elapsed() / bindings.len() as u32
+    start.elapsed() / mechanisms.len() as u32
 }
 
 fn threads(c: &mut Criterion) {
     let registry = BindingRegistry::new().expect("registry");
-    let one = registry.with_memory(Arc::new(Local { device: DeviceKey::device(0) })).expect("binding");
-    let mechanism = one.identity().mechanism();
-    let other = registry.with_memory(Arc::new(Local { device: DeviceKey::device(1) })).expect("binding");
+    let first = registry.with_memory(Arc::new(Local { device: DeviceKey::device(0) })).expect("binding");
+    let second = registry.with_memory(Arc::new(Local { device: DeviceKey::device(1) })).expect("binding");
+    let (m0, m1) = (first.identity().mechanism(), second.identity().mechanism());
     let mut group = c.benchmark_group("threads");
-    // Each thread binds on its own thread in real use; bind on a fresh thread so each
-    // binding gets that thread's pin.
-    let bind_on_thread = |registry: &BindingRegistry, mechanism| {
-        let registry = registry.clone();
-        std::thread::spawn(move || registry.bind_registered(&mechanism).expect("bind")).join().expect("bind thread")
-    };
-    let same_a = bind_on_thread(&registry, mechanism);
-    let same_b = bind_on_thread(&registry, mechanism);
-    let device_b = bind_on_thread(&registry, other.identity().mechanism());
-    group.bench_function("one_thread", |b| b.iter_custom(|iters| run_threads(std::slice::from_ref(&same_a), iters)));
+    group.bench_function("one_thread", |b| b.iter_custom(|iters| run_threads(&registry, &[m0], iters)));
     group.bench_function("two_threads_one_mechanism", |b| {
-        b.iter_custom(|iters| run_threads(&[same_a.clone(), same_b.clone()], iters))
+        b.iter_custom(|iters| run_threads(&registry, &[m0, m0], iters))
     });
-    group.bench_function("two_threads_two_devices", |b| {
-        b.iter_custom(|iters| run_threads(&[same_a.clone(), device_b.clone()], iters))
-    });
+    group
+        .bench_function("two_threads_two_devices", |b| b.iter_custom(|iters| run_threads(&registry, &[m0, m1], iters)));
     group.finish();
 }
 
