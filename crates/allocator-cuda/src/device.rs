@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
-use memory_api::DeviceKey;
+use memory_api::{DeviceAddress, DeviceKey};
 
 use crate::driver::{self, check};
 use crate::error::{CudaError, CudaErrorCode};
@@ -93,6 +93,43 @@ impl CudaDevice {
         // current on this thread (held by `_current`).
         self.inner.call("cuMemGetInfo_v2", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
         Ok((free, total))
+    }
+
+    /// Copies `data` from host memory to `dst` (`cuMemcpyHtoD_v2`, synchronous).
+    ///
+    /// # Safety
+    /// `dst .. dst + data.len()` must be memory the caller owns: a live block from an
+    /// allocator of this crate (committed, for VMM blocks) that no queued device work
+    /// and no host reference (for pinned memory) uses while the copy runs. The driver
+    /// rejects unmapped addresses with an error, but cannot tell whose memory it is.
+    ///
+    /// # Errors
+    /// The driver's failure (an invalid range is [`CudaError::InvalidValue`]).
+    pub unsafe fn copy_to_device(&self, dst: DeviceAddress, data: &[u8]) -> Result<(), CudaError> {
+        let inner = &self.inner;
+        let _current = inner.enter("cuMemcpyHtoD_v2")?;
+        // SAFETY: the source is a live slice of `data.len()` bytes; the destination is
+        // the caller's (this function's contract); the context is current.
+        let result = unsafe { sys::cuMemcpyHtoD_v2(dst.get(), data.as_ptr().cast(), data.len()) };
+        inner.call("cuMemcpyHtoD_v2", result)
+    }
+
+    /// Copies `out.len()` bytes from `src` into `out` (`cuMemcpyDtoH_v2`, synchronous).
+    ///
+    /// # Safety
+    /// `src .. src + out.len()` must be memory the caller owns, as for
+    /// [`CudaDevice::copy_to_device`], and no device work may write it during the copy.
+    ///
+    /// # Errors
+    /// The driver's failure (an invalid range is [`CudaError::InvalidValue`]).
+    pub unsafe fn copy_from_device(&self, src: DeviceAddress, out: &mut [u8]) -> Result<(), CudaError> {
+        let inner = &self.inner;
+        let _current = inner.enter("cuMemcpyDtoH_v2")?;
+        // SAFETY: the destination is a live, exclusively borrowed slice of `out.len()`
+        // bytes; the source is the caller's (this function's contract); the context is
+        // current.
+        let result = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src.get(), out.len()) };
+        inner.call("cuMemcpyDtoH_v2", result)
     }
 
     /// The sticky error that made this device's context unusable, if one was seen.

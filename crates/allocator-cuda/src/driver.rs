@@ -60,6 +60,9 @@ pub const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemMap",
     "cuMemUnmap",
     "cuMemSetAccess",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemsetD8Async",
 ];
 
 /// Whether a libcuda can be loaded in this process (cached after the first call).
@@ -154,8 +157,8 @@ pub fn device_count() -> Result<u32, CudaError> {
     if !init()? {
         return Ok(0);
     }
-    let count = result::device::get_count()
-        .map_err(|error| global_error("cuDeviceGetCount", CudaErrorCode(error.0 as u32)))?;
+    let count =
+        result::device::get_count().map_err(|error| global_error("cuDeviceGetCount", CudaErrorCode(error.0 as u32)))?;
     Ok(u32::try_from(count).unwrap_or(0))
 }
 

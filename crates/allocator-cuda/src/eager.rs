@@ -3,7 +3,9 @@
 use std::fmt;
 
 use cudarc::driver::sys;
-use memory_api::{AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome};
+use memory_api::{
+    AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
+};
 
 use crate::device::CudaDevice;
 use crate::table::BlockBook;
@@ -28,7 +30,10 @@ impl CudaAllocator {
 
     /// An allocator on `device`'s primary context.
     pub fn new(device: &CudaDevice) -> CudaAllocator {
-        CudaAllocator { device: device.clone(), book: BlockBook::new(device.key(), Self::NATIVE_ALIGN, Self::MAX_ALIGN) }
+        CudaAllocator {
+            device: device.clone(),
+            book: BlockBook::new(device.key(), Self::NATIVE_ALIGN, Self::MAX_ALIGN),
+        }
     }
 
     /// The device handle.
@@ -75,7 +80,8 @@ impl DeviceAllocator for CudaAllocator {
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        self.book.release_with(self.device.inner(), self.name(), "cuMemFree_v2", allocation, |base| self.driver_free(base))
+        self.book
+            .release_with(self.device.inner(), self.name(), "cuMemFree_v2", allocation, |base| self.driver_free(base))
     }
 
     fn stats(&self) -> Option<AllocatorStats> {

@@ -340,7 +340,9 @@ pub enum CudaError {
         code: CudaErrorCode,
     },
     /// The driver rejected an argument.
-    #[error("{operation} failed: {code}: the driver rejected an argument (size, alignment or handle); this is a bug in the caller or in allocator-cuda")]
+    #[error(
+        "{operation} failed: {code}: the driver rejected an argument (size, alignment or handle); this is a bug in the caller or in allocator-cuda"
+    )]
     InvalidValue {
         /// The driver call.
         operation: &'static str,
@@ -441,13 +443,19 @@ impl CudaError {
         Some(CudaError::from_code(ordinal, error.operation, CudaErrorCode(code)))
     }
 
-        fn device_lost_reason(&self) -> String {
+    fn device_lost_reason(&self) -> String {
         self.to_string()
     }
 
     /// As an allocation error for a request of `requested` bytes aligned to `align` on
     /// `device`; `available` is what the driver said was free, when known.
-        pub(crate) fn into_alloc(self, device: DeviceKey, requested: usize, align: usize, available: Option<usize>) -> AllocError {
+    pub(crate) fn into_alloc(
+        self,
+        device: DeviceKey,
+        requested: usize,
+        align: usize,
+        available: Option<usize>,
+    ) -> AllocError {
         match self {
             CudaError::OutOfMemory { .. } => {
                 AllocError::OutOfMemory { device, requested, align, available: MaybeBytes(available) }
@@ -458,7 +466,7 @@ impl CudaError {
     }
 
     /// As the reason inside a failed or quarantined release.
-        pub(crate) fn into_release(self, device: DeviceKey) -> ReleaseError {
+    pub(crate) fn into_release(self, device: DeviceKey) -> ReleaseError {
         match self {
             CudaError::DeviceLost { .. } => ReleaseError::DeviceLost { device, reason: self.device_lost_reason() },
             other => ReleaseError::Backend(other.to_backend()),
@@ -466,7 +474,7 @@ impl CudaError {
     }
 
     /// As a capability error for `requested` bytes on `device`.
-        pub(crate) fn into_capability(self, device: DeviceKey, requested: usize) -> CapabilityError {
+    pub(crate) fn into_capability(self, device: DeviceKey, requested: usize) -> CapabilityError {
         match self {
             CudaError::OutOfMemory { .. } => CapabilityError::OutOfMemory { device, requested },
             CudaError::DeviceLost { .. } => CapabilityError::DeviceLost { device, reason: self.device_lost_reason() },

@@ -3,7 +3,9 @@
 use std::fmt;
 
 use cudarc::driver::sys;
-use memory_api::{AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome};
+use memory_api::{
+    AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
+};
 
 use crate::device::CudaDevice;
 use crate::error::CudaError;
@@ -45,7 +47,8 @@ impl PinnedHostAllocator {
         let _current = device.enter("cuMemFreeHost")?;
         // SAFETY: `base` is a pointer cuMemHostAlloc returned and that was taken out of
         // the live table, so it is freed at most once; the context is current.
-        device.call("cuMemFreeHost", unsafe { sys::cuMemFreeHost(std::ptr::with_exposed_provenance_mut(base as usize)) })
+        device
+            .call("cuMemFreeHost", unsafe { sys::cuMemFreeHost(std::ptr::with_exposed_provenance_mut(base as usize)) })
     }
 }
 
@@ -79,7 +82,8 @@ impl DeviceAllocator for PinnedHostAllocator {
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        self.book.release_with(self.device.inner(), self.name(), "cuMemFreeHost", allocation, |base| self.driver_free(base))
+        self.book
+            .release_with(self.device.inner(), self.name(), "cuMemFreeHost", allocation, |base| self.driver_free(base))
     }
 
     fn stats(&self) -> Option<AllocatorStats> {
@@ -94,6 +98,9 @@ impl DeviceAllocator for PinnedHostAllocator {
 
 impl fmt::Debug for PinnedHostAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PinnedHostAllocator").field("device", &self.device).field("live", &self.book.live_blocks()).finish()
+        f.debug_struct("PinnedHostAllocator")
+            .field("device", &self.device)
+            .field("live", &self.book.live_blocks())
+            .finish()
     }
 }

@@ -4,7 +4,9 @@ use std::ffi::c_void;
 use std::fmt;
 
 use cudarc::driver::{result, sys};
-use memory_api::{AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome};
+use memory_api::{
+    AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
+};
 
 use crate::error::{CudaError, CudaErrorCode};
 use crate::stream::CudaStream;

@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
+use memory_api::DeviceAddress;
 
 use crate::device::{CudaDevice, DeviceInner};
 use crate::error::{CudaError, CudaErrorCode};
@@ -61,6 +62,26 @@ impl CudaStream {
         // SAFETY: the stream was created by `new` and is destroyed only when the last
         // clone drops, which cannot happen while `self` is borrowed.
         device.call("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.inner.raw.0) })
+    }
+
+    /// Queues a fill of `bytes` bytes at `dst` with `value` (`cuMemsetD8Async`), ordered
+    /// after the work already queued on this stream.
+    ///
+    /// # Safety
+    /// `dst .. dst + bytes` must be device memory the caller owns (a live block from an
+    /// allocator of this crate, committed for VMM blocks) and must stay allocated until
+    /// the stream has run the fill (a stream-ordered release on this stream qualifies).
+    ///
+    /// # Errors
+    /// The driver's failure to queue the fill.
+    pub unsafe fn memset_async(&self, dst: DeviceAddress, value: u8, bytes: usize) -> Result<(), CudaError> {
+        let device = self.device_inner();
+        let _current = device.enter("cuMemsetD8Async")?;
+        // SAFETY: the range is the caller's and outlives the queued fill (this
+        // function's contract); the stream is alive (owned by `self`); the context is
+        // current.
+        let result = unsafe { sys::cuMemsetD8Async(dst.get(), value, bytes, self.raw()) };
+        device.call("cuMemsetD8Async", result)
     }
 
     /// The raw `CUstream`, for launching work on it through other driver bindings.

@@ -186,14 +186,24 @@ impl CudaVmmAllocator {
         record.base + (index * self.granularity) as u64
     }
 
-    fn unmap_granule(&self, device: &DeviceInner, _current: &CurrentContext<'_>, address: u64) -> Result<(), CudaError> {
+    fn unmap_granule(
+        &self,
+        device: &DeviceInner,
+        _current: &CurrentContext<'_>,
+        address: u64,
+    ) -> Result<(), CudaError> {
         // SAFETY: `address` starts a granule of a live reservation that this allocator
         // mapped with exactly one cuMemMap of `granularity` bytes, so the range is one
         // whole mapping; the context is current (proved by `_current`).
         device.call("cuMemUnmap", unsafe { sys::cuMemUnmap(address, self.granularity) })
     }
 
-    fn release_handle(&self, device: &DeviceInner, _current: &CurrentContext<'_>, handle: Handle) -> Result<(), CudaError> {
+    fn release_handle(
+        &self,
+        device: &DeviceInner,
+        _current: &CurrentContext<'_>,
+        handle: Handle,
+    ) -> Result<(), CudaError> {
         // SAFETY: `handle` came from cuMemCreate and is released at most once: the
         // granule holding it is removed from the record when this succeeds.
         device.call("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
@@ -312,11 +322,8 @@ impl CudaVmmAllocator {
     fn release_reservation(&self, allocation: RawAllocation) -> ReleaseOutcome {
         let key = self.key();
         let Some(shared) = self.reservation(&allocation) else {
-            let error = ReleaseError::NotOwned {
-                allocator: self.describe(),
-                device: key,
-                address: allocation.address().get(),
-            };
+            let error =
+                ReleaseError::NotOwned { allocator: self.describe(), device: key, address: allocation.address().get() };
             return ReleaseOutcome::failed(allocation, error);
         };
         let device = self.device.inner();
@@ -655,7 +662,11 @@ impl Drop for CudaPhysicalBacking {
         // SAFETY: the handle came from cuMemCreate in `create_backing` and this is its
         // only owner; mappings still using it keep the memory alive until unmapped.
         if let Err(error) = device.call("cuMemRelease", unsafe { sys::cuMemRelease(self.handle) }) {
-            tracing::warn!(ordinal = device.ordinal(), bytes = self.bytes, "releasing a shared backing failed: {error}");
+            tracing::warn!(
+                ordinal = device.ordinal(),
+                bytes = self.bytes,
+                "releasing a shared backing failed: {error}"
+            );
         }
     }
 }
