@@ -1,1 +1,83 @@
-//! allocator-cpu: filled by later issues.
+//! Host-memory [`DeviceAllocator`](memory_api::DeviceAllocator) backends.
+//!
+//! | allocator | what it is | capability |
+//! |-----------|------------|------------|
+//! | [`SystemAllocator`] | the global allocator, any size and power-of-two alignment | — |
+//! | [`PooledAllocator`] | a caching allocator over any allocator: size classes, exact-size large cache, capped, trimmable | — |
+//! | [`VirtualHostAllocator`] | reserve address space, commit pages on demand (the CPU twin of CUDA VMM) | [`VirtualBacking`](memory_api::VirtualBacking) |
+//! | [`SharedHostAllocator`] | one memfd mapped into several reservations (the CPU twin of a shared KV prefix) | [`SharedMapping`](memory_api::SharedMapping) |
+//!
+//! [`probe`] reads and writes host memory that may be protected without crashing.
+//! This crate depends on `memory-api` alone (never on the registry or the governor):
+//! it is a provider.
+//!
+//! # Correctness
+//! - **Every block is validated before memory is touched.** Each allocator keeps a
+//!   record per live block in a per-thread shard (a slab named by the block's provider
+//!   tag). `release` and every capability call first check that the record exists and
+//!   matches the block's address, size, alignment and device exactly; a foreign,
+//!   forged or repeated block is refused ([`ReleaseOutcome::Failed`](memory_api::ReleaseOutcome)
+//!   or [`CapabilityError::NotOwned`](memory_api::CapabilityError)) and nothing is
+//!   freed. So no safe call can free, unmap or re-protect memory this allocator does
+//!   not own, and none can do so twice.
+//! - **Unsafe code is confined and argued.** The system calls live in one private
+//!   module whose functions state their obligations (`# Safety`); every `unsafe` block
+//!   says in `// SAFETY:` why each obligation holds (the lint
+//!   `clippy::undocumented_unsafe_blocks` is denied workspace-wide). The obligations
+//!   reduce to: the range lies inside a live reservation of ours (checked against the
+//!   record, under the reservation's lock, which also excludes a racing release), and
+//!   no Rust reference points into it (we never create one; callers reach the memory
+//!   only through addresses, whose use is their own unsafe obligation).
+//! - **Errors before mutation hand the block back**; a release that unmapped part of
+//!   a reservation before failing reports a quarantine with the exact bytes. Nothing
+//!   panics on bad input; a size the system refuses is an `AllocError`.
+//! - **Concurrency**: no allocator has a global lock on its hot path (per-thread
+//!   shards; per-reservation locks for capability calls). The conformance suite of
+//!   `memory-testkit` runs over every allocator here, including its multi-threaded
+//!   checks, and every system-call error path is driven by test-only fault injection.
+//! - Addresses are exposed-provenance values (`expose_provenance` when memory is
+//!   obtained, `with_exposed_provenance_mut` when it is handed back to the system).
+//!
+//! # Quickstart
+//! ```
+//! use allocator_cpu::{PooledAllocator, SystemAllocator, VirtualHostAllocator};
+//! use memory_api::{AllocationRequest, ByteRange, DeviceAllocator, MemoryRole};
+//!
+//! // A pool of KV pages over the system allocator.
+//! let pool = PooledAllocator::new(SystemAllocator::new());
+//! let page = AllocationRequest::new(64 << 10, 256)?.with_role(MemoryRole::KvCache);
+//! let block = pool.allocate(&page)?;
+//! assert!(pool.release(block).is_complete());     // cached, not freed
+//! let again = pool.allocate(&page)?;              // served from the cache
+//! assert_eq!(pool.pool_stats().hits, 1);
+//! assert!(pool.release(again).is_complete());
+//! assert_eq!(pool.trim(), 64 << 10);              // handed back to the system
+//!
+//! // Reserve 1 MiB of address space; commit only what is used.
+//! let arena = VirtualHostAllocator::new();
+//! let reservation = arena.allocate(&AllocationRequest::new(1 << 20, 4096)?)?;
+//! let vb = arena.virtual_backing().expect("virtual allocators reserve and commit");
+//! assert_eq!(vb.commit(&reservation, ByteRange::new(0, 64 << 10))?, 64 << 10);
+//! assert_eq!(vb.committed_bytes(&reservation)?, 64 << 10);
+//! let memory = allocator_cpu::probe::read;        // committed pages are readable
+//! // SAFETY: the reservation is ours and nothing else touches it.
+//! assert_eq!(unsafe { memory(reservation.address(), 16) }?, vec![0; 16]);
+//! assert!(arena.release(reservation).is_complete());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod pooled;
+pub mod probe;
+mod ranges;
+mod region;
+mod shared_host;
+mod sys;
+mod system;
+mod table;
+mod virtual_host;
+
+// The public interface.
+pub use pooled::{PoolConfig, PoolStats, PooledAllocator};
+pub use shared_host::{HostBacking, SharedHostAllocator};
+pub use system::SystemAllocator;
+pub use virtual_host::VirtualHostAllocator;

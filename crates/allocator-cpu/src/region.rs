@@ -1,0 +1,195 @@
+//! Reservations of host address space, shared by the virtual and shared-mapping
+//! allocators: reserving, finding a reservation from a block, and the per-shard
+//! bookkeeping that validates every block presented to a capability or a release.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use memory_api::{
+    AllocError, AllocationRequest, AllocatorStats, BackendError, CapabilityError, DeviceAddress, DeviceKey, MaybeBytes,
+    RawAllocation, ReleaseError, ReleaseOutcome,
+};
+
+use crate::sys;
+use crate::table::{Shards, Slab, tag, untag};
+
+/// One reservation: `[base, base + len)`, page-aligned, of which the caller asked for
+/// `bytes`. The mutable state sits behind the region's own lock, so capability calls on
+/// different allocations never contend.
+pub(crate) struct Region<S> {
+    pub(crate) base: usize,
+    pub(crate) len: usize,
+    pub(crate) bytes: usize,
+    pub(crate) align: usize,
+    state: Mutex<RegionState<S>>,
+}
+
+pub(crate) struct RegionState<S> {
+    /// False once the reservation has been unmapped; every operation checks it under
+    /// this lock before touching the range.
+    pub(crate) alive: bool,
+    pub(crate) inner: S,
+}
+
+impl<S> Region<S> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, RegionState<S>> {
+        // Every critical section leaves the state consistent before any call that can
+        // panic, so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+struct Shard<S> {
+    regions: Slab<Arc<Region<S>>>,
+    live_bytes: u64,
+    reserved_bytes: u64,
+    allocations_total: u64,
+    failures_total: u64,
+}
+
+impl<S> Default for Shard<S> {
+    fn default() -> Shard<S> {
+        Shard { regions: Slab::default(), live_bytes: 0, reserved_bytes: 0, allocations_total: 0, failures_total: 0 }
+    }
+}
+
+/// The reservations of one allocator.
+pub(crate) struct RegionTable<S> {
+    pub(crate) name: &'static str,
+    pub(crate) device: DeviceKey,
+    pub(crate) page: usize,
+    shards: Shards<Shard<S>>,
+}
+
+impl<S> RegionTable<S> {
+    pub(crate) fn new(name: &'static str, device: DeviceKey) -> RegionTable<S> {
+        RegionTable { name, device, page: sys::page_size(), shards: Shards::new(Shards::<()>::default_count()) }
+    }
+
+    /// Reserves address space for `request` (at least one page, so a zero-byte block
+    /// is unique) and records it.
+    pub(crate) fn reserve(&self, request: &AllocationRequest, inner: S) -> Result<RawAllocation, AllocError> {
+        let (bytes, align) = (request.bytes(), request.align());
+        let home = self.shards.local();
+        let fail = |error: AllocError| {
+            if let Some(mut shard) = self.shards.lock(home) {
+                shard.failures_total += 1;
+            }
+            Err(error)
+        };
+        let out_of_memory =
+            AllocError::OutOfMemory { device: self.device, requested: bytes, align, available: MaybeBytes(None) };
+        let Some(len) = bytes.max(1).checked_next_multiple_of(self.page) else { return fail(out_of_memory) };
+        let base = match sys::reserve(len, align) {
+            Ok(base) => base,
+            Err(e) if e.is_out_of_memory() => return fail(out_of_memory),
+            Err(e) => {
+                let source = e.backend(&format!("reserving {len} bytes aligned to {align}"));
+                return fail(AllocError::Backend { device: self.device, source });
+            }
+        };
+        let region = Region { base, len, bytes, align, state: Mutex::new(RegionState { alive: true, inner }) };
+        let Some(mut shard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
+        let slot = shard.regions.insert(Arc::new(region));
+        shard.live_bytes += bytes as u64;
+        shard.reserved_bytes += len as u64;
+        shard.allocations_total += 1;
+        drop(shard);
+        let address = DeviceAddress::new(base as u64).expect("mmap never returns null");
+        tracing::trace!(bytes, len, %address, allocator = self.name, "reserved");
+        Ok(RawAllocation::new(address, bytes, align, self.device, tag(home, slot)))
+    }
+
+    /// The live region behind `allocation`, if it is exactly one of ours.
+    pub(crate) fn find(&self, allocation: &RawAllocation) -> Option<Arc<Region<S>>> {
+        if allocation.device() != self.device {
+            return None;
+        }
+        let (index, slot) = untag(allocation.provider_tag());
+        let shard = self.shards.lock(index)?;
+        let region = shard.regions.get(slot)?;
+        let matches = region.base as u64 == allocation.address().get()
+            && region.bytes == allocation.bytes()
+            && region.align == allocation.align();
+        matches.then(|| Arc::clone(region))
+    }
+
+    /// Like [`RegionTable::find`], as a capability error.
+    pub(crate) fn find_for_capability(&self, allocation: &RawAllocation) -> Result<Arc<Region<S>>, CapabilityError> {
+        self.find(allocation).ok_or_else(|| self.not_owned(allocation))
+    }
+
+    pub(crate) fn not_owned(&self, allocation: &RawAllocation) -> CapabilityError {
+        CapabilityError::NotOwned { allocator: self.name.to_owned(), address: allocation.address().get() }
+    }
+
+    /// Refuses a release, handing the block back.
+    pub(crate) fn refuse(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        let error = ReleaseError::NotOwned {
+            allocator: self.name.to_owned(),
+            device: self.device,
+            address: allocation.address().get(),
+        };
+        ReleaseOutcome::failed(allocation, error)
+    }
+
+    /// A release that failed before anything was unmapped.
+    pub(crate) fn failed(&self, allocation: RawAllocation, error: BackendError) -> ReleaseOutcome {
+        ReleaseOutcome::failed(allocation, ReleaseError::Backend(error))
+    }
+
+    /// Drops the record of a region whose address space is gone.
+    pub(crate) fn forget(&self, allocation: &RawAllocation, region: &Region<S>) {
+        let (index, slot) = untag(allocation.provider_tag());
+        if let Some(mut shard) = self.shards.lock(index) {
+            shard.regions.remove(slot);
+            shard.live_bytes -= region.bytes as u64;
+            shard.reserved_bytes -= region.len as u64;
+        }
+    }
+
+    /// Live counts over all shards.
+    pub(crate) fn stats(&self) -> AllocatorStats {
+        let mut stats = AllocatorStats::default();
+        for index in 0..self.shards.len() {
+            let Some(shard) = self.shards.lock(index) else { continue };
+            stats.live_bytes += shard.live_bytes;
+            stats.live_allocations += shard.regions.len() as u64;
+            stats.reserved_bytes += shard.reserved_bytes;
+            stats.allocations_total += shard.allocations_total;
+            stats.failures_total += shard.failures_total;
+        }
+        stats
+    }
+
+    /// Maps a failed system call in a capability call to the contract's error.
+    pub(crate) fn capability_error(&self, error: sys::SysError, requested: usize, context: &str) -> CapabilityError {
+        if error.is_out_of_memory() {
+            CapabilityError::OutOfMemory { device: self.device, requested }
+        } else {
+            CapabilityError::Backend(error.backend(context))
+        }
+    }
+
+    /// The page range `[start, end)` of `range`, after checking bounds and granularity
+    /// against the block.
+    pub(crate) fn pages(
+        &self,
+        allocation: &RawAllocation,
+        range: memory_api::ByteRange,
+    ) -> Result<(usize, usize), CapabilityError> {
+        range.check_within(allocation.bytes())?;
+        range.check_aligned(self.page)?;
+        Ok((range.offset() / self.page, (range.offset() + range.len()) / self.page))
+    }
+}
+
+impl<S> Drop for RegionTable<S> {
+    fn drop(&mut self) {
+        // Reservations still live are leaked (their address space stays mapped): whoever
+        // holds them may still use the memory.
+        let live = self.stats().live_allocations;
+        if live > 0 {
+            tracing::warn!(live, allocator = self.name, "allocator dropped with live reservations; leaking them");
+        }
+    }
+}

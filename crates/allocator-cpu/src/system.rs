@@ -1,0 +1,324 @@
+//! [`SystemAllocator`]: host memory from the global allocator (`std::alloc`).
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::NonNull;
+
+use memory_api::{
+    AllocError, AllocationRequest, AllocatorStats, DeviceAddress, DeviceAllocator, DeviceKey, LayoutError, MaybeBytes,
+    RawAllocation, ReleaseError, ReleaseOutcome,
+};
+
+use crate::table::{Shards, Slab, tag, untag};
+
+/// What the allocator remembers about one live block.
+struct Block {
+    /// Start address (provenance exposed at allocation).
+    addr: usize,
+    bytes: usize,
+    align: usize,
+}
+
+#[derive(Default)]
+struct Shard {
+    blocks: Slab<Block>,
+    live_bytes: u64,
+    allocations_total: u64,
+    failures_total: u64,
+}
+
+/// Host memory from the global allocator, for any size and power-of-two alignment.
+///
+/// - Zero-byte requests get a unique one-byte block, so they are distinct and
+///   releasable like any other.
+/// - Every power-of-two alignment the global allocator can honour is honoured (2 MiB
+///   and beyond); a size the system refuses is [`AllocError::OutOfMemory`], an
+///   impossible layout is [`AllocError::Layout`]. Nothing here panics or aborts.
+/// - Each live block has a record in a per-thread shard, named by the block's
+///   provider tag. A release frees memory only after the record matches the block's
+///   address, size and alignment exactly; anything else (another allocator's block,
+///   another device's key, a second release) is refused with
+///   [`ReleaseOutcome::Failed`] handing the block back.
+///
+/// [`SystemAllocator::for_device`] labels the memory with another key, so tests can
+/// simulate several devices with real, writable memory.
+pub struct SystemAllocator {
+    device: DeviceKey,
+    shards: Shards<Shard>,
+}
+
+impl SystemAllocator {
+    /// A system allocator for [`DeviceKey::HOST`].
+    pub fn new() -> SystemAllocator {
+        SystemAllocator::for_device(DeviceKey::HOST)
+    }
+
+    /// A system allocator whose blocks claim to live on `device` (a simulated,
+    /// host-backed device; the memory is host memory whatever the key says).
+    pub fn for_device(device: DeviceKey) -> SystemAllocator {
+        SystemAllocator { device, shards: Shards::new(Shards::<Shard>::default_count()) }
+    }
+
+    /// Allocates `bytes` bytes aligned to `align`, validating the layout first.
+    ///
+    /// # Errors
+    /// [`AllocError::Layout`] for an alignment that is not a power of two or a size that
+    /// overflows; [`AllocError::OutOfMemory`] when the system refuses the memory.
+    pub fn allocate_layout(&self, bytes: usize, align: usize) -> Result<RawAllocation, AllocError> {
+        self.allocate(&AllocationRequest::new(bytes, align)?)
+    }
+
+    fn refuse(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        let error = ReleaseError::NotOwned {
+            allocator: self.name().to_owned(),
+            device: self.device,
+            address: allocation.address().get(),
+        };
+        ReleaseOutcome::failed(allocation, error)
+    }
+
+    fn count_failure(&self) {
+        if let Some(mut shard) = self.shards.lock(self.shards.local()) {
+            shard.failures_total += 1;
+        }
+    }
+}
+
+impl Default for SystemAllocator {
+    fn default() -> SystemAllocator {
+        SystemAllocator::new()
+    }
+}
+
+impl DeviceAllocator for SystemAllocator {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+
+    fn name(&self) -> &str {
+        "system"
+    }
+
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let (bytes, align) = (request.bytes(), request.align());
+        let Ok(layout) = Layout::from_size_align(bytes.max(1), align) else {
+            // Unreachable for a validated request; kept so no input can panic.
+            self.count_failure();
+            return Err(LayoutError::SizeOverflow { bytes, align, max: AllocationRequest::MAX_BYTES }.into());
+        };
+        // SAFETY: `layout` has a non-zero size (at least one byte).
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = NonNull::new(ptr) else {
+            self.count_failure();
+            return Err(AllocError::OutOfMemory {
+                device: self.device,
+                requested: bytes,
+                align,
+                available: MaybeBytes(None),
+            });
+        };
+        let addr = ptr.as_ptr().expose_provenance();
+        let address = DeviceAddress::from_host_ptr(ptr);
+        let home = self.shards.local();
+        let slot = {
+            let Some(mut shard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
+            shard.live_bytes += bytes as u64;
+            shard.allocations_total += 1;
+            shard.blocks.insert(Block { addr, bytes, align })
+        };
+        tracing::trace!(bytes, align, %address, "system allocate");
+        Ok(RawAllocation::new(address, bytes, align, self.device, tag(home, slot)))
+    }
+
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        if allocation.device() != self.device {
+            return self.refuse(allocation);
+        }
+        let (home, slot) = untag(allocation.provider_tag());
+        let block = {
+            let Some(mut shard) = self.shards.lock(home) else { return self.refuse(allocation) };
+            let matches = shard.blocks.get(slot).is_some_and(|b| {
+                b.addr as u64 == allocation.address().get()
+                    && b.bytes == allocation.bytes()
+                    && b.align == allocation.align()
+            });
+            if !matches {
+                drop(shard);
+                return self.refuse(allocation);
+            }
+            shard.live_bytes -= allocation.bytes() as u64;
+            shard.blocks.remove(slot)
+        };
+        let Some(block) = block else { unreachable!("checked under the same lock") };
+        let Ok(layout) = Layout::from_size_align(block.bytes.max(1), block.align) else {
+            unreachable!("the layout was valid at allocation")
+        };
+        // SAFETY: `block.addr` is the exposed address of a pointer returned by
+        // `std::alloc::alloc(layout)` with exactly this layout (both recorded at
+        // allocation), and the record was removed under the shard lock above, so this
+        // is the one and only deallocation of that pointer.
+        unsafe { std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(block.addr), layout) };
+        tracing::trace!(bytes = block.bytes, "system release");
+        ReleaseOutcome::complete(block.bytes)
+    }
+
+    fn stats(&self) -> Option<AllocatorStats> {
+        let mut stats = AllocatorStats::default();
+        for index in 0..self.shards.len() {
+            let Some(shard) = self.shards.lock(index) else { continue };
+            stats.live_bytes += shard.live_bytes;
+            stats.live_allocations += shard.blocks.len() as u64;
+            stats.allocations_total += shard.allocations_total;
+            stats.failures_total += shard.failures_total;
+        }
+        Some(stats)
+    }
+}
+
+impl Drop for SystemAllocator {
+    fn drop(&mut self) {
+        // Blocks still live are leaked, not freed: whoever holds them may still use the
+        // memory, and freeing it under them would be a use-after-free.
+        let live = self.stats().map_or(0, |s| s.live_allocations);
+        if live > 0 {
+            tracing::warn!(live, device = %self.device, "system allocator dropped with live blocks; leaking them");
+        }
+    }
+}
+
+impl fmt::Debug for SystemAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SystemAllocator").field("device", &self.device).field("stats", &self.stats()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_and_check(block: &RawAllocation, seed: u8) {
+        if block.bytes() == 0 {
+            return;
+        }
+        let ptr: *mut u8 = std::ptr::with_exposed_provenance_mut(block.address().get() as usize);
+        // SAFETY: the block is live, owned by this test, `bytes()` long and writable;
+        // no other reference to it exists.
+        unsafe { std::ptr::write_bytes(ptr, seed, block.bytes()) };
+        // SAFETY: as above; the bytes were just initialised.
+        let slice = unsafe { std::slice::from_raw_parts(ptr, block.bytes()) };
+        assert!(slice.iter().all(|&b| b == seed));
+    }
+
+    #[test]
+    fn every_power_of_two_alignment_up_to_2_mib_is_honoured() {
+        let system = SystemAllocator::new();
+        for shift in 0..=21 {
+            let align = 1 << shift;
+            let block = system.allocate_layout(100, align).unwrap();
+            assert!(block.address().is_aligned_to(align), "align {align}: {block:?}");
+            write_and_check(&block, shift as u8);
+            assert!(system.release(block).is_complete());
+        }
+    }
+
+    #[test]
+    fn live_blocks_are_distinct_and_independently_writable() {
+        let system = SystemAllocator::new();
+        let blocks: Vec<_> = (0..32).map(|i| system.allocate_layout(64 + i * 100, 16).unwrap()).collect();
+        for (i, block) in blocks.iter().enumerate() {
+            write_and_check(block, i as u8);
+        }
+        for (i, block) in blocks.iter().enumerate() {
+            let ptr: *const u8 = std::ptr::with_exposed_provenance(block.address().get() as usize);
+            // SAFETY: live block, initialised above, no mutable reference alive.
+            let slice = unsafe { std::slice::from_raw_parts(ptr, block.bytes()) };
+            assert!(slice.iter().all(|&b| b == i as u8), "block {i} was overwritten");
+        }
+        assert_eq!(system.stats().unwrap().live_allocations, 32);
+        for block in blocks {
+            assert!(system.release(block).is_complete());
+        }
+        assert_eq!(system.stats().unwrap().live_bytes, 0);
+    }
+
+    #[test]
+    fn zero_size_blocks_are_unique_and_release_completely() {
+        let system = SystemAllocator::new();
+        let a = system.allocate_layout(0, 1).unwrap();
+        let b = system.allocate_layout(0, 1).unwrap();
+        assert_ne!(a.address(), b.address());
+        assert_eq!(a.bytes(), 0);
+        let ReleaseOutcome::Complete(done) = system.release(a) else { panic!("zero-size release must complete") };
+        assert_eq!(done.unmapped_bytes(), 0);
+        assert!(system.release(b).is_complete());
+    }
+
+    #[test]
+    fn every_invalid_layout_is_a_typed_error() {
+        let system = SystemAllocator::new();
+        for align in [0, 3, 6, 48, usize::MAX] {
+            let err = system.allocate_layout(64, align).unwrap_err();
+            assert_eq!(err, AllocError::Layout(LayoutError::AlignmentNotPowerOfTwo { align }));
+            assert!(err.to_string().contains("power of two"), "{err}");
+        }
+        for (bytes, align) in [(usize::MAX, 1), (isize::MAX as usize, 2), (isize::MAX as usize - 2, 8)] {
+            let err = system.allocate_layout(bytes, align).unwrap_err();
+            assert!(matches!(err, AllocError::Layout(LayoutError::SizeOverflow { .. })), "{err}");
+            assert!(err.to_string().contains(&bytes.to_string()), "the message names the size: {err}");
+        }
+        assert_eq!(system.stats().unwrap().allocations_total, 0);
+    }
+
+    #[test]
+    fn a_size_the_system_refuses_is_out_of_memory_naming_the_request() {
+        let system = SystemAllocator::for_device(DeviceKey::host(1));
+        let bytes = AllocationRequest::MAX_BYTES & !4095;
+        let err = system.allocate_layout(bytes, 4096).unwrap_err();
+        assert_eq!(
+            err,
+            AllocError::OutOfMemory {
+                device: DeviceKey::host(1),
+                requested: bytes,
+                align: 4096,
+                available: MaybeBytes(None)
+            }
+        );
+        assert!(err.to_string().contains(&bytes.to_string()) && err.to_string().contains("host:1"), "{err}");
+        assert_eq!(system.stats().unwrap().failures_total, 1);
+        // Still usable afterwards.
+        let block = system.allocate_layout(8, 8).unwrap();
+        assert!(system.release(block).is_complete());
+    }
+
+    #[test]
+    fn a_block_of_another_device_or_allocator_is_handed_back() {
+        let host = SystemAllocator::new();
+        let device = SystemAllocator::for_device(DeviceKey::device(0));
+        let block = host.allocate_layout(128, 64).unwrap();
+        let ReleaseOutcome::Failed(failed) = device.release(block) else { panic!("wrong device must fail") };
+        assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }));
+        assert!(failed.error().to_string().contains("release it through the allocator that made it"));
+        let (block, _) = failed.into_parts();
+        let other_host = SystemAllocator::new();
+        let ReleaseOutcome::Failed(failed) = other_host.release(block) else { panic!("other instance must fail") };
+        let (block, _) = failed.into_parts();
+        let twin = RawAllocation::new(block.address(), 64, 64, DeviceKey::HOST, block.provider_tag());
+        assert!(matches!(host.release(twin), ReleaseOutcome::Failed(_)), "a size mismatch must be refused");
+        assert!(host.release(block).is_complete());
+        assert_eq!(host.stats().unwrap().live_allocations, 0);
+    }
+
+    #[test]
+    fn blocks_released_on_another_thread_return_to_their_home_shard() {
+        let system = SystemAllocator::new();
+        let blocks: Vec<_> = (0..16).map(|_| system.allocate_layout(256, 8).unwrap()).collect();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for block in blocks {
+                    assert!(system.release(block).is_complete());
+                }
+            });
+        });
+        assert_eq!(system.stats().unwrap().live_allocations, 0);
+    }
+}
