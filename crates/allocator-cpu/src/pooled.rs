@@ -563,4 +563,190 @@ mod tests {
         assert_eq!(class_align(320), 64);
         assert_eq!(class_align(65536), 4096);
     }
+
+    use crate::SystemAllocator;
+    use memory_api::MaybeBytes;
+    use memory_testkit::{Callback, FaultyAllocator, RecordingAllocator};
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+
+    const KIB: usize = 1024;
+
+    fn request(bytes: usize, align: usize) -> AllocationRequest {
+        AllocationRequest::new(bytes, align).unwrap()
+    }
+
+    fn one_shard(max_cached_bytes: usize) -> PoolConfig {
+        PoolConfig { max_cached_bytes, max_class_bytes: 1 << 20, shards: 1 }
+    }
+
+    #[test]
+    fn released_blocks_are_reused_without_reaching_the_inner_allocator() {
+        let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+        let first = pool.allocate(&request(64 * KIB, 256)).unwrap();
+        let address = first.address();
+        assert_eq!(pool.release(first).summary(), memory_api::ReleaseSummary::Complete { unmapped_bytes: 0 });
+        let second = pool.allocate(&request(60 * KIB, 64)).unwrap();
+        assert_eq!(second.address(), address, "a request of the same class reuses the cached block");
+        assert_eq!(second.bytes(), 60 * KIB);
+        let recorder = pool.inner();
+        assert_eq!((recorder.calls(Callback::Allocate), recorder.calls(Callback::Release)), (1, 0));
+        let stats = pool.pool_stats();
+        assert_eq!((stats.hits, stats.misses, stats.live_blocks, stats.cached_blocks), (1, 1, 1, 0));
+        assert_eq!(stats.requested_bytes, 124 * KIB as u64);
+        assert!(pool.release(second).is_complete());
+        assert_eq!(pool.trim(), 64 * KIB);
+        assert_eq!(pool.inner().calls(Callback::Release), 1);
+    }
+
+    #[test]
+    fn the_cache_cap_passes_releases_through_to_the_inner_allocator() {
+        let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(64 * KIB));
+        let a = pool.allocate(&request(64 * KIB, 8)).unwrap();
+        let b = pool.allocate(&request(64 * KIB, 8)).unwrap();
+        assert!(pool.release(a).is_complete());
+        let ReleaseOutcome::Complete(done) = pool.release(b) else { panic!("must complete") };
+        assert_eq!(done.unmapped_bytes(), 64 * KIB, "the second block is freed, not cached");
+        let stats = pool.pool_stats();
+        assert_eq!((stats.cached_bytes, stats.passed_through), (64 * KIB as u64, 1));
+        assert_eq!(pool.inner().calls(Callback::Release), 1);
+    }
+
+    #[test]
+    fn large_blocks_are_cached_by_exact_rounded_size() {
+        let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+        let big = pool.allocate(&request(3 << 20, 8)).unwrap();
+        assert!(big.address().is_aligned_to(4096));
+        assert!(pool.release(big).is_complete());
+        let other = pool.allocate(&request((3 << 20) + 4096, 8)).unwrap();
+        assert_eq!(pool.pool_stats().hits, 0, "a different large size is not served from the cache");
+        let same = pool.allocate(&request((3 << 20) - 100, 8)).unwrap();
+        assert_eq!(pool.pool_stats().hits, 1, "the same size rounded to 4 KiB is");
+        for block in [other, same] {
+            assert!(pool.release(block).is_complete());
+        }
+    }
+
+    #[test]
+    fn alignments_beyond_the_class_alignment_bypass_the_cache() {
+        let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+        let block = pool.allocate(&request(1000, 8192)).unwrap();
+        assert!(block.address().is_aligned_to(8192));
+        let ReleaseOutcome::Complete(done) = pool.release(block) else { panic!("must complete") };
+        assert_eq!(done.unmapped_bytes(), 1000, "an uncached block is released to the inner allocator at once");
+        assert_eq!(pool.pool_stats().cached_blocks, 0);
+    }
+
+    #[test]
+    fn cached_or_repeated_releases_are_refused() {
+        let pool = PooledAllocator::new(SystemAllocator::new());
+        let block = pool.allocate(&request(512, 8)).unwrap();
+        let copy = RawAllocation::new(block.address(), 512, 8, block.device(), block.provider_tag());
+        assert!(pool.release(block).is_complete());
+        let ReleaseOutcome::Failed(failed) = pool.release(copy) else { panic!("a second release must be refused") };
+        assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }));
+        assert_eq!(pool.pool_stats().cached_blocks, 1, "the cached block was not disturbed");
+    }
+
+    #[test]
+    fn an_inner_out_of_memory_trims_the_cache_and_retries_once() {
+        let pool = PooledAllocator::new(FaultyAllocator::new(SystemAllocator::new()));
+        let cached = pool.allocate(&request(4 * KIB, 8)).unwrap();
+        assert!(pool.release(cached).is_complete());
+        let oom =
+            AllocError::OutOfMemory { device: DeviceKey::HOST, requested: 0, align: 0, available: MaybeBytes(None) };
+        pool.inner().fail_nth_allocate_with(1, oom.clone());
+        let block = pool.allocate(&request(100 * KIB, 8)).unwrap();
+        assert_eq!(pool.pool_stats().cached_blocks, 0, "the retry followed a trim");
+        assert_eq!(pool.inner().inner().stats().unwrap().live_allocations, 1);
+        // With nothing left to trim the error comes back, naming the caller's request.
+        pool.inner().fail_nth_allocate_with(1, oom);
+        let err = pool.allocate(&request(5000, 8)).unwrap_err();
+        assert_eq!(
+            err,
+            AllocError::OutOfMemory { device: DeviceKey::HOST, requested: 5000, align: 8, available: MaybeBytes(None) }
+        );
+        assert_eq!(pool.stats().unwrap().failures_total, 1);
+        assert!(pool.release(block).is_complete());
+    }
+
+    #[test]
+    fn a_failed_inner_release_hands_the_block_back_for_a_retry() {
+        let pool = PooledAllocator::with_config(FaultyAllocator::new(SystemAllocator::new()), one_shard(0));
+        let block = pool.allocate(&request(1000, 8)).unwrap();
+        pool.inner().fail_nth(Callback::Release, 1);
+        let ReleaseOutcome::Failed(failed) = pool.release(block) else { panic!("expected Failed") };
+        let (block, error) = failed.into_parts();
+        assert!(matches!(error, ReleaseError::Backend(ref e) if memory_testkit::is_injected(e)));
+        assert_eq!(pool.pool_stats().live_blocks, 1, "the block is still live in the pool");
+        assert!(pool.release(block).is_complete());
+        assert_eq!(pool.pool_stats().live_blocks, 0);
+    }
+
+    #[test]
+    fn a_quarantined_inner_release_is_capped_to_the_callers_block_and_retryable() {
+        let pool = PooledAllocator::with_config(FaultyAllocator::new(SystemAllocator::new()), one_shard(0));
+        let bytes = 2_000_001; // a large block: the inner block is rounded up to 2_002_944
+        let block = pool.allocate(&request(bytes, 8)).unwrap();
+        // The inner block (2_002_944 bytes) reports 4096 unmapped and the rest owned.
+        pool.inner().quarantine_nth_release(1, 4096, 2_002_944 - 4096);
+        let ReleaseOutcome::Quarantined(q) = pool.release(block) else { panic!("expected a quarantine") };
+        // The residual is kept whole (ownership errs on the safe side); the unmapped
+        // bytes are capped to what is left of the caller's block.
+        assert_eq!((q.unmapped_bytes(), q.residual_bytes()), (bytes - (2_002_944 - 4096), 2_002_944 - 4096));
+        assert!(!q.was_corrected(), "the pool reports an honest quarantine");
+        let (block, _) = q.into_parts();
+        assert!(pool.release(block).is_complete());
+    }
+
+    #[test]
+    fn trim_keeps_blocks_the_inner_allocator_refuses_and_retries_quarantined_ones() {
+        let pool = PooledAllocator::new(FaultyAllocator::new(SystemAllocator::new()));
+        let a = pool.allocate(&request(8 * KIB, 8)).unwrap();
+        assert!(pool.release(a).is_complete());
+        pool.inner().fail_nth(Callback::Release, 1);
+        assert_eq!(pool.trim(), 0);
+        assert_eq!(pool.pool_stats().cached_bytes, 8 * KIB as u64, "a refused block stays cached");
+        pool.inner().quarantine_nth_release(1, 0, 8 * KIB);
+        assert_eq!(pool.trim(), 0);
+        let stats = pool.pool_stats();
+        assert_eq!((stats.cached_bytes, stats.quarantined_blocks), (0, 1));
+        assert_eq!(pool.trim(), 8 * KIB, "the next trim retries the quarantined block");
+        assert_eq!(pool.pool_stats().quarantined_blocks, 0);
+        assert_eq!(pool.inner().inner().stats().unwrap().live_allocations, 0);
+    }
+
+    #[test]
+    fn a_panicking_inner_allocator_leaves_the_pool_consistent() {
+        let pool = PooledAllocator::new(FaultyAllocator::new(SystemAllocator::new()));
+        pool.inner().panic_on_nth(Callback::Allocate, 1);
+        assert!(catch_unwind(AssertUnwindSafe(|| pool.allocate(&request(64, 8)))).is_err());
+        let stats = pool.pool_stats();
+        assert_eq!((stats.live_blocks, stats.misses, stats.hits), (0, 0, 0));
+        let block = pool.allocate(&request(64, 8)).unwrap();
+        assert!(pool.release(block).is_complete());
+    }
+
+    #[test]
+    fn forget_lost_drops_the_records_and_forwards_the_inner_blocks() {
+        let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+        let a = pool.allocate(&request(64, 8)).unwrap();
+        let b = pool.allocate(&request(64, 8)).unwrap();
+        pool.forget_lost(vec![a]);
+        assert_eq!(pool.inner().forgotten_blocks(), 1);
+        assert_eq!(pool.pool_stats().live_blocks, 1);
+        assert!(pool.release(b).is_complete());
+    }
+
+    #[test]
+    fn a_block_released_on_another_thread_returns_to_its_home_shard() {
+        let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+        let block = pool.allocate(&request(64 * KIB, 8)).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| assert!(pool.release(block).is_complete()));
+        });
+        let again = pool.allocate(&request(64 * KIB, 8)).unwrap();
+        assert_eq!(pool.pool_stats().hits, 1);
+        assert_eq!(pool.inner().calls(Callback::Allocate), 1);
+        assert!(pool.release(again).is_complete());
+    }
 }
