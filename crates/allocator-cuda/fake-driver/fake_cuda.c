@@ -742,19 +742,10 @@ EXPORT CUresult cuMemPoolDestroy(struct pool *pool) {
             break;
         }
     }
-    /* Blocks still in use are released with the pool, as the real driver does. */
-    struct block **link = &blocks;
-    while (*link) {
-        struct block *b = *link;
-        if (b->kind == KIND_POOL && b->pool == pool) {
-            *link = b->next;
-            used_memory -= b->size;
-            free((void *)b->addr);
-            free(b);
-        } else {
-            link = &b->next;
-        }
-    }
+    /* Blocks still in use outlive the pool, as with the real driver (which finishes
+     * destroying it once they are freed); they can no longer be freed here. */
+    for (struct block *b = blocks; b; b = b->next)
+        if (b->kind == KIND_POOL && b->pool == pool) b->pool = NULL;
     pthread_mutex_unlock(&lock);
     free(pool);
     return CUDA_SUCCESS;
@@ -848,7 +839,7 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, struct stream *stream) {
     if (!valid_stream(stream)) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
     struct block *b = find_block((uintptr_t)dptr);
-    if (!b || b->kind != KIND_POOL || !b->in_use) {
+    if (!b || b->kind != KIND_POOL || !b->in_use || !b->pool) {
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_INVALID_VALUE;
     }

@@ -254,7 +254,7 @@ impl Drop for CudaPoolAllocator {
         let device = self.stream.device_inner();
         let live = self.book.live_blocks();
         if live > 0 {
-            tracing::warn!(device = %self.book.key(), live, "dropping a CUDA pool with live blocks; they are freed with the pool");
+            tracing::warn!(device = %self.book.key(), live, "dropping a CUDA pool with live blocks: nothing can free them any more, and the driver keeps them (and the pool) until the context goes");
         }
         if let Err(error) = self.stream.synchronize() {
             tracing::warn!(device = %self.book.key(), "synchronising before destroying the pool failed: {error}");
@@ -262,8 +262,9 @@ impl Drop for CudaPoolAllocator {
         let Ok(_current) = device.enter("cuMemPoolDestroy") else {
             return;
         };
-        // SAFETY: the pool was created by `new` and is destroyed only here; the driver
-        // defers the destruction until outstanding frees have completed.
+        // SAFETY: the pool was created by `new` and is destroyed only here. Blocks still
+        // allocated from it (warned about above) keep it alive inside the driver, which
+        // finishes the destruction once they are freed.
         if let Err(error) = unsafe { result::mem_pool::destroy(self.pool.0) } {
             let error = device.fail("cuMemPoolDestroy", CudaErrorCode(error.0 as u32));
             tracing::warn!(device = %self.book.key(), "destroying the CUDA pool failed: {error}");

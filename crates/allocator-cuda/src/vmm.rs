@@ -1,28 +1,6 @@
 //! `CudaVmmAllocator`: reserved address ranges with physical memory committed on
 //! demand (`VirtualBacking`) and physical backings shared between ranges
 //! (`SharedMapping`), through the CUDA virtual memory management API.
-//!
-//! # Model
-//! An allocation is a reservation (`cuMemAddressReserve`) rounded up to the
-//! allocation granularity; nothing is committed until asked. Each granule of a
-//! reservation is in one of four states, kept in the allocation's record:
-//!
-//! | state       | meaning                                           | owns physical memory |
-//! |-------------|---------------------------------------------------|----------------------|
-//! | (absent)    | reserved only                                     | no                   |
-//! | `Committed` | its own `cuMemCreate` handle, mapped read-write   | yes                  |
-//! | `Shared`    | a granule of a [`SharedBacking`], mapped           | the backing does     |
-//! | `Detached`  | unmapped, but releasing its handle failed         | yes (retried later)  |
-//!
-//! One handle per committed granule makes every decommit exact: CUDA cannot unmap part
-//! of a mapping, and a handle's memory is only returned when it is released.
-//!
-//! # Teardown
-//! Release unmaps and releases granule by granule, then frees the reservation. If a
-//! step fails, the record keeps the exact state: the outcome is
-//! [`ReleaseOutcome::Quarantined`] with the bytes really returned and the bytes still
-//! held, and releasing the block again resumes where the teardown stopped. A failure
-//! before anything changed is [`ReleaseOutcome::Failed`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -42,15 +20,39 @@ use crate::table::{Counters, LiveTable};
 
 type Handle = sys::CUmemGenericAllocationHandle;
 
-/// Reserve-then-commit device memory with shared physical backings.
+/// Reserve-then-commit device memory with shared physical backings, through the CUDA
+/// virtual memory management API.
 ///
-/// See the [module docs](self) for the model. Allocation sizes are rounded up to
-/// [`CudaVmmAllocator::granularity`] and the returned block reports the rounded size,
-/// so that every granule of the reservation can be committed through ranges checked
-/// against the block.
+/// # Model
+/// An allocation is a reservation (`cuMemAddressReserve`) rounded up to
+/// [`CudaVmmAllocator::granularity`]; the returned block reports the rounded size, so
+/// every granule of the reservation can be committed through ranges checked against
+/// the block. Nothing is committed until asked. Each granule is in one of four states,
+/// kept in the allocation's record:
 ///
-/// Stats: `live_bytes` is the physical memory mapped into live blocks (committed or
-/// shared), `reserved_bytes` the address space reserved.
+/// | state       | meaning                                           | owns physical memory |
+/// |-------------|---------------------------------------------------|----------------------|
+/// | (absent)    | reserved only                                     | no                   |
+/// | committed   | its own `cuMemCreate` handle, mapped read-write   | yes                  |
+/// | shared      | a granule of a [`SharedBacking`], mapped           | the backing does     |
+/// | detached    | unmapped, but releasing its handle failed         | yes (retried later)  |
+///
+/// One handle per committed granule makes every decommit exact: CUDA cannot unmap part
+/// of a mapping, and a handle's memory only goes back when it is released. Commit
+/// refuses granules that are shared, decommit refuses ranges holding shared granules
+/// (unmap them with [`SharedMapping::unmap`], which takes both kinds).
+///
+/// # Teardown
+/// Release unmaps and releases granule by granule, then frees the reservation. If a
+/// step fails, the record keeps the exact state: the outcome is
+/// [`ReleaseOutcome::Quarantined`] with the bytes really returned and the bytes still
+/// held, and releasing the block again resumes where the teardown stopped. A failure
+/// before anything changed is [`ReleaseOutcome::Failed`]; a sticky error stops the
+/// teardown at once (the context is gone).
+///
+/// # Stats
+/// `live_bytes` is the physical memory mapped into live blocks (committed or shared),
+/// `reserved_bytes` the address space reserved.
 pub struct CudaVmmAllocator {
     device: CudaDevice,
     granularity: usize,
