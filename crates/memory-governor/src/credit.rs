@@ -1,0 +1,717 @@
+//! Budgets and per-thread credit: the admission protocol.
+//!
+//! # The books
+//! Every budget is one [`Budget`]: `used` (bytes drawn from it), `limit`, `peak`, and
+//! `drainers` (threads currently pulling credit back). An account's budget (an
+//! authority's quota) is nested in its device's budget: every byte drawn is drawn from
+//! both. A device also keeps, per role, a [`DeviceRole`]: the role's usage on the
+//! device and its reserve (see "Reserves" below).
+//!
+//! # Credit
+//! One shared `used` counter written by every admission does not scale, so each thread
+//! keeps, per (account, role), a [`Slot`] of *credit*: bytes already drawn from the
+//! account and the device but not yet handed to any charge. An admission that fits the
+//! thread's credit is one uncontended compare-and-swap on a cache line only this thread
+//! writes; so is a refund. Credit is drawn in chunks (the request plus one chunk) and
+//! only while the budget has a chunk to spare; a slot never caches more than two chunks.
+//!
+//! Hence, for every budget, at every instant:
+//! `used = charges + credit cached in slots + credit a thread is moving`,
+//! and `used <= limit` is kept by a compare-and-swap on `used`, so charges never exceed
+//! the limit.
+//!
+//! # Returning credit
+//! A slot word packs the credit with two flags. `CLOSED`: the slot may not cache credit
+//! (refunds go straight to the shared budget, admissions draw exactly what they need).
+//! `BUSY`: some thread is moving this slot's credit to or from the shared budget; nobody
+//! else touches a busy slot.
+//!
+//! When an admission finds the shared budget short, it becomes a *drainer*: it counts
+//! itself in `drainers` of the account and the device, then *sweeps* the slots of the
+//! short budget: each slot's credit goes back to the shared budget and the slot is
+//! closed. A closed slot reopens only when its owner finds no drainer on either budget
+//! and the budget has room for a chunk to spare. The owner sets `BUSY` before it looks
+//! at `drainers`, and a drainer increments `drainers` before it looks at the slot (both
+//! read-modify-writes), so either the owner sees the drainer and stays closed, or the
+//! drainer sees the slot busy and sweeps it again once the owner is done. A drainer
+//! that meets a busy slot waits for that window (a few atomic operations, no callback,
+//! no lock) and sweeps again.
+//!
+//! So after a sweep that met no busy slot, no credit is cached in any slot of that
+//! budget, and none can be until the drainer leaves: an admission refused then is
+//! refused because charges (and other admissions in flight) fill the budget, never
+//! because unused credit sits with another thread. Lowering a limit sweeps the same
+//! way, so cached credit cannot outlive the old limit.
+//!
+//! # Reserves
+//! A role with a reserve of `r` bytes occupies `max(usage, r)` of its device: the
+//! device budget's `used` is the sum of that over roles, so the last `r` bytes can only
+//! ever be drawn by that role, and bytes it draws inside its reserve cost the device
+//! nothing more. Each change of a role's usage commits with one compare-and-swap of
+//! the role's word and moves the device budget by exactly the change in
+//! `max(usage, r)`; a reserve change freezes the word and bumps its version, so no draw
+//! computed against the old reserve commits. The books stay exact: after every charge
+//! is refunded, a device's `used` is the sum of its reserves.
+//!
+//! The loom models in `src/loom_credit.rs` check these claims under every interleaving
+//! of admissions, refunds, sweeps and limit changes (within a preemption bound).
+
+use memory_api::MemoryRole;
+
+use crate::sync::{Arc, AtomicBool, AtomicU64, CachePadded, Mutex, Ordering, lock, wait_for_other_thread};
+
+/// Number of roles (per-role arrays).
+pub(crate) const ROLES: usize = MemoryRole::ALL.len();
+
+/// A limit that never refuses anything.
+pub(crate) const UNLIMITED: u64 = u64::MAX;
+
+/// Slot flag: the slot may not cache credit.
+const CLOSED: u64 = 1 << 63;
+/// Slot flag: a thread is moving this slot's credit; nobody else may touch it.
+const BUSY: u64 = 1 << 62;
+/// Slot bits holding the credit.
+const CREDIT: u64 = BUSY - 1;
+
+/// The largest chunk of credit a slot may draw (a slot holds at most two chunks).
+pub(crate) const MAX_CHUNK: u64 = CREDIT / 4;
+
+/// Whether `n` more bytes (plus `slack` to spare) fit under `limit` when `used` are used.
+fn fits(used: u64, n: u64, slack: u64, limit: u64) -> bool {
+    used.checked_add(n).and_then(|total| total.checked_add(slack)).is_some_and(|total| total <= limit)
+}
+
+/// Raises `peak` to `value` if it is lower (a load first, so the common case writes nothing).
+fn bump_peak(peak: &AtomicU64, value: u64) {
+    if peak.load(Ordering::Relaxed) < value {
+        peak.fetch_max(value, Ordering::Relaxed);
+    }
+}
+
+/// One limited counter: a device budget or an account's quota.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    used: AtomicU64,
+    limit: AtomicU64,
+    peak: AtomicU64,
+    drainers: AtomicU64,
+}
+
+impl Budget {
+    pub(crate) fn new(limit: u64) -> Budget {
+        Budget {
+            used: AtomicU64::new(0),
+            limit: AtomicU64::new(limit),
+            peak: AtomicU64::new(0),
+            drainers: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes drawn (charges, cached credit, and for a device the reserves held).
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// High-water mark of [`Budget::used`].
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Draws `n` (with `slack` to spare) or reports `used` at the refusal.
+    fn try_draw(&self, n: u64, slack: u64) -> Result<(), u64> {
+        let before = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            fits(used, n, slack, self.limit.load(Ordering::Acquire)).then(|| used + n)
+        })?;
+        bump_peak(&self.peak, before + n);
+        Ok(())
+    }
+
+    fn give_back(&self, n: u64) {
+        if n > 0 {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Reads `drainers` with a read-modify-write, so that it orders against the
+    /// increment of a drainer that then sweeps (see the module docs).
+    fn has_drainers(&self) -> bool {
+        self.drainers.fetch_add(0, Ordering::AcqRel) != 0
+    }
+
+    /// Swaps the limit; returns the old one.
+    fn swap_limit(&self, limit: u64) -> u64 {
+        self.limit.swap(limit, Ordering::AcqRel)
+    }
+
+    /// Counts one drainer until the guard drops (also on unwind).
+    fn enter_drain(&self) -> DrainGuard<'_> {
+        self.drainers.fetch_add(1, Ordering::AcqRel);
+        DrainGuard { budget: self }
+    }
+}
+
+struct DrainGuard<'a> {
+    budget: &'a Budget,
+}
+
+impl Drop for DrainGuard<'_> {
+    fn drop(&mut self) {
+        self.budget.drainers.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Role word: a reserve change is in progress (draws and returns of the role wait).
+const FROZEN: u64 = 1 << 63;
+/// Role word: version bits, bumped by every reserve change, so that a draw computed
+/// against the old reserve cannot commit.
+const VERSION_SHIFT: u32 = 56;
+const VERSION: u64 = 0x7f << VERSION_SHIFT;
+/// Role word: bytes of the role drawn on the device (charges plus cached credit).
+pub(crate) const ROLE_USED: u64 = (1 << VERSION_SHIFT) - 1;
+
+/// `max(used, reserve)`: what a role occupies of its device.
+fn occupied(used: u64, reserve: u64) -> u64 {
+    used.max(reserve)
+}
+
+/// One role on one device: its usage and its reserve.
+///
+/// The device budget's `used` is the sum over roles of `max(usage, reserve)`: a role
+/// with a reserve occupies at least its reserve, and bytes it draws inside the reserve
+/// cost the device nothing more. Every change of a role's usage commits with one
+/// compare-and-swap of `word` and moves the device budget by exactly
+/// `max(new, reserve) - max(old, reserve)`, so the budget stays exact.
+#[derive(Debug)]
+pub(crate) struct DeviceRole {
+    word: AtomicU64,
+    target: AtomicU64,
+}
+
+impl DeviceRole {
+    fn new() -> DeviceRole {
+        DeviceRole { word: AtomicU64::new(0), target: AtomicU64::new(0) }
+    }
+
+    /// The reserve.
+    pub(crate) fn target(&self) -> u64 {
+        self.target.load(Ordering::Acquire)
+    }
+
+    /// Bytes of this role drawn on the device.
+    pub(crate) fn used(&self) -> u64 {
+        self.word.load(Ordering::Acquire) & ROLE_USED
+    }
+
+    /// Bytes of the reserve not drawn (held aside for this role).
+    pub(crate) fn held(&self) -> u64 {
+        self.target().saturating_sub(self.used())
+    }
+
+    /// Loads the word, waiting while a reserve change is in progress.
+    fn load_settled(&self) -> u64 {
+        loop {
+            let word = self.word.load(Ordering::Acquire);
+            if word & FROZEN == 0 {
+                return word;
+            }
+            wait_for_other_thread();
+        }
+    }
+
+    /// Draws `n` bytes of this role from `budget`, keeping `slack` to spare when the
+    /// draw costs the budget anything.
+    fn draw(&self, budget: &Budget, n: u64, slack: u64) -> Result<(), Short> {
+        let mut word = self.load_settled();
+        // What this draw has taken from the budget so far.
+        let mut charged = 0u64;
+        loop {
+            let used = word & ROLE_USED;
+            let Some(after) = used.checked_add(n).filter(|&after| after <= ROLE_USED) else {
+                budget.give_back(charged);
+                return Err(Short::Overflow { used, limit: ROLE_USED });
+            };
+            let reserve = self.target.load(Ordering::Acquire);
+            let cost = occupied(after, reserve) - occupied(used, reserve);
+            if cost > charged {
+                if let Err(used) = budget.try_draw(cost - charged, slack) {
+                    budget.give_back(charged);
+                    return Err(Short::Device { used, limit: budget.limit() });
+                }
+            } else {
+                budget.give_back(charged - cost);
+            }
+            charged = cost;
+            match self.word.compare_exchange(word, word + n, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(now) if now & FROZEN != 0 => {
+                    budget.give_back(charged);
+                    charged = 0;
+                    word = self.load_settled();
+                }
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    /// Returns `n` bytes of this role to `budget`.
+    fn give_back(&self, budget: &Budget, n: u64) {
+        let mut word = self.load_settled();
+        loop {
+            let used = word & ROLE_USED;
+            let after = used.saturating_sub(n);
+            let reserve = self.target.load(Ordering::Acquire);
+            match self.word.compare_exchange(word, word - (used - after), Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    budget.give_back(occupied(used, reserve) - occupied(after, reserve));
+                    return;
+                }
+                Err(now) if now & FROZEN != 0 => word = self.load_settled(),
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    /// Changes the reserve to `target`, moving the budget by the difference in what the
+    /// role occupies. Callers serialise the reserve changes of a device.
+    fn set_target(&self, budget: &Budget, target: u64) -> Result<(), u64> {
+        // Freeze the role: no draw or return of it commits until the change is done.
+        let mut word = self.load_settled();
+        loop {
+            match self.word.compare_exchange_weak(word, word | FROZEN, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) if now & FROZEN != 0 => word = self.load_settled(),
+                Err(now) => word = now,
+            }
+        }
+        let used = word & ROLE_USED;
+        let old = self.target.load(Ordering::Acquire);
+        let (before, after) = (occupied(used, old), occupied(used, target));
+        let result = if after > before {
+            budget.try_draw(after - before, 0).map_err(|used| budget.limit().saturating_sub(used))
+        } else {
+            budget.give_back(before - after);
+            Ok(())
+        };
+        if result.is_ok() {
+            self.target.store(target, Ordering::Release);
+        }
+        // Unfreeze with a new version, so that no draw computed against the old reserve
+        // can commit.
+        let version = (word & VERSION).wrapping_add(1 << VERSION_SHIFT) & VERSION;
+        self.word.store(version | used, Ordering::Release);
+        result
+    }
+}
+
+/// A device's shared books.
+#[derive(Debug)]
+pub(crate) struct DeviceCounters {
+    pub(crate) budget: CachePadded<Budget>,
+    pub(crate) roles: [CachePadded<DeviceRole>; ROLES],
+}
+
+impl DeviceCounters {
+    pub(crate) fn new(limit: u64) -> DeviceCounters {
+        DeviceCounters {
+            budget: CachePadded::new(Budget::new(limit)),
+            roles: std::array::from_fn(|_| CachePadded::new(DeviceRole::new())),
+        }
+    }
+
+    /// Sum of the reserves.
+    pub(crate) fn reserve_targets(&self) -> u64 {
+        self.roles.iter().map(|r| r.target()).sum()
+    }
+
+    /// Sets the reserve of `role` (callers serialise reserve changes).
+    ///
+    /// Returns `Err(available)` when the budget cannot hold a raised reserve.
+    pub(crate) fn set_reserve(&self, role: usize, target: u64) -> Result<(), u64> {
+        self.roles[role].set_target(&self.budget, target)
+    }
+}
+
+/// Per-role books of an account (no limit of their own).
+#[derive(Debug)]
+pub(crate) struct RoleCounter {
+    used: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl RoleCounter {
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+/// An account's shared books: its quota and its per-role counters.
+#[derive(Debug)]
+pub(crate) struct AccountCounters {
+    pub(crate) budget: CachePadded<Budget>,
+    pub(crate) roles: [CachePadded<RoleCounter>; ROLES],
+}
+
+impl AccountCounters {
+    pub(crate) fn new(quota: u64) -> AccountCounters {
+        AccountCounters {
+            budget: CachePadded::new(Budget::new(quota)),
+            roles: std::array::from_fn(|_| {
+                CachePadded::new(RoleCounter { used: AtomicU64::new(0), peak: AtomicU64::new(0) })
+            }),
+        }
+    }
+}
+
+/// Why a draw was refused: which budget, and what it held at the refusal.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Short {
+    /// The account's quota.
+    Account { used: u64, limit: u64 },
+    /// The device's budget (after the role's own reserve).
+    Device { used: u64, limit: u64 },
+    /// The role's usage on the device would pass [`ROLE_USED`].
+    Overflow { used: u64, limit: u64 },
+}
+
+/// Where bytes of one role of one account are drawn from and returned to.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Path<'a> {
+    pub(crate) account: &'a AccountCounters,
+    pub(crate) device: &'a DeviceCounters,
+    pub(crate) role: usize,
+}
+
+impl Path<'_> {
+    /// Draws `n` bytes from the account and the device (inside the role's reserve
+    /// first), keeping `slack` to spare in both.
+    pub(crate) fn draw(&self, n: u64, slack: u64) -> Result<(), Short> {
+        let account = &self.account.budget;
+        if let Err(used) = account.try_draw(n, slack) {
+            return Err(Short::Account { used, limit: account.limit() });
+        }
+        if let Err(short) = self.device.roles[self.role].draw(&self.device.budget, n, slack) {
+            account.give_back(n);
+            return Err(short);
+        }
+        let role = &self.account.roles[self.role];
+        let before = role.used.fetch_add(n, Ordering::AcqRel);
+        bump_peak(&role.peak, before + n);
+        Ok(())
+    }
+
+    /// Returns `n` bytes to the shared books.
+    pub(crate) fn give_back(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.account.roles[self.role].used.fetch_sub(n, Ordering::AcqRel);
+        self.account.budget.give_back(n);
+        self.device.roles[self.role].give_back(&self.device.budget, n);
+    }
+}
+
+/// One thread's credit for one role of one account, on its own cache line.
+///
+/// Only the owning thread admits and refunds through a slot; other threads only sweep
+/// it (see the module docs). `opened` and `closed` count the charges the owner opened
+/// and closed; only the owner writes them.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    word: AtomicU64,
+    opened: AtomicU64,
+    closed: AtomicU64,
+    retired: AtomicBool,
+    role: usize,
+    account: Arc<AccountCounters>,
+    device: Arc<DeviceCounters>,
+}
+
+/// The outcome of one sweep of a list of slots.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sweep {
+    /// Bytes of credit returned to the shared books.
+    pub(crate) returned: u64,
+    /// Whether a busy slot was met (it must be swept again).
+    pub(crate) busy: bool,
+}
+
+impl Slot {
+    /// A new slot. It starts closed, so that its first admission checks for drainers
+    /// before caching anything.
+    pub(crate) fn new(account: Arc<AccountCounters>, device: Arc<DeviceCounters>, role: usize) -> Slot {
+        Slot {
+            word: AtomicU64::new(CLOSED),
+            opened: AtomicU64::new(0),
+            closed: AtomicU64::new(0),
+            retired: AtomicBool::new(false),
+            role,
+            account,
+            device,
+        }
+    }
+
+    pub(crate) fn path(&self) -> Path<'_> {
+        Path { account: &self.account, device: &self.device, role: self.role }
+    }
+
+    pub(crate) fn role(&self) -> usize {
+        self.role
+    }
+
+    /// Credit cached here right now.
+    pub(crate) fn credit(&self) -> u64 {
+        self.word.load(Ordering::Acquire) & CREDIT
+    }
+
+    /// Charges opened and closed by the owner.
+    pub(crate) fn counts(&self) -> (u64, u64) {
+        (self.opened.load(Ordering::Relaxed), self.closed.load(Ordering::Relaxed))
+    }
+
+    /// Whether the owning thread has gone.
+    pub(crate) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// A cheap, possibly stale look at whether a drainer works on either budget. Only
+    /// ever used to skip work; the decision to reopen re-checks with
+    /// [`Budget::has_drainers`].
+    fn drainers_visible(&self) -> bool {
+        self.account.budget.drainers.load(Ordering::Relaxed) != 0
+            || self.device.budget.drainers.load(Ordering::Relaxed) != 0
+    }
+
+    /// A cheap, possibly stale look at whether both budgets have `n` bytes to spare.
+    fn room_visible(&self, n: u64) -> bool {
+        let room = |budget: &Budget| fits(budget.used.load(Ordering::Relaxed), n, 0, budget.limit.load(Ordering::Relaxed));
+        room(&self.account.budget) && room(&self.device.budget)
+    }
+
+    /// Counts one charge opened (owner only: a load and a store, no read-modify-write).
+    pub(crate) fn count_open(&self) {
+        self.opened.store(self.opened.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// Takes back one count of [`Slot::count_open`] (owner only).
+    pub(crate) fn uncount_open(&self) {
+        self.opened.store(self.opened.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Relaxed);
+    }
+
+    fn count_close(&self) {
+        self.closed.store(self.closed.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// The fast path: takes `n` from this slot's credit. `false` when the slot is
+    /// closed, busy or short (then call [`Slot::admit_slow`]).
+    #[inline]
+    pub(crate) fn admit_fast(&self, n: u64) -> bool {
+        let word = self.word.load(Ordering::Relaxed);
+        if word & (CLOSED | BUSY) == 0
+            && word >= n
+            && self.word.compare_exchange(word, word - n, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        {
+            self.count_open();
+            return true;
+        }
+        false
+    }
+
+    /// Admits `n` bytes, refilling the slot with a chunk when it may cache credit;
+    /// draws exactly `n` when it may not. Does not sweep other slots.
+    pub(crate) fn admit_slow(&self, n: u64, chunk: u64) -> Result<(), Short> {
+        let cap = 2 * chunk;
+        let cacheable = chunk > 0 && n <= cap;
+        let mut word = self.word.load(Ordering::Acquire);
+        loop {
+            // A busy slot is being swept: leave it alone. A closed slot holds no credit
+            // and, while a drainer is visibly at work, will not reopen: leave it alone
+            // too, so that a sweeping drainer never has to wait for it.
+            let stays_closed =
+                word & CLOSED != 0 && (!cacheable || self.drainers_visible() || !self.room_visible(n + 2 * chunk));
+            if word & BUSY != 0 || stays_closed {
+                let result = self.path().draw(n, 0);
+                if result.is_ok() {
+                    self.count_open();
+                }
+                return result;
+            }
+            match self.word.compare_exchange_weak(word, word | BUSY, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => word = now,
+            }
+        }
+        // The slot is ours until the store below.
+        let credit = word & CREDIT;
+        let closed = word & CLOSED;
+        let (result, credit, closed) = if credit >= n {
+            (Ok(()), credit - n, closed)
+        } else {
+            let need = n - credit;
+            // Reopening a closed slot is decided under BUSY, with read-modify-writes of
+            // `drainers` (see the module docs): a drainer either sees BUSY or is seen.
+            let may_cache = cacheable
+                && (closed == 0 || (!self.account.budget.has_drainers() && !self.device.budget.has_drainers()));
+            if may_cache && self.path().draw(need + chunk, chunk).is_ok() {
+                // Reopened (if it was closed) with one chunk of credit.
+                (Ok(()), chunk, 0)
+            } else {
+                match self.path().draw(need, 0) {
+                    Ok(()) => (Ok(()), 0, closed),
+                    Err(short) => (Err(short), credit, closed),
+                }
+            }
+        };
+        self.word.store(credit | closed, Ordering::Release);
+        if result.is_ok() {
+            self.count_open();
+        }
+        result
+    }
+
+    /// Refunds `n` bytes: into this slot's credit when it is open and has room, else
+    /// straight to the shared books. `close` counts the end of one charge.
+    #[inline]
+    pub(crate) fn refund(&self, n: u64, chunk: u64, close: bool) {
+        if close {
+            self.count_close();
+        }
+        let word = self.word.load(Ordering::Relaxed);
+        let cap = 2 * chunk;
+        if word & (CLOSED | BUSY) == 0
+            && n <= cap
+            && word + n <= cap
+            && self.word.compare_exchange(word, word + n, Ordering::Release, Ordering::Relaxed).is_ok()
+        {
+            return;
+        }
+        self.path().give_back(n);
+    }
+
+    /// Returns this slot's credit to the shared books and closes it. Returns `None`
+    /// when the slot is busy (another thread is moving its credit: sweep it again).
+    fn sweep(&self) -> Option<u64> {
+        let mut word = self.word.load(Ordering::Acquire);
+        loop {
+            if word & BUSY != 0 {
+                return None;
+            }
+            let credit = word & CREDIT;
+            if credit == 0 {
+                if word & CLOSED != 0 {
+                    return Some(0);
+                }
+                match self.word.compare_exchange_weak(word, CLOSED, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return Some(0),
+                    Err(now) => word = now,
+                }
+                continue;
+            }
+            match self.word.compare_exchange_weak(word, CLOSED | BUSY, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    self.path().give_back(credit);
+                    self.word.store(CLOSED, Ordering::Release);
+                    return Some(credit);
+                }
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    /// The owner is gone: returns the credit, closes the slot for good.
+    pub(crate) fn retire(&self) {
+        while self.sweep().is_none() {
+            wait_for_other_thread();
+        }
+        self.retired.store(true, Ordering::Release);
+    }
+}
+
+/// Sweeps every slot of `slots` once (see the module docs).
+pub(crate) fn sweep(slots: &Mutex<Vec<Arc<Slot>>>) -> Sweep {
+    let slots = lock(slots);
+    let mut outcome = Sweep::default();
+    for slot in slots.iter() {
+        match slot.sweep() {
+            Some(returned) => outcome.returned += returned,
+            None => outcome.busy = true,
+        }
+    }
+    outcome
+}
+
+/// The lists of slots a drain may sweep: the account's and the device's.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct SlotLists<'a> {
+    pub(crate) account: &'a Mutex<Vec<Arc<Slot>>>,
+    pub(crate) device: &'a Mutex<Vec<Arc<Slot>>>,
+}
+
+/// Admits `n` bytes on `path` after a refused draw, pulling back the credit other
+/// threads cache in the short budget. Fails only when, after a sweep that met no busy
+/// slot, the budget still cannot hold `n`.
+pub(crate) fn admit_draining(path: Path<'_>, n: u64, lists: SlotLists<'_>) -> Result<(), Short> {
+    let _account = path.account.budget.enter_drain();
+    let _device = path.device.budget.enter_drain();
+    let mut account_swept = false;
+    let mut device_swept = false;
+    loop {
+        let short = match path.draw(n, 0) {
+            Ok(()) => return Ok(()),
+            Err(short) => short,
+        };
+        let swept = match short {
+            Short::Account { .. } if !account_swept => {
+                account_swept = true;
+                sweep(lists.account)
+            }
+            Short::Device { .. } if !device_swept => {
+                device_swept = true;
+                sweep(lists.device)
+            }
+            _ => return Err(short),
+        };
+        if swept.busy {
+            // Someone is moving credit in or out of a slot: sweep again after it is done.
+            match short {
+                Short::Account { .. } => account_swept = false,
+                Short::Device { .. } | Short::Overflow { .. } => device_swept = false,
+            }
+            wait_for_other_thread();
+        }
+    }
+}
+
+/// Sets `budget`'s limit. When it is lowered, sweeps `slots` so that no credit cached
+/// under the old limit survives (nothing charged is revoked). Returns the old limit.
+pub(crate) fn set_limit(budget: &Budget, limit: u64, slots: &Mutex<Vec<Arc<Slot>>>) -> u64 {
+    let old = budget.swap_limit(limit);
+    if limit < old {
+        let _drain = budget.enter_drain();
+        while sweep(slots).busy {
+            wait_for_other_thread();
+        }
+    }
+    old
+}
+
+/// Closes every slot of `slots` and returns their credit (idle credit, on request).
+pub(crate) fn return_credit(budget: &Budget, slots: &Mutex<Vec<Arc<Slot>>>) -> u64 {
+    let _drain = budget.enter_drain();
+    let mut returned = 0;
+    loop {
+        let swept = sweep(slots);
+        returned += swept.returned;
+        if !swept.busy {
+            return returned;
+        }
+        wait_for_other_thread();
+    }
+}

@@ -1,0 +1,917 @@
+//! The governor: device books, accounts, policies, reclaim holders, snapshots.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
+
+use memory_api::{AuthorityIdentity, DeviceAllocator, DeviceKey, MemoryRole};
+
+use crate::allocator::GovernedAllocator;
+use crate::credit::{
+    self, AccountCounters, DeviceCounters, MAX_CHUNK, Path, ROLES, Short, Slot, SlotLists, UNLIMITED,
+};
+use crate::error::{
+    AccountError, AdmissionError, LeaseRequestError, Exhaustion, GovernError, GovernFailure, HolderReport, LimitError, LimitScope,
+    PolicyError,
+};
+use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
+use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
+use crate::stats::{
+    AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
+};
+use crate::sync::{Arc, AtomicU64, Mutex, Ordering, RwLock, lock, read, thread_local, write};
+use crate::timeline::{Timeline, TimelineEvent, TimelineEventKind};
+
+/// The largest charge one lease or allocation may hold (the largest allocation
+/// `memory-api` allows).
+pub const MAX_CHARGE: u64 = isize::MAX as u64;
+
+/// Tunables of a [`Governor`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GovernorConfig {
+    credit_chunk: u64,
+}
+
+impl Default for GovernorConfig {
+    fn default() -> GovernorConfig {
+        GovernorConfig { credit_chunk: 4 << 20 }
+    }
+}
+
+impl GovernorConfig {
+    /// Bytes of credit a thread draws at once per account and role (default 4 MiB; a
+    /// thread caches at most two chunks). Zero turns caching off: every charge and
+    /// refund then writes the shared books (exact `current` at every instant, but two
+    /// threads contend on one cache line).
+    #[must_use]
+    pub fn credit_chunk(mut self, bytes: u64) -> GovernorConfig {
+        self.credit_chunk = bytes.min(MAX_CHUNK);
+        self
+    }
+
+    /// The configured credit chunk.
+    pub fn chunk(&self) -> u64 {
+        self.credit_chunk
+    }
+}
+
+/// How an account is opened: device, authority, quota and label.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AccountConfig {
+    device: DeviceKey,
+    authority: AuthorityIdentity,
+    quota: u64,
+    label: Option<String>,
+}
+
+impl AccountConfig {
+    /// An account for `authority` on `device`, without a quota of its own (bounded by
+    /// the device limit only).
+    pub fn new(device: DeviceKey, authority: AuthorityIdentity) -> AccountConfig {
+        AccountConfig { device, authority, quota: UNLIMITED, label: None }
+    }
+
+    /// Caps the account at `bytes` (nested inside the device limit).
+    #[must_use]
+    pub fn quota(mut self, bytes: u64) -> AccountConfig {
+        self.quota = bytes;
+        self
+    }
+
+    /// A human-readable name for messages and snapshots (default: the authority).
+    #[must_use]
+    pub fn label(mut self, label: impl Into<String>) -> AccountConfig {
+        self.label = Some(label.into());
+        self
+    }
+}
+
+fn limit_of(raw: u64) -> Option<u64> {
+    (raw != UNLIMITED).then_some(raw)
+}
+
+struct HolderEntry {
+    serial: u64,
+    order: u32,
+    holder: Arc<dyn ReclaimHolder>,
+}
+
+/// One device's books: budget, reserves, the slots of every thread's credit on it,
+/// its policy and its reclaim holders.
+pub(crate) struct DeviceBooks {
+    key: DeviceKey,
+    pub(crate) counters: Arc<DeviceCounters>,
+    slots: Mutex<Vec<Arc<Slot>>>,
+    policy: RwLock<Arc<dyn AdmissionPolicy>>,
+    holders: RwLock<Vec<HolderEntry>>,
+    /// Serialises limit, reserve and policy changes (never held with another lock).
+    changes: Mutex<()>,
+    pub(crate) timeline: Arc<Timeline>,
+}
+
+impl DeviceBooks {
+    fn new(key: DeviceKey, timeline: Arc<Timeline>) -> DeviceBooks {
+        DeviceBooks {
+            key,
+            counters: Arc::new(DeviceCounters::new(UNLIMITED)),
+            slots: Mutex::new(Vec::new()),
+            policy: RwLock::new(Arc::new(HardLimit)),
+            holders: RwLock::new(Vec::new()),
+            changes: Mutex::new(()),
+            timeline,
+        }
+    }
+
+    fn holders(&self) -> Vec<(u32, Arc<dyn ReclaimHolder>)> {
+        read(&self.holders).iter().map(|entry| (entry.order, Arc::clone(&entry.holder))).collect()
+    }
+
+    /// Asks the holders, in order and with no lock held, for `request.bytes`; returns
+    /// the bytes they freed.
+    fn reclaim(&self, request: ReclaimRequest) -> u64 {
+        let mut freed = 0u64;
+        for (order, holder) in self.holders() {
+            let missing = request.bytes.saturating_sub(freed);
+            if missing == 0 {
+                break;
+            }
+            let got = holder.reclaim(&ReclaimRequest { bytes: missing, ..request });
+            tracing::debug!(
+                device = %self.key, holder = holder.name(), order, asked = missing, freed = got,
+                "reclaim holder asked"
+            );
+            freed = freed.saturating_add(got);
+        }
+        tracing::info!(
+            device = %self.key, authority = %request.authority, role = %request.role,
+            asked = request.bytes, freed, "reclaim finished"
+        );
+        freed
+    }
+
+    /// The holder that says it could free the most (asked with no lock held).
+    fn largest_holder(&self) -> Option<HolderReport> {
+        self.holders()
+            .into_iter()
+            .map(|(order, holder)| HolderReport {
+                name: holder.name().to_owned(),
+                reclaimable: holder.reclaimable(self.key),
+                order,
+            })
+            .max_by(|a, b| a.reclaimable.cmp(&b.reclaimable).then(b.order.cmp(&a.order)))
+    }
+}
+
+/// Per-role figures of an account that live outside the credit protocol (cold path).
+#[derive(Debug)]
+pub(crate) struct RoleStats {
+    pub(crate) failures: AtomicU64,
+    pub(crate) quarantined: AtomicU64,
+    pub(crate) lost_bytes: AtomicU64,
+    pub(crate) lost_allocations: AtomicU64,
+    /// Opened/closed counts of slots whose thread has gone, and of charges made without
+    /// a slot (during thread teardown).
+    retired_opened: AtomicU64,
+    retired_closed: AtomicU64,
+}
+
+impl RoleStats {
+    fn new() -> RoleStats {
+        RoleStats {
+            failures: AtomicU64::new(0),
+            quarantined: AtomicU64::new(0),
+            lost_bytes: AtomicU64::new(0),
+            lost_allocations: AtomicU64::new(0),
+            retired_opened: AtomicU64::new(0),
+            retired_closed: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Uids for accounts, so a thread can find its slots (not part of any protocol).
+static NEXT_ACCOUNT: StdAtomicU64 = StdAtomicU64::new(1);
+
+pub(crate) struct AccountShared {
+    uid: u64,
+    authority: AuthorityIdentity,
+    label: String,
+    chunk: u64,
+    pub(crate) device: Arc<DeviceBooks>,
+    counters: Arc<AccountCounters>,
+    slots: Mutex<Vec<Arc<Slot>>>,
+    pub(crate) roles: [RoleStats; ROLES],
+}
+
+/// One thread's slot for one role of one account.
+struct ThreadSlot {
+    account: u64,
+    role: usize,
+    slot: Arc<Slot>,
+}
+
+/// The calling thread's slots. When the thread ends, each slot's credit goes back.
+#[derive(Default)]
+struct ThreadSlots {
+    entries: Vec<ThreadSlot>,
+}
+
+impl Drop for ThreadSlots {
+    fn drop(&mut self) {
+        for entry in self.entries.drain(..) {
+            entry.slot.retire();
+        }
+    }
+}
+
+thread_local! {
+    static THREAD_SLOTS: RefCell<ThreadSlots> = RefCell::new(ThreadSlots::default());
+}
+
+/// Folds the counts of retired slots into `roles` and drops them from `slots`.
+fn prune_retired(slots: &mut Vec<Arc<Slot>>, roles: &[RoleStats; ROLES]) {
+    slots.retain(|slot| {
+        if !slot.is_retired() {
+            return true;
+        }
+        let (opened, closed) = slot.counts();
+        let stats = &roles[slot.role()];
+        stats.retired_opened.fetch_add(opened, Ordering::Relaxed);
+        stats.retired_closed.fetch_add(closed, Ordering::Relaxed);
+        false
+    });
+}
+
+impl AccountShared {
+    fn path(&self, role: usize) -> Path<'_> {
+        Path { account: &self.counters, device: &self.device.counters, role }
+    }
+
+    fn lists(&self) -> SlotLists<'_> {
+        SlotLists { account: &self.slots, device: &self.device.slots }
+    }
+
+    fn register_slot(&self, role: usize) -> Arc<Slot> {
+        let slot = Arc::new(Slot::new(Arc::clone(&self.counters), Arc::clone(&self.device.counters), role));
+        {
+            let mut slots = lock(&self.slots);
+            prune_retired(&mut slots, &self.roles);
+            slots.push(Arc::clone(&slot));
+        }
+        {
+            let mut slots = lock(&self.device.slots);
+            slots.retain(|slot| !slot.is_retired());
+            slots.push(Arc::clone(&slot));
+        }
+        slot
+    }
+
+    /// Runs `f` on the calling thread's slot for `role`, creating it on first use.
+    /// `None` while the thread is being torn down (its slots are gone).
+    #[inline]
+    fn with_slot<R>(&self, role: usize, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+        THREAD_SLOTS
+            .try_with(|cell| {
+                let mut slots = cell.try_borrow_mut().ok()?;
+                if let Some(entry) = slots.entries.iter().find(|e| e.account == self.uid && e.role == role) {
+                    return Some(f(&entry.slot));
+                }
+                let slot = self.register_slot(role);
+                let result = f(&slot);
+                slots.entries.push(ThreadSlot { account: self.uid, role, slot });
+                Some(result)
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// One admission attempt: the thread's credit, then a chunk or an exact draw, then
+    /// pulling back other threads' credit. No policy, no callback.
+    fn admit(&self, role: usize, bytes: u64) -> Result<(), Short> {
+        let chunk = self.chunk;
+        let first = self.with_slot(role, |slot| {
+            if slot.admit_fast(bytes) {
+                return Ok(());
+            }
+            slot.admit_slow(bytes, chunk)
+        });
+        match first {
+            Some(Ok(())) => return Ok(()),
+            Some(Err(_)) => {}
+            None => {
+                // No slot (thread teardown): draw directly and count here.
+                if self.path(role).draw(bytes, 0).is_ok() {
+                    self.roles[role].retired_opened.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
+            }
+        }
+        let drained = credit::admit_draining(self.path(role), bytes, self.lists());
+        if drained.is_ok() {
+            // The drain drew straight from the books: count the charge on the slot.
+            self.count_open(role);
+        }
+        drained
+    }
+
+    fn count_open(&self, role: usize) {
+        if self.with_slot(role, Slot::count_open).is_none() {
+            self.roles[role].retired_opened.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn shortfall(&self, role: MemoryRole, requested: u64, short: Short) -> (Shortfall, u64, u64) {
+        let (scope, used, limit) = match short {
+            Short::Account { used, limit } => (LimitScope::Authority, used, limit),
+            Short::Device { used, limit } | Short::Overflow { used, limit } => (LimitScope::Device, used, limit),
+        };
+        let mut available = limit.saturating_sub(used);
+        if scope == LimitScope::Device {
+            available = available.saturating_add(self.device.counters.roles[role.ordinal()].held());
+        }
+        let shortfall =
+            Shortfall { device: self.device.key, authority: self.authority, role, requested, scope, available };
+        (shortfall, used, limit)
+    }
+
+    /// The slow path after a refused attempt: the policy, reclaim and one retry.
+    #[cold]
+    fn admit_with_policy(&self, role: MemoryRole, bytes: u64, short: Short) -> Result<(), AdmissionError> {
+        let r = role.ordinal();
+        if let Short::Overflow { used, limit } = short {
+            return Err(AdmissionError::Overflow { role, requested: bytes, held: used, max: limit });
+        }
+        let policy = Arc::clone(&*read(&self.device.policy));
+        let (shortfall, _, _) = self.shortfall(role, bytes, short);
+        let mut last = short;
+        let reclaimed = match policy.on_shortfall(&shortfall) {
+            ShortfallDecision::Reclaim => {
+                let freed = self.device.reclaim(ReclaimRequest {
+                    device: self.device.key,
+                    bytes: shortfall.missing(),
+                    role,
+                    authority: self.authority,
+                });
+                match self.admit(r, bytes) {
+                    Ok(()) => return Ok(()),
+                    Err(short) => last = short,
+                }
+                Some(freed)
+            }
+            ShortfallDecision::Fail => None,
+        };
+        self.roles[r].failures.fetch_add(1, Ordering::Relaxed);
+        let (shortfall, used, limit) = self.shortfall(role, bytes, last);
+        let exhaustion = Exhaustion {
+            tier: self.device.key.tier(),
+            device: self.device.key,
+            authority: self.authority,
+            account: self.label.clone(),
+            role,
+            requested: bytes,
+            scope: shortfall.scope,
+            used,
+            limit,
+            available: shortfall.available,
+            reclaimed,
+            largest_holder: self.device.largest_holder(),
+            policy: policy.name().to_owned(),
+        };
+        tracing::warn!(
+            tier = %exhaustion.tier, device = %exhaustion.device, authority = %exhaustion.authority,
+            account = %exhaustion.account, role = %role, requested = bytes, scope = %exhaustion.scope,
+            used, limit, available = exhaustion.available, reclaimed = ?reclaimed,
+            largest_holder = ?exhaustion.largest_holder.as_ref().map(|h| &h.name),
+            "admission refused"
+        );
+        if self.device.timeline.enabled() {
+            self.device.timeline.record(TimelineEventKind::Refusal, self.device.key, self.authority, role, bytes);
+        }
+        Err(AdmissionError::Exhausted(Box::new(exhaustion)))
+    }
+
+    fn snapshot(&self) -> AccountSnapshot {
+        let mut roles: Vec<RoleSnapshot> = MemoryRole::ALL.iter().map(|&role| RoleSnapshot::empty(role)).collect();
+        {
+            let mut slots = lock(&self.slots);
+            prune_retired(&mut slots, &self.roles);
+            for slot in slots.iter() {
+                let role = &mut roles[slot.role()];
+                let (opened, closed) = slot.counts();
+                role.cached_credit += slot.credit();
+                role.allocations = role.allocations.wrapping_add(opened);
+                role.releases = role.releases.wrapping_add(closed);
+            }
+        }
+        for (r, role) in roles.iter_mut().enumerate() {
+            let counter = &self.counters.roles[r];
+            let stats = &self.roles[r];
+            role.allocations = role.allocations.wrapping_add(stats.retired_opened.load(Ordering::Relaxed));
+            role.releases = role.releases.wrapping_add(stats.retired_closed.load(Ordering::Relaxed));
+            role.live = role.allocations.wrapping_sub(role.releases);
+            role.current = counter.used().saturating_sub(role.cached_credit);
+            role.peak = counter.peak();
+            role.failures = stats.failures.load(Ordering::Relaxed);
+            role.quarantined_bytes = stats.quarantined.load(Ordering::Relaxed);
+            role.lost_bytes = stats.lost_bytes.load(Ordering::Relaxed);
+            role.lost_allocations = stats.lost_allocations.load(Ordering::Relaxed);
+        }
+        AccountSnapshot {
+            authority: self.authority.to_string(),
+            label: self.label.clone(),
+            quota: limit_of(self.counters.budget.limit()),
+            current: roles.iter().map(|r| r.current).sum(),
+            used: self.counters.budget.used(),
+            peak: self.counters.budget.peak(),
+            cached_credit: roles.iter().map(|r| r.cached_credit).sum(),
+            totals: Totals::of(&roles),
+            roles,
+        }
+    }
+}
+
+/// A handle to one authority's account on one device. Cheap to clone.
+///
+/// Charges go through [`Account::lease`] (or a [`GovernedAllocator`]); each is drawn
+/// from the calling thread's credit when it can be, so admissions on different threads
+/// do not contend.
+#[derive(Clone)]
+pub struct Account {
+    shared: Arc<AccountShared>,
+}
+
+impl std::fmt::Debug for Account {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Account")
+            .field("authority", &self.shared.authority)
+            .field("label", &self.shared.label)
+            .field("device", &self.shared.device.key)
+            .finish()
+    }
+}
+
+impl Account {
+    /// The authority charged.
+    pub fn authority(&self) -> AuthorityIdentity {
+        self.shared.authority
+    }
+
+    /// The device of the account.
+    pub fn device(&self) -> DeviceKey {
+        self.shared.device.key
+    }
+
+    /// The account's label.
+    pub fn label(&self) -> &str {
+        &self.shared.label
+    }
+
+    /// The quota, `None` when unlimited.
+    pub fn quota(&self) -> Option<u64> {
+        limit_of(self.shared.counters.budget.limit())
+    }
+
+    /// This account's current figures.
+    pub fn snapshot(&self) -> AccountSnapshot {
+        self.shared.snapshot()
+    }
+
+    /// Charges `bytes` of `role`, or explains why not. Nothing is charged on error.
+    ///
+    /// # Errors
+    /// [`AdmissionError::Overflow`] above [`MAX_CHARGE`]; [`AdmissionError::Exhausted`]
+    /// when the quota or the device limit cannot hold it after the policy had its say.
+    #[inline]
+    pub(crate) fn charge(&self, role: MemoryRole, bytes: u64) -> Result<(), AdmissionError> {
+        if bytes > MAX_CHARGE {
+            return Err(AdmissionError::Overflow { role, requested: bytes, held: 0, max: MAX_CHARGE });
+        }
+        let shared = &*self.shared;
+        let r = role.ordinal();
+        let fast = shared.with_slot(r, |slot| slot.admit_fast(bytes)).unwrap_or(false);
+        if !fast && let Err(short) = shared.admit(r, bytes) {
+            shared.admit_with_policy(role, bytes, short)?;
+        }
+        if shared.device.timeline.enabled() {
+            shared.device.timeline.record(TimelineEventKind::Charge, shared.device.key, shared.authority, role, bytes);
+        }
+        Ok(())
+    }
+
+    /// Charges `extra` more bytes for an existing charge of `held` bytes (no new count).
+    pub(crate) fn grow(&self, role: MemoryRole, held: u64, extra: u64) -> Result<(), AdmissionError> {
+        if held.checked_add(extra).is_none_or(|total| total > MAX_CHARGE) {
+            return Err(AdmissionError::Overflow { role, requested: extra, held, max: MAX_CHARGE });
+        }
+        self.charge(role, extra)?;
+        // `charge` counted a new charge; this is the same one, grown.
+        self.uncount_open(role);
+        Ok(())
+    }
+
+    fn uncount_open(&self, role: MemoryRole) {
+        let r = role.ordinal();
+        if self.shared.with_slot(r, Slot::uncount_open).is_none() {
+            self.shared.roles[r].retired_opened.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Refunds `bytes` of `role`; `close` counts the end of one charge.
+    #[inline]
+    pub(crate) fn refund(&self, role: MemoryRole, bytes: u64, close: bool) {
+        let shared = &*self.shared;
+        let r = role.ordinal();
+        let chunk = shared.chunk;
+        if shared.with_slot(r, |slot| slot.refund(bytes, chunk, close)).is_none() {
+            shared.path(r).give_back(bytes);
+            if close {
+                shared.roles[r].retired_closed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if shared.device.timeline.enabled() {
+            shared.device.timeline.record(TimelineEventKind::Refund, shared.device.key, shared.authority, role, bytes);
+        }
+    }
+
+    /// Refunds a charge whose memory was never handed out (the allocator failed after
+    /// the charge): the charge is neither counted as opened nor as closed.
+    pub(crate) fn cancel(&self, role: MemoryRole, bytes: u64) {
+        self.refund(role, bytes, false);
+        self.uncount_open(role);
+    }
+
+    pub(crate) fn role_stats(&self, role: MemoryRole) -> &RoleStats {
+        &self.shared.roles[role.ordinal()]
+    }
+
+    pub(crate) fn timeline(&self) -> &Timeline {
+        &self.shared.device.timeline
+    }
+
+    /// Charges a lease of `bytes` for `role`, refunded when the lease drops.
+    ///
+    /// # Errors
+    /// See [`AdmissionError`]; nothing is charged on error.
+    pub fn lease(&self, role: MemoryRole, bytes: u64) -> Result<crate::Lease<&Account>, AdmissionError> {
+        self.charge(role, bytes)?;
+        Ok(crate::Lease::new(self, role, bytes))
+    }
+
+    /// Like [`Account::lease`], but the lease owns a handle to the account (`'static`,
+    /// at the cost of a reference count on the account per lease).
+    ///
+    /// # Errors
+    /// See [`AdmissionError`]; nothing is charged on error.
+    pub fn lease_owned(&self, role: MemoryRole, bytes: u64) -> Result<crate::Lease<Account>, AdmissionError> {
+        self.charge(role, bytes)?;
+        Ok(crate::Lease::new(self.clone(), role, bytes))
+    }
+}
+
+struct GovernorInner {
+    config: GovernorConfig,
+    devices: RwLock<BTreeMap<DeviceKey, Arc<DeviceBooks>>>,
+    accounts: RwLock<HashMap<AuthorityIdentity, Account>>,
+    timeline: Arc<Timeline>,
+    next_holder: StdAtomicU64,
+}
+
+/// Books for every device, with accounts per authority. Cheap to clone (shared).
+///
+/// See the [crate docs](crate) for the rules and a quickstart.
+#[derive(Clone)]
+pub struct Governor {
+    inner: Arc<GovernorInner>,
+}
+
+impl std::fmt::Debug for Governor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Governor").field("config", &self.inner.config).finish_non_exhaustive()
+    }
+}
+
+impl Default for Governor {
+    fn default() -> Governor {
+        Governor::new()
+    }
+}
+
+impl Governor {
+    /// A governor with default tunables and no limits.
+    pub fn new() -> Governor {
+        Governor::with_config(GovernorConfig::default())
+    }
+
+    /// A governor with `config`.
+    pub fn with_config(config: GovernorConfig) -> Governor {
+        Governor {
+            inner: Arc::new(GovernorInner {
+                config,
+                devices: RwLock::new(BTreeMap::new()),
+                accounts: RwLock::new(HashMap::new()),
+                timeline: Arc::new(Timeline::new()),
+                next_holder: StdAtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// The tunables.
+    pub fn config(&self) -> GovernorConfig {
+        self.inner.config
+    }
+
+    fn books(&self, device: DeviceKey) -> Arc<DeviceBooks> {
+        if let Some(books) = read(&self.inner.devices).get(&device) {
+            return Arc::clone(books);
+        }
+        let mut devices = write(&self.inner.devices);
+        Arc::clone(
+            devices
+                .entry(device)
+                .or_insert_with(|| Arc::new(DeviceBooks::new(device, Arc::clone(&self.inner.timeline)))),
+        )
+    }
+
+    /// Sets the limit of `device` (`u64::MAX`: unlimited); returns the old one. Lowering
+    /// revokes nothing: charges stay, credit threads cache is pulled back, and new
+    /// admissions are refused until usage falls below the new limit.
+    ///
+    /// # Errors
+    /// [`LimitError::BelowReserves`] when the limit would not hold the policy's reserves.
+    pub fn set_device_limit(&self, device: DeviceKey, bytes: u64) -> Result<Option<u64>, LimitError> {
+        let books = self.books(device);
+        let _changes = lock(&books.changes);
+        let reserved = books.counters.reserve_targets();
+        if bytes < reserved {
+            return Err(LimitError::BelowReserves { device, requested: bytes, reserved });
+        }
+        let old = credit::set_limit(&books.counters.budget, bytes, &books.slots);
+        tracing::info!(
+            device = %device, old = ?limit_of(old), new = ?limit_of(bytes), used = books.counters.budget.used(),
+            "device limit changed"
+        );
+        Ok(limit_of(old))
+    }
+
+    /// The limit of `device`, `None` when unlimited.
+    pub fn device_limit(&self, device: DeviceKey) -> Option<u64> {
+        read(&self.inner.devices).get(&device).and_then(|books| limit_of(books.counters.budget.limit()))
+    }
+
+    /// Sets the quota of `authority`'s account (`u64::MAX`: unlimited); returns the old
+    /// one. Lowering behaves as for [`Governor::set_device_limit`].
+    ///
+    /// # Errors
+    /// [`LimitError::Account`] when the authority has no account.
+    pub fn set_quota(&self, authority: AuthorityIdentity, bytes: u64) -> Result<Option<u64>, LimitError> {
+        let account = self.account(authority)?;
+        let shared = &account.shared;
+        let _changes = lock(&shared.device.changes);
+        let old = credit::set_limit(&shared.counters.budget, bytes, &shared.slots);
+        tracing::info!(
+            device = %shared.device.key, authority = %authority, account = %shared.label,
+            old = ?limit_of(old), new = ?limit_of(bytes), used = shared.counters.budget.used(),
+            "authority quota changed"
+        );
+        Ok(limit_of(old))
+    }
+
+    /// Opens an account for an authority.
+    ///
+    /// # Errors
+    /// [`AccountError::AlreadyOpen`] when the authority has one.
+    pub fn open_account(&self, config: AccountConfig) -> Result<Account, AccountError> {
+        if let Some(existing) = read(&self.inner.accounts).get(&config.authority) {
+            return Err(AccountError::AlreadyOpen { authority: config.authority, device: existing.device() });
+        }
+        let books = self.books(config.device);
+        let account = Account {
+            shared: Arc::new(AccountShared {
+                uid: NEXT_ACCOUNT.fetch_add(1, StdOrdering::Relaxed),
+                authority: config.authority,
+                label: config.label.unwrap_or_else(|| config.authority.to_string()),
+                chunk: self.inner.config.credit_chunk,
+                device: books,
+                counters: Arc::new(AccountCounters::new(config.quota)),
+                slots: Mutex::new(Vec::new()),
+                roles: std::array::from_fn(|_| RoleStats::new()),
+            }),
+        };
+        let mut accounts = write(&self.inner.accounts);
+        if let Some(existing) = accounts.get(&config.authority) {
+            return Err(AccountError::AlreadyOpen { authority: config.authority, device: existing.device() });
+        }
+        accounts.insert(config.authority, account.clone());
+        drop(accounts);
+        tracing::info!(
+            device = %config.device, authority = %config.authority, quota = ?limit_of(config.quota),
+            "account opened"
+        );
+        Ok(account)
+    }
+
+    /// The account of `authority`.
+    ///
+    /// # Errors
+    /// [`AccountError::UnknownAuthority`] when none was opened.
+    pub fn account(&self, authority: AuthorityIdentity) -> Result<Account, AccountError> {
+        read(&self.inner.accounts).get(&authority).cloned().ok_or(AccountError::UnknownAuthority { authority })
+    }
+
+    /// Charges a lease to `authority`'s account (a convenience over [`Governor::account`]
+    /// and [`Account::lease_owned`]).
+    ///
+    /// # Errors
+    /// [`AdmissionError`] as for [`Account::lease`], or the account lookup's error.
+    pub fn lease(
+        &self,
+        authority: AuthorityIdentity,
+        role: MemoryRole,
+        bytes: u64,
+    ) -> Result<crate::Lease<Account>, LeaseRequestError> {
+        let account = self.account(authority)?;
+        Ok(account.lease_owned(role, bytes)?)
+    }
+
+    /// Installs `policy` on `device` and applies its reserves; returns the old policy.
+    ///
+    /// Extra reserves are drawn before the surplus of the old ones is released, so a
+    /// change must fit with both for a moment.
+    ///
+    /// # Errors
+    /// [`PolicyError`] (handing `policy` back) when a reserve does not fit; nothing
+    /// changed then.
+    pub fn set_policy(
+        &self,
+        device: DeviceKey,
+        policy: Arc<dyn AdmissionPolicy>,
+    ) -> Result<Arc<dyn AdmissionPolicy>, PolicyError> {
+        let books = self.books(device);
+        let _changes = lock(&books.changes);
+        let old_targets: [u64; ROLES] = std::array::from_fn(|r| books.counters.roles[r].target());
+        let new_targets: [u64; ROLES] = std::array::from_fn(|r| policy.reserve(MemoryRole::ALL[r]));
+        let limit = books.counters.budget.limit();
+        if new_targets.iter().try_fold(0u64, |sum, &t| sum.checked_add(t)).is_none_or(|sum| sum > limit) {
+            let role = MemoryRole::ALL[(0..ROLES).max_by_key(|&r| new_targets[r]).unwrap_or(0)];
+            return Err(PolicyError {
+                device,
+                role,
+                reserve: new_targets[role.ordinal()],
+                available: limit.saturating_sub(books.counters.budget.used()),
+                policy,
+            });
+        }
+        // Raise first; undo the raises if one does not fit.
+        for r in 0..ROLES {
+            if new_targets[r] > old_targets[r]
+                && let Err(available) = books.counters.set_reserve(r, new_targets[r])
+            {
+                for undo in 0..r {
+                    if new_targets[undo] > old_targets[undo] {
+                        let _ = books.counters.set_reserve(undo, old_targets[undo]);
+                    }
+                }
+                return Err(PolicyError {
+                    device,
+                    role: MemoryRole::ALL[r],
+                    reserve: new_targets[r],
+                    available,
+                    policy,
+                });
+            }
+        }
+        for r in 0..ROLES {
+            if new_targets[r] < old_targets[r] {
+                let _ = books.counters.set_reserve(r, new_targets[r]);
+            }
+        }
+        let old = std::mem::replace(&mut *write(&books.policy), Arc::clone(&policy));
+        tracing::info!(device = %device, old = old.name(), new = policy.name(), reserves = ?new_targets, "admission policy installed");
+        Ok(old)
+    }
+
+    /// The name of `device`'s policy.
+    pub fn policy_name(&self, device: DeviceKey) -> String {
+        read(&self.books(device).policy).name().to_owned()
+    }
+
+    /// Registers a reclaim holder on `device`; holders are asked in ascending `order`
+    /// (ties in registration order).
+    pub fn register_holder(&self, device: DeviceKey, order: u32, holder: Arc<dyn ReclaimHolder>) -> HolderId {
+        let books = self.books(device);
+        let serial = self.inner.next_holder.fetch_add(1, StdOrdering::Relaxed);
+        tracing::debug!(device = %device, holder = holder.name(), order, "reclaim holder registered");
+        let mut holders = write(&books.holders);
+        holders.push(HolderEntry { serial, order, holder });
+        holders.sort_by_key(|entry| (entry.order, entry.serial));
+        HolderId { device, serial }
+    }
+
+    /// Unregisters a holder; returns it, or `None` if it was not registered.
+    pub fn unregister_holder(&self, id: HolderId) -> Option<Arc<dyn ReclaimHolder>> {
+        let books = self.books(id.device);
+        let mut holders = write(&books.holders);
+        let index = holders.iter().position(|entry| entry.serial == id.serial)?;
+        Some(holders.remove(index).holder)
+    }
+
+    /// Pulls every thread's cached credit back into the shared books (for example
+    /// before a snapshot that must show `used == current`). Returns the bytes returned.
+    pub fn return_idle_credit(&self) -> u64 {
+        let devices: Vec<_> = read(&self.inner.devices).values().cloned().collect();
+        devices.iter().map(|books| credit::return_credit(&books.counters.budget, &books.slots)).sum()
+    }
+
+    /// Wraps `allocator` so that each allocation is charged to `authority`'s account.
+    ///
+    /// # Errors
+    /// [`GovernError`] (handing the allocator back) when the authority has no account or
+    /// the allocator serves another device.
+    pub fn govern(
+        &self,
+        allocator: Arc<dyn DeviceAllocator>,
+        authority: AuthorityIdentity,
+    ) -> Result<GovernedAllocator, GovernError> {
+        match self.account(authority) {
+            Ok(account) => GovernedAllocator::new(allocator, account),
+            Err(error) => Err(GovernError { failure: GovernFailure::Account(error), allocator }),
+        }
+    }
+
+    /// A snapshot of every device's books.
+    pub fn snapshot(&self) -> GovernorSnapshot {
+        let devices: Vec<_> = read(&self.inner.devices).values().cloned().collect();
+        let mut accounts: Vec<Account> = read(&self.inner.accounts).values().cloned().collect();
+        accounts.sort_by_key(|account| account.shared.uid);
+        let devices = devices
+            .iter()
+            .map(|books| {
+                let authorities: Vec<AccountSnapshot> = accounts
+                    .iter()
+                    .filter(|account| account.device() == books.key)
+                    .map(|account| account.shared.snapshot())
+                    .collect();
+                let mut roles: Vec<RoleSnapshot> =
+                    MemoryRole::ALL.iter().map(|&role| RoleSnapshot::empty(role)).collect();
+                for account in &authorities {
+                    for (total, role) in roles.iter_mut().zip(&account.roles) {
+                        total.absorb(role);
+                    }
+                }
+                let counters = &books.counters;
+                DeviceSnapshot {
+                    device: books.key.to_string(),
+                    tier: books.key.tier().name().to_owned(),
+                    index: books.key.index(),
+                    limit: limit_of(counters.budget.limit()),
+                    current: authorities.iter().map(|a| a.current).sum(),
+                    used: counters.budget.used(),
+                    peak: counters.budget.peak(),
+                    cached_credit: authorities.iter().map(|a| a.cached_credit).sum(),
+                    policy: read(&books.policy).name().to_owned(),
+                    reserves: MemoryRole::ALL
+                        .iter()
+                        .filter(|role| counters.roles[role.ordinal()].target() > 0)
+                        .map(|role| ReserveSnapshot {
+                            role: role.name().to_owned(),
+                            target: counters.roles[role.ordinal()].target(),
+                            held: counters.roles[role.ordinal()].held(),
+                        })
+                        .collect(),
+                    holders: read(&books.holders)
+                        .iter()
+                        .map(|entry| HolderSnapshot { name: entry.holder.name().to_owned(), order: entry.order })
+                        .collect(),
+                    totals: Totals::of(&roles),
+                    roles,
+                    authorities,
+                }
+            })
+            .collect();
+        GovernorSnapshot { devices }
+    }
+
+    /// Starts recording a timeline of charges and refunds (the latest `capacity` events).
+    pub fn enable_timeline(&self, capacity: usize) {
+        self.inner.timeline.enable(capacity);
+    }
+
+    /// Stops recording; what was recorded stays.
+    pub fn disable_timeline(&self) {
+        self.inner.timeline.disable();
+    }
+
+    /// The recorded events (oldest first) and how many older ones were dropped.
+    pub fn timeline_events(&self) -> (Vec<TimelineEvent>, u64) {
+        self.inner.timeline.events()
+    }
+
+    /// The timeline in the Chrome trace-event format (see [`timeline`](crate::timeline)).
+    pub fn chrome_trace(&self) -> serde_json::Value {
+        self.inner.timeline.chrome_trace()
+    }
+
+    /// [`Governor::chrome_trace`] as a JSON string, ready to save as `trace.json`.
+    pub fn chrome_trace_json(&self) -> String {
+        self.inner.timeline.chrome_trace().to_string()
+    }
+}

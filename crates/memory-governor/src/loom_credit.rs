@@ -1,0 +1,215 @@
+//! loom models of the credit protocol (see [`crate::credit`]).
+//!
+//! Run with `RUSTFLAGS="--cfg memory_loom" cargo test --release -p memory-governor --lib loom`
+//! (set `LOOM_MAX_PREEMPTIONS=2` or `3` to bound the search). Each model uses tiny
+//! budgets (a few bytes, one-byte chunks) so that every interleaving that matters
+//! is reachable.
+
+use loom::thread;
+
+use crate::credit::{
+    AccountCounters, DeviceCounters, ROLES, Slot, SlotLists, UNLIMITED, admit_draining, return_credit, set_limit,
+};
+use crate::sync::{Arc, Mutex, lock};
+
+const CHUNK: u64 = 1;
+const KV: usize = 1;
+const WEIGHTS: usize = 0;
+
+/// One device with one account, and the slot lists a drain sweeps.
+struct Books {
+    account: Arc<AccountCounters>,
+    device: Arc<DeviceCounters>,
+    account_slots: Mutex<Vec<Arc<Slot>>>,
+    device_slots: Mutex<Vec<Arc<Slot>>>,
+}
+
+impl Books {
+    fn new(device_limit: u64, quota: u64) -> Arc<Books> {
+        Arc::new(Books {
+            account: Arc::new(AccountCounters::new(quota)),
+            device: Arc::new(DeviceCounters::new(device_limit)),
+            account_slots: Mutex::new(Vec::new()),
+            device_slots: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn slot(&self, role: usize) -> Arc<Slot> {
+        let slot = Arc::new(Slot::new(Arc::clone(&self.account), Arc::clone(&self.device), role));
+        lock(&self.account_slots).push(Arc::clone(&slot));
+        lock(&self.device_slots).push(Arc::clone(&slot));
+        slot
+    }
+
+    fn lists(&self) -> SlotLists<'_> {
+        SlotLists { account: &self.account_slots, device: &self.device_slots }
+    }
+
+    /// The full admission: own credit, a chunk or exact draw, then draining others.
+    fn admit(&self, slot: &Slot, n: u64) -> bool {
+        slot.admit_fast(n) || slot.admit_slow(n, CHUNK).is_ok() || admit_draining(slot.path(), n, self.lists()).is_ok()
+    }
+
+    fn refund(&self, slot: &Slot, n: u64) {
+        slot.refund(n, CHUNK, true);
+    }
+
+    fn assert_within_limits(&self) {
+        let device = &self.device.budget;
+        assert!(device.used() <= device.limit(), "device used {} over limit {}", device.used(), device.limit());
+        let account = &self.account.budget;
+        assert!(account.used() <= account.limit(), "account used {} over quota {}", account.used(), account.limit());
+    }
+
+    /// After every charge is refunded and all credit returned, the books are empty.
+    fn assert_empty(&self) {
+        return_credit(&self.device.budget, &self.device_slots);
+        assert_eq!(self.account.budget.used(), 0, "account books leaked");
+        assert_eq!(self.device.budget.used(), self.device.reserve_targets(), "device books leaked");
+        for role in 0..ROLES {
+            assert_eq!(self.account.roles[role].used(), 0, "role {role} leaked");
+        }
+    }
+}
+
+/// An idle thread's cached credit is pulled back for an admission that needs it, while
+/// that thread may still be admitting and refunding: the admission never fails when
+/// the total demand fits.
+#[test]
+fn loom_admission_racing_refund_gets_idle_credit() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        let b_slot = books.slot(KV);
+        let a_slot = books.slot(KV);
+
+        let b_books = Arc::clone(&books);
+        let b = thread::spawn(move || {
+            // Leaves up to two bytes of credit cached in its slot.
+            assert!(b_books.admit(&b_slot, 1));
+            b_books.assert_within_limits();
+            b_books.refund(&b_slot, 1);
+        });
+
+        // 3 + B's 1 = 4 fits under any interleaving.
+        assert!(books.admit(&a_slot, 3), "refused while credit sat with another thread");
+        books.assert_within_limits();
+        books.refund(&a_slot, 3);
+
+        b.join().unwrap();
+        books.assert_empty();
+    });
+}
+
+/// Two drainers at once, and credit cached by a third thread: both admissions fit, so
+/// both succeed, whichever drainer sweeps the cached credit and while it is in transit.
+#[test]
+fn loom_two_drainers_both_get_returned_credit() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        let idle = books.slot(KV);
+        assert!(books.admit(&idle, 1));
+        books.refund(&idle, 1);
+        assert!(idle.credit() > 0, "the model needs cached credit to start with");
+
+        let a_slot = books.slot(KV);
+        let b_slot = books.slot(KV);
+        let a_books = Arc::clone(&books);
+        let a = thread::spawn(move || {
+            let ok = a_books.admit(&a_slot, 2);
+            a_books.assert_within_limits();
+            (ok, a_slot)
+        });
+        let ok_b = books.admit(&b_slot, 2);
+        books.assert_within_limits();
+        let (ok_a, a_slot) = a.join().unwrap();
+        assert!(ok_a && ok_b, "2 + 2 fits in 4: a={ok_a} b={ok_b}");
+        books.refund(&a_slot, 2);
+        books.refund(&b_slot, 2);
+        books.assert_empty();
+    });
+}
+
+/// Lowering a limit races an admission and cached credit: once `set_limit` returns,
+/// admissions obey the new limit (no credit cached under the old one survives), and
+/// nothing already charged is revoked.
+#[test]
+fn loom_limit_lowering_racing_admission() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        let cached = books.slot(KV);
+        assert!(books.admit(&cached, 1));
+        books.refund(&cached, 1);
+
+        let a_slot = books.slot(KV);
+        let a_books = Arc::clone(&books);
+        let a = thread::spawn(move || {
+            let ok = a_books.admit(&a_slot, 1);
+            (ok, a_slot)
+        });
+
+        set_limit(&books.device.budget, 1, &books.device_slots);
+        let l_slot = books.slot(KV);
+        let ok_l = books.admit(&l_slot, 1);
+        let (ok_a, a_slot) = a.join().unwrap();
+        // A's charge is live until the end: both cannot fit under the new limit of 1.
+        assert!(!(ok_a && ok_l), "an admission after lowering overcommitted the new limit");
+        // And one of them always fits.
+        assert!(ok_a || ok_l, "nothing charged, yet the admission after lowering was refused");
+        if ok_a {
+            books.refund(&a_slot, 1);
+        }
+        if ok_l {
+            books.refund(&l_slot, 1);
+        }
+        books.assert_empty();
+    });
+}
+
+/// An authority quota nested in a device budget: both are kept exact when the
+/// quota is the short one and credit sits in another thread's slot.
+#[test]
+fn loom_quota_nested_in_device_budget() {
+    loom::model(|| {
+        let books = Books::new(8, 3);
+        let b_slot = books.slot(WEIGHTS);
+        let a_slot = books.slot(KV);
+        let b_books = Arc::clone(&books);
+        let b = thread::spawn(move || {
+            assert!(b_books.admit(&b_slot, 1));
+            b_books.assert_within_limits();
+            b_books.refund(&b_slot, 1);
+        });
+        assert!(books.admit(&a_slot, 2), "2 + 1 fits a quota of 3");
+        books.assert_within_limits();
+        books.refund(&a_slot, 2);
+        b.join().unwrap();
+        books.assert_empty();
+    });
+}
+
+/// A role's reserve cannot be taken by another role, even while credit moves.
+#[test]
+fn loom_reserve_is_kept_for_its_role() {
+    loom::model(|| {
+        let books = Books::new(3, UNLIMITED);
+        books.device.set_reserve(WEIGHTS, 1).unwrap();
+        let kv_slot = books.slot(KV);
+        let w_slot = books.slot(WEIGHTS);
+        let kv_books = Arc::clone(&books);
+        let kv = thread::spawn(move || {
+            // Only 2 bytes are open to the KV cache.
+            let first = kv_books.admit(&kv_slot, 2);
+            let second = kv_books.admit(&kv_slot, 1);
+            kv_books.assert_within_limits();
+            (first, second, kv_slot)
+        });
+        // Weights always get their reserved byte.
+        assert!(books.admit(&w_slot, 1), "the weights reserve was squeezed out");
+        let (first, second, kv_slot) = kv.join().unwrap();
+        assert!(first, "2 bytes outside the reserve fit");
+        assert!(!second, "the kv cache took the weights reserve");
+        books.refund(&kv_slot, 2);
+        books.refund(&w_slot, 1);
+        books.assert_empty();
+    });
+}

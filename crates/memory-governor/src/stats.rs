@@ -1,0 +1,233 @@
+//! Snapshots of the books, serialisable to JSON with serde.
+//!
+//! Byte fields, for a device, an authority and a role:
+//! - `current`: bytes charged right now (leases and governed allocations, quarantined
+//!   residuals included, lost allocations included until termination is confirmed).
+//!   Exact when no thread is admitting or refunding during the snapshot.
+//! - `used`: bytes drawn from the budget: `current`, plus credit threads cache
+//!   (`cached_credit`), plus for a device the reserves held aside. This is what the
+//!   limit bounds.
+//! - `peak`: the high-water mark of `used` (for a role: of its charges plus its cached
+//!   credit). An upper bound on the peak of `current`, exceeding it by at most the
+//!   credit cached at that moment (two credit chunks per thread and role).
+//!
+//! Counts: `allocations` charges opened (leases, governed allocations), `releases`
+//! charges closed, `live` the difference, `failures` refused admissions. Memory the
+//! governor still charges for quarantined releases is `quarantined_bytes`; bytes lost
+//! with their device and refunded at termination are `lost_bytes` (cumulative).
+
+use std::fmt;
+
+use memory_api::MemoryRole;
+use serde::Serialize;
+
+/// Serialises any `Display` value as its string.
+pub(crate) fn display<T: fmt::Display, S: serde::Serializer>(value: &T, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(value)
+}
+
+/// Per-role figures (inside an authority or a device).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct RoleSnapshot {
+    /// The role's name ("weights", "kv-cache", ...).
+    pub role: String,
+    /// Bytes charged right now.
+    pub current: u64,
+    /// High-water mark of charges plus cached credit.
+    pub peak: u64,
+    /// Credit cached by threads for this role.
+    pub cached_credit: u64,
+    /// Charges opened.
+    pub allocations: u64,
+    /// Charges closed.
+    pub releases: u64,
+    /// Charges open now.
+    pub live: u64,
+    /// Admissions refused.
+    pub failures: u64,
+    /// Bytes still charged for quarantined releases.
+    pub quarantined_bytes: u64,
+    /// Bytes of lost allocations refunded at termination (cumulative).
+    pub lost_bytes: u64,
+    /// Lost allocations refunded at termination (cumulative).
+    pub lost_allocations: u64,
+}
+
+impl RoleSnapshot {
+    pub(crate) fn empty(role: MemoryRole) -> RoleSnapshot {
+        RoleSnapshot { role: role.name().to_owned(), ..RoleSnapshot::default() }
+    }
+
+    /// Adds `other`'s counts to these (peaks are summed: an upper bound).
+    pub(crate) fn absorb(&mut self, other: &RoleSnapshot) {
+        self.current += other.current;
+        self.peak += other.peak;
+        self.cached_credit += other.cached_credit;
+        self.allocations += other.allocations;
+        self.releases += other.releases;
+        self.live += other.live;
+        self.failures += other.failures;
+        self.quarantined_bytes += other.quarantined_bytes;
+        self.lost_bytes += other.lost_bytes;
+        self.lost_allocations += other.lost_allocations;
+    }
+}
+
+/// Totals over roles.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Totals {
+    /// Charges opened.
+    pub allocations: u64,
+    /// Charges closed.
+    pub releases: u64,
+    /// Charges open now.
+    pub live: u64,
+    /// Admissions refused.
+    pub failures: u64,
+    /// Bytes still charged for quarantined releases.
+    pub quarantined_bytes: u64,
+    /// Bytes of lost allocations refunded at termination (cumulative).
+    pub lost_bytes: u64,
+    /// Lost allocations refunded at termination (cumulative).
+    pub lost_allocations: u64,
+}
+
+impl Totals {
+    pub(crate) fn of(roles: &[RoleSnapshot]) -> Totals {
+        let mut totals = Totals::default();
+        for role in roles {
+            totals.allocations += role.allocations;
+            totals.releases += role.releases;
+            totals.live += role.live;
+            totals.failures += role.failures;
+            totals.quarantined_bytes += role.quarantined_bytes;
+            totals.lost_bytes += role.lost_bytes;
+            totals.lost_allocations += role.lost_allocations;
+        }
+        totals
+    }
+}
+
+/// One authority's account.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct AccountSnapshot {
+    /// The authority ("auth:r1.2").
+    pub authority: String,
+    /// The account's label.
+    pub label: String,
+    /// The quota; `None` when unlimited.
+    pub quota: Option<u64>,
+    /// Bytes charged right now.
+    pub current: u64,
+    /// Bytes drawn from the quota (charges plus cached credit).
+    pub used: u64,
+    /// High-water mark of `used`.
+    pub peak: u64,
+    /// Credit cached by threads.
+    pub cached_credit: u64,
+    /// Counts over roles.
+    pub totals: Totals,
+    /// Per role, in [`MemoryRole::ALL`] order.
+    pub roles: Vec<RoleSnapshot>,
+}
+
+/// A role's reserve on a device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ReserveSnapshot {
+    /// The role.
+    pub role: String,
+    /// Bytes reserved for it.
+    pub target: u64,
+    /// Bytes of the reserve not in use (held aside).
+    pub held: u64,
+}
+
+/// A registered reclaim holder.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct HolderSnapshot {
+    /// The holder's name.
+    pub name: String,
+    /// Its place in the reclaim order.
+    pub order: u32,
+}
+
+/// One device's books.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct DeviceSnapshot {
+    /// The device ("device:0").
+    pub device: String,
+    /// Its tier ("device", "host", "disk").
+    pub tier: String,
+    /// Its index in the tier.
+    pub index: u32,
+    /// The limit; `None` when unlimited.
+    pub limit: Option<u64>,
+    /// Bytes charged right now, over every authority.
+    pub current: u64,
+    /// Bytes drawn from the budget (charges, cached credit, reserves held).
+    pub used: u64,
+    /// High-water mark of `used`.
+    pub peak: u64,
+    /// Credit cached by threads.
+    pub cached_credit: u64,
+    /// The admission policy's name.
+    pub policy: String,
+    /// Reserves per role (only roles with a reserve).
+    pub reserves: Vec<ReserveSnapshot>,
+    /// Registered reclaim holders, in the order they are asked.
+    pub holders: Vec<HolderSnapshot>,
+    /// Counts over roles and authorities.
+    pub totals: Totals,
+    /// Per role over every authority, in [`MemoryRole::ALL`] order.
+    pub roles: Vec<RoleSnapshot>,
+    /// Per authority.
+    pub authorities: Vec<AccountSnapshot>,
+}
+
+/// Every device's books.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct GovernorSnapshot {
+    /// Per device, ordered by device key.
+    pub devices: Vec<DeviceSnapshot>,
+}
+
+impl GovernorSnapshot {
+    /// The snapshot as JSON.
+    pub fn to_json(&self) -> String {
+        // Plain data with string keys: serialisation cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_else(|err| format!("{{\"error\": \"{err}\"}}"))
+    }
+
+    /// The books of `device`, if it has any.
+    pub fn device(&self, device: memory_api::DeviceKey) -> Option<&DeviceSnapshot> {
+        let name = device.to_string();
+        self.devices.iter().find(|d| d.device == name)
+    }
+}
+
+impl DeviceSnapshot {
+    /// The account of `authority`, if it has one here.
+    pub fn authority(&self, authority: memory_api::AuthorityIdentity) -> Option<&AccountSnapshot> {
+        let name = authority.to_string();
+        self.authorities.iter().find(|a| a.authority == name)
+    }
+
+    /// The per-role figures of `role`.
+    pub fn role(&self, role: MemoryRole) -> &RoleSnapshot {
+        &self.roles[role.ordinal()]
+    }
+}
+
+impl AccountSnapshot {
+    /// The per-role figures of `role`.
+    pub fn role(&self, role: MemoryRole) -> &RoleSnapshot {
+        &self.roles[role.ordinal()]
+    }
+}
