@@ -3,8 +3,9 @@
 //! Normal builds re-export `std`; under `--cfg memory_loom` the same names come from
 //! loom, so the lifecycle and record protocols can be model-checked without touching
 //! their logic. (The identity tables use dashmap, the selection arc-swap and the pins
-//! thread_local; those are cold-path containers whose own crates are tested upstream,
-//! and the loom models exercise the protocols around them with the primitives here.)
+//! thread_local; those are containers whose own crates are tested upstream, and the
+//! loom models exercise the protocols around them with the primitives here. `Arc`
+//! stays std for the reason given below.)
 
 #[cfg(not(memory_loom))]
 pub(crate) use std::sync::{
@@ -12,11 +13,16 @@ pub(crate) use std::sync::{
     atomic::{AtomicU8, AtomicUsize, Ordering},
 };
 
+// `Arc` stays std under loom: public signatures carry `Arc<dyn DeviceAllocator>` and
+// `Arc<dyn Any>` resources (loom's `Arc` cannot unsize), and the protocols under
+// check live in the atomics and locks, which loom does replace.
 #[cfg(memory_loom)]
 pub(crate) use loom::sync::{
-    Arc, Mutex, MutexGuard,
+    Mutex, MutexGuard,
     atomic::{AtomicU8, AtomicUsize, Ordering},
 };
+#[cfg(memory_loom)]
+pub(crate) use std::sync::Arc;
 #[cfg(memory_loom)]
 pub(crate) use std::sync::PoisonError;
 
