@@ -26,17 +26,21 @@ impl DeviceAddress {
         self.0.get()
     }
 
-    /// The address of a host pointer.
+    /// The address of a host pointer. Exposes the pointer's provenance, so
+    /// [`DeviceAddress::as_host_ptr`] can later rebuild a usable pointer from it.
     pub fn from_host_ptr(ptr: NonNull<u8>) -> DeviceAddress {
         // A non-null pointer has a non-zero address; usize always fits in u64 on the
         // targets this workspace supports (checked below).
-        DeviceAddress(NonZeroU64::new(ptr.addr().get() as u64).unwrap_or(NonZeroU64::MIN))
+        let address = ptr.as_ptr().expose_provenance() as u64;
+        DeviceAddress(NonZeroU64::new(address).unwrap_or(NonZeroU64::MIN))
     }
 
-    /// This address as a host pointer (meaningful only for host-tier allocations).
-    /// Creating the pointer is safe; using it is the caller's unsafe obligation.
+    /// This address as a host pointer (meaningful only for host-tier allocations),
+    /// carrying the provenance exposed by [`DeviceAddress::from_host_ptr`] (or by the
+    /// backend that mapped the memory). Creating the pointer is safe; using it is the
+    /// caller's unsafe obligation.
     pub fn as_host_ptr(self) -> *mut u8 {
-        std::ptr::without_provenance_mut(self.get() as usize)
+        std::ptr::with_exposed_provenance_mut(self.get() as usize)
     }
 
     /// `self + offset`, or `None` on overflow.

@@ -98,7 +98,8 @@ impl RawAllocation {
         self.address
     }
 
-    /// Usable size in bytes (what was requested).
+    /// Usable size in bytes: at least what was requested (an allocator may round up,
+    /// for example to its commit granularity, and report the rounded size).
     pub fn bytes(&self) -> usize {
         self.bytes
     }

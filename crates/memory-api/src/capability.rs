@@ -92,6 +92,9 @@ pub trait VirtualBacking: Send + Sync {
     ///
     /// # Errors
     /// Out-of-bounds or misaligned ranges, a foreign allocation, or a backend failure.
+    /// A backend failure part-way may have released some pages already; the
+    /// allocator's books stay exact, so ask [`VirtualBacking::committed_bytes`] after an
+    /// error.
     fn decommit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError>;
 
     /// Bytes of `allocation` currently committed.
@@ -191,7 +194,8 @@ pub trait SharedMapping: Send + Sync {
     /// Unmaps `range` of `allocation`; returns the bytes really unmapped.
     ///
     /// # Errors
-    /// Out-of-bounds or misaligned ranges, a foreign allocation, or a backend failure.
+    /// Out-of-bounds or misaligned ranges, a foreign allocation, or a backend failure
+    /// (which may leave part of the range unmapped; map again to restore it).
     fn unmap(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError>;
 }
 

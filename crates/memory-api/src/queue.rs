@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::allocator::{DeviceAllocator, RawAllocation};
 use crate::device::DeviceKey;
-use crate::error::ReleaseError;
+use crate::error::{BackendError, ReleaseError};
 use crate::identity::AllocationIdentity;
 use crate::release::{ReleaseOutcome, ReleaseSummary};
 
@@ -124,6 +124,10 @@ pub enum QueueRefusalReason {
     /// The queue is shut down.
     #[error("the queue is closed; release synchronously")]
     Closed,
+    /// The queue could not arrange the deferral (for example recording its event
+    /// failed); the release was not taken.
+    #[error("the queue could not defer the release: {0}; release synchronously or check the device")]
+    Backend(BackendError),
 }
 
 /// A refused release, handed back exactly as it was offered.

@@ -37,8 +37,10 @@ pub struct Completion {
 }
 
 impl Completion {
-    /// Bytes of physical memory the release unmapped or freed (zero is a valid answer,
-    /// for a reservation that had nothing committed or a zero-size block).
+    /// Bytes of physical memory the release unmapped or freed at the layer below
+    /// (zero is a valid answer, for a reservation that had nothing committed or a
+    /// zero-size block). It may exceed the block's size when the backend padded it for
+    /// alignment; accounting layers refund their own charge, not this figure.
     pub fn unmapped_bytes(&self) -> usize {
         self.unmapped_bytes
     }
