@@ -1,5 +1,6 @@
-//! A small host allocator written in safe Rust, so the demo can write to the memory it
-//! hands out without `unsafe`.
+//! A small host allocator written in safe Rust, so the demo can write to and read back
+//! the memory it hands out without `unsafe` (allocator-cpu's `SystemAllocator` hands out
+//! addresses, and touching those is an unsafe obligation this binary does not take).
 //!
 //! Each block is backed by its own heap buffer, over-allocated so that an aligned start
 //! exists inside it; the block's address is that aligned start. The allocator keeps the

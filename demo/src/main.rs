@@ -1,7 +1,8 @@
 //! `memory-demo`, the project's main job (`cargo xtask demo`).
 //!
-//! For now a short, real walkthrough of the memory-api contract on a host backend:
-//! blocks allocated per role, written and verified, bad layouts refused with typed
+//! For now a short, real walkthrough of the memory-api contract on the CPU backend
+//! (`allocator_cpu::SystemAllocator`): blocks allocated per role, a pattern written and
+//! verified per role (on the demo's safe-Rust heap), bad layouts refused with typed
 //! errors, every release outcome shown (including an honest `Failed` that hands the
 //! block back), and a closing table with a nothing-left-live check. It exits non-zero
 //! when any check fails. The full inference-server simulation replaces it later.
