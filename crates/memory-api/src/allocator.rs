@@ -164,6 +164,12 @@ pub struct AllocatorStats {
 ///   an honest [`ReleaseOutcome`]: `Complete` when nothing remains owned,
 ///   `Quarantined` when something was mutated but ownership remains, `Failed` (with
 ///   the block handed back) only when nothing was mutated.
+/// - `release` and every capability call check the block against the allocator's own
+///   records and refuse any block it did not issue or has already released
+///   ([`ReleaseOutcome::failed`] / [`CapabilityError::NotOwned`](crate::CapabilityError::NotOwned)).
+///   [`RawAllocation::new`] is public and safe, so a forged or duplicated block must
+///   never reach memory the allocator does not own. The conformance suite in
+///   `memory-testkit` checks this.
 /// - Neither method panics on bad input; errors are values.
 pub trait DeviceAllocator: Send + Sync {
     /// The device this allocator serves.

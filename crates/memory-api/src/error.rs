@@ -246,6 +246,14 @@ pub enum CapabilityError {
         /// What reported the loss.
         reason: String,
     },
+    /// The allocator (or the one it wraps) does not offer this capability.
+    #[error("{allocator} does not offer {what}; use an allocator that does")]
+    Unsupported {
+        /// The allocator's name.
+        allocator: String,
+        /// The capability asked for.
+        what: &'static str,
+    },
     /// The backend failed in a way not covered above.
     #[error("capability call failed: {0}")]
     Backend(#[from] BackendError),
