@@ -62,7 +62,11 @@ impl Books {
     }
 
     /// After every charge is refunded and all credit returned, the books are empty.
+    /// Before returning the credit, checks that no closed slot holds any.
     fn assert_empty(&self) {
+        for slot in lock(&self.device_slots).iter() {
+            assert!(!(slot.is_closed() && slot.credit() > 0), "a closed slot holds credit");
+        }
         return_credit(&self.device.budget, &self.device_slots);
         assert_eq!(self.account.budget.used(), 0, "account books leaked");
         assert_eq!(self.device.budget.used(), self.device.reserve_targets(), "device books leaked");
@@ -129,9 +133,9 @@ fn loom_two_drainers_both_get_returned_credit() {
     });
 }
 
-/// Lowering a limit races an admission and cached credit: once `set_limit` returns,
-/// admissions obey the new limit (no credit cached under the old one survives), and
-/// nothing already charged is revoked.
+/// Lowering a limit races an admission, while the lowering thread itself holds
+/// credit cached under the old limit: once `set_limit` returns, admissions obey the new
+/// limit (the cached credit does not survive), and nothing charged is revoked.
 #[test]
 fn loom_limit_lowering_racing_admission() {
     loom::model(|| {
@@ -139,6 +143,7 @@ fn loom_limit_lowering_racing_admission() {
         let cached = books.slot(KV);
         assert!(books.admit(&cached, 1));
         books.refund(&cached, 1);
+        assert!(cached.credit() > 0, "the model needs cached credit to start with");
 
         let a_slot = books.slot(KV);
         let a_books = Arc::clone(&books);
@@ -148,8 +153,8 @@ fn loom_limit_lowering_racing_admission() {
         });
 
         set_limit(&books.device.budget, 1, &books.device_slots);
-        let l_slot = books.slot(KV);
-        let ok_l = books.admit(&l_slot, 1);
+        // Admitting from the slot that cached credit under the old limit.
+        let ok_l = books.admit(&cached, 1);
         let (ok_a, a_slot) = a.join().unwrap();
         // A's charge is live until the end: both cannot fit under the new limit of 1.
         assert!(!(ok_a && ok_l), "an admission after lowering overcommitted the new limit");
@@ -159,10 +164,49 @@ fn loom_limit_lowering_racing_admission() {
             books.refund(&a_slot, 1);
         }
         if ok_l {
-            books.refund(&l_slot, 1);
+            books.refund(&cached, 1);
         }
         books.assert_empty();
     });
+}
+
+/// Runs the hoarding scenario: an idle slot caches two bytes of a budget of 4; the
+/// main thread needs 3 (so it drains); thread X admits 1 meanwhile. 3 + 1 fits, so the
+/// drainer must never fail, whatever X caches. `register_in_thread` makes X create its
+/// slot inside the thread (possibly after the drainer swept).
+fn hoarding_scenario(register_in_thread: bool) {
+    let books = Books::new(4, UNLIMITED);
+    let idle = books.slot(KV);
+    assert!(books.admit(&idle, 1));
+    books.refund(&idle, 1);
+    let d_slot = books.slot(KV);
+    let early = (!register_in_thread).then(|| books.slot(KV));
+    let x_books = Arc::clone(&books);
+    let x = thread::spawn(move || {
+        let slot = early.unwrap_or_else(|| x_books.slot(KV));
+        assert!(x_books.admit(&slot, 1), "1 + 3 fits in 4");
+        slot
+    });
+    assert!(books.admit(&d_slot, 3), "refused while credit sat with another thread");
+    books.assert_within_limits();
+    let x_slot = x.join().unwrap();
+    books.refund(&x_slot, 1);
+    books.refund(&d_slot, 3);
+    books.assert_empty();
+}
+
+/// A closed slot reopens only when no drainer is at work (checked with a
+/// read-modify-write under BUSY), so it cannot hoard credit a drainer needs.
+#[test]
+fn loom_closed_slot_does_not_reopen_during_drain() {
+    loom::model(|| hoarding_scenario(false));
+}
+
+/// A thread that starts admitting (a new slot) while another drains cannot cache
+/// credit the drainer needs: new slots start closed.
+#[test]
+fn loom_new_thread_during_drain_does_not_hoard() {
+    loom::model(|| hoarding_scenario(true));
 }
 
 /// An authority quota nested in a device budget: both are kept exact when the
@@ -211,5 +255,27 @@ fn loom_reserve_is_kept_for_its_role() {
         books.refund(&kv_slot, 2);
         books.refund(&w_slot, 1);
         books.assert_empty();
+    });
+}
+
+/// Changing a reserve while its role draws and returns keeps the books exact: after
+/// everything is refunded the device holds exactly the reserves.
+#[test]
+fn loom_reserve_change_racing_draws() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        books.device.set_reserve(WEIGHTS, 1).unwrap();
+        let w_slot = books.slot(WEIGHTS);
+        let w_books = Arc::clone(&books);
+        let w = thread::spawn(move || {
+            assert!(w_books.admit(&w_slot, 2), "2 fits in 4");
+            w_books.assert_within_limits();
+            w_books.refund(&w_slot, 2);
+        });
+        books.device.set_reserve(WEIGHTS, 2).unwrap();
+        books.assert_within_limits();
+        w.join().unwrap();
+        books.assert_empty();
+        assert_eq!(books.device.budget.used(), 2, "the device holds exactly the new reserve");
     });
 }
