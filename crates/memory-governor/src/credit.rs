@@ -471,6 +471,12 @@ impl Slot {
         self.word.load(Ordering::Acquire) & CREDIT
     }
 
+    /// Whether the slot is closed (caches no credit).
+    #[cfg(all(test, memory_loom))]
+    pub(crate) fn is_closed(&self) -> bool {
+        self.word.load(Ordering::Acquire) & CLOSED != 0
+    }
+
     /// Charges opened and closed by the owner.
     pub(crate) fn counts(&self) -> (u64, u64) {
         (self.opened.load(Ordering::Relaxed), self.closed.load(Ordering::Relaxed))
