@@ -470,6 +470,19 @@ impl Account {
         limit_of(self.shared.counters.budget.limit())
     }
 
+    /// Bytes drawn from the quota right now: charges plus credit threads cache. Never
+    /// above the quota, except right after the quota was lowered under it.
+    pub fn used(&self) -> u64 {
+        self.shared.counters.budget.used()
+    }
+
+    /// Bytes drawn from the account's device budget right now (all authorities, cached
+    /// credit and held reserves included). Never above the device limit, except right
+    /// after the limit was lowered under it.
+    pub fn device_used(&self) -> u64 {
+        self.shared.device.counters.budget.used()
+    }
+
     /// This account's current figures.
     pub fn snapshot(&self) -> AccountSnapshot {
         self.shared.snapshot()
