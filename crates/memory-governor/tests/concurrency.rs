@@ -144,6 +144,11 @@ fn lowering_a_limit_under_load_binds_every_admission_that_starts_after_it() {
             std::thread::spawn(move || {
                 let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ (t as u64 + 7));
                 let mut mine: Vec<Lease<&Account>> = Vec::new();
+                // Warm up: cache credit under the old limit.
+                for _ in 0..20 {
+                    drop(account.lease(MemoryRole::Activations, 1 + rng.next(300)).unwrap());
+                }
+                assert!(account.snapshot().cached_credit > 0);
                 start.wait();
                 let mut after = 0;
                 // Run until this thread made 500 attempts after the lowering.
