@@ -14,6 +14,7 @@ pub struct DeviceAddress(NonZeroU64);
 
 impl DeviceAddress {
     /// The address `raw`, or `None` for the null address.
+    #[inline]
     pub const fn new(raw: u64) -> Option<DeviceAddress> {
         match NonZeroU64::new(raw) {
             Some(value) => Some(DeviceAddress(value)),
@@ -22,12 +23,14 @@ impl DeviceAddress {
     }
 
     /// The numeric address.
+    #[inline]
     pub const fn get(self) -> u64 {
         self.0.get()
     }
 
     /// The address of a host pointer. Exposes the pointer's provenance, so
     /// [`DeviceAddress::as_host_ptr`] can later rebuild a usable pointer from it.
+    #[inline]
     pub fn from_host_ptr(ptr: NonNull<u8>) -> DeviceAddress {
         // A non-null pointer has a non-zero address; usize always fits in u64 on the
         // targets this workspace supports (checked below).
@@ -39,17 +42,20 @@ impl DeviceAddress {
     /// carrying the provenance exposed by [`DeviceAddress::from_host_ptr`] (or by the
     /// backend that mapped the memory). Creating the pointer is safe; using it is the
     /// caller's unsafe obligation.
+    #[inline]
     pub fn as_host_ptr(self) -> *mut u8 {
         std::ptr::with_exposed_provenance_mut(self.get() as usize)
     }
 
     /// `self + offset`, or `None` on overflow.
+    #[inline]
     pub fn checked_add(self, offset: usize) -> Option<DeviceAddress> {
         let offset = u64::try_from(offset).ok()?;
         self.get().checked_add(offset).and_then(DeviceAddress::new)
     }
 
     /// Whether the address is a multiple of `align` (a power of two).
+    #[inline]
     pub fn is_aligned_to(self, align: usize) -> bool {
         align != 0 && self.get().is_multiple_of(align as u64)
     }

@@ -30,6 +30,7 @@ impl AllocationRequest {
     /// [`LayoutError::AlignmentNotPowerOfTwo`] for a zero or non-power-of-two
     /// alignment; [`LayoutError::SizeOverflow`] when the size rounded up to the
     /// alignment exceeds [`AllocationRequest::MAX_BYTES`].
+    #[inline]
     pub fn new(bytes: usize, align: usize) -> Result<AllocationRequest, LayoutError> {
         if !align.is_power_of_two() {
             return Err(LayoutError::AlignmentNotPowerOfTwo { align });
@@ -44,21 +45,25 @@ impl AllocationRequest {
 
     /// The same request, accounted to `role`.
     #[must_use]
+    #[inline]
     pub fn with_role(self, role: MemoryRole) -> AllocationRequest {
         AllocationRequest { role, ..self }
     }
 
     /// Bytes asked for.
+    #[inline]
     pub fn bytes(&self) -> usize {
         self.bytes
     }
 
     /// Alignment asked for (a power of two).
+    #[inline]
     pub fn align(&self) -> usize {
         self.align
     }
 
     /// What the memory is for.
+    #[inline]
     pub fn role(&self) -> MemoryRole {
         self.role
     }
@@ -83,6 +88,7 @@ impl RawAllocation {
     /// Records an allocation of `bytes` bytes at `address` on `device`.
     /// `provider_tag` is private to the allocator that made it (a size class, a handle
     /// slot); nothing else reads it.
+    #[inline]
     pub fn new(
         address: DeviceAddress,
         bytes: usize,
@@ -94,32 +100,38 @@ impl RawAllocation {
     }
 
     /// Start of the allocation.
+    #[inline]
     pub fn address(&self) -> DeviceAddress {
         self.address
     }
 
     /// Usable size in bytes: at least what was requested (an allocator may round up,
     /// for example to its commit granularity, and report the rounded size).
+    #[inline]
     pub fn bytes(&self) -> usize {
         self.bytes
     }
 
     /// Alignment of [`RawAllocation::address`].
+    #[inline]
     pub fn align(&self) -> usize {
         self.align
     }
 
     /// Device the memory lives on.
+    #[inline]
     pub fn device(&self) -> DeviceKey {
         self.device
     }
 
     /// The allocator's private tag.
+    #[inline]
     pub fn provider_tag(&self) -> u64 {
         self.provider_tag
     }
 
     /// Whether `other` describes the same block (address, size, alignment, device).
+    #[inline]
     pub fn same_block(&self, other: &RawAllocation) -> bool {
         self.address == other.address
             && self.bytes == other.bytes

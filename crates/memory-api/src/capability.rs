@@ -18,26 +18,31 @@ pub struct ByteRange {
 
 impl ByteRange {
     /// The range `offset .. offset + len` (not yet checked against anything).
+    #[inline]
     pub const fn new(offset: usize, len: usize) -> ByteRange {
         ByteRange { offset, len }
     }
 
     /// Start of the range.
+    #[inline]
     pub const fn offset(&self) -> usize {
         self.offset
     }
 
     /// Length of the range.
+    #[inline]
     pub const fn len(&self) -> usize {
         self.len
     }
 
     /// Whether the range is empty.
+    #[inline]
     pub const fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// One past the last byte, or `None` on overflow.
+    #[inline]
     pub const fn checked_end(&self) -> Option<usize> {
         self.offset.checked_add(self.len)
     }
@@ -46,6 +51,7 @@ impl ByteRange {
     ///
     /// # Errors
     /// [`CapabilityError::OutOfBounds`] otherwise (overflow included).
+    #[inline]
     pub fn check_within(&self, allocation_bytes: usize) -> Result<(), CapabilityError> {
         match self.checked_end() {
             Some(end) if end <= allocation_bytes => Ok(()),
@@ -57,6 +63,7 @@ impl ByteRange {
     ///
     /// # Errors
     /// [`CapabilityError::Misaligned`] otherwise.
+    #[inline]
     pub fn check_aligned(&self, granularity: usize) -> Result<(), CapabilityError> {
         if granularity == 0 || !self.offset.is_multiple_of(granularity) || !self.len.is_multiple_of(granularity) {
             return Err(CapabilityError::Misaligned { offset: self.offset, len: self.len, granularity });
@@ -139,28 +146,33 @@ pub struct SharedBacking {
 
 impl SharedBacking {
     /// Wraps a provider resource for `device`.
+    #[inline]
     pub fn new(device: DeviceKey, resource: Arc<dyn SharedBackingResource>) -> SharedBacking {
         SharedBacking { device, resource }
     }
 
     /// Device the backing lives on.
+    #[inline]
     pub fn device(&self) -> DeviceKey {
         self.device
     }
 
     /// Size in bytes.
+    #[inline]
     pub fn bytes(&self) -> usize {
         self.resource.bytes()
     }
 
     /// The provider resource, if it is a `T` (providers use this to reject backings
     /// made by another kind of allocator).
+    #[inline]
     pub fn resource<T: SharedBackingResource>(&self) -> Option<&T> {
         let any: &dyn Any = &*self.resource;
         any.downcast_ref::<T>()
     }
 
     /// Whether two handles share one backing.
+    #[inline]
     pub fn same_backing(&self, other: &SharedBacking) -> bool {
         Arc::ptr_eq(&self.resource, &other.resource)
     }

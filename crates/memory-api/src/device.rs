@@ -16,6 +16,7 @@ pub enum Tier {
 
 impl Tier {
     /// Lower-case name used in messages and serialised reports.
+    #[inline]
     pub const fn name(self) -> &'static str {
         match self {
             Tier::Device => "device",
@@ -46,26 +47,31 @@ impl DeviceKey {
     pub const HOST: DeviceKey = DeviceKey { tier: Tier::Host, index: 0 };
 
     /// Accelerator `index` (the CUDA ordinal, for example).
+    #[inline]
     pub const fn device(index: u32) -> DeviceKey {
         DeviceKey { tier: Tier::Device, index }
     }
 
     /// Host memory domain `index` (a NUMA node, or a simulated device on the CPU).
+    #[inline]
     pub const fn host(index: u32) -> DeviceKey {
         DeviceKey { tier: Tier::Host, index }
     }
 
     /// Disk domain `index`.
+    #[inline]
     pub const fn disk(index: u32) -> DeviceKey {
         DeviceKey { tier: Tier::Disk, index }
     }
 
     /// The tier of this key.
+    #[inline]
     pub const fn tier(self) -> Tier {
         self.tier
     }
 
     /// The index inside the tier.
+    #[inline]
     pub const fn index(self) -> u32 {
         self.index
     }
@@ -108,6 +114,7 @@ impl MemoryRole {
     ];
 
     /// Position of this role in [`MemoryRole::ALL`], for per-role arrays.
+    #[inline]
     pub const fn ordinal(self) -> usize {
         match self {
             MemoryRole::Weights => 0,
@@ -120,6 +127,7 @@ impl MemoryRole {
     }
 
     /// Lower-case name used in messages and serialised reports.
+    #[inline]
     pub const fn name(self) -> &'static str {
         match self {
             MemoryRole::Weights => "weights",

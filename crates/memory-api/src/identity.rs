@@ -20,6 +20,7 @@ pub struct RegistryId(NonZeroU64);
 
 impl RegistryId {
     /// Draws the next process-unique registry id.
+    #[inline]
     fn next() -> Result<RegistryId, IdentityError> {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let serial = checked_reserve(&NEXT, 1, u64::MAX).ok_or(IdentityError::RegistriesExhausted)?;
@@ -79,6 +80,7 @@ impl IdentityKind {
     }
 
     /// Lower-case name used in messages.
+    #[inline]
     pub const fn name(self) -> &'static str {
         match self {
             IdentityKind::ProviderContext => "provider context",
@@ -133,6 +135,7 @@ macro_rules! identity_type {
         }
 
         impl sealed::Sealed for $name {
+            #[inline]
             fn from_parts(registry: RegistryId, serial: NonZeroU64) -> Self {
                 $name { registry, serial }
             }
@@ -141,10 +144,12 @@ macro_rules! identity_type {
         impl Identity for $name {
             const KIND: IdentityKind = IdentityKind::$kind;
 
+            #[inline]
             fn registry(&self) -> RegistryId {
                 self.registry
             }
 
+            #[inline]
             fn serial(&self) -> NonZeroU64 {
                 self.serial
             }
@@ -210,6 +215,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::RegistriesExhausted`] once 2^64 - 1 issuers were created.
+    #[inline]
     pub fn new() -> Result<IdentityIssuer, IdentityError> {
         IdentityIssuer::with_serial_limit(u64::MAX)
     }
@@ -219,6 +225,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::RegistriesExhausted`] once 2^64 - 1 issuers were created.
+    #[inline]
     pub fn with_serial_limit(limit: u64) -> Result<IdentityIssuer, IdentityError> {
         Ok(IdentityIssuer {
             registry: RegistryId::next()?,
@@ -228,15 +235,18 @@ impl IdentityIssuer {
     }
 
     /// The id every identity from this issuer carries.
+    #[inline]
     pub fn registry(&self) -> RegistryId {
         self.registry
     }
 
     /// Whether `identity` was issued by this issuer's registry.
+    #[inline]
     pub fn issued<I: Identity>(&self, identity: &I) -> bool {
         identity.registry() == self.registry
     }
 
+    #[inline]
     fn reserve(&self, kind: IdentityKind, count: u64) -> Result<NonZeroU64, IdentityError> {
         checked_reserve(&self.counters[kind.slot()], count, self.limit).ok_or(IdentityError::Exhausted {
             kind,
@@ -250,6 +260,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    #[inline]
     pub fn provider_context(&self) -> Result<ProviderContextIdentity, IdentityError> {
         let serial = self.reserve(IdentityKind::ProviderContext, 1)?;
         Ok(ProviderContextIdentity { registry: self.registry, serial })
@@ -259,6 +270,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    #[inline]
     pub fn authority(&self) -> Result<AuthorityIdentity, IdentityError> {
         let serial = self.reserve(IdentityKind::Authority, 1)?;
         Ok(AuthorityIdentity { registry: self.registry, serial })
@@ -268,6 +280,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    #[inline]
     pub fn mechanism(&self) -> Result<MechanismIdentity, IdentityError> {
         let serial = self.reserve(IdentityKind::Mechanism, 1)?;
         Ok(MechanismIdentity { registry: self.registry, serial })
@@ -277,6 +290,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    #[inline]
     pub fn binding(&self) -> Result<BindingId, IdentityError> {
         let serial = self.reserve(IdentityKind::Binding, 1)?;
         Ok(BindingId { registry: self.registry, serial })
@@ -286,6 +300,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    #[inline]
     pub fn binding_generation(&self) -> Result<BindingGeneration, IdentityError> {
         let serial = self.reserve(IdentityKind::BindingGeneration, 1)?;
         Ok(BindingGeneration { registry: self.registry, serial })
@@ -295,6 +310,7 @@ impl IdentityIssuer {
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+    #[inline]
     pub fn allocation_generation(&self) -> Result<AllocationGeneration, IdentityError> {
         let serial = self.reserve(IdentityKind::AllocationGeneration, 1)?;
         Ok(AllocationGeneration { registry: self.registry, serial })
@@ -307,6 +323,7 @@ impl IdentityIssuer {
     /// # Errors
     /// [`IdentityError::Exhausted`] when fewer than `count` serials remain; nothing is
     /// reserved then.
+    #[inline]
     pub fn block<I: Identity>(&self, count: u64) -> Result<IdentityBlock<I>, IdentityError> {
         let count = count.max(1);
         let first = self.reserve(I::KIND, count)?;
@@ -321,6 +338,7 @@ impl IdentityIssuer {
     /// Rebuilds an identity of kind `I` from a serial this issuer already issued
     /// (compact handles store serials). Returns `None` for a serial not issued yet,
     /// so no caller can mint identities ahead of the counter.
+    #[inline]
     pub fn recognise<I: Identity>(&self, serial: NonZeroU64) -> Option<I> {
         let next = self.counters[I::KIND.slot()].load(Ordering::Relaxed);
         (serial.get() < next).then(|| I::from_parts(self.registry, serial))
@@ -338,6 +356,7 @@ pub struct IdentityBlock<I> {
 
 impl<I: Identity> IdentityBlock<I> {
     /// An empty block (the first `next` asks for a refill).
+    #[inline]
     pub fn empty(registry: RegistryId) -> IdentityBlock<I> {
         IdentityBlock { registry, next: 1, end: 1, kind: std::marker::PhantomData }
     }
@@ -345,6 +364,7 @@ impl<I: Identity> IdentityBlock<I> {
     /// The next unused identity of this block, or `None` once it is spent.
     // Not `Iterator`: `None` means "reserve another block", not "the sequence ended".
     #[allow(clippy::should_implement_trait)]
+    #[inline]
     pub fn next(&mut self) -> Option<I> {
         if self.next >= self.end {
             return None;
@@ -355,6 +375,7 @@ impl<I: Identity> IdentityBlock<I> {
     }
 
     /// Identities left in this block.
+    #[inline]
     pub fn remaining(&self) -> u64 {
         self.end - self.next
     }
@@ -374,6 +395,7 @@ pub struct BindingIdentity {
 
 impl BindingIdentity {
     /// Assembles a binding identity from issued parts (the registry does this).
+    #[inline]
     pub fn new(
         binding: BindingId,
         generation: BindingGeneration,
@@ -386,36 +408,43 @@ impl BindingIdentity {
     }
 
     /// The binding id.
+    #[inline]
     pub fn binding(&self) -> BindingId {
         self.binding
     }
 
     /// The binding generation.
+    #[inline]
     pub fn generation(&self) -> BindingGeneration {
         self.generation
     }
 
     /// The device the binding allocates on.
+    #[inline]
     pub fn device(&self) -> DeviceKey {
         self.device
     }
 
     /// The mechanism the binding is pinned to.
+    #[inline]
     pub fn mechanism(&self) -> MechanismIdentity {
         self.mechanism
     }
 
     /// The provider context the binding is pinned to.
+    #[inline]
     pub fn context(&self) -> ProviderContextIdentity {
         self.context
     }
 
     /// The authority the binding is pinned to.
+    #[inline]
     pub fn authority(&self) -> AuthorityIdentity {
         self.authority
     }
 
     /// The registry that issued the binding.
+    #[inline]
     pub fn registry(&self) -> RegistryId {
         self.binding.registry()
     }
@@ -440,21 +469,25 @@ pub struct AllocationIdentity {
 
 impl AllocationIdentity {
     /// Assembles an allocation identity (the registry does this).
+    #[inline]
     pub fn new(binding: BindingIdentity, generation: AllocationGeneration) -> AllocationIdentity {
         AllocationIdentity { binding, generation }
     }
 
     /// The binding the allocation was made through.
+    #[inline]
     pub fn binding(&self) -> &BindingIdentity {
         &self.binding
     }
 
     /// The allocation generation.
+    #[inline]
     pub fn generation(&self) -> AllocationGeneration {
         self.generation
     }
 
     /// The device the allocation lives on.
+    #[inline]
     pub fn device(&self) -> DeviceKey {
         self.binding.device
     }

@@ -170,24 +170,34 @@ impl MemoryBinding {
     }
 
     /// Checks that `allocation` was made through this binding.
+    #[inline]
     pub(crate) fn check_owns(&self, allocation: &BoundAllocation) -> Result<(), HandleError> {
-        let Some(pin) = allocation.pin.as_ref() else { return Err(HandleError::StaleAllocation) };
-        let ours = &self.pin.core;
-        let theirs = &pin.core;
-        let (expected, found) = (ours.issuer.registry(), theirs.issuer.registry());
+        // Fast path: the same core (hence the same registry, mechanism, authority,
+        // context and device) and the same binding. Everything else is an error,
+        // classified off the hot path.
+        match allocation.pin.as_ref() {
+            Some(pin)
+                if Arc::ptr_eq(&self.pin.core, &pin.core)
+                    && allocation.binding == self.binding.serial()
+                    && allocation.binding_generation == self.generation.serial() =>
+            {
+                Ok(())
+            }
+            _ => Err(self.ownership_error(allocation)),
+        }
+    }
+
+    #[cold]
+    fn ownership_error(&self, allocation: &BoundAllocation) -> HandleError {
+        let Some(pin) = allocation.pin.as_ref() else { return HandleError::StaleAllocation };
+        let (expected, found) = (self.pin.core.issuer.registry(), pin.core.issuer.registry());
         if expected != found {
-            return Err(HandleError::ForeignRegistry { expected, found });
+            return HandleError::ForeignRegistry { expected, found };
         }
-        let same_binding = Arc::ptr_eq(ours, theirs)
-            && allocation.binding == self.binding.serial()
-            && allocation.binding_generation == self.generation.serial();
-        if !same_binding {
-            return Err(HandleError::BindingMismatch {
-                expected: self.identity().to_string(),
-                found: allocation.binding_identity().map_or_else(|| "an unknown binding".to_owned(), |b| b.to_string()),
-            });
+        HandleError::BindingMismatch {
+            expected: self.identity().to_string(),
+            found: allocation.binding_identity().map_or_else(|| "an unknown binding".to_owned(), |b| b.to_string()),
         }
-        Ok(())
     }
 }
 
@@ -396,6 +406,24 @@ impl AllocationView<'_> {
     }
 }
 
+/// Anything that can produce a handle's plain-data parts (the handle itself on the
+/// explicit path, a copy of its parts on drop and deferred paths).
+trait AsParts {
+    fn as_parts(&self) -> HandleParts;
+}
+
+impl AsParts for BoundAllocation {
+    fn as_parts(&self) -> HandleParts {
+        self.parts()
+    }
+}
+
+impl AsParts for HandleParts {
+    fn as_parts(&self) -> HandleParts {
+        *self
+    }
+}
+
 /// The plain-data part of a handle, kept while its block is away in a callback.
 #[derive(Copy, Clone)]
 struct HandleParts {
@@ -448,20 +476,27 @@ fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
 
 /// Explicit release: validate, take the record exactly once, call the allocator.
 /// Borrows the core through the handle's pin: no shared refcount is touched.
+#[inline]
 fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
     let Some(pin) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
-    let parts = allocation.parts();
     let settled = {
         let core = &pin.core;
         match core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) {
             Err(state) => Err(refusal_for(core, state)),
-            Ok(in_flight) => match pin.take(allocation.slot, parts.generation) {
+            Ok(in_flight) => match pin.take(allocation.slot, allocation.generation) {
                 None => Err(HandleError::StaleAllocation),
                 Some(raw) => {
-                    let outcome = call_release(core, &parts, raw);
-                    let settled = settle(core, &pin, &parts, outcome);
+                    let settled = match call_release(core, &allocation, raw) {
+                        // The common answer needs no bookkeeping beyond the record
+                        // already taken.
+                        ReleaseOutcome::Complete(done) => {
+                            tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
+                            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+                        }
+                        outcome => settle(core, &pin, &allocation.parts(), outcome),
+                    };
                     drop(in_flight);
                     Ok(settled)
                 }
@@ -476,17 +511,19 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
         }
         Ok(Settled::Done(report)) => Ok(report),
         Ok(Settled::Refused { slot, error }) => Err(Rejected {
-            handle: BoundAllocation::rebuilt(&parts, pin, slot),
-            reason: HandleError::ReleaseFailed(error),
+            handle: BoundAllocation::rebuilt(&allocation.parts(), pin, slot),
+            reason: HandleError::ReleaseFailed(*error),
         }),
     }
 }
 
 /// Calls the allocator's release; a panic quarantines the whole block, then unwinds.
-fn call_release(core: &MechanismCore, parts: &HandleParts, raw: RawAllocation) -> ReleaseOutcome {
+#[inline]
+fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> ReleaseOutcome {
     match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
         Ok(outcome) => outcome,
         Err(panic) => {
+            let parts = handle.as_parts();
             let raw = parts.raw(core.device);
             let bytes = raw.bytes();
             core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
@@ -500,13 +537,16 @@ enum Settled {
     /// Nothing was released; the block is back in the pin at `slot`.
     Refused {
         slot: u32,
-        error: ReleaseError,
+        // Boxed: refusals are rare, and a small `Settled` keeps the common path in
+        // registers.
+        error: Box<ReleaseError>,
     },
 }
 
 /// Books an outcome: complete is done, quarantine goes to the registry's list, and a
 /// refusal puts the record back. An outcome about another block than the one given
 /// is not believed: the block given stays quarantined as wholly owned.
+#[inline]
 fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: ReleaseOutcome) -> Settled {
     let expected = parts.raw(core.device);
     match outcome {
@@ -541,7 +581,7 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
                 return Settled::Done(report);
             }
             match pin.reinsert(raw, parts.generation) {
-                Ok(slot) => Settled::Refused { slot, error },
+                Ok(slot) => Settled::Refused { slot, error: Box::new(error) },
                 Err(raw) => {
                     let bytes = raw.bytes();
                     core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
@@ -644,7 +684,7 @@ fn enqueue(
             Settled::Refused { slot, error } if !lost => {
                 if let Some(raw) = completion_pin.take(slot, completion_parts.generation) {
                     let bytes = raw.bytes();
-                    core.quarantine(completion_parts.quarantined(core, raw, 0, bytes, error));
+                    core.quarantine(completion_parts.quarantined(core, raw, 0, bytes, *error));
                 }
             }
             Settled::Refused { .. } => {}
@@ -709,7 +749,7 @@ fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
                 && let Some(raw) = pin.take(slot, parts.generation)
             {
                 let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
+                core.quarantine(parts.quarantined(core, raw, 0, bytes, *error));
             }
             drop(in_flight);
         }

@@ -323,6 +323,7 @@ impl Pin {
         self.insert_locked(&mut records, allocation, generation).map(|(slot, _)| slot).map_err(|(a, _)| a)
     }
 
+    #[inline]
     fn insert_locked(
         &self,
         records: &mut PinRecords,
@@ -341,6 +342,7 @@ impl Pin {
     }
 
     /// Removes the record at `slot` if it still holds `generation` (exactly once).
+    #[inline]
     pub(crate) fn take(&self, slot: u32, generation: NonZeroU64) -> Option<RawAllocation> {
         let mut records = lock_leaf(&self.records);
         let slot = slot as usize;
