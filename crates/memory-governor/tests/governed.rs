@@ -1,0 +1,219 @@
+//! `GovernedAllocator` registered in the `BindingRegistry`: charges by role, refunds on
+//! complete release, keeps quarantined residuals charged, refunds device-lost bytes
+//! only when termination is confirmed, cancels charges the allocator could not serve,
+//! and forwards capabilities with the inner allocator's own view of each block.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use allocator_cpu::{SystemAllocator, VirtualHostAllocator};
+use common::*;
+use memory_governor::*;
+use memory_testkit::{Callback, FaultyAllocator, HostHeap, RecordingAllocator};
+
+const DEV: DeviceKey = DeviceKey::host(7);
+
+struct Setup {
+    registry: BindingRegistry,
+    governor: Governor,
+    account: Account,
+    context: ProviderContextIdentity,
+    mechanism: MechanismIdentity,
+    binding: MemoryBinding,
+}
+
+fn setup(inner: Arc<dyn DeviceAllocator>, limit: u64, chunk: u64) -> Setup {
+    let registry = BindingRegistry::new().unwrap();
+    let context = registry.register_provider_context(DEV, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(DEV, Arc::new("tenant")).unwrap();
+    let governor = governor(chunk);
+    governor.set_device_limit(DEV, limit).unwrap();
+    let account = governor.open_account(AccountConfig::new(DEV, authority).label("tenant")).unwrap();
+    let governed = governor.govern(inner, authority).unwrap();
+    let mechanism = registry.register_allocator(&context, &authority, Arc::new(governed)).unwrap();
+    let binding = registry.bind(DEV).unwrap();
+    Setup { registry, governor, account, context, mechanism, binding }
+}
+
+fn request(bytes: usize, role: MemoryRole) -> AllocationRequest {
+    AllocationRequest::new(bytes, 64).unwrap().with_role(role)
+}
+
+#[test]
+fn allocations_are_charged_by_role_and_a_complete_release_refunds() {
+    let s = setup(Arc::new(SystemAllocator::for_device(DEV)), 1 << 20, 4096);
+    let kv = s.binding.allocate(request(10_000, MemoryRole::KvCache)).unwrap();
+    let weights = s.binding.allocate(request(30_000, MemoryRole::Weights)).unwrap();
+    let snapshot = s.account.snapshot();
+    assert_eq!(snapshot.role(MemoryRole::KvCache).current, 10_000);
+    assert_eq!(snapshot.role(MemoryRole::Weights).current, 30_000);
+    assert_eq!(snapshot.totals.live, 2);
+    assert!(matches!(s.binding.release(kv).unwrap(), ReleaseReport::Complete { .. }));
+    assert!(matches!(s.binding.release(weights).unwrap(), ReleaseReport::Complete { .. }));
+    s.governor.return_idle_credit();
+    let snapshot = s.account.snapshot();
+    assert_eq!((snapshot.current, snapshot.used), (0, 0));
+    assert_eq!((snapshot.totals.allocations, snapshot.totals.releases), (2, 2));
+}
+
+#[test]
+fn a_refusal_never_reaches_the_allocator_and_names_everything_through_the_registry() {
+    let recording = Arc::new(RecordingAllocator::on_device(DEV));
+    let s = setup(Arc::clone(&recording) as Arc<dyn DeviceAllocator>, 1000, 0);
+    let held = s.binding.allocate(request(900, MemoryRole::Weights)).unwrap();
+    let before = recording.calls(Callback::Allocate);
+    let err = s.binding.allocate(request(200, MemoryRole::KvCache)).unwrap_err();
+    assert_eq!(recording.calls(Callback::Allocate), before, "the allocator was called for a refused request");
+    let AllocateError::Allocator(inner) = &err else { panic!("expected an allocator error, got {err}") };
+    assert!(is_governor_refusal(inner));
+    let text = err.to_string();
+    for needle in ["kv-cache request of 200 bytes", "host:7", "900 of 1000 bytes used, 100 available", "\"tenant\""] {
+        assert!(text.contains(needle), "missing {needle:?} in: {text}");
+    }
+    s.binding.release(held).unwrap();
+}
+
+#[test]
+fn an_allocator_failure_cancels_the_charge() {
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    faulty.fail_nth(Callback::Allocate, 1);
+    let err = s.binding.allocate(request(4096, MemoryRole::Activations)).unwrap_err();
+    assert!(matches!(err, AllocateError::Allocator(ref inner) if !is_governor_refusal(inner)), "{err}");
+    let snapshot = s.account.snapshot();
+    assert_eq!((snapshot.current, snapshot.used), (0, 0));
+    assert_eq!((snapshot.totals.allocations, snapshot.totals.releases, snapshot.totals.failures), (0, 0, 0));
+}
+
+#[test]
+fn a_quarantined_residual_stays_charged_until_a_retry_releases_it() {
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    let block = s.binding.allocate(request(8192, MemoryRole::KvCache)).unwrap();
+    faulty.quarantine_nth_release(1, 6144, 2048);
+    let report = s.binding.release(block).unwrap();
+    assert_eq!(report, ReleaseReport::Quarantined { unmapped_bytes: 6144, residual_bytes: 2048 });
+    // What was let go is refunded; the residual stays charged and shows as quarantined.
+    let role = s.account.snapshot().role(MemoryRole::KvCache).clone();
+    assert_eq!((role.current, role.quarantined_bytes, role.live), (2048, 2048, 1));
+    // A retry on the healthy device releases the rest: refunded exactly once.
+    let retry = s.registry.retry_quarantined(&s.mechanism).unwrap();
+    assert_eq!((retry.released, retry.still_quarantined), (1, 0));
+    let role = s.account.snapshot().role(MemoryRole::KvCache).clone();
+    assert_eq!((role.current, role.quarantined_bytes, role.live), (0, 0, 0));
+    assert_eq!(s.account.snapshot().used, 0);
+}
+
+#[test]
+fn a_quarantine_whose_retry_quarantines_again_keeps_only_the_new_residual() {
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    let block = s.binding.allocate(request(8192, MemoryRole::Workspace)).unwrap();
+    faulty.quarantine_nth_release(1, 0, 6000);
+    s.binding.release(block).unwrap();
+    faulty.quarantine_nth_release(1, 0, 1000);
+    let retry = s.registry.retry_quarantined(&s.mechanism).unwrap();
+    assert_eq!(retry.still_quarantined, 1);
+    let role = s.account.snapshot().role(MemoryRole::Workspace).clone();
+    assert_eq!((role.current, role.quarantined_bytes), (1000, 1000));
+    s.registry.retry_quarantined(&s.mechanism).unwrap();
+    assert_eq!(s.account.snapshot().role(MemoryRole::Workspace).current, 0);
+}
+
+#[test]
+fn device_lost_bytes_stay_charged_until_termination_is_confirmed() {
+    let recording = Arc::new(RecordingAllocator::on_device(DEV));
+    let s = setup(Arc::clone(&recording) as Arc<dyn DeviceAllocator>, 1 << 20, 512);
+    let a = s.binding.allocate(request(1000, MemoryRole::KvCache)).unwrap();
+    let b = s.binding.allocate(request(3000, MemoryRole::Weights)).unwrap();
+    s.registry.invalidate_device(DEV, "xid 79");
+    // Release fails with device lost and hands the block back; nothing is refunded.
+    let rejected = s.binding.release(a).unwrap_err();
+    let a = rejected.handle;
+    assert_eq!(s.account.snapshot().current, 4000);
+    // Termination confirmed: the registry hands the lost blocks to forget_lost.
+    let report = s.registry.confirm_context_terminated(&s.context).unwrap();
+    assert_eq!(report.lost_allocations, 2);
+    let snapshot = s.account.snapshot();
+    assert_eq!(snapshot.current, 0);
+    assert_eq!((snapshot.totals.lost_bytes, snapshot.totals.lost_allocations), (4000, 2));
+    assert_eq!(snapshot.role(MemoryRole::Weights).lost_bytes, 3000);
+    assert_eq!(snapshot.totals.live, 0);
+    assert_eq!(recording.forgotten_blocks(), 2, "the inner allocator heard about its lost blocks");
+    // Confirming again refunds nothing twice.
+    s.registry.confirm_context_terminated(&s.context).unwrap();
+    assert_eq!(s.account.snapshot().totals.lost_bytes, 4000);
+    drop((a, b));
+    s.governor.return_idle_credit();
+    assert_eq!(s.account.snapshot().used, 0);
+}
+
+#[test]
+fn a_quarantine_on_a_lost_device_is_refunded_at_termination() {
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    let block = s.binding.allocate(request(4096, MemoryRole::KvCache)).unwrap();
+    faulty.quarantine_nth_release(1, 1024, 3072);
+    s.binding.release(block).unwrap();
+    assert_eq!(s.account.snapshot().role(MemoryRole::KvCache).quarantined_bytes, 3072);
+    s.registry.invalidate_device(DEV, "lost");
+    s.registry.confirm_context_terminated(&s.context).unwrap();
+    let role = s.account.snapshot().role(MemoryRole::KvCache).clone();
+    assert_eq!((role.current, role.quarantined_bytes, role.lost_bytes), (0, 0, 3072));
+}
+
+/// Hands out addresses from a counter with a provider tag wider than the governor's
+/// inline field, and refuses any release whose tag is not the one it issued.
+struct WideTags {
+    next: AtomicU64,
+}
+
+const WIDE_TAG: u64 = u64::MAX - 12345;
+
+impl DeviceAllocator for WideTags {
+    fn device(&self) -> DeviceKey {
+        DEV
+    }
+    fn name(&self) -> &str {
+        "wide-tags"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let start = self.next.fetch_add(1 << 20, Ordering::Relaxed);
+        Ok(RawAllocation::new(DeviceAddress::new(start).unwrap(), request.bytes(), request.align(), DEV, WIDE_TAG))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        if allocation.provider_tag() != WIDE_TAG {
+            let error = ReleaseError::NotOwned {
+                allocator: "wide-tags".into(),
+                device: DEV,
+                address: allocation.address().get(),
+            };
+            return ReleaseOutcome::failed(allocation, error);
+        }
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+}
+
+#[test]
+fn the_inner_allocator_gets_its_own_provider_tag_back() {
+    let s = setup(Arc::new(WideTags { next: AtomicU64::new(1 << 30) }), 1 << 30, 0);
+    let block = s.binding.allocate(request(100, MemoryRole::Staging)).unwrap();
+    assert!(matches!(s.binding.release(block).unwrap(), ReleaseReport::Complete { .. }));
+    assert_eq!(s.account.snapshot().current, 0);
+}
+
+#[test]
+fn capabilities_are_forwarded_with_the_inner_view_of_each_block() {
+    let s = setup(Arc::new(VirtualHostAllocator::for_device(DEV)), 1 << 30, 0);
+    let backing = s.binding.virtual_backing().expect("the governed allocator forwards VirtualBacking");
+    let granularity = backing.granularity();
+    let block = s.binding.allocate(request(4 * granularity, MemoryRole::KvCache)).unwrap();
+    assert_eq!(backing.commit(&block, ByteRange::new(0, 2 * granularity)).unwrap(), 2 * granularity);
+    assert_eq!(backing.committed_bytes(&block).unwrap(), 2 * granularity);
+    assert_eq!(backing.decommit(&block, ByteRange::new(0, granularity)).unwrap(), granularity);
+    drop(backing);
+    assert!(matches!(s.binding.release(block).unwrap(), ReleaseReport::Complete { .. }));
+    assert_eq!(s.account.snapshot().current, 0);
+}
