@@ -760,6 +760,8 @@ impl Governor {
     ) -> Result<Arc<dyn AdmissionPolicy>, PolicyError> {
         let books = self.books(device);
         let _changes = lock(&books.changes);
+        // Reserves must fit what is charged, not what threads happen to cache.
+        credit::return_credit(&books.counters.budget, &books.slots);
         let old_targets: [u64; ROLES] = std::array::from_fn(|r| books.counters.roles[r].target());
         let new_targets: [u64; ROLES] = std::array::from_fn(|r| policy.reserve(MemoryRole::ALL[r]));
         let limit = books.counters.budget.limit();

@@ -1,0 +1,217 @@
+//! Observability: the JSON snapshot shape, the Chrome trace-event timeline, and the
+//! tracing events on refusals, reclaim and limit changes.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use memory_governor::*;
+use serde_json::Value;
+
+const GPU: DeviceKey = DeviceKey::device(2);
+
+const COUNTS: [&str; 7] =
+    ["allocations", "releases", "live", "failures", "quarantined_bytes", "lost_bytes", "lost_allocations"];
+
+fn assert_u64(value: &Value, key: &str) -> u64 {
+    value.get(key).and_then(Value::as_u64).unwrap_or_else(|| panic!("{key} is not a number in {value}"))
+}
+
+fn assert_roles(roles: &Value) {
+    let roles = roles.as_array().expect("roles is an array");
+    let names: Vec<_> = roles.iter().map(|r| r["role"].as_str().unwrap()).collect();
+    assert_eq!(names, MemoryRole::ALL.map(|r| r.name()));
+    for role in roles {
+        for key in ["current", "peak", "cached_credit"].iter().chain(COUNTS.iter()) {
+            assert_u64(role, key);
+        }
+    }
+}
+
+#[test]
+fn the_snapshot_serialises_to_the_documented_json_shape() {
+    let (governor, account) = one_account(GPU, 10_000, 4_000, 64);
+    governor.set_policy(GPU, Arc::new(GuaranteedReserve::new(Arc::new(ReclaimThenFail)).with_reserve(MemoryRole::Weights, 1000))).unwrap();
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    governor.register_holder(GPU, 3, LeaseHolder::new("kv-evictor", Vec::new(), 0, asked));
+    let _kv = account.lease(MemoryRole::KvCache, 1500).unwrap();
+    let _weights = account.lease(MemoryRole::Weights, 800).unwrap();
+    assert!(account.lease(MemoryRole::KvCache, 5000).is_err());
+    // An unlimited device serialises its limit as null.
+    let host = governor.open_account(AccountConfig::new(DeviceKey::HOST, authority())).unwrap();
+    let _staging = host.lease(MemoryRole::Staging, 10).unwrap();
+
+    let json: Value = serde_json::from_str(&governor.snapshot().to_json()).unwrap();
+    let devices = json["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    let gpu = devices.iter().find(|d| d["device"] == "device:2").unwrap();
+    assert_eq!(gpu["tier"], "device");
+    assert_eq!(gpu["index"], 2);
+    assert_eq!(gpu["limit"], 10_000);
+    assert_eq!(assert_u64(gpu, "current"), 2300);
+    // Charges, plus the 200 bytes of the weights reserve not in use, plus cached credit.
+    assert!(assert_u64(gpu, "used") >= 2300 + 200);
+    assert!(assert_u64(gpu, "peak") >= assert_u64(gpu, "used"));
+    assert_u64(gpu, "cached_credit");
+    assert_eq!(gpu["policy"], "guaranteed-reserve(reclaim-then-fail)");
+    assert_eq!(gpu["reserves"][0]["role"], "weights");
+    assert_eq!(gpu["reserves"][0]["target"], 1000);
+    assert_eq!(gpu["reserves"][0]["held"], 200);
+    assert_eq!(gpu["holders"][0]["name"], "kv-evictor");
+    assert_eq!(gpu["holders"][0]["order"], 3);
+    for key in COUNTS {
+        assert_u64(&gpu["totals"], key);
+    }
+    assert_eq!(gpu["totals"]["failures"], 1);
+    assert_eq!(gpu["totals"]["live"], 2);
+    assert_roles(&gpu["roles"]);
+    assert_eq!(gpu["roles"][1]["role"], "kv-cache");
+    assert_eq!(gpu["roles"][1]["current"], 1500);
+    let tenant = &gpu["authorities"][0];
+    assert_eq!(tenant["authority"], account.authority().to_string());
+    assert_eq!(tenant["label"], "tenant");
+    assert_eq!(tenant["quota"], 4000);
+    for key in ["current", "used", "peak", "cached_credit"] {
+        assert_u64(tenant, key);
+    }
+    assert_roles(&tenant["roles"]);
+    let host = devices.iter().find(|d| d["device"] == "host:0").unwrap();
+    assert!(host["limit"].is_null());
+    assert!(host["authorities"][0]["quota"].is_null());
+}
+
+#[test]
+fn peaks_bound_the_highest_charge() {
+    let (_governor, account) = one_account(GPU, 10_000, u64::MAX, 0);
+    let a = account.lease(MemoryRole::KvCache, 3000).unwrap();
+    let b = account.lease(MemoryRole::KvCache, 2000).unwrap();
+    drop((a, b));
+    let _c = account.lease(MemoryRole::KvCache, 100).unwrap();
+    let snapshot = account.snapshot();
+    // Without credit caching (chunk 0) the peak is exact.
+    assert_eq!(snapshot.peak, 5000);
+    assert_eq!(snapshot.role(MemoryRole::KvCache).peak, 5000);
+    assert_eq!(snapshot.current, 100);
+}
+
+#[test]
+fn the_timeline_exports_a_chrome_trace_with_counters_and_instants() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 64);
+    governor.enable_timeline(100);
+    let kv = account.lease(MemoryRole::KvCache, 300).unwrap();
+    let weights = account.lease(MemoryRole::Weights, 500).unwrap();
+    assert!(account.lease(MemoryRole::KvCache, 900).is_err());
+    drop(kv);
+    drop(weights);
+    governor.disable_timeline();
+    let _unrecorded = account.lease(MemoryRole::KvCache, 1).unwrap();
+
+    let trace: Value = serde_json::from_str(&governor.chrome_trace_json()).expect("the trace is JSON");
+    let events = trace["traceEvents"].as_array().expect("traceEvents is an array");
+    for event in events {
+        for key in ["name", "ph", "ts", "pid", "tid", "args"] {
+            assert!(event.get(key).is_some(), "{key} missing in {event}");
+        }
+        assert!(event["ts"].is_number() && event["pid"].is_number() && event["tid"].is_number(), "{event}");
+    }
+    let instants: Vec<_> = events.iter().filter(|e| e["ph"] == "i").collect();
+    let names: Vec<_> = instants.iter().map(|e| e["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["charge kv-cache", "charge weights", "refusal kv-cache", "refund kv-cache", "refund weights"]);
+    assert_eq!(instants[0]["args"]["bytes"], 300);
+    assert_eq!(instants[0]["args"]["role"], "kv-cache");
+    assert_eq!(instants[0]["args"]["device"], "device:2");
+    assert_eq!(instants[0]["args"]["authority"], account.authority().to_string());
+    // Counter events draw charged bytes per role over time.
+    let counters: Vec<_> = events.iter().filter(|e| e["ph"] == "C").collect();
+    let series: Vec<(u64, u64)> = counters
+        .iter()
+        .map(|c| (c["args"]["kv-cache"].as_u64().unwrap(), c["args"]["weights"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(series, [(300, 0), (300, 500), (0, 500), (0, 0)]);
+    let timestamps: Vec<f64> = instants.iter().map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert!(timestamps.windows(2).all(|w| w[0] <= w[1]), "timestamps are ordered");
+    // A metadata event names the device's process.
+    assert!(events.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "memory device:2"));
+}
+
+#[test]
+fn the_timeline_keeps_the_latest_events_and_counts_the_dropped() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    governor.enable_timeline(3);
+    for _ in 0..4 {
+        drop(account.lease(MemoryRole::Workspace, 10).unwrap());
+    }
+    let (events, dropped) = governor.timeline_events();
+    assert_eq!((events.len(), dropped), (3, 5));
+    let trace = governor.chrome_trace();
+    assert_eq!(trace["otherData"]["dropped_events"], 5);
+}
+
+/// A minimal subscriber that records each event's level, message and fields.
+#[derive(Clone, Default)]
+struct Capture {
+    events: Arc<Mutex<Vec<(tracing::Level, String)>>>,
+}
+
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!("{}={:?} ", field.name(), value));
+    }
+}
+
+impl tracing::Subscriber for Capture {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Fields(String::new());
+        event.record(&mut fields);
+        self.events.lock().unwrap().push((*event.metadata().level(), fields.0));
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+fn find(events: &[(tracing::Level, String)], message: &str) -> Option<(tracing::Level, String)> {
+    events.iter().find(|(_, fields)| fields.contains(&format!("message={message} "))).cloned()
+}
+
+#[test]
+fn refusals_reclaim_and_limit_changes_emit_tracing_events() {
+    let capture = Capture::default();
+    let events = Arc::clone(&capture.events);
+    tracing::subscriber::with_default(capture, || {
+        let (governor, account) = one_account(GPU, 100, u64::MAX, 0);
+        governor.set_quota(account.authority(), 90).unwrap();
+        governor.set_policy(GPU, Arc::new(ReclaimThenFail)).unwrap();
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let held = vec![account.lease_owned(MemoryRole::KvCache, 50).unwrap()];
+        governor.register_holder(GPU, 0, LeaseHolder::new("kv", held, u64::MAX, asked));
+        let _big = account.lease(MemoryRole::Weights, 80).unwrap();
+        assert!(account.lease(MemoryRole::Weights, 80).is_err());
+    });
+    let events = events.lock().unwrap();
+    let (level, fields) = find(&events, "device limit changed").expect("limit change event");
+    assert_eq!(level, tracing::Level::INFO);
+    assert!(fields.contains("new=Some(100)"), "{fields}");
+    let (level, _) = find(&events, "authority quota changed").expect("quota change event");
+    assert_eq!(level, tracing::Level::INFO);
+    assert!(find(&events, "admission policy installed").is_some());
+    let (level, fields) = find(&events, "reclaim holder asked").expect("reclaim event");
+    assert_eq!(level, tracing::Level::DEBUG);
+    assert!(fields.contains("holder=\"kv\"") && fields.contains("freed=50"), "{fields}");
+    assert!(find(&events, "reclaim finished").is_some());
+    let (level, fields) = find(&events, "admission refused").expect("refusal event");
+    assert_eq!(level, tracing::Level::WARN);
+    for needle in ["device=device:2", "role=weights", "requested=80", "used=80", "limit=90", "available=10"] {
+        assert!(fields.contains(needle), "missing {needle} in {fields}");
+    }
+}
