@@ -121,8 +121,12 @@ impl Budget {
         self.peak.load(Ordering::Relaxed)
     }
 
-    /// Draws `n` (with `slack` to spare) or reports `used` at the refusal.
+    /// Draws `n` (with `slack` to spare) or reports `used` at the refusal. Drawing
+    /// nothing always succeeds, even over a lowered limit.
     fn try_draw(&self, n: u64, slack: u64) -> Result<(), u64> {
+        if n == 0 {
+            return Ok(());
+        }
         let before = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
             fits(used, n, slack, self.limit.load(Ordering::Acquire)).then(|| used + n)
         })?;
