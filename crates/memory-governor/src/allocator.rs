@@ -87,8 +87,11 @@ struct Tables {
 impl Tables {
     /// The inner allocator's view of a governed block.
     fn inner_view(&self, block: &RawAllocation, tag: Tag) -> RawAllocation {
-        let inner_tag =
-            if tag.wide { lock(&self.wide).get(&block.address().get()).copied().unwrap_or(tag.inner) } else { tag.inner };
+        let inner_tag = if tag.wide {
+            lock(&self.wide).get(&block.address().get()).copied().unwrap_or(tag.inner)
+        } else {
+            tag.inner
+        };
         RawAllocation::new(block.address(), block.bytes(), block.align(), block.device(), inner_tag)
     }
 

@@ -501,7 +501,8 @@ impl Slot {
 
     /// A cheap, possibly stale look at whether both budgets have `n` bytes to spare.
     fn room_visible(&self, n: u64) -> bool {
-        let room = |budget: &Budget| fits(budget.used.load(Ordering::Relaxed), n, 0, budget.limit.load(Ordering::Relaxed));
+        let room =
+            |budget: &Budget| fits(budget.used.load(Ordering::Relaxed), n, 0, budget.limit.load(Ordering::Relaxed));
         room(&self.account.budget) && room(&self.device.budget)
     }
 

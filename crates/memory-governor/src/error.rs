@@ -179,7 +179,9 @@ impl AdmissionError {
 
 /// A lease was asked to shrink below zero; nothing changed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("cannot shrink a {role} lease of {held} bytes by {requested} bytes; shrink by at most {held}, or drop the lease")]
+#[error(
+    "cannot shrink a {role} lease of {held} bytes by {requested} bytes; shrink by at most {held}, or drop the lease"
+)]
 pub struct ShrinkError {
     /// The lease's role.
     pub role: MemoryRole,

@@ -7,12 +7,10 @@ use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
 use memory_api::{AuthorityIdentity, DeviceAllocator, DeviceKey, MemoryRole};
 
 use crate::allocator::GovernedAllocator;
-use crate::credit::{
-    self, AccountCounters, DeviceCounters, MAX_CHUNK, Path, ROLES, Short, Slot, SlotLists, UNLIMITED,
-};
+use crate::credit::{self, AccountCounters, DeviceCounters, MAX_CHUNK, Path, ROLES, Short, Slot, SlotLists, UNLIMITED};
 use crate::error::{
-    AccountError, AdmissionError, LeaseRequestError, Exhaustion, GovernError, GovernFailure, HolderReport, LimitError, LimitScope,
-    PolicyError,
+    AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
+    LimitScope, PolicyError,
 };
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
 use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest};

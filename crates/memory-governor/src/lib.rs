@@ -124,8 +124,8 @@ pub use allocator::{
     CODE_EXHAUSTED, CODE_OVERFLOW, GOVERNOR_BACKEND, GovernedAllocError, GovernedAllocator, is_governor_refusal,
 };
 pub use error::{
-    AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError,
-    LimitError, LimitScope, PolicyError, ShrinkError,
+    AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
+    LimitScope, PolicyError, ShrinkError,
 };
 pub use governor::{Account, AccountConfig, Governor, GovernorConfig, MAX_CHARGE};
 pub use lease::{BorrowedLease, Lease, OwnedLease};

@@ -155,7 +155,16 @@ impl Timeline {
             ring.dropped += 1;
         }
         if ring.capacity > 0 {
-            ring.events.push_back(TimelineEvent { ts_us, kind, device, authority, role, bytes, thread, device_charged });
+            ring.events.push_back(TimelineEvent {
+                ts_us,
+                kind,
+                device,
+                authority,
+                role,
+                bytes,
+                thread,
+                device_charged,
+            });
         }
     }
 
@@ -201,8 +210,10 @@ impl Timeline {
                 },
             }));
             if event.kind != TimelineEventKind::Refusal {
-                let args: Map<String, Value> =
-                    MemoryRole::ALL.iter().map(|role| (role.name().to_owned(), json!(event.device_charged[role.ordinal()]))).collect();
+                let args: Map<String, Value> = MemoryRole::ALL
+                    .iter()
+                    .map(|role| (role.name().to_owned(), json!(event.device_charged[role.ordinal()])))
+                    .collect();
                 trace.push(json!({
                     "name": format!("{} charged bytes", event.device),
                     "ph": "C",

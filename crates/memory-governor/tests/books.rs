@@ -94,7 +94,12 @@ fn authority_quotas_nest_inside_the_device_budget() {
 #[test]
 fn every_role_is_accounted_separately() {
     let (governor, account) = one_account(GPU, u64::MAX, u64::MAX, 32);
-    let sizes = [(MemoryRole::Weights, 700), (MemoryRole::KvCache, 300), (MemoryRole::Activations, 50), (MemoryRole::Workspace, 7)];
+    let sizes = [
+        (MemoryRole::Weights, 700),
+        (MemoryRole::KvCache, 300),
+        (MemoryRole::Activations, 50),
+        (MemoryRole::Workspace, 7),
+    ];
     let leases: Vec<_> = sizes.iter().map(|&(role, bytes)| account.lease(role, bytes).unwrap()).collect();
     let snapshot = account.snapshot();
     for (role, bytes) in sizes {

@@ -45,9 +45,10 @@ fn registry_is_reexported_and_with_memory_keeps_working() {
     let binding: governor::MemoryBinding = registry.with_memory(allocator).unwrap();
     let block: governor::BoundAllocation =
         binding.allocate(governor::AllocationRequest::new(256, 64).unwrap()).unwrap();
-    let view: governor::AllocationView<'_> = block.view(0, 128).unwrap();
-    assert_eq!(view.len(), 128);
-    drop(view);
+    {
+        let view: governor::AllocationView<'_> = block.view(0, 128).unwrap();
+        assert_eq!(view.len(), 128);
+    }
     let report: governor::ReleaseReport = binding.release(block).unwrap();
     assert!(matches!(report, governor::binding::ReleaseReport::Complete { .. }));
     let snapshot: governor::RegistrySnapshot = registry.snapshots();
@@ -66,8 +67,7 @@ fn governor_items_coexist_with_the_reexports() {
     let governor = governor::Governor::new();
     let issuer = governor::IdentityIssuer::new().unwrap();
     let authority = issuer.authority().unwrap();
-    let account =
-        governor.open_account(governor::AccountConfig::new(governor::DeviceKey::HOST, authority)).unwrap();
+    let account = governor.open_account(governor::AccountConfig::new(governor::DeviceKey::HOST, authority)).unwrap();
     let lease = account.lease(governor::MemoryRole::Workspace, 10).unwrap();
     assert_eq!(lease.bytes(), 10);
     drop(lease);

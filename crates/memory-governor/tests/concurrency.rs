@@ -165,10 +165,10 @@ fn lowering_a_limit_under_load_binds_every_admission_that_starts_after_it() {
                     if started_after_lowering {
                         after += 1;
                     }
-                    if mine.len() > 4 || rng.next(3) == 0 {
-                        if let Some(lease) = mine.pop() {
-                            held.fetch_sub(lease.bytes(), Ordering::SeqCst);
-                        }
+                    if (mine.len() > 4 || rng.next(3) == 0)
+                        && let Some(lease) = mine.pop()
+                    {
+                        held.fetch_sub(lease.bytes(), Ordering::SeqCst);
                     }
                 }
                 checked_after.fetch_add(after, Ordering::Relaxed);

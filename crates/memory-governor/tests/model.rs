@@ -83,8 +83,9 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
         .iter()
         .map(|&quota| governor.open_account(AccountConfig::new(GPU, authority()).quota(quota)).unwrap())
         .collect();
-    let reserve_policy =
-        |bytes| -> Arc<dyn AdmissionPolicy> { Arc::new(GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, bytes)) };
+    let reserve_policy = |bytes| -> Arc<dyn AdmissionPolicy> {
+        Arc::new(GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, bytes))
+    };
     let mut model = Model { limit, quotas, reserve: 0, leases: Vec::new() };
     if reserve <= limit {
         governor.set_policy(GPU, reserve_policy(reserve)).unwrap();
@@ -141,7 +142,15 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
                 let fits = bytes <= model.limit
                     && (others + weights.max(bytes) <= model.limit || weights.max(bytes) <= weights.max(model.reserve));
                 let got = governor.set_policy(GPU, reserve_policy(bytes));
-                prop_assert_eq!(got.is_ok(), fits, "reserve {} (weights {}, others {}, limit {})", bytes, weights, others, model.limit);
+                prop_assert_eq!(
+                    got.is_ok(),
+                    fits,
+                    "reserve {} (weights {}, others {}, limit {})",
+                    bytes,
+                    weights,
+                    others,
+                    model.limit
+                );
                 if fits {
                     model.reserve = bytes;
                 }

@@ -32,7 +32,12 @@ fn assert_roles(roles: &Value) {
 #[test]
 fn the_snapshot_serialises_to_the_documented_json_shape() {
     let (governor, account) = one_account(GPU, 10_000, 4_000, 64);
-    governor.set_policy(GPU, Arc::new(GuaranteedReserve::new(Arc::new(ReclaimThenFail)).with_reserve(MemoryRole::Weights, 1000))).unwrap();
+    governor
+        .set_policy(
+            GPU,
+            Arc::new(GuaranteedReserve::new(Arc::new(ReclaimThenFail)).with_reserve(MemoryRole::Weights, 1000)),
+        )
+        .unwrap();
     let asked = Arc::new(Mutex::new(Vec::new()));
     governor.register_holder(GPU, 3, LeaseHolder::new("kv-evictor", Vec::new(), 0, asked));
     let _kv = account.lease(MemoryRole::KvCache, 1500).unwrap();

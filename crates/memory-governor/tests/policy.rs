@@ -35,7 +35,8 @@ fn reclaim_asks_holders_in_order_for_what_is_missing_then_retries_once() {
     governor.set_policy(GPU, Arc::new(ReclaimThenFail)).unwrap();
     let asked = Arc::new(Mutex::new(Vec::new()));
     // Registered out of order: "second" (order 5) before "first" (order 1).
-    let second = LeaseHolder::new("second", leases(&account, MemoryRole::KvCache, &[30, 30]), u64::MAX, Arc::clone(&asked));
+    let second =
+        LeaseHolder::new("second", leases(&account, MemoryRole::KvCache, &[30, 30]), u64::MAX, Arc::clone(&asked));
     let first = LeaseHolder::new("first", leases(&account, MemoryRole::KvCache, &[20]), u64::MAX, Arc::clone(&asked));
     let last = LeaseHolder::new("last", leases(&account, MemoryRole::KvCache, &[20]), u64::MAX, Arc::clone(&asked));
     governor.register_holder(GPU, 5, second);

@@ -38,7 +38,12 @@ pub struct LeaseHolder {
 }
 
 impl LeaseHolder {
-    pub fn new(name: &str, leases: Vec<OwnedLease>, max_per_request: u64, asked: Arc<Mutex<Vec<(String, u64)>>>) -> Arc<LeaseHolder> {
+    pub fn new(
+        name: &str,
+        leases: Vec<OwnedLease>,
+        max_per_request: u64,
+        asked: Arc<Mutex<Vec<(String, u64)>>>,
+    ) -> Arc<LeaseHolder> {
         Arc::new(LeaseHolder { name: name.to_owned(), leases: Mutex::new(leases), max_per_request, asked })
     }
 }
