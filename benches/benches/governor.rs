@@ -1,0 +1,209 @@
+//! memory-governor benches (issue 4), each against a baseline in the same run:
+//! - `lease/admit_refund`: `account.lease(role, 4096)` then drop, one thread (target
+//!   <= 30 ns per pair).
+//! - `threads/one` vs `threads/two`: the same pair on one account (one device budget,
+//!   one role), one thread vs two; reported as aggregate throughput, two over one
+//!   (target >= 1.5x).
+//! - `governed/*`: allocate + release through a binding, with and without a
+//!   `GovernedAllocator` between the registry and the allocator (target <= 1.5x), on a
+//!   counter allocator with no memory behind it (the governor's cost in full view) and
+//!   on the system allocator.
+//!
+//! After criterion's own output, a summary prints the median of each bench's measured
+//! samples from this run and the ratios.
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use allocator_cpu::SystemAllocator;
+use criterion::{Criterion, criterion_group, criterion_main};
+use memory_governor::{
+    Account, AccountConfig, AllocError, AllocationRequest, BindingRegistry, DeviceAddress, DeviceAllocator, DeviceKey,
+    Governor, IdentityIssuer, MemoryBinding, MemoryRole, RawAllocation, ReleaseOutcome,
+};
+
+const PAIR_BYTES: u64 = 4096;
+
+/// Per-operation times of every sample, by bench name, for the summary.
+static SAMPLES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
+
+fn record(name: &str, elapsed: Duration, ops: u64) -> Duration {
+    let per_op = elapsed.as_secs_f64() * 1e9 / ops.max(1) as f64;
+    SAMPLES.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(name.to_owned()).or_default().push(per_op);
+    elapsed
+}
+
+/// Hands out addresses from a per-thread counter and frees nothing: the cheapest
+/// allocator, shared by no thread, so the benches measure the layers above it.
+struct Counter {
+    device: DeviceKey,
+}
+
+impl DeviceAllocator for Counter {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+    fn name(&self) -> &str {
+        "counter"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        thread_local!(static NEXT: std::cell::Cell<u64> = const { std::cell::Cell::new(1 << 20) });
+        let start = NEXT.with(|next| {
+            let start = next.get();
+            next.set(start + 4096);
+            start
+        });
+        let address = DeviceAddress::new(start).unwrap_or_else(|| unreachable!("starts above zero"));
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+}
+
+fn account(governor: &Governor, device: DeviceKey) -> Account {
+    let authority = IdentityIssuer::new().and_then(|issuer| issuer.authority()).expect("authority");
+    governor.set_device_limit(device, 64 << 30).expect("limit");
+    governor.open_account(AccountConfig::new(device, authority).label("bench")).expect("account")
+}
+
+fn lease(c: &mut Criterion) {
+    let governor = Governor::new();
+    let account = account(&governor, DeviceKey::device(0));
+    c.bench_function("lease/admit_refund", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let lease = account.lease(MemoryRole::KvCache, black_box(PAIR_BYTES)).expect("lease");
+                drop(black_box(lease));
+            }
+            record("lease/admit_refund", start.elapsed(), iters)
+        })
+    });
+}
+
+/// Runs `iters` lease pairs on each of `threads` threads against one account; returns
+/// the wall time, and records it per pair of all threads together (aggregate).
+fn run_threads(name: &str, account: &Account, threads: usize, iters: u64) -> Duration {
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let done = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (account, barrier, done) = (account.clone(), Arc::clone(&barrier), Arc::clone(&done));
+            std::thread::spawn(move || {
+                // Warm this thread's credit before the clock starts.
+                drop(account.lease(MemoryRole::KvCache, PAIR_BYTES).expect("lease"));
+                barrier.wait();
+                for _ in 0..iters {
+                    let lease = account.lease(MemoryRole::KvCache, black_box(PAIR_BYTES)).expect("lease");
+                    drop(black_box(lease));
+                }
+                done.fetch_add(iters, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    for handle in handles {
+        handle.join().expect("bench thread");
+    }
+    let elapsed = start.elapsed();
+    record(name, elapsed, done.load(Ordering::Relaxed));
+    elapsed
+}
+
+fn threads(c: &mut Criterion) {
+    let governor = Governor::new();
+    let account = account(&governor, DeviceKey::device(0));
+    let mut group = c.benchmark_group("threads");
+    group.bench_function("one", |b| b.iter_custom(|iters| run_threads("threads/one", &account, 1, iters)));
+    group.bench_function("two", |b| b.iter_custom(|iters| run_threads("threads/two", &account, 2, iters)));
+    group.finish();
+}
+
+/// A binding over `inner`, with or without a governed allocator in between.
+fn binding(inner: Arc<dyn DeviceAllocator>, governed: bool) -> (BindingRegistry, MemoryBinding, Governor) {
+    let device = inner.device();
+    let registry = BindingRegistry::new().expect("registry");
+    let context = registry.register_provider_context(device, Arc::new("bench")).expect("context");
+    let authority = registry.register_authority(device, Arc::new("bench")).expect("authority");
+    let governor = Governor::new();
+    let allocator: Arc<dyn DeviceAllocator> = if governed {
+        governor.set_device_limit(device, 64 << 30).expect("limit");
+        governor.open_account(AccountConfig::new(device, authority)).expect("account");
+        Arc::new(governor.govern(inner, authority).expect("govern"))
+    } else {
+        inner
+    };
+    let mechanism = registry.register_allocator(&context, &authority, allocator).expect("mechanism");
+    let binding = registry.bind_registered(&mechanism).expect("bind");
+    (registry, binding, governor)
+}
+
+fn governed(c: &mut Criterion) {
+    let request = AllocationRequest::new(PAIR_BYTES as usize, 256).expect("request").with_role(MemoryRole::KvCache);
+    let mut group = c.benchmark_group("governed");
+    for (inner_name, make) in [
+        ("counter", (|| Arc::new(Counter { device: DeviceKey::device(0) }) as Arc<dyn DeviceAllocator>) as fn() -> _),
+        ("system", || Arc::new(SystemAllocator::for_device(DeviceKey::device(0))) as Arc<dyn DeviceAllocator>),
+    ] {
+        for governed in [false, true] {
+            let (_registry, binding, _governor) = binding(make(), governed);
+            let name = format!("{inner_name}_{}", if governed { "governed" } else { "ungoverned" });
+            let key = format!("governed/{name}");
+            group.bench_function(name.as_str(), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let block = binding.allocate(black_box(request)).expect("allocate");
+                        black_box(binding.release(block).expect("release"));
+                    }
+                    record(&key, start.elapsed(), iters)
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+fn median(samples: &[f64]) -> f64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Prints the medians of this run's measured samples (criterion's warm-up calls
+/// excluded: only the last `sample_size` calls of each bench are its samples) and the
+/// ratios the issue asks for.
+fn summary(_: &mut Criterion) {
+    const SAMPLE_SIZE: usize = 100;
+    let samples = SAMPLES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let measured = |name: &str| -> f64 {
+        let all = samples.get(name).map(Vec::as_slice).unwrap_or_default();
+        median(&all[all.len().saturating_sub(SAMPLE_SIZE)..])
+    };
+    let lease = measured("lease/admit_refund");
+    let one = measured("threads/one");
+    let two = measured("threads/two");
+    println!("\ngovernor summary (medians of this run's measured samples):");
+    println!("  lease admit+refund, 1 thread      {lease:>8.1} ns/pair (target <= 30 ns)");
+    println!(
+        "  lease pairs, 1 thread             {one:>8.1} ns/pair aggregate\n  \
+         lease pairs, 2 threads            {two:>8.1} ns/pair aggregate   2 threads / 1 thread throughput = {:.2}x (target >= 1.5x)",
+        one / two
+    );
+    for inner in ["counter", "system"] {
+        let plain = measured(&format!("governed/{inner}_ungoverned"));
+        let governed = measured(&format!("governed/{inner}_governed"));
+        println!(
+            "  binding pair over {inner:<8}        ungoverned {plain:>7.1} ns   governed {governed:>7.1} ns   governed/ungoverned = {:.2}x (target <= 1.5x)",
+            governed / plain
+        );
+    }
+}
+
+criterion_group!(benches, lease, threads, governed, summary);
+criterion_main!(benches);
