@@ -1,15 +1,15 @@
 //! Budgets and per-thread credit: the admission protocol.
 //!
 //! # The books
-//! Every budget is one [`Budget`]: `used` (bytes drawn from it), `limit`, `peak`, and
+//! Every budget is one `Budget`: `used` (bytes drawn from it), `limit`, `peak`, and
 //! `drainers` (threads currently pulling credit back). An account's budget (an
 //! authority's quota) is nested in its device's budget: every byte drawn is drawn from
-//! both. A device also keeps, per role, a [`DeviceRole`]: the role's usage on the
+//! both. A device also keeps, per role, a `DeviceRole`: the role's usage on the
 //! device and its reserve (see "Reserves" below).
 //!
 //! # Credit
 //! One shared `used` counter written by every admission does not scale, so each thread
-//! keeps, per (account, role), a [`Slot`] of *credit*: bytes already drawn from the
+//! keeps, per (account, role), a `Slot` of *credit*: bytes already drawn from the
 //! account and the device but not yet handed to any charge. An admission that fits the
 //! thread's credit is one uncontended compare-and-swap on a cache line only this thread
 //! writes; so is a refund. Credit is drawn in chunks (the request plus one chunk) and
