@@ -1,0 +1,475 @@
+//! Stress: four worker threads run mixed operations (bind, allocate, release through
+//! the right and the wrong binding, views, deferred release through a small queue,
+//! drops, hand-offs of handles between threads) over one registry whose allocators
+//! (`RecordingAllocator` over `FaultyAllocator` over `HostHeap`) inject failed
+//! allocations, failed releases and partial releases. A control thread plans the
+//! faults, rotates the host device's selection (register, select, retire, remove),
+//! retries quarantine, runs the queues, and half-way through invalidates the
+//! accelerator and polls `confirm_context_terminated` until it succeeds.
+//!
+//! Afterwards every block each heap handed out is accounted for: released exactly once
+//! (each non-injected release callback freed exactly one block), still quarantined, or
+//! lost (handed to `forget_lost`, matching the termination report); nothing is in
+//! flight; every mechanism can be removed. Operations per second go to stderr.
+//!
+//! `MEMORY_STRESS_SECS` bounds the run (default 2 seconds); the time bound only limits
+//! how long the run lasts, nothing asserts on timing.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::HeldQueue;
+use memory_api::{
+    AllocError, AllocationRequest, AuthorityIdentity, DeviceAllocator, DeviceKey, MechanismIdentity,
+    ProviderContextIdentity, QueueRefusalReason, ReleaseError,
+};
+use memory_binding::{
+    AllocateError, BindingRegistry, BoundAllocation, DropPolicy, HandleError, MechanismOptions, MechanismState,
+    MemoryBinding, RegistryError, ReleaseReport, TerminationReport, ViewError,
+};
+use memory_testkit::{Callback, FaultyAllocator, HostHeap, RecordingAllocator, is_injected};
+
+type Recorder = RecordingAllocator<FaultyAllocator<HostHeap>>;
+
+const GPU: DeviceKey = DeviceKey::device(0);
+const HOST: DeviceKey = DeviceKey::host(1);
+const DEVICES: [DeviceKey; 2] = [GPU, HOST];
+const WORKERS: usize = 4;
+const QUEUE_CAPACITY: usize = 8;
+const SIZES: [usize; 5] = [0, 64, 100, 4096, 8192];
+/// Handles one worker keeps at most.
+const HELD: usize = 32;
+
+fn seconds() -> f64 {
+    std::env::var("MEMORY_STRESS_SECS").ok().and_then(|s| s.parse().ok()).filter(|s: &f64| *s > 0.0).unwrap_or(2.0)
+}
+
+/// xorshift64*: a deterministic per-thread generator (no shared state).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn device_index(device: DeviceKey) -> usize {
+    DEVICES.iter().position(|d| *d == device).unwrap()
+}
+
+struct Mechanism {
+    id: MechanismIdentity,
+    allocator: Arc<Recorder>,
+}
+
+struct Shared {
+    registry: BindingRegistry,
+    queues: [Arc<HeldQueue>; 2],
+    mechanisms: Mutex<Vec<Mechanism>>,
+    stop: AtomicBool,
+    /// Handles passed between threads (released by whoever takes them).
+    mailbox: Mutex<Vec<(BoundAllocation, MemoryBinding)>>,
+    allocated: AtomicU64,
+}
+
+impl Shared {
+    fn register(
+        &self,
+        context: ProviderContextIdentity,
+        authority: AuthorityIdentity,
+        device: DeviceKey,
+        defer: bool,
+    ) -> MechanismIdentity {
+        let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(device))));
+        let queue = &self.queues[device_index(device)];
+        let options = MechanismOptions { drop_policy: defer.then(|| DropPolicy::Defer(queue.clone())) };
+        let id = self.registry.register_allocator_with(&context, &authority, allocator.clone(), options).unwrap();
+        self.mechanisms.lock().unwrap().push(Mechanism { id, allocator });
+        id
+    }
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    ops: u64,
+    allocated: u64,
+    released: u64,
+    partial: u64,
+    refused: u64,
+    deferred: u64,
+    lost: u64,
+    mismatched: u64,
+    views: u64,
+    handed_over: u64,
+}
+
+/// What a release said, and whether the handle comes back to the holder.
+fn settle(
+    tally: &mut Tally,
+    what: &str,
+    result: Result<ReleaseReport, memory_binding::Rejected<BoundAllocation>>,
+) -> Option<BoundAllocation> {
+    match result {
+        Ok(ReleaseReport::Complete { .. }) => tally.released += 1,
+        Ok(ReleaseReport::Quarantined { .. }) => tally.partial += 1,
+        Ok(other) => panic!("{what}: unexpected report {other:?}"),
+        Err(rejected) => match &rejected.reason {
+            // Lost or terminated: nothing was called; dropping the handle is all that is left.
+            HandleError::DeviceLost { .. } | HandleError::StaleAllocation => tally.lost += 1,
+            HandleError::ReleaseFailed(ReleaseError::Backend(source)) if is_injected(source) => {
+                tally.refused += 1;
+                return Some(rejected.handle);
+            }
+            other => panic!("{what}: unexpected refusal {other}"),
+        },
+    }
+    None
+}
+
+fn worker(shared: &Shared, seed: u64) -> Tally {
+    let mut rng = Rng::new(seed);
+    let mut tally = Tally::default();
+    let mut bindings: [Option<MemoryBinding>; 2] = [None, None];
+    let mut held: Vec<(BoundAllocation, MemoryBinding)> = Vec::new();
+    while !shared.stop.load(Ordering::Relaxed) {
+        tally.ops += 1;
+        let d = rng.below(DEVICES.len());
+        match rng.below(100) {
+            0..=29 => {
+                if held.len() >= HELD {
+                    drop(held.swap_remove(rng.below(held.len())));
+                }
+                let binding = match &bindings[d] {
+                    Some(b) if b.state() == MechanismState::Active => b.clone(),
+                    _ => match shared.registry.bind(DEVICES[d]) {
+                        Ok(b) => {
+                            bindings[d] = Some(b.clone());
+                            b
+                        }
+                        Err(_) => continue, // no selection right now (rotation or loss)
+                    },
+                };
+                let bytes = SIZES[rng.below(SIZES.len())];
+                match binding.allocate(AllocationRequest::new(bytes, 64).unwrap()) {
+                    Ok(block) => {
+                        assert_eq!((block.bytes(), block.device()), (bytes, Some(DEVICES[d])));
+                        tally.allocated += 1;
+                        shared.allocated.fetch_add(1, Ordering::Relaxed);
+                        held.push((block, binding));
+                    }
+                    Err(AllocateError::Inactive { .. } | AllocateError::DeviceLost { .. }) => bindings[d] = None,
+                    Err(AllocateError::Allocator(AllocError::Backend { source, .. })) if is_injected(&source) => {}
+                    Err(other) => panic!("allocate: {other}"),
+                }
+            }
+            30..=54 if !held.is_empty() => {
+                let (block, binding) = held.swap_remove(rng.below(held.len()));
+                if let Some(block) = settle(&mut tally, "release", binding.release(block)) {
+                    held.push((block, binding));
+                }
+            }
+            55..=64 if !held.is_empty() => {
+                tally.views += 1;
+                let (block, _) = &held[rng.below(held.len())];
+                let (offset, len) = (rng.below(block.bytes() + 2), rng.below(block.bytes() + 2));
+                let fits = offset + len <= block.bytes();
+                match block.view(offset, len) {
+                    Ok(view) => assert!(fits && view.address().get() == block.address().get() + offset as u64),
+                    Err(ViewError::OutOfBounds { .. }) => assert!(!fits),
+                    Err(ViewError::Handle(HandleError::DeviceLost { .. } | HandleError::StaleAllocation)) => {}
+                    Err(other) => panic!("view: {other}"),
+                }
+            }
+            65..=74 if !held.is_empty() => {
+                let (block, binding) = held.swap_remove(rng.below(held.len()));
+                let queue = &shared.queues[device_index(binding.device())];
+                match binding.release_deferred(block, &**queue) {
+                    Ok(()) => tally.deferred += 1,
+                    Err(rejected) => match rejected.reason {
+                        HandleError::QueueRefused(QueueRefusalReason::Full { .. }) => {
+                            held.push((rejected.handle, binding))
+                        }
+                        HandleError::DeviceLost { .. } | HandleError::StaleAllocation => tally.lost += 1,
+                        other => panic!("release_deferred: {other}"),
+                    },
+                }
+            }
+            75..=81 if !held.is_empty() => drop(held.swap_remove(rng.below(held.len()))),
+            82..=85 if !held.is_empty() => {
+                // Through a binding of the other device: always refused, handle back.
+                let i = rng.below(held.len());
+                let other = device_index(held[i].1.device()) ^ 1;
+                if let Some(wrong) = bindings[other].clone() {
+                    let (block, owner) = held.swap_remove(i);
+                    let rejected = wrong.release(block).unwrap_err();
+                    assert!(matches!(rejected.reason, HandleError::BindingMismatch { .. }), "{}", rejected.reason);
+                    tally.mismatched += 1;
+                    held.push((rejected.handle, owner));
+                }
+            }
+            86..=89 => {
+                if rng.below(2) == 0 && !held.is_empty() {
+                    let handed = held.swap_remove(rng.below(held.len()));
+                    shared.mailbox.lock().unwrap().push(handed);
+                } else {
+                    let taken = shared.mailbox.lock().unwrap().pop();
+                    if let Some((block, binding)) = taken {
+                        tally.handed_over += 1;
+                        if let Some(block) =
+                            settle(&mut tally, "release of a handed-over block", binding.release(block))
+                        {
+                            held.push((block, binding));
+                        }
+                    }
+                }
+            }
+            90..=92 => drop(shared.queues[d].run_all()),
+            _ => bindings[d] = shared.registry.bind(DEVICES[d]).ok(),
+        }
+    }
+    drop(held); // each by its mechanism's drop policy
+    tally
+}
+
+struct Control {
+    ops: u64,
+    polls: u64,
+    report: Option<TerminationReport>,
+    lost_mechanisms: Vec<MechanismIdentity>,
+}
+
+fn control(
+    shared: &Shared,
+    seconds: f64,
+    gpu: [ProviderContextIdentity; 1],
+    host: (ProviderContextIdentity, AuthorityIdentity),
+) -> Control {
+    let mut rng = Rng::new(0xC0FFEE);
+    let start = Instant::now();
+    let mut out = Control { ops: 0, polls: 0, report: None, lost_mechanisms: Vec::new() };
+    let mut host_selected = shared.registry.selected(HOST).unwrap();
+    let mut retired: Vec<MechanismIdentity> = Vec::new();
+    while start.elapsed().as_secs_f64() < seconds {
+        out.ops += 1;
+        std::thread::sleep(Duration::from_micros(200));
+        let mechanisms: Vec<(MechanismIdentity, Arc<Recorder>)> =
+            shared.mechanisms.lock().unwrap().iter().map(|m| (m.id, m.allocator.clone())).collect();
+        let (id, allocator) = &mechanisms[rng.below(mechanisms.len())];
+        match rng.below(10) {
+            0..=3 => {
+                // Mostly on a selected mechanism, where the traffic is.
+                let selected = shared.registry.selected(DEVICES[rng.below(2)]);
+                let target = selected.and_then(|s| mechanisms.iter().find(|(m, _)| *m == s)).map(|(_, a)| a);
+                let faulty = target.unwrap_or(allocator).inner();
+                let n = 1 + rng.below(8) as u64;
+                match rng.below(3) {
+                    0 => faulty.fail_nth(Callback::Allocate, n),
+                    1 => faulty.fail_nth(Callback::Release, n),
+                    _ => faulty.quarantine_nth_release(n, 0, 64),
+                }
+            }
+            4 | 5 => {
+                // Rotate the host device: a new mechanism takes over, the old one retires.
+                let next = shared.register(host.0, host.1, HOST, false);
+                shared.registry.select(&next).unwrap();
+                shared.registry.retire(&host_selected).unwrap();
+                retired.push(std::mem::replace(&mut host_selected, next));
+                retired.retain(|m| match shared.registry.remove(m) {
+                    Ok(()) => false,
+                    Err(RegistryError::NotQuiescent { .. }) => true,
+                    Err(other) => panic!("remove: {other}"),
+                });
+            }
+            6 => match shared.registry.retry_quarantined(id) {
+                Ok(_) | Err(RegistryError::InvalidState { .. } | RegistryError::Unknown { .. }) => {}
+                Err(other) => panic!("retry: {other}"),
+            },
+            7 => drop(shared.queues[rng.below(2)].run_all()),
+            8 => {
+                for snapshot in shared.registry.snapshots().mechanisms {
+                    assert!(snapshot.quarantined.iter().all(|q| q.residual_bytes <= q.bytes), "{snapshot:?}");
+                }
+            }
+            _ => match shared.registry.select(id) {
+                Ok(_) | Err(RegistryError::InvalidState { .. } | RegistryError::Unknown { .. }) => {}
+                Err(other) => panic!("select: {other}"),
+            },
+        }
+        if out.report.is_none() && start.elapsed().as_secs_f64() >= seconds / 2.0 {
+            out.lost_mechanisms = mechanisms.iter().filter(|(_, a)| a.device() == GPU).map(|(m, _)| *m).collect();
+            let report = shared.registry.invalidate_device(GPU, "stress: device lost");
+            assert_eq!(report.mechanisms, out.lost_mechanisms.len());
+            let polling = Instant::now();
+            let terminated = loop {
+                match shared.registry.confirm_context_terminated(&gpu[0]) {
+                    Ok(report) => break report,
+                    Err(RegistryError::ContextNotQuiescent { .. }) => {
+                        out.polls += 1;
+                        // Queued releases count as in flight until they run.
+                        drop(shared.queues[0].run_all());
+                        std::thread::yield_now();
+                        assert!(polling.elapsed() < Duration::from_secs(120), "termination never became quiescent");
+                    }
+                    Err(other) => panic!("confirm: {other}"),
+                }
+            };
+            assert!(!terminated.already_terminated);
+            out.report = Some(terminated);
+            // A new context takes the device over.
+            let context = shared.registry.register_provider_context(GPU, Arc::new("after loss")).unwrap();
+            let authority = shared.registry.register_authority(GPU, Arc::new("after loss")).unwrap();
+            shared.register(context, authority, GPU, false);
+            shared.register(context, authority, GPU, true);
+        }
+    }
+    out
+}
+
+#[test]
+fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_block() {
+    let seconds = seconds();
+    let registry = BindingRegistry::new().unwrap();
+    let shared = Shared {
+        registry: registry.clone(),
+        queues: DEVICES.map(|d| Arc::new(HeldQueue::new(d, QUEUE_CAPACITY))),
+        mechanisms: Mutex::new(Vec::new()),
+        stop: AtomicBool::new(false),
+        mailbox: Mutex::new(Vec::new()),
+        allocated: AtomicU64::new(0),
+    };
+    let gpu_context = registry.register_provider_context(GPU, Arc::new("gpu")).unwrap();
+    let gpu_authority = registry.register_authority(GPU, Arc::new("tenant")).unwrap();
+    shared.register(gpu_context, gpu_authority, GPU, false);
+    shared.register(gpu_context, gpu_authority, GPU, true);
+    let host_context = registry.register_provider_context(HOST, Arc::new("host")).unwrap();
+    let host_authority = registry.register_authority(HOST, Arc::new("tenant")).unwrap();
+    shared.register(host_context, host_authority, HOST, false);
+
+    let start = Instant::now();
+    let (tallies, control) = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|i| {
+                let shared = &shared;
+                scope.spawn(move || worker(shared, i as u64 + 1))
+            })
+            .collect();
+        let control = control(&shared, seconds, [gpu_context], (host_context, host_authority));
+        shared.stop.store(true, Ordering::Relaxed);
+        let tallies: Vec<Tally> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        (tallies, control)
+    });
+    let elapsed = start.elapsed().as_secs_f64();
+
+    // Hand everything back and drain: pending faults off, queues run, quarantine retried.
+    drop(std::mem::take(&mut *shared.mailbox.lock().unwrap()));
+    let mechanisms = std::mem::take(&mut *shared.mechanisms.lock().unwrap());
+    for m in &mechanisms {
+        m.allocator.inner().clear();
+    }
+    for queue in &shared.queues {
+        queue.run_all();
+        assert_eq!(queue.len(), 0);
+    }
+    for m in &mechanisms {
+        if let Ok(retry) = registry.retry_quarantined(&m.id) {
+            assert_eq!(retry.still_quarantined, 0, "with no faults planned every quarantined block releases");
+        }
+    }
+
+    // Every block each heap handed out is accounted for.
+    let report = control.report.expect("the device was invalidated and its context confirmed terminated");
+    let mut forgotten_by_lost = 0;
+    let mut allocated = 0;
+    let (mut injected, mut forgotten_total) = (0, 0);
+    for m in &mechanisms {
+        let heap = m.allocator.inner().inner().stats().unwrap();
+        let forgotten = m.allocator.forgotten_blocks();
+        let (live, quarantined) = match registry.snapshot(&m.id) {
+            Ok(snapshot) => {
+                assert_eq!(snapshot.in_flight, 0, "{}: still in flight", m.id);
+                let expected_state =
+                    if control.lost_mechanisms.contains(&m.id) { MechanismState::Terminated } else { snapshot.state };
+                assert_eq!(snapshot.state, expected_state);
+                (snapshot.live_allocations as u64, snapshot.quarantined.len() as u64)
+            }
+            Err(RegistryError::Unknown { .. }) => (0, 0), // removed while quiescent
+            Err(other) => panic!("snapshot: {other}"),
+        };
+        assert_eq!(live + quarantined, 0, "{}: every handle was dropped and every quarantine retried", m.id);
+        assert_eq!(heap.live_allocations, forgotten, "{}: the heap still holds exactly the lost blocks", m.id);
+        if control.lost_mechanisms.contains(&m.id) {
+            forgotten_by_lost += forgotten;
+            assert_eq!(m.allocator.calls(Callback::ForgetLost), 1, "{}", m.id);
+        } else {
+            assert_eq!(forgotten, 0, "{}: only the lost context's blocks are forgotten", m.id);
+        }
+        // Every release callback that was not an injected fault freed exactly one block,
+        // and every allocate callback that was not injected made one.
+        let freed = heap.allocations_total - heap.live_allocations;
+        let calls = m.allocator.calls(Callback::Allocate) + m.allocator.calls(Callback::Release);
+        assert_eq!(
+            calls,
+            heap.allocations_total + freed + m.allocator.inner().injected(),
+            "{}: a release freed nothing or twice",
+            m.id
+        );
+        assert_eq!(m.allocator.in_flight(), 0);
+        allocated += heap.allocations_total;
+        injected += m.allocator.inner().injected();
+        forgotten_total += forgotten;
+    }
+    assert_eq!(allocated, shared.allocated.load(Ordering::Relaxed), "a block was allocated outside the registry");
+    assert_eq!((report.lost_allocations + report.discharged_quarantine) as u64, forgotten_by_lost);
+    assert_eq!(report.mechanisms, control.lost_mechanisms.len());
+
+    // Quiescent: everything can be retired and removed.
+    for m in &mechanisms {
+        match registry.retire(&m.id) {
+            Ok(()) | Err(RegistryError::InvalidState { .. } | RegistryError::Unknown { .. }) => {}
+            Err(other) => panic!("retire: {other}"),
+        }
+        match registry.remove(&m.id) {
+            Ok(()) | Err(RegistryError::Unknown { .. }) => {}
+            Err(other) => panic!("remove {}: {other}", m.id),
+        }
+    }
+    assert!(registry.snapshots().mechanisms.is_empty());
+
+    let total: Tally = tallies.iter().fold(Tally::default(), |mut t, w| {
+        t.ops += w.ops;
+        t.allocated += w.allocated;
+        t.released += w.released;
+        t.partial += w.partial;
+        t.refused += w.refused;
+        t.deferred += w.deferred;
+        t.lost += w.lost;
+        t.mismatched += w.mismatched;
+        t.views += w.views;
+        t.handed_over += w.handed_over;
+        t
+    });
+    assert!(total.allocated > 0 && total.released > 0, "the workers did nothing: {total:?}");
+    let ops = total.ops + control.ops;
+    eprintln!(
+        "stress: {WORKERS} workers + control, {elapsed:.2} s, {ops} ops ({:.0} ops/s); {total:?}; \
+         {injected} faults injected, {forgotten_total} blocks lost with the device; \
+         control {} ops, {} termination polls; termination {report:?}",
+        ops as f64 / elapsed,
+        control.ops,
+        control.polls,
+    );
+}
