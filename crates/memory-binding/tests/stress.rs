@@ -374,9 +374,28 @@ fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_blo
     });
     let elapsed = start.elapsed().as_secs_f64();
 
+    // As the workers stopped: every block a heap still holds is a record (a handle in
+    // the mailbox, or lost with its device), quarantined, queued, or forgotten.
+    let mechanisms = std::mem::take(&mut *shared.mechanisms.lock().unwrap());
+    for m in &mechanisms {
+        let queued: usize = shared
+            .queues
+            .iter()
+            .map(|q| q.held.lock().unwrap().iter().filter(|p| p.identity().binding().mechanism() == m.id).count())
+            .sum();
+        let (live, quarantined, in_flight) = match registry.snapshot(&m.id) {
+            Ok(s) => (s.live_allocations, s.quarantined.len(), s.in_flight),
+            Err(RegistryError::Unknown { .. }) => (0, 0, 0), // removed while quiescent
+            Err(other) => panic!("snapshot: {other}"),
+        };
+        assert_eq!(in_flight, queued, "{}: in flight beyond the queued releases", m.id);
+        let held = m.allocator.inner().inner().stats().unwrap().live_allocations;
+        let accounted = (live + quarantined + queued) as u64 + m.allocator.forgotten_blocks();
+        assert_eq!(held, accounted, "{}: blocks held by the heap vs. recorded + quarantined + queued + lost", m.id);
+    }
+
     // Hand everything back and drain: pending faults off, queues run, quarantine retried.
     drop(std::mem::take(&mut *shared.mailbox.lock().unwrap()));
-    let mechanisms = std::mem::take(&mut *shared.mechanisms.lock().unwrap());
     for m in &mechanisms {
         m.allocator.inner().clear();
     }
