@@ -102,20 +102,15 @@ mod loom_credit;
 
 // The compatibility surface: the contracts and the registry, as modules and flat, so a
 // runtime can depend on the governor alone and migrate crate by crate.
-// (A `--cfg memory_loom` build checks the credit protocol alone and leaves the
-// registry out; see Cargo.toml.)
 pub use memory_api as api;
 pub use memory_api::*;
-#[cfg(not(memory_loom))]
 pub use memory_binding as binding;
-#[cfg(not(memory_loom))]
 pub use memory_binding::*;
 
 /// Capabilities: the contracts (`VirtualBacking`, `SharedMapping`, ...) and the
 /// registry's bound handles, in one module (both crates name a module `capability`).
 pub mod capability {
     pub use memory_api::capability::*;
-    #[cfg(not(memory_loom))]
     pub use memory_binding::capability::*;
 }
 
