@@ -270,13 +270,13 @@ impl GovernedAllocator {
         let role = request.role();
         let bytes = request.bytes() as u64;
         self.account.charge(role, bytes).map_err(GovernedAllocError::Refused)?;
+        // Cancels the charge if the inner allocator fails or panics.
+        let mut charge = PendingCharge { account: &self.account, role, bytes, armed: true };
         let block = match self.forward.inner.allocate(request) {
             Ok(block) => block,
-            Err(error) => {
-                self.account.cancel(role, bytes);
-                return Err(GovernedAllocError::Allocator(error));
-            }
+            Err(error) => return Err(GovernedAllocError::Allocator(error)),
         };
+        charge.armed = false;
         // The contract says the block has the requested size; keep the books exact if not.
         let actual = block.bytes() as u64;
         if actual > bytes {
@@ -294,6 +294,23 @@ impl GovernedAllocator {
             self.account.refund(role, bytes - actual, false);
         }
         Ok(self.tables.wrap(block, role, false))
+    }
+}
+
+/// A charge made for an allocation the inner allocator has not returned yet: dropped
+/// (on an error or an unwinding panic), it cancels the charge.
+struct PendingCharge<'a> {
+    account: &'a Account,
+    role: MemoryRole,
+    bytes: u64,
+    armed: bool,
+}
+
+impl Drop for PendingCharge<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.account.cancel(self.role, self.bytes);
+        }
     }
 }
 

@@ -645,9 +645,11 @@ impl Slot {
     }
 }
 
-/// Sweeps every slot of `slots` once (see the module docs).
+/// Sweeps every slot of `slots` once (see the module docs). The list lock is held
+/// only to copy the list: a slot registered after the copy starts closed and cannot
+/// reopen while the sweeping drainer is counted.
 pub(crate) fn sweep(slots: &Mutex<Vec<Arc<Slot>>>) -> Sweep {
-    let slots = lock(slots);
+    let slots: Vec<Arc<Slot>> = lock(slots).clone();
     let mut outcome = Sweep::default();
     for slot in slots.iter() {
         match slot.sweep() {

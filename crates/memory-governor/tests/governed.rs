@@ -217,3 +217,21 @@ fn capabilities_are_forwarded_with_the_inner_view_of_each_block() {
     assert!(matches!(s.binding.release(block).unwrap(), ReleaseReport::Complete { .. }));
     assert_eq!(s.account.snapshot().current, 0);
 }
+
+#[test]
+fn an_allocator_that_panics_leaves_no_charge_behind() {
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    faulty.panic_on_nth(Callback::Allocate, 1);
+    let binding = s.binding.clone();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = binding.allocate(request(4096, MemoryRole::KvCache));
+    }));
+    assert!(panicked.is_err(), "the injected panic propagates");
+    let snapshot = s.account.snapshot();
+    assert_eq!((snapshot.current, snapshot.used, snapshot.totals.live), (0, 0, 0));
+    // And the books still work.
+    let block = s.binding.allocate(request(4096, MemoryRole::KvCache)).unwrap();
+    assert_eq!(s.account.snapshot().current, 4096);
+    s.binding.release(block).unwrap();
+}
