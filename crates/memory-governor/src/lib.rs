@@ -39,7 +39,10 @@
 //!   `RUSTFLAGS="--cfg memory_loom" cargo test --release -p memory-governor --lib loom`.
 //!   Every atomic and lock comes from the `sync` module, which swaps in loom's.
 //! - No lock is held across a callback (policy, reclaim holder, inner allocator).
-//!   Locks are never nested; a panic poisons nothing into a permanent error.
+//!   Lock order: a device's change lock (limit, quota and policy changes; cold) may be
+//!   held while a slot list is copied or the policy swapped; every other lock (slot
+//!   lists, policy, holders, account and device tables, timeline) is a leaf, held for a
+//!   copy or an insert only. A panic poisons nothing into a permanent error.
 //! - Tests: concurrent admission hammering one limit and checking it after every step,
 //!   refund exactly once, reclaim order and a stingy holder, per-role reserves, limit
 //!   lowering under load, refund rules through the registry (complete, quarantined,
