@@ -54,18 +54,53 @@ impl PreparedRelease {
     }
 
     /// Runs the release through the original allocator, hands the outcome to the
-    /// completion and returns its summary.
+    /// completion and returns its summary. If the allocator panics, the completion
+    /// still runs (with a quarantine of the whole block and
+    /// [`ReleaseError::CallbackPanicked`]) before the panic continues, so the owner's
+    /// books never wait forever for an answer.
     pub fn execute(mut self) -> ReleaseSummary {
-        let outcome = match self.allocation.take() {
-            Some(allocation) => self.allocator.release(allocation),
-            // Unreachable: only `execute` and `drop` take the block, each once.
-            None => ReleaseOutcome::complete(0),
+        let Some(allocation) = self.allocation.take() else {
+            // Unreachable: only `execute`, `cancel` and `drop` take the block, each
+            // consuming `self`.
+            return ReleaseSummary::Complete { unmapped_bytes: 0 };
         };
+        let copy = RawAllocation::new(
+            allocation.address(),
+            allocation.bytes(),
+            allocation.align(),
+            allocation.device(),
+            allocation.provider_tag(),
+        );
+        let guard = CompleteOnUnwind { completion: self.completion.take(), copy: Some(copy) };
+        let outcome = self.allocator.release(allocation);
+        guard.finish(outcome)
+    }
+}
+
+/// Calls the completion exactly once: with the real outcome, or on unwind with a
+/// quarantine of the whole block.
+struct CompleteOnUnwind {
+    completion: Option<ReleaseCompletion>,
+    copy: Option<RawAllocation>,
+}
+
+impl CompleteOnUnwind {
+    fn finish(mut self, outcome: ReleaseOutcome) -> ReleaseSummary {
         let summary = outcome.summary();
+        self.copy = None;
         if let Some(completion) = self.completion.take() {
             completion(outcome);
         }
         summary
+    }
+}
+
+impl Drop for CompleteOnUnwind {
+    fn drop(&mut self) {
+        if let (Some(completion), Some(copy)) = (self.completion.take(), self.copy.take()) {
+            let bytes = copy.bytes();
+            completion(ReleaseOutcome::quarantined(copy, 0, bytes, ReleaseError::CallbackPanicked));
+        }
     }
 }
 

@@ -105,6 +105,14 @@ impl MemoryBinding {
         })?;
         let raw = core.allocator.allocate(&request)?;
         let (address, bytes, align, tag) = (raw.address(), raw.bytes(), raw.align(), raw.provider_tag());
+        // The registry validates what an allocator reports before it trusts it.
+        if raw.device() != core.device
+            || bytes < request.bytes()
+            || !align.is_power_of_two()
+            || !address.is_aligned_to(request.align())
+        {
+            return Err(reject_block(core, &request, raw));
+        }
         match self.pin.insert(raw) {
             Ok((slot, generation)) => {
                 tracing::trace!(mechanism = %core.identity, bytes, "allocate");
@@ -474,6 +482,25 @@ fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
     }
 }
 
+/// An allocator answered a request with a block that does not fit it: give the block
+/// back and report the allocator's error.
+#[cold]
+fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAllocation) -> AllocateError {
+    let found = format!("{raw:?}");
+    tracing::error!(mechanism = %core.identity, block = %found, "allocator returned a block that does not fit the request");
+    let outcome = core.allocator.release(raw);
+    if !outcome.is_complete() {
+        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unfit block could not be released");
+    }
+    AllocateError::InvalidBlock {
+        allocator: core.allocator.name().to_owned(),
+        requested: request.bytes(),
+        align: request.align(),
+        device: core.device,
+        found,
+    }
+}
+
 /// Explicit release: validate, take the record exactly once, call the allocator.
 /// Borrows the core through the handle's pin: no shared refcount is touched.
 #[inline]
@@ -636,17 +663,21 @@ fn release_deferred(
     };
     match enqueue(&pin, &parts, raw, queue) {
         Ok(()) => Ok(()),
-        Err((raw, reason)) => match pin.reinsert(raw, parts.generation) {
-            Ok(slot) => Err(Rejected {
+        Err((raw, reason)) => {
+            let result = match pin.reinsert(raw, parts.generation) {
+                Ok(slot) => Err((slot, reason)),
+                Err(raw) => {
+                    let bytes = raw.bytes();
+                    pin.core.quarantine(parts.quarantined(&pin.core, raw, 0, bytes, ReleaseError::Abandoned));
+                    Ok(())
+                }
+            };
+            pin.core.lifecycle.end_detached(pin.slot);
+            result.map_err(|(slot, reason)| Rejected {
                 handle: BoundAllocation::rebuilt(&parts, pin, slot),
                 reason: HandleError::QueueRefused(reason),
-            }),
-            Err(raw) => {
-                let bytes = raw.bytes();
-                pin.core.quarantine(parts.quarantined(&pin.core, raw, 0, bytes, ReleaseError::Abandoned));
-                Ok(())
-            }
-        },
+            })
+        }
     }
 }
 
@@ -694,11 +725,9 @@ fn enqueue(
     let prepared = PreparedRelease::new(identity, releaser, raw, completion);
     match queue.enqueue(prepared) {
         Ok(()) => Ok(()),
-        Err(refusal) => {
-            let raw = refusal.release.cancel();
-            core.lifecycle.end_detached(pin.slot);
-            Err((raw, refusal.reason))
-        }
+        // The caller re-records or quarantines the block, then ends the count: ending
+        // it first would let termination or removal run while the block is nowhere.
+        Err(refusal) => Err((refusal.release.cancel(), refusal.reason)),
     }
 }
 
@@ -765,16 +794,20 @@ fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
                 tracing::warn!(mechanism = %core.identity, %reason, "drop-time deferred release refused");
                 let bytes = raw.bytes();
                 core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
+                core.lifecycle.end_detached(pin.slot);
             }
         }
         DropPolicy::Quarantine => {
-            if matches!(core.lifecycle.state(), MechanismState::DeviceLost | MechanismState::Terminated) {
-                return;
-            }
+            // Counted in flight while the block moves from its record to quarantine,
+            // so termination and removal never run with the block in neither place.
+            let Ok(in_flight) = core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) else {
+                return; // Lost or terminated: termination retires the record.
+            };
             if let Some(raw) = pin.take(slot, parts.generation) {
                 let bytes = raw.bytes();
                 core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
             }
+            drop(in_flight);
         }
     }
 }

@@ -44,14 +44,16 @@ impl MemoryBinding {
         &self,
         allocation: &BoundAllocation,
         admit: Admit,
-        range: Option<(ByteRange, usize)>,
+        range: Option<ByteRange>,
         capability: &'static str,
+        granularity: impl FnOnce() -> usize,
         call: impl FnOnce(&memory_api::RawAllocation) -> Option<Result<R, CapabilityError>>,
     ) -> Result<R, BoundCapabilityError> {
+        // Handle and bounds first: a refused call must not reach the allocator, not
+        // even for capability discovery or the granularity.
         let pin = allocation.belongs_to(self)?;
-        if let Some((range, granularity)) = range {
+        if let Some(range) = range {
             range.check_within(allocation.bytes())?;
-            range.check_aligned(granularity)?;
         }
         let core = &pin.core;
         let _in_flight = core.lifecycle.begin(self.pin.slot, admit).map_err(|state| match state {
@@ -61,6 +63,9 @@ impl MemoryBinding {
         })?;
         if !pin.holds_generation(allocation) {
             return Err(HandleError::StaleAllocation.into());
+        }
+        if let Some(range) = range {
+            range.check_aligned(granularity())?;
         }
         let result = call(&allocation.raw_view(core.device))
             .ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability })?;
@@ -91,10 +96,14 @@ impl BoundVirtualBacking {
     /// bounds or off the granularity, all before the capability runs; then the
     /// capability's own error.
     pub fn commit(&self, allocation: &BoundAllocation, range: ByteRange) -> Result<usize, BoundCapabilityError> {
-        let granularity = self.granularity();
-        self.binding.capability_call(allocation, Admit::ActiveOnly, Some((range, granularity)), VIRTUAL, |raw| {
-            Self::capability(&self.binding).map(|c| c.commit(raw, range))
-        })
+        self.binding.capability_call(
+            allocation,
+            Admit::ActiveOnly,
+            Some(range),
+            VIRTUAL,
+            || self.granularity(),
+            |raw| Self::capability(&self.binding).map(|c| c.commit(raw, range)),
+        )
     }
 
     /// Decommits `range` of `allocation` (allowed on a retired mechanism); returns the
@@ -103,10 +112,14 @@ impl BoundVirtualBacking {
     /// # Errors
     /// As for [`BoundVirtualBacking::commit`].
     pub fn decommit(&self, allocation: &BoundAllocation, range: ByteRange) -> Result<usize, BoundCapabilityError> {
-        let granularity = self.granularity();
-        self.binding.capability_call(allocation, Admit::ActiveOrRetired, Some((range, granularity)), VIRTUAL, |raw| {
-            Self::capability(&self.binding).map(|c| c.decommit(raw, range))
-        })
+        self.binding.capability_call(
+            allocation,
+            Admit::ActiveOrRetired,
+            Some(range),
+            VIRTUAL,
+            || self.granularity(),
+            |raw| Self::capability(&self.binding).map(|c| c.decommit(raw, range)),
+        )
     }
 
     /// Bytes of `allocation` committed now.
@@ -114,9 +127,14 @@ impl BoundVirtualBacking {
     /// # Errors
     /// A cross-binding, stale or lost handle.
     pub fn committed_bytes(&self, allocation: &BoundAllocation) -> Result<usize, BoundCapabilityError> {
-        self.binding.capability_call(allocation, Admit::ActiveOrRetired, None, VIRTUAL, |raw| {
-            Self::capability(&self.binding).map(|c| c.committed_bytes(raw))
-        })
+        self.binding.capability_call(
+            allocation,
+            Admit::ActiveOrRetired,
+            None,
+            VIRTUAL,
+            || self.granularity(),
+            |raw| Self::capability(&self.binding).map(|c| c.committed_bytes(raw)),
+        )
     }
 
     /// The binding this handle is pinned to.
@@ -180,6 +198,8 @@ impl BoundSharedMapping {
         placement: SharedPlacement,
         access: MappingAccess,
     ) -> Result<(), BoundCapabilityError> {
+        // The handle first: a cross-binding call must not reach the allocator at all.
+        allocation.belongs_to(&self.binding)?;
         let device = self.binding.device();
         if backing.device() != device {
             return Err(CapabilityError::ForeignBacking {
@@ -195,8 +215,9 @@ impl BoundSharedMapping {
         self.binding.capability_call(
             allocation,
             Admit::ActiveOnly,
-            Some((placement.target, granularity)),
+            Some(placement.target),
             SHARED,
+            || granularity,
             |raw| Self::capability(&self.binding).map(|c| c.map(backing, raw, placement, access)),
         )
     }
@@ -207,10 +228,14 @@ impl BoundSharedMapping {
     /// # Errors
     /// As for [`BoundSharedMapping::map`].
     pub fn unmap(&self, allocation: &BoundAllocation, range: ByteRange) -> Result<usize, BoundCapabilityError> {
-        let granularity = self.granularity();
-        self.binding.capability_call(allocation, Admit::ActiveOrRetired, Some((range, granularity)), SHARED, |raw| {
-            Self::capability(&self.binding).map(|c| c.unmap(raw, range))
-        })
+        self.binding.capability_call(
+            allocation,
+            Admit::ActiveOrRetired,
+            Some(range),
+            SHARED,
+            || self.granularity(),
+            |raw| Self::capability(&self.binding).map(|c| c.unmap(raw, range)),
+        )
     }
 
     /// The binding this handle is pinned to.

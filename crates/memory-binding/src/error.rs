@@ -274,6 +274,24 @@ pub enum AllocateError {
         /// Why.
         reason: String,
     },
+    /// The allocator answered with a block that does not fit the request (wrong
+    /// device, too small, misaligned, or an impossible alignment); it was given back.
+    #[error(
+        "{allocator} answered a request for {requested} bytes aligned to {align} on {device} with {found}; \
+         the block was returned to it (report the allocator's bug)"
+    )]
+    InvalidBlock {
+        /// The allocator's name.
+        allocator: String,
+        /// Bytes asked for.
+        requested: usize,
+        /// Alignment asked for.
+        align: usize,
+        /// The binding's device.
+        device: DeviceKey,
+        /// The block it returned.
+        found: String,
+    },
     /// The allocator failed.
     #[error(transparent)]
     Allocator(#[from] AllocError),

@@ -9,6 +9,7 @@
 //! callback runs or the value drops.
 
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -428,6 +429,9 @@ impl BindingRegistry {
         drop(cold);
 
         let mut report = TerminationReport::empty(*context, false);
+        // Retire every mechanism's metadata first, then make the callbacks: a
+        // panicking `forget_lost` must not leave another mechanism undrained.
+        let mut handoffs = Vec::with_capacity(mechanisms.len());
         for mechanism in &mechanisms {
             let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.drain()).collect();
             report.lost_allocations += lost.len();
@@ -436,7 +440,17 @@ impl BindingRegistry {
             report.discharged_quarantine += quarantine.len();
             lost.extend(quarantine.into_iter().map(|q| q.allocation));
             report.mechanisms += 1;
-            mechanism.core.allocator.forget_lost(lost);
+            handoffs.push((Arc::clone(&mechanism.core.allocator), lost));
+        }
+        let mut first_panic = None;
+        for (allocator, lost) in handoffs {
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| allocator.forget_lost(lost))) {
+                tracing::error!(context = %context, "forget_lost panicked; the context is terminated regardless");
+                first_panic.get_or_insert(panic);
+            }
+        }
+        if let Some(panic) = first_panic {
+            resume_unwind(panic);
         }
         tracing::info!(context = %context, ?report, "provider context terminated");
         Ok(report)
@@ -460,17 +474,52 @@ impl BindingRegistry {
         };
         let mut report = RetryReport::default();
         let mut still = Vec::new();
-        for mut entry in core.take_quarantine() {
-            match core.allocator.release(entry.allocation) {
+        let mut pending = core.take_quarantine().into_iter();
+        while let Some(mut entry) = pending.next() {
+            // The registry's own copy of the block: an outcome about any other block is
+            // not believed, and a panic must not lose the entry.
+            let original = &entry.allocation;
+            let kept = RawAllocation::new(
+                original.address(),
+                original.bytes(),
+                original.align(),
+                original.device(),
+                original.provider_tag(),
+            );
+            let allocation = std::mem::replace(&mut entry.allocation, kept);
+            let outcome = match catch_unwind(AssertUnwindSafe(|| core.allocator.release(allocation))) {
+                Ok(outcome) => outcome,
+                Err(panic) => {
+                    entry.error = memory_api::ReleaseError::CallbackPanicked;
+                    still.push(entry);
+                    still.extend(pending);
+                    core.restore_quarantine(still);
+                    drop(in_flight);
+                    resume_unwind(panic);
+                }
+            };
+            match outcome {
                 ReleaseOutcome::Complete(_) => report.released += 1,
-                ReleaseOutcome::Quarantined(q) => {
+                ReleaseOutcome::Quarantined(q) if q.allocation().same_block(&entry.allocation) => {
                     entry.unmapped_bytes += q.unmapped_bytes();
                     entry.residual_bytes = q.residual_bytes();
                     (entry.allocation, entry.error) = q.into_parts();
                     still.push(entry);
                 }
-                ReleaseOutcome::Failed(f) => {
+                ReleaseOutcome::Failed(f) if f.allocation().same_block(&entry.allocation) => {
                     (entry.allocation, entry.error) = f.into_parts();
+                    still.push(entry);
+                }
+                // An answer about another block: keep ours, wholly owned.
+                ReleaseOutcome::Quarantined(_) | ReleaseOutcome::Failed(_) => {
+                    tracing::error!(mechanism = %mechanism, "allocator answered a retried release with another block");
+                    let bytes = entry.allocation.bytes();
+                    entry.error = memory_api::ReleaseError::DishonestOutcome {
+                        claimed_unmapped: 0,
+                        claimed_residual: bytes,
+                        allocation_bytes: bytes,
+                    };
+                    entry.residual_bytes = bytes;
                     still.push(entry);
                 }
             }

@@ -122,7 +122,6 @@ fn panic_in_explicit_and_drop_time_release_quarantines_the_block_and_retry_frees
 }
 
 #[test]
-#[ignore = "bug: a release that panics inside retry_quarantined drops every quarantined block from the books"]
 fn panic_in_retry_keeps_every_quarantined_block_quarantined() {
     let registry = BindingRegistry::new().unwrap();
     let allocator = faulty(GPU0);
@@ -143,7 +142,6 @@ fn panic_in_retry_keeps_every_quarantined_block_quarantined() {
 }
 
 #[test]
-#[ignore = "bug: a release that panics when a deferred-release queue runs it leaves the release in flight forever"]
 fn panic_in_a_queued_release_ends_its_in_flight_count() {
     let registry = BindingRegistry::new().unwrap();
     let allocator = faulty(GPU0);
@@ -165,7 +163,6 @@ fn panic_in_a_queued_release_ends_its_in_flight_count() {
 }
 
 #[test]
-#[ignore = "bug: when forget_lost panics for one mechanism, the context's other mechanisms are terminated but never drained"]
 fn panic_in_forget_lost_still_retires_every_mechanism_of_the_context() {
     let registry = BindingRegistry::new().unwrap();
     let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
@@ -589,7 +586,6 @@ fn handles_of_another_registry_or_binding_are_refused_by_every_entry_point_befor
 }
 
 #[test]
-#[ignore = "bug: a refused capability call queries the allocator (virtual_backing/shared_mapping, granularity) before checking the handle"]
 fn refused_capability_calls_make_no_allocator_call_at_all() {
     let registry = BindingRegistry::new().unwrap();
     let (owner_allocator, other_allocator) = (rec(GPU0), rec(GPU0));
@@ -1199,7 +1195,6 @@ fn a_release_answered_with_another_block_keeps_the_given_block_quarantined_as_wh
 }
 
 #[test]
-#[ignore = "bug: retry_quarantined believes a partial or failed outcome about another block and quarantines that block instead"]
 fn a_retry_answered_with_another_block_keeps_the_original_block_quarantined() {
     for mode in [Liar::QUARANTINE_OTHER, Liar::FAIL_OTHER] {
         let registry = BindingRegistry::new().unwrap();
@@ -1242,7 +1237,6 @@ impl DeviceAllocator for ZeroAlign {
 }
 
 #[test]
-#[ignore = "bug: a block whose alignment is not a power of two makes BoundAllocation::align (and capability calls) panic"]
 fn a_block_with_an_impossible_alignment_never_makes_a_handle_panic() {
     let registry = BindingRegistry::new().unwrap();
     let binding = registry.with_memory(Arc::new(ZeroAlign(Caps::new(GPU0)))).unwrap();

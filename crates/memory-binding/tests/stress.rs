@@ -591,7 +591,6 @@ fn termination_and_removal_wait_for_an_explicit_partial_release_in_transit() {
 }
 
 #[test]
-#[ignore = "bug: a drop-time quarantine (DropPolicy::Quarantine) is not counted in flight, so termination can finish under it and strand the block"]
 fn termination_cannot_complete_while_a_dropped_block_is_on_its_way_to_quarantine() {
     let registry = BindingRegistry::new().unwrap();
     let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(GPU))));
@@ -620,7 +619,6 @@ fn termination_cannot_complete_while_a_dropped_block_is_on_its_way_to_quarantine
 }
 
 #[test]
-#[ignore = "bug: a drop-time quarantine (DropPolicy::Quarantine) is not counted in flight, so remove can succeed under it and lose the block"]
 fn remove_cannot_succeed_while_a_dropped_block_is_on_its_way_to_quarantine() {
     let registry = BindingRegistry::new().unwrap();
     let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(GPU))));
