@@ -20,9 +20,10 @@ use crate::stats::{
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, RwLock, lock, read, thread_local, write};
 use crate::timeline::{Timeline, TimelineEvent, TimelineEventKind};
 
-/// The largest charge one lease or allocation may hold (the largest allocation
-/// `memory-api` allows).
-pub const MAX_CHARGE: u64 = isize::MAX as u64;
+/// The largest charge one lease or allocation may hold: 2^56 - 1 bytes (64 PiB), the
+/// most the books count per role and device. Larger requests are
+/// [`AdmissionError::Overflow`] errors.
+pub const MAX_CHARGE: u64 = credit::ROLE_USED;
 
 /// Tunables of a [`Governor`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
