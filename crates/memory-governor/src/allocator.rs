@@ -463,3 +463,36 @@ impl DeviceAllocator for GovernedAllocator {
         self.forward.inner.forget_lost(inner);
     }
 }
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_round_trip_every_role_and_flag() {
+        for role in MemoryRole::ALL {
+            for (quarantined, wide, inner) in
+                [(false, false, 0), (true, false, INNER), (false, true, 0), (true, true, 7)]
+            {
+                let tag = Tag { role, quarantined, wide, inner };
+                let back = Tag::decode(tag.encode()).expect("a governed tag");
+                assert_eq!((back.role, back.quarantined, back.wide, back.inner), (role, quarantined, wide, inner));
+            }
+        }
+        assert!(Tag::decode(0).is_none(), "an untagged block is not ours");
+        assert!(Tag::decode(7 << ROLE_SHIFT).is_none(), "no role has ordinal 6");
+    }
+
+    #[test]
+    fn wide_inner_tags_are_kept_aside_and_restored() {
+        let tables = Tables::default();
+        let address = memory_api::DeviceAddress::new(0x4000).unwrap();
+        let inner = RawAllocation::new(address, 64, 8, DeviceKey::HOST, u64::MAX);
+        let governed = tables.wrap(inner, MemoryRole::KvCache, false);
+        let tag = Tag::decode(governed.provider_tag()).unwrap();
+        assert!(tag.wide);
+        assert_eq!(tables.inner_view(&governed, tag).provider_tag(), u64::MAX);
+        tables.forget(&governed, tag);
+        assert!(lock(&tables.wide).is_empty());
+    }
+}

@@ -728,3 +728,136 @@ pub(crate) fn return_credit(budget: &Budget, slots: &Mutex<Vec<Arc<Slot>>>) -> u
         wait_for_other_thread();
     }
 }
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+
+    const KV: usize = 1;
+    const WEIGHTS: usize = 0;
+
+    fn books(device_limit: u64, quota: u64) -> (Arc<AccountCounters>, Arc<DeviceCounters>) {
+        (Arc::new(AccountCounters::new(quota)), Arc::new(DeviceCounters::new(device_limit)))
+    }
+
+    fn slot(books: &(Arc<AccountCounters>, Arc<DeviceCounters>), role: usize) -> Arc<Slot> {
+        Arc::new(Slot::new(Arc::clone(&books.0), Arc::clone(&books.1), role))
+    }
+
+    #[test]
+    fn a_new_slot_is_closed_and_its_first_admission_draws_a_chunk() {
+        let books = books(1000, UNLIMITED);
+        let slot = slot(&books, KV);
+        assert!(!slot.admit_fast(1), "a new slot holds nothing");
+        slot.admit_slow(10, 100).unwrap();
+        assert_eq!(slot.credit(), 100, "request plus one chunk drawn, the chunk cached");
+        assert_eq!(books.1.budget.used(), 110);
+        assert!(slot.admit_fast(100));
+        assert_eq!(slot.credit(), 0);
+    }
+
+    #[test]
+    fn refunds_cache_up_to_two_chunks_then_go_to_the_books() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(150, 100).unwrap();
+        assert_eq!(slot.credit(), 100);
+        slot.refund(100, 100, true);
+        assert_eq!(slot.credit(), 200, "cached: within two chunks");
+        slot.refund(50, 100, true);
+        assert_eq!(slot.credit(), 200, "past two chunks: straight to the books");
+        assert_eq!(books.1.budget.used(), 200);
+        assert_eq!(books.0.roles[KV].used(), 200);
+    }
+
+    #[test]
+    fn no_chunk_is_drawn_without_a_chunk_to_spare() {
+        let books = books(120, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(100, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 100), "exact draw near the limit");
+    }
+
+    #[test]
+    fn a_sweep_returns_credit_and_closes_the_slot_until_the_drainer_leaves() {
+        let books = books(1000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        let list = Mutex::new(vec![Arc::clone(&slot)]);
+        let drain = books.1.budget.enter_drain();
+        assert_eq!(sweep(&list), Sweep { returned: 100, busy: false });
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 10));
+        // While a drainer is counted, the closed slot draws exactly what it needs.
+        slot.admit_slow(5, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 15));
+        slot.refund(5, 100, true);
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 10), "a closed slot caches no refund");
+        drop(drain);
+        // No drainer, room to spare: the slot reopens with a chunk.
+        slot.admit_slow(5, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (100, 115));
+    }
+
+    #[test]
+    fn draining_pulls_back_credit_another_slot_caches() {
+        let books = books(200, UNLIMITED);
+        let idle = slot(&books, KV);
+        idle.admit_slow(10, 50).unwrap();
+        idle.refund(10, 50, true);
+        assert_eq!(idle.credit(), 60);
+        let needy = slot(&books, KV);
+        let lists = (
+            Mutex::new(vec![Arc::clone(&idle), Arc::clone(&needy)]),
+            Mutex::new(vec![Arc::clone(&idle), Arc::clone(&needy)]),
+        );
+        assert!(needy.admit_slow(200, 50).is_err(), "60 bytes sit with the idle slot");
+        admit_draining(needy.path(), 200, SlotLists { account: &lists.0, device: &lists.1 }).unwrap();
+        assert_eq!((idle.credit(), books.1.budget.used()), (0, 200));
+        let refused = admit_draining(needy.path(), 1, SlotLists { account: &lists.0, device: &lists.1 });
+        assert_eq!(refused, Err(Short::Device { used: 200, limit: 200 }));
+    }
+
+    #[test]
+    fn a_reserve_is_occupied_whether_used_or_not_and_moves_the_budget_exactly() {
+        let books = books(1000, UNLIMITED);
+        books.1.set_reserve(WEIGHTS, 300).unwrap();
+        assert_eq!(books.1.budget.used(), 300);
+        let path = Path { account: &books.0, device: &books.1, role: WEIGHTS };
+        path.draw(200, 0).unwrap();
+        assert_eq!(books.1.budget.used(), 300, "inside the reserve: free for the device");
+        path.draw(200, 0).unwrap();
+        assert_eq!(books.1.budget.used(), 400, "beyond the reserve: charged");
+        assert_eq!(books.1.roles[WEIGHTS].held(), 0);
+        // Lowering the reserve below usage frees nothing; raising above it charges the gap.
+        books.1.set_reserve(WEIGHTS, 100).unwrap();
+        assert_eq!(books.1.budget.used(), 400);
+        books.1.set_reserve(WEIGHTS, 600).unwrap();
+        assert_eq!(books.1.budget.used(), 600);
+        path.give_back(400);
+        assert_eq!((books.1.budget.used(), books.1.roles[WEIGHTS].held()), (600, 600));
+        assert_eq!(books.1.set_reserve(WEIGHTS, 1200), Err(400));
+        books.1.set_reserve(WEIGHTS, 0).unwrap();
+        assert_eq!(books.1.budget.used(), 0);
+    }
+
+    #[test]
+    fn role_usage_past_the_word_is_an_overflow() {
+        let books = books(UNLIMITED, UNLIMITED);
+        let path = Path { account: &books.0, device: &books.1, role: KV };
+        path.draw(ROLE_USED, 0).unwrap();
+        assert_eq!(path.draw(1, 0), Err(Short::Overflow { used: ROLE_USED, limit: ROLE_USED }));
+        assert_eq!(books.0.budget.used(), ROLE_USED, "the refused draw gave the account back");
+    }
+
+    #[test]
+    fn lowering_a_limit_sweeps_and_raising_does_not() {
+        let books = books(1000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        let list = Mutex::new(vec![Arc::clone(&slot)]);
+        assert_eq!(set_limit(&books.1.budget, 2000, &list), 1000);
+        assert_eq!(slot.credit(), 100, "raising leaves credit cached");
+        assert_eq!(set_limit(&books.1.budget, 50, &list), 2000);
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 10), "lowering pulls it back");
+    }
+}
