@@ -30,10 +30,11 @@
 //! itself in `drainers` of the account and the device, then *sweeps* the slots of the
 //! short budget: each slot's credit goes back to the shared budget and the slot is
 //! closed. A closed slot reopens only when its owner finds no drainer on either budget
-//! and the budget has room for a chunk to spare. The owner sets `BUSY` before it looks
-//! at `drainers`, and a drainer increments `drainers` before it looks at the slot (both
-//! read-modify-writes), so either the owner sees the drainer and stays closed, or the
-//! drainer sees the slot busy and sweeps it again once the owner is done. A drainer
+//! and the budget has room for a chunk to spare. The owner sets `BUSY` before it reads
+//! `drainers`, and a drainer increments `drainers` before it looks at the slot; the
+//! owner's two steps and the drainer's increment are read-modify-writes, so either the
+//! owner sees the drainer and stays closed, or the drainer sees the slot busy and
+//! sweeps it again once the owner is done. A drainer
 //! that meets a busy slot waits for that window (a few atomic operations, no callback,
 //! no lock) and sweeps again.
 //!
@@ -49,9 +50,11 @@
 //! ever be drawn by that role, and bytes it draws inside its reserve cost the device
 //! nothing more. Each change of a role's usage commits with one compare-and-swap of
 //! the role's word and moves the device budget by exactly the change in
-//! `max(usage, r)`; a reserve change freezes the word and bumps its version, so no draw
-//! computed against the old reserve commits. The books stay exact: after every charge
-//! is refunded, a device's `used` is the sum of its reserves.
+//! `max(usage, r)`; a reserve change freezes the word and bumps its 7-bit version, so no
+//! draw computed against the old reserve commits (unless one thread stalls between two
+//! atomic operations of one draw for exactly a multiple of 128 reserve changes). The
+//! books stay exact: after every charge is refunded, a device's `used` is the sum of its
+//! reserves.
 //!
 //! The loom models in `src/loom_credit.rs` check these claims under every interleaving
 //! of admissions, refunds, sweeps and limit changes (within a preemption bound).
