@@ -3,7 +3,8 @@
 //!   <= 30 ns per pair).
 //! - `threads/one` vs `threads/two`: the same pair on one account (one device budget,
 //!   one role), one thread vs two; reported as aggregate throughput, two over one
-//!   (target >= 1.5x).
+//!   (target >= 1.5x). `threads/two_devices_control` runs two threads that share
+//!   nothing (two accounts on two devices): the machine's own scaling in this run.
 //! - `governed/*`: allocate + release through a binding, with and without a
 //!   `GovernedAllocator` between the registry and the allocator (target <= 1.5x), on a
 //!   counter allocator with no memory behind it (the governor's cost in full view) and
@@ -85,13 +86,14 @@ fn lease(c: &mut Criterion) {
     });
 }
 
-/// Runs `iters` lease pairs on each of `threads` threads against one account; returns
-/// the wall time, and records it per pair of all threads together (aggregate).
-fn run_threads(name: &str, account: &Account, threads: usize, iters: u64) -> Duration {
-    let barrier = Arc::new(Barrier::new(threads + 1));
+/// Runs `iters` lease pairs on one thread per account in `accounts`; returns the wall
+/// time, and records it per pair of all threads together (aggregate).
+fn run_threads(name: &str, accounts: &[&Account], iters: u64) -> Duration {
+    let barrier = Arc::new(Barrier::new(accounts.len() + 1));
     let done = Arc::new(AtomicU64::new(0));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
+    let handles: Vec<_> = accounts
+        .iter()
+        .map(|&account| {
             let (account, barrier, done) = (account.clone(), Arc::clone(&barrier), Arc::clone(&done));
             std::thread::spawn(move || {
                 // Warm this thread's credit before the clock starts.
@@ -117,10 +119,16 @@ fn run_threads(name: &str, account: &Account, threads: usize, iters: u64) -> Dur
 
 fn threads(c: &mut Criterion) {
     let governor = Governor::new();
-    let account = account(&governor, DeviceKey::device(0));
+    let first = account(&governor, DeviceKey::device(0));
+    // The control: two threads sharing nothing (two accounts on two devices), so the
+    // machine's own two-thread scaling is measured in the same run.
+    let second = account(&governor, DeviceKey::device(1));
     let mut group = c.benchmark_group("threads");
-    group.bench_function("one", |b| b.iter_custom(|iters| run_threads("threads/one", &account, 1, iters)));
-    group.bench_function("two", |b| b.iter_custom(|iters| run_threads("threads/two", &account, 2, iters)));
+    group.bench_function("one", |b| b.iter_custom(|iters| run_threads("threads/one", &[&first], iters)));
+    group.bench_function("two", |b| b.iter_custom(|iters| run_threads("threads/two", &[&first, &first], iters)));
+    group.bench_function("two_devices_control", |b| {
+        b.iter_custom(|iters| run_threads("threads/two_devices_control", &[&first, &second], iters))
+    });
     group.finish();
 }
 
@@ -188,12 +196,17 @@ fn summary(_: &mut Criterion) {
     let lease = measured("lease/admit_refund");
     let one = measured("threads/one");
     let two = measured("threads/two");
+    let control = measured("threads/two_devices_control");
     println!("\ngovernor summary (medians of this run's measured samples):");
     println!("  lease admit+refund, 1 thread      {lease:>8.1} ns/pair (target <= 30 ns)");
     println!(
         "  lease pairs, 1 thread             {one:>8.1} ns/pair aggregate\n  \
          lease pairs, 2 threads            {two:>8.1} ns/pair aggregate   2 threads / 1 thread throughput = {:.2}x (target >= 1.5x)",
         one / two
+    );
+    println!(
+        "  lease pairs, 2 threads, 2 devices {control:>8.1} ns/pair aggregate   control (nothing shared)       = {:.2}x",
+        one / control
     );
     for inner in ["counter", "system"] {
         let plain = measured(&format!("governed/{inner}_ungoverned"));
