@@ -3,7 +3,8 @@
 //!
 //! Recording is off by default and costs one relaxed load per charge while off. When
 //! on, each event takes a short lock (no callback runs under it), so turn it on to look,
-//! not in production hot loops.
+//! not in production hot loops. The counter series count the bytes charged and
+//! refunded while recording was on (they start from zero when recording starts).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
