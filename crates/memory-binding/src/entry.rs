@@ -1,8 +1,8 @@
 //! What the registry stores: context and authority entries, the shared mechanism core,
 //! and the per-thread pins that hold allocation records.
 //!
-//! Ownership: the registry's tables hold [`Mechanism`]s; a `Mechanism` holds its
-//! [`MechanismCore`] and one [`Pin`] per thread; bindings and allocations hold a pin,
+//! Ownership: the registry's tables hold `Mechanism`s; a `Mechanism` holds its
+//! `MechanismCore` and one `Pin` per thread; bindings and allocations hold a pin,
 //! and a pin holds the core. So cloning a handle touches only its thread's pin, and
 //! every handle keeps the allocator, authority and context alive on its own, even after
 //! the registry is dropped.

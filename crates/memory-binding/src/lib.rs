@@ -27,7 +27,7 @@
 //!   lifecycle in a mostly-read word with per-thread in-flight slots
 //!   ([`lifecycle`]), handles pinned through per-thread pins, generations from
 //!   per-thread blocks, records in per-thread slabs addressed by slot + generation.
-//!   Every primitive comes from the [`sync`] module so loom can model the protocols
+//!   Every primitive comes from the crate-private `sync` module so loom can model the protocols
 //!   under `--cfg memory_loom`.
 //! - Callbacks and resource destructors run with no lock held; a panicking callback
 //!   restores the in-flight count on unwind and poisons nothing.

@@ -19,7 +19,7 @@
 //!
 //! loom does not model the single total order of `SeqCst` *accesses* (it treats them
 //! as acquire/release), only `SeqCst` *fences*. Under `--cfg memory_loom` the two
-//! Dekker points therefore also carry an explicit `SeqCst` fence ([`dekker_fence`]);
+//! Dekker points therefore also carry an explicit `SeqCst` fence (`dekker_fence`);
 //! in C++11 terms "SeqCst RMW; SeqCst load" and "RMW; SeqCst fence; load" give the
 //! same guarantee here, so the model checks the protocol the normal build runs without
 //! paying for an extra `mfence` on the hot path.
