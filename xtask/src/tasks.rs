@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 use crate::flags;
 use crate::step::{Check, Cmd, Step};
 
+/// Preemption bound of the loom step inside `cargo xtask test`.
+pub(crate) const LOOM_PREEMPTIONS_IN_TEST: u32 = 2;
+
 /// Crates whose loom models `cargo xtask loom` runs.
 pub(crate) const LOOM_CRATES: [&str; 2] = ["memory-binding", "memory-governor"];
 
@@ -35,6 +38,9 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         Cmd::cargo(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
     ));
     steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])).check(Check::Tests));
+    // The loom models with a low preemption bound (seconds per model); `cargo xtask
+    // loom` explores deeper.
+    steps.push(loom_step(LOOM_PREEMPTIONS_IN_TEST, &loom_target_dir()));
     steps.push(Step::new(
         "docs",
         Cmd::cargo(["doc", "--workspace", "--no-deps", "--locked"])
@@ -126,15 +132,20 @@ mod tests {
     #[test]
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
-        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "docs"]);
+        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "loom", "docs"]);
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
-        assert_eq!(checks, [Check::Success, Check::Success, Check::Success, Check::Tests, Check::Success]);
+        assert_eq!(
+            checks,
+            [Check::Success, Check::Success, Check::Success, Check::Tests, Check::LoomModels, Check::Success]
+        );
+        let loom = &steps[4];
+        assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
     #[test]
     fn gpu_probes_first_and_runs_the_gpu_tests_last() {
         let steps = test_steps(&flags::Test { gpu: true });
-        assert_eq!(names(&steps), ["cuda-probe", "fmt", "tidy", "clippy", "tests", "docs", "gpu-tests"]);
+        assert_eq!(names(&steps), ["cuda-probe", "fmt", "tidy", "clippy", "tests", "loom", "docs", "gpu-tests"]);
         assert_eq!(steps[0].check, Check::CudaDevice);
         let gpu = steps.last().unwrap();
         assert_eq!(gpu.check, Check::GpuTests);
