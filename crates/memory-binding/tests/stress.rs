@@ -341,6 +341,7 @@ fn control(
 
 #[test]
 fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_block() {
+    install_pause_hook(); // before any event, so the other tests' hook sees every callsite
     let seconds = seconds();
     let registry = BindingRegistry::new().unwrap();
     let shared = Shared {
@@ -497,14 +498,28 @@ fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_blo
 // Deterministic interleavings
 // ---------------------------------------------------------------------------------
 
-/// A tracing subscriber (installed on one thread only) that pauses that thread at the
-/// first event whose message is `message`, until the test lets it go: a precise hook
-/// inside the registry, between the event and what follows it.
-struct PauseAt {
+/// A process-wide tracing subscriber that pauses a thread at the first WARN-or-above
+/// event whose message matches what that thread armed: a precise hook inside the
+/// registry, between the event and what follows it. Installed before any test of
+/// this binary emits an event (tracing caches per-callsite interest process-wide, so a
+/// thread-scoped subscriber could miss events under concurrent tests); it enables
+/// nothing below WARN, so the hot path's trace events stay off.
+struct PauseAt;
+
+/// What an armed thread waits for, and how it reports and resumes.
+struct Armed {
     message: &'static str,
-    fired: AtomicBool,
-    reached: Arc<std::sync::Barrier>,
-    resume: Arc<std::sync::Barrier>,
+    signal: std::sync::mpsc::Sender<Signal>,
+    resume: std::sync::mpsc::Receiver<()>,
+}
+
+enum Signal {
+    Reached,
+    Done,
+}
+
+thread_local! {
+    static ARMED: std::cell::RefCell<Option<Armed>> = const { std::cell::RefCell::new(None) };
 }
 
 struct Message(String);
@@ -518,8 +533,18 @@ impl tracing::field::Visit for Message {
 }
 
 impl tracing::Subscriber for PauseAt {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
+    fn register_callsite(&self, metadata: &'static tracing::Metadata<'static>) -> tracing::subscriber::Interest {
+        if self.enabled(metadata) {
+            tracing::subscriber::Interest::sometimes()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        Some(tracing::level_filters::LevelFilter::WARN)
+    }
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
     }
     fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
         tracing::span::Id::from_u64(1)
@@ -527,33 +552,64 @@ impl tracing::Subscriber for PauseAt {
     fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
     fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
     fn event(&self, event: &tracing::Event<'_>) {
+        let Some(armed) = ARMED.with(|armed| armed.borrow_mut().take()) else { return };
         let mut message = Message(String::new());
         event.record(&mut message);
-        if message.0 == self.message && !self.fired.swap(true, Ordering::SeqCst) {
-            self.reached.wait();
-            self.resume.wait();
+        if message.0 != armed.message {
+            ARMED.with(|slot| *slot.borrow_mut() = Some(armed));
+            return;
         }
+        let _ = armed.signal.send(Signal::Reached);
+        let _ = armed.resume.recv();
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
+/// Installs [`PauseAt`] once per process; every test of this binary calls it first.
+fn install_pause_hook() {
+    static INSTALLED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    INSTALLED.get_or_init(|| tracing::subscriber::set_global_default(PauseAt).expect("no other global subscriber"));
+}
+
+/// Sends `Done` when the worker's closure ends, normally or by panic.
+struct DoneGuard(std::sync::mpsc::Sender<Signal>);
+
+impl Drop for DoneGuard {
+    fn drop(&mut self) {
+        let _ = self.0.send(Signal::Done);
+    }
+}
+
 /// Runs `work` on another thread, paused just before a block enters a quarantine
 /// list; runs `meanwhile` there, then lets `work` finish.
+///
+/// # Panics
+/// If `work` ends without reaching the pause point (the hook is no longer where the
+/// test expects it), or if `work` panics.
 fn paused_before_quarantine(work: impl FnOnce() + Send, meanwhile: impl FnOnce()) {
-    let (reached, resume) = (Arc::new(std::sync::Barrier::new(2)), Arc::new(std::sync::Barrier::new(2)));
-    let pause = PauseAt {
-        message: "allocation quarantined",
-        fired: AtomicBool::new(false),
-        reached: reached.clone(),
-        resume: resume.clone(),
-    };
+    install_pause_hook();
+    let (signal, signals) = std::sync::mpsc::channel();
+    let (resume, resumed) = std::sync::mpsc::channel();
     std::thread::scope(|scope| {
-        let worker = scope.spawn(move || tracing::subscriber::with_default(pause, work));
-        reached.wait();
-        meanwhile();
-        resume.wait();
-        worker.join().unwrap();
+        let done = DoneGuard(signal.clone());
+        let worker = scope.spawn(move || {
+            let _done = done;
+            let armed = Armed { message: "allocation quarantined", signal, resume: resumed };
+            ARMED.with(|slot| *slot.borrow_mut() = Some(armed));
+            work();
+        });
+        match signals.recv().expect("the worker reports") {
+            Signal::Reached => {
+                meanwhile();
+                resume.send(()).unwrap();
+                worker.join().unwrap();
+            }
+            Signal::Done => {
+                worker.join().unwrap();
+                panic!("the work ended without reaching the pause point (\"allocation quarantined\")");
+            }
+        }
     });
 }
 
