@@ -1214,19 +1214,38 @@ fn a_retry_answered_with_another_block_keeps_the_original_block_quarantined() {
     }
 }
 
-/// Returns blocks whose alignment is not a power of two (zero).
-struct ZeroAlign(Caps);
+/// Answers allocations with a block that does not fit the request, in one of several
+/// ways (or honestly, as a control).
+#[derive(Copy, Clone, Debug, PartialEq)]
+enum Unfit {
+    Honest,
+    ZeroAlignment,
+    AlignmentThree,
+    OtherDevice,
+    OneByteShort,
+    MisalignedAddress,
+}
 
-impl DeviceAllocator for ZeroAlign {
+struct UnfitAllocator(Caps, Unfit);
+
+impl DeviceAllocator for UnfitAllocator {
     fn device(&self) -> DeviceKey {
         self.0.device()
     }
     fn name(&self) -> &str {
-        "zero-align"
+        "unfit"
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
         let block = self.0.allocate(request)?;
-        Ok(RawAllocation::new(block.address(), block.bytes(), 0, block.device(), 0))
+        let (address, bytes, align, device) = (block.address(), block.bytes(), block.align(), block.device());
+        Ok(match self.1 {
+            Unfit::Honest => block,
+            Unfit::ZeroAlignment => RawAllocation::new(address, bytes, 0, device, 0),
+            Unfit::AlignmentThree => RawAllocation::new(address, bytes, 3, device, 0),
+            Unfit::OtherDevice => RawAllocation::new(address, bytes, align, GPU1, 0),
+            Unfit::OneByteShort => RawAllocation::new(address, bytes - 1, align, device, 0),
+            Unfit::MisalignedAddress => RawAllocation::new(address.checked_add(8).unwrap(), bytes, align, device, 0),
+        })
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
         self.0.release(allocation)
@@ -1237,14 +1256,37 @@ impl DeviceAllocator for ZeroAlign {
 }
 
 #[test]
-fn a_block_with_an_impossible_alignment_never_makes_a_handle_panic() {
-    let registry = BindingRegistry::new().unwrap();
-    let binding = registry.with_memory(Arc::new(ZeroAlign(Caps::new(GPU0)))).unwrap();
-    // Either the registry refuses the block with a typed error, or its handle works.
-    if let Ok(block) = binding.allocate(request(PAGE)) {
-        assert!(catch(|| block.align()).is_ok(), "align() panicked");
-        let virt = binding.virtual_backing().unwrap();
-        assert!(catch(|| virt.commit(&block, ByteRange::new(0, PAGE)).is_ok()).is_ok(), "commit panicked");
-        assert!(catch(|| binding.release(block).is_ok()).is_ok(), "release panicked");
+fn unfit_blocks_from_allocate_are_given_back_and_reported_as_invalid_blocks() {
+    for unfit in [
+        Unfit::Honest,
+        Unfit::ZeroAlignment,
+        Unfit::AlignmentThree,
+        Unfit::OtherDevice,
+        Unfit::OneByteShort,
+        Unfit::MisalignedAddress,
+    ] {
+        let registry = BindingRegistry::new().unwrap();
+        let allocator = Arc::new(RecordingAllocator::new(UnfitAllocator(Caps::new(GPU0), unfit)));
+        let binding = registry.with_memory(allocator.clone()).unwrap();
+        let mechanism = binding.identity().mechanism();
+        let result = catch(|| binding.allocate(request(PAGE)));
+        let result = result.unwrap_or_else(|()| panic!("{unfit:?}: allocate panicked"));
+        match (unfit, result) {
+            (Unfit::Honest, Ok(block)) => {
+                // The control: a fitting block gives a handle whose every method works.
+                assert_eq!((block.bytes(), block.align()), (PAGE, 64));
+                let virt = binding.virtual_backing().unwrap();
+                assert_eq!(virt.commit(&block, ByteRange::new(0, PAGE)).unwrap(), PAGE);
+                binding.release(block).unwrap();
+            }
+            (_, Err(AllocateError::InvalidBlock { requested, align, device, .. })) => {
+                assert_eq!((requested, align, device), (PAGE, 64, GPU0), "{unfit:?}");
+                let calls = (allocator.calls(Callback::Allocate), allocator.calls(Callback::Release));
+                assert_eq!(calls, (1, 1), "{unfit:?}: the unfit block must go straight back to the allocator");
+            }
+            (_, other) => panic!("{unfit:?}: {other:?}"),
+        }
+        let snapshot = registry.snapshot(&mechanism).unwrap();
+        assert_eq!((snapshot.live_allocations, snapshot.quarantined.len(), snapshot.in_flight), (0, 0, 0), "{unfit:?}");
     }
 }
