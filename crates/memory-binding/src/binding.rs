@@ -314,7 +314,8 @@ impl BoundAllocation {
                 Err(HandleError::DeviceLost { device: pin.core.device, reason: pin.core.lost_reason() })
             }
             MechanismState::Terminated => Err(HandleError::StaleAllocation),
-            MechanismState::Active | MechanismState::Retired => Ok(pin),
+            // A view makes no callback; `Removing` is a momentary check by `remove`.
+            MechanismState::Active | MechanismState::Retired | MechanismState::Removing => Ok(pin),
         }
     }
 
@@ -758,7 +759,10 @@ impl DeviceAllocator for LifecycleCheckedRelease {
                 allocation,
                 ReleaseError::DeviceLost { device: self.core.device, reason: self.core.lost_reason() },
             ),
-            MechanismState::Active | MechanismState::Retired => self.core.allocator.release(allocation),
+            // A queued release counts in flight, so `remove` cannot complete under it.
+            MechanismState::Active | MechanismState::Retired | MechanismState::Removing => {
+                self.core.allocator.release(allocation)
+            }
         }
     }
 }

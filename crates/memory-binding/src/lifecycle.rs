@@ -42,6 +42,9 @@ pub enum MechanismState {
     DeviceLost,
     /// Its context was confirmed terminated; its allocation metadata is retired.
     Terminated,
+    /// `remove` is checking that it is quiescent: nothing is admitted. It ends in the
+    /// mechanism's removal, or back in `Retired` when something is still live.
+    Removing,
 }
 
 impl MechanismState {
@@ -51,6 +54,7 @@ impl MechanismState {
             MechanismState::Retired => 1,
             MechanismState::DeviceLost => 2,
             MechanismState::Terminated => 3,
+            MechanismState::Removing => 4,
         }
     }
 
@@ -59,7 +63,8 @@ impl MechanismState {
             0 => MechanismState::Active,
             1 => MechanismState::Retired,
             2 => MechanismState::DeviceLost,
-            _ => MechanismState::Terminated,
+            3 => MechanismState::Terminated,
+            _ => MechanismState::Removing,
         }
     }
 
@@ -70,6 +75,7 @@ impl MechanismState {
             MechanismState::Retired => "retired",
             MechanismState::DeviceLost => "device-lost",
             MechanismState::Terminated => "terminated",
+            MechanismState::Removing => "being removed",
         }
     }
 }
@@ -127,11 +133,30 @@ impl Lifecycle {
     /// The state that refused the operation.
     pub(crate) fn begin(&self, slot: usize, admit: Admit) -> Result<InFlight<'_>, MechanismState> {
         let counter = &self.in_flight[slot % IN_FLIGHT_SLOTS];
-        counter.fetch_add(1, Ordering::SeqCst);
-        dekker_fence();
-        let guard = InFlight { counter };
-        let state = self.state();
-        if admit.allows(state) { Ok(guard) } else { Err(state) }
+        loop {
+            counter.fetch_add(1, Ordering::SeqCst);
+            dekker_fence();
+            let guard = InFlight { counter };
+            let state = self.state();
+            if admit.allows(state) {
+                return Ok(guard);
+            }
+            drop(guard);
+            if state != MechanismState::Removing || admit != Admit::ActiveOrRetired {
+                return Err(state);
+            }
+            // `remove` is counting (a few instructions, under no lock we could need):
+            // work on existing allocations waits for the verdict instead of failing. A
+            // live allocation makes that verdict "not quiescent", back to `Retired`.
+            self.wait_while_removing();
+        }
+    }
+
+    #[cold]
+    fn wait_while_removing(&self) {
+        while self.state() == MechanismState::Removing {
+            crate::sync::yield_now();
+        }
     }
 
     /// Starts an in-flight count that outlives this call (a queued release); the
@@ -296,6 +321,35 @@ mod loom_lifecycle {
                 thread.join().unwrap();
             }
             assert_eq!(life.in_flight(), 0);
+        });
+    }
+
+    /// `remove` racing a release that takes a live record and puts it back (refused):
+    /// removal never succeeds while the record exists, and the release is never
+    /// refused because of the momentary check.
+    #[test]
+    fn loom_remove_never_succeeds_under_a_live_record_in_transit() {
+        loom::model(|| {
+            let life = Arc::new(Lifecycle::new());
+            life.transition(&[MechanismState::Active], MechanismState::Retired).unwrap();
+            let live = Arc::new(AtomicBool::new(true));
+            let release = {
+                let (life, live) = (Arc::clone(&life), Arc::clone(&live));
+                loom::thread::spawn(move || {
+                    let guard = life.begin(0, Admit::ActiveOrRetired).expect("a release is never refused by remove");
+                    live.store(false, Ordering::SeqCst); // take the record
+                    live.store(true, Ordering::SeqCst); // refused: put it back
+                    drop(guard);
+                })
+            };
+            // `remove`: close, count, then remove or reopen.
+            let closed = life.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
+            let quiescent = life.in_flight() == 0 && !live.load(Ordering::SeqCst);
+            assert!(!quiescent, "removed a mechanism whose record was in transit");
+            if closed {
+                life.transition(&[MechanismState::Removing], MechanismState::Retired).unwrap();
+            }
+            release.join().unwrap();
         });
     }
 

@@ -501,7 +501,9 @@ impl BindingRegistry {
             match outcome {
                 ReleaseOutcome::Complete(_) => report.released += 1,
                 ReleaseOutcome::Quarantined(q) if q.allocation().same_block(&entry.allocation) => {
-                    entry.unmapped_bytes += q.unmapped_bytes();
+                    // Never more unmapped than the block minus what it still holds.
+                    let ceiling = entry.allocation.bytes().saturating_sub(q.residual_bytes());
+                    entry.unmapped_bytes = (entry.unmapped_bytes + q.unmapped_bytes()).min(ceiling);
                     entry.residual_bytes = q.residual_bytes();
                     (entry.allocation, entry.error) = q.into_parts();
                     still.push(entry);
@@ -540,19 +542,29 @@ impl BindingRegistry {
     pub fn remove(&self, mechanism: &MechanismIdentity) -> Result<(), RegistryError> {
         let cold = lock(&self.inner.cold);
         let entry = self.mechanism(mechanism)?;
-        let state = entry.core.lifecycle.state();
+        let lifecycle = &entry.core.lifecycle;
+        let state = lifecycle.state();
         let hint = match state {
             MechanismState::Active => Some("retire it first"),
             MechanismState::DeviceLost => Some("confirm its context terminated first"),
+            MechanismState::Removing => Some("another remove is in progress"),
             MechanismState::Retired | MechanismState::Terminated => None,
         };
         if let Some(hint) = hint {
             return Err(RegistryError::InvalidState { mechanism: *mechanism, state, hint });
         }
+        // Close a retired mechanism first, so no release can take a record and put it
+        // back (or quarantine it) between the counts below; a terminated one admits
+        // nothing already. The in-flight sum then covers everything that began before.
+        let closed = state == MechanismState::Retired
+            && lifecycle.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
+        let in_flight = lifecycle.in_flight();
         let live: usize = entry.pins().map(|pin| pin.live_count()).sum();
         let quarantined = entry.core.quarantined_count();
-        let in_flight = entry.core.lifecycle.in_flight();
         if live + quarantined + in_flight > 0 {
+            if closed {
+                let _ = lifecycle.transition(&[MechanismState::Removing], MechanismState::Retired);
+            }
             return Err(RegistryError::NotQuiescent {
                 kind: ObjectKind::Mechanism,
                 identity: mechanism.to_string(),
@@ -563,6 +575,10 @@ impl BindingRegistry {
             });
         }
         let removed = self.inner.mechanisms.remove(mechanism);
+        if closed {
+            // Bindings that outlive the removal see a retired mechanism, as before.
+            let _ = lifecycle.transition(&[MechanismState::Removing], MechanismState::Retired);
+        }
         drop(cold);
         drop(removed);
         tracing::info!(mechanism = %mechanism, "mechanism removed");

@@ -28,6 +28,11 @@ pub(crate) use std::sync::PoisonError;
 
 pub(crate) use crossbeam_utils::CachePadded;
 
+#[cfg(memory_loom)]
+pub(crate) use loom::thread::yield_now;
+#[cfg(not(memory_loom))]
+pub(crate) use std::thread::yield_now;
+
 /// The leaf lock of a per-thread pin: held for a few instructions, almost never
 /// contended (only a cross-thread release or a cold-path sweep meets the owner).
 /// A spin lock unlocks with a plain release store where a futex mutex needs an
