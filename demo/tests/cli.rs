@@ -7,22 +7,42 @@ fn demo(args: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn demo_runs_the_walkthrough_and_ends_with_a_passing_check() {
-    let output = demo(&[]);
+fn demo_runs_and_ends_with_the_nothing_lost_check_and_writes_its_files() {
+    let dir = std::env::temp_dir().join(format!("memory-demo-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (trace, snapshot) = (dir.join("trace.json"), dir.join("snapshot.json"));
+    let output = demo(&[
+        "--requests",
+        "150",
+        "--threads",
+        "2",
+        "--no-progress",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--snapshot",
+        snapshot.to_str().unwrap(),
+    ]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    for section in ["1. Allocate", "2. Write", "3. Bad layouts", "4. Release", "5. Identities", "check: passed"] {
+    for section in ["requests  served", "device", "tenant @ device", "role", "check:", "nothing lost"] {
         assert!(stdout.contains(section), "missing {section:?} in:\n{stdout}");
     }
-    assert!(stdout.contains("failed, block handed back"), "{stdout}");
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    assert!(trace["traceEvents"].as_array().is_some_and(|events| !events.is_empty()));
+    let snapshot: serde_json::Value = serde_json::from_slice(&std::fs::read(&snapshot).unwrap()).unwrap();
+    assert_eq!(snapshot["check"]["passed"], serde_json::Value::Bool(true));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
-fn demo_help_exits_zero_and_unknown_flags_are_rejected() {
+fn demo_help_exits_zero_and_bad_flags_are_rejected() {
     let help = demo(&["--help"]);
     assert!(help.status.success());
     assert!(String::from_utf8_lossy(&help.stdout).contains("USAGE"));
-    let bad = demo(&["--requests", "10"]);
+    let bad = demo(&["--bogus"]);
     assert_eq!(bad.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("unexpected argument"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown flag"));
+    let bad = demo(&["--requests", "ten"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("expects a whole number"));
 }

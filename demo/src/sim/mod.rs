@@ -1,0 +1,206 @@
+//! The simulation: workers serve requests while the control thread switches the
+//! mechanism and loses a device mid-run.
+
+mod kv;
+pub(crate) mod ledger;
+mod request;
+pub(crate) mod world;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use memory_governor::{RegistryError, TerminationReport};
+
+use crate::config::Config;
+use crate::report::{Check, Report};
+use request::{Shape, serve};
+use world::{Backend, World};
+
+/// Why the simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Setting up the registry or the books failed.
+    #[error("setting up the simulation failed: {0}")]
+    Setup(String),
+    /// The registry refused a cold-path call.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// CUDA is unavailable or failed (`--gpu`).
+    #[error("--gpu: {0}")]
+    Cuda(#[from] allocator_cuda::CudaError),
+}
+
+macro_rules! setup_from {
+    ($($error:ty),*) => {$(
+        impl From<$error> for SimError {
+            fn from(error: $error) -> SimError {
+                SimError::Setup(error.to_string())
+            }
+        }
+    )*};
+}
+setup_from!(
+    memory_governor::BindError,
+    memory_governor::AllocateError,
+    memory_governor::LayoutError,
+    memory_governor::LimitError,
+    memory_governor::AccountError,
+    memory_governor::GovernFailure
+);
+
+/// Milestones of the run, in order.
+pub(crate) struct Events {
+    pub(crate) switched_at: Option<(u64, Duration)>,
+    pub(crate) lost: Option<LossReport>,
+}
+
+/// What the device loss did.
+pub(crate) struct LossReport {
+    pub(crate) device: String,
+    pub(crate) after_requests: u64,
+    pub(crate) polls: u64,
+    pub(crate) termination: TerminationReport,
+}
+
+/// Runs the whole simulation and returns its report.
+///
+/// # Errors
+/// [`SimError`] when the server cannot be set up (for example `--gpu` without CUDA).
+pub fn run(config: &Config) -> Result<Report, SimError> {
+    let world = World::new(config.gpu)?;
+    let progress = if config.progress { ProgressBar::new(config.requests) } else { ProgressBar::hidden() };
+    progress.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let next = AtomicU64::new(0);
+    let done = AtomicU64::new(0);
+    let started = Instant::now();
+    let deadline = config.duration.map(|d| started + d);
+    let mut events = Events { switched_at: None, lost: None };
+
+    std::thread::scope(|scope| -> Result<(), SimError> {
+        let workers: Vec<_> = (0..config.threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    loop {
+                        let id = next.fetch_add(1, Ordering::Relaxed);
+                        if id >= config.requests || deadline.is_some_and(|d| Instant::now() >= d) {
+                            break;
+                        }
+                        let shape = Shape::draw(config.seed, id, world.devices.len());
+                        match serve(&world, &shape) {
+                            Ok(()) => {
+                                world.ledger.served.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(refusal) => world.ledger.refuse(refusal),
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                        progress.inc(1);
+                    }
+                })
+            })
+            .collect();
+        // The control loop: milestones by progress (or by time under --secs).
+        while workers.iter().any(|w| !w.is_finished()) {
+            std::thread::sleep(Duration::from_millis(2));
+            let served = done.load(Ordering::Relaxed);
+            let fraction = milestone_fraction(config, served, started);
+            if events.switched_at.is_none() && fraction >= 1.0 / 3.0 {
+                switch(&world, &progress)?;
+                events.switched_at = Some((served, started.elapsed()));
+            }
+            if events.lost.is_none() && fraction >= 2.0 / 3.0 {
+                events.lost = lose_device(&world, &progress, served)?;
+            }
+        }
+        Ok(())
+    })?;
+    // A run too short to reach a milestone still shows it, after the requests.
+    if events.switched_at.is_none() {
+        switch(&world, &progress)?;
+        events.switched_at = Some((done.load(Ordering::Relaxed), started.elapsed()));
+    }
+    if events.lost.is_none() {
+        events.lost = lose_device(&world, &progress, done.load(Ordering::Relaxed))?;
+    }
+    let elapsed = started.elapsed();
+    progress.finish_and_clear();
+    let check = shut_down(&world, &events);
+    Ok(Report::new(&world, config, &events, check, elapsed))
+}
+
+fn milestone_fraction(config: &Config, done: u64, started: Instant) -> f64 {
+    let by_requests = done as f64 / config.requests.max(1) as f64;
+    match config.duration {
+        Some(duration) => by_requests.max(started.elapsed().as_secs_f64() / duration.as_secs_f64()),
+        None => by_requests,
+    }
+}
+
+/// Switches every device to pooled mechanisms: future binds use them, and requests in
+/// flight rebind when their retired mechanism refuses a new allocation.
+fn switch(world: &World, progress: &ProgressBar) -> Result<(), SimError> {
+    *world.backend.write().unwrap_or_else(PoisonError::into_inner) = Backend::Pooled;
+    for device in &world.devices {
+        world.install(device, Backend::Pooled)?;
+    }
+    progress.set_message(format!("switched to {}", Backend::Pooled.name(world.gpu)));
+    Ok(())
+}
+
+/// Loses the last device: invalidation (no allocator callback), termination confirmed
+/// once callbacks drain, then a fresh context takes over.
+fn lose_device(world: &World, progress: &ProgressBar, served: u64) -> Result<Option<LossReport>, SimError> {
+    let Some(device) = world.devices.last().filter(|_| world.devices.len() > 1) else { return Ok(None) };
+    let old_context = device.context();
+    world.registry.invalidate_device(device.key, "simulated Xid 79: GPU has fallen off the bus");
+    // Idle sequences and weights on the lost device: dropping their handles makes no
+    // callback; termination retires them.
+    drop(device.kv.drain());
+    drop(device.weights.lock().unwrap_or_else(PoisonError::into_inner).take());
+    let mut polls = 0;
+    let termination = loop {
+        match world.registry.confirm_context_terminated(&old_context) {
+            Ok(report) => break report,
+            Err(RegistryError::ContextNotQuiescent { .. }) => {
+                polls += 1;
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            Err(other) => return Err(other.into()),
+        }
+    };
+    let context = world.registry.register_provider_context(device.key, Arc::new(format!("{} context", device.name)))?;
+    *device.context.lock().unwrap_or_else(PoisonError::into_inner) = context;
+    world.install(device, world.backend())?;
+    world.load_weights(device)?;
+    progress.set_message(format!("{} lost and replaced", device.name));
+    let _ = world.registry.remove_provider_context(&old_context);
+    Ok(Some(LossReport { device: device.name.clone(), after_requests: served, polls, termination }))
+}
+
+/// Releases everything still held, removes the replaced mechanisms, and checks that
+/// every allocation is accounted for.
+fn shut_down(world: &World, events: &Events) -> Check {
+    for device in &world.devices {
+        for sequence in device.kv.drain() {
+            sequence.release(&world.ledger);
+        }
+        if let Some((binding, weights)) = device.weights.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            world.ledger.release(&binding, weights);
+        }
+    }
+    let mut removed = 0;
+    for device in &world.devices {
+        let retired = std::mem::take(&mut *device.retired.lock().unwrap_or_else(PoisonError::into_inner));
+        for mechanism in retired {
+            removed += usize::from(world.registry.remove(&mechanism).is_ok());
+        }
+    }
+    world.governor.return_idle_credit();
+    Check::new(world, events, removed)
+}
+
+pub(crate) use world::MIB;
