@@ -133,3 +133,9 @@ pub use stats::{
     AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
 };
 pub use timeline::{TimelineEvent, TimelineEventKind};
+
+/// The README's Rust examples, compiled and run as doctests so the adoption guide
+/// cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
