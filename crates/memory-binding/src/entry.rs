@@ -243,6 +243,10 @@ pub(crate) struct Record {
     pub(crate) allocation: RawAllocation,
 }
 
+// Registry memory per live allocation: one slab entry, i.e. a record plus at most one
+// word of enum tag (issue 3 budget: 64 bytes beyond the handle).
+const _: () = assert!(std::mem::size_of::<Record>() + std::mem::size_of::<usize>() <= 64);
+
 struct PinRecords {
     slab: Slab<Record>,
     live_bytes: usize,
