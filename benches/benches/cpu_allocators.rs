@@ -7,8 +7,10 @@
 //! - `virtual_commit_2mib/{lazy,populate,lazy_then_touch}`: committing a 2 MiB range of
 //!   a reservation (decommitted again, untimed, after each iteration); per page = / 512.
 //!
-//! After criterion's own output, a summary prints the median of each bench's samples
-//! (from this run) and the ratios the issue asks for.
+//! Each group declares its elements per iteration (pairs, blocks, pages) as criterion
+//! throughput, so that `cargo xtask bench` reads per-element medians from criterion's
+//! results. After criterion's own output, a summary prints the median of each bench's
+//! samples (from this run) and the ratios the issue asks for.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -16,7 +18,7 @@ use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use allocator_cpu::{PoolConfig, PooledAllocator, SystemAllocator, VirtualHostAllocator};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use memory_api::{AllocationRequest, ByteRange, DeviceAllocator, MemoryRole, RawAllocation};
 
 const KV_PAGE: usize = 64 << 10;
@@ -81,6 +83,8 @@ fn kv_pages(c: &mut Criterion) {
     let system = SystemAllocator::new();
     let pooled = PooledAllocator::new(SystemAllocator::new());
     let mut group = c.benchmark_group("kv_pages_2_threads");
+    // Per allocate+release pair of one thread (criterion's figure is per round of a batch).
+    group.throughput(Throughput::Elements(KV_BATCH as u64));
     for (name, allocator) in [("system", &system as &dyn DeviceAllocator), ("pooled", &pooled)] {
         let key = format!("kv_pages_2_threads/{name}");
         group.bench_function(name, |b| {
@@ -107,6 +111,8 @@ fn large_blocks(c: &mut Criterion) {
     let pooled = PooledAllocator::with_config(SystemAllocator::new(), config);
     large_cycle(&pooled); // steady state: every size cached once
     let mut group = c.benchmark_group("large_blocks");
+    // Per block (criterion's figure is per cycle through every size).
+    group.throughput(Throughput::Elements(LARGE_SIZES_MIB.len() as u64));
     group.sample_size(10);
     for (name, allocator) in [("system", &system as &dyn DeviceAllocator), ("pooled", &pooled)] {
         let key = format!("large_blocks/{name}");
@@ -125,6 +131,8 @@ fn large_blocks(c: &mut Criterion) {
 
 fn virtual_commit(c: &mut Criterion) {
     let mut group = c.benchmark_group("virtual_commit_2mib");
+    // Per 4 KiB page (criterion's figure is per 2 MiB commit).
+    group.throughput(Throughput::Elements((COMMIT_BYTES / OS_PAGE) as u64));
     let lazy = VirtualHostAllocator::new();
     let populate = VirtualHostAllocator::new().populating();
     let whole = ByteRange::new(0, COMMIT_BYTES);

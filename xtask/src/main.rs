@@ -5,17 +5,28 @@
 //!   docs); `--gpu` adds a CUDA device probe and the GPU-gated tests, and fails when no
 //!   device is present or no GPU test ran.
 //! - `cargo xtask loom [--preemptions N]`: the loom models, in `target/loom`.
-//! - `cargo xtask bench`: the criterion benches.
+//! - `cargo xtask bench [--compare REV]`: the criterion benches, then one table of the
+//!   ratios measured in that run against the issues' targets; with `--compare`, the
+//!   per-bench change between REV and the working tree, measured alternately on this
+//!   machine, as markdown.
+//! - `cargo xtask stress [--secs N]`: the bounded stress tests, run for longer.
 //! - `cargo xtask demo [ARGS]`: the demo binary.
 //!
 //! Layout: [`flags`] parses the command line into types, [`tasks`] turns each command
 //! into a list of steps, [`step`] runs and judges them, [`libtest`] reads test output.
-//! The architecture tidy checks live in `tests/tidy.rs`, an ordinary test.
+//! `bench` drives its steps itself ([`mod@bench`]), reads criterion's results
+//! ([`estimates`]) and prints [`ratios`] and [`compare`] tables ([`table`]). The
+//! architecture tidy checks live in `tests/tidy.rs`, an ordinary test.
 #![forbid(unsafe_code)]
 
+mod bench;
+mod compare;
+mod estimates;
 mod flags;
 mod libtest;
+mod ratios;
 mod step;
+mod table;
 mod tasks;
 
 use std::process::ExitCode;
@@ -39,12 +50,17 @@ fn main() -> ExitCode {
         Command::Demo(demo) => return run_demo(&demo, &root),
         Command::Test(test) => step::run_steps("xtask test", &root, &tasks::test_steps(&test)),
         Command::Loom(loom) => step::run_steps("xtask loom", &root, &tasks::loom_steps(&loom)),
-        Command::Bench => {
-            println!(
-                "xtask bench: runs the criterion benches of memory-benches as they are; \
-                 it prints criterion's own report (no ratio table or --compare yet)"
-            );
-            step::run_steps("xtask bench", &root, &tasks::bench_steps())
+        Command::Stress(stress) => step::run_steps("xtask stress", &root, &tasks::stress_steps(&stress)),
+        Command::Bench(bench) => {
+            return match bench::run(&bench, &root) {
+                Ok(()) => ExitCode::SUCCESS,
+                // The runner has already printed the failed step.
+                Err(bench::BenchError::Step(_)) => ExitCode::FAILURE,
+                Err(err) => {
+                    eprintln!("xtask bench: {err}");
+                    ExitCode::FAILURE
+                }
+            };
         }
     };
     match result {

@@ -1,15 +1,17 @@
 //! Steps and the runner that executes a list of them.
 //!
-//! A task (`test`, `loom`, `bench`) is a `Vec<Step>`: a name, a command and a
-//! [`Check`] that turns the command's exit status and output into a verdict. The runner
-//! prints each step's name and command before running it, times it, stops at the first
-//! failure with a message that names the step and why it failed, and ends with one
-//! summary line. New steps (loom, stress) are new entries in a list, nothing more.
+//! A task (`test`, `loom`, `stress`) is a `Vec<Step>`: a name, a command and a
+//! [`Check`] that turns the command's exit status and output into a verdict. The
+//! [`Runner`] prints each step's name and command before running it, times it, stops at
+//! the first failure with a message that names the step and why it failed, and ends with
+//! one summary line. New steps are new entries in a list, nothing more; a task that
+//! decides its next step from the last one's output (`bench --compare`) drives a
+//! [`Runner`] itself.
 
 use std::ffi::OsString;
 use std::fmt;
-use std::io::{self, BufRead, BufReader, Write};
-use std::path::Path;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,9 +23,20 @@ pub(crate) struct Cmd {
     program: OsString,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// Where it runs; `None` is the project root the runner is given.
+    dir: Option<PathBuf>,
 }
 
 impl Cmd {
+    /// `program <args>`.
+    pub(crate) fn new<I, S>(program: impl Into<OsString>, args: I) -> Cmd
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Cmd { program: program.into(), args: args.into_iter().map(Into::into).collect(), env: Vec::new(), dir: None }
+    }
+
     /// `cargo <args>`, using the cargo that runs xtask (`$CARGO`) when there is one.
     pub(crate) fn cargo<I, S>(args: I) -> Cmd
     where
@@ -31,7 +44,23 @@ impl Cmd {
         S: Into<String>,
     {
         let program = std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"));
-        Cmd { program, args: args.into_iter().map(Into::into).collect(), env: Vec::new() }
+        Cmd::new(program, args)
+    }
+
+    /// `git <args>`.
+    pub(crate) fn git<I, S>(args: I) -> Cmd
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Cmd::new("git", args)
+    }
+
+    /// The same command run from `dir` instead of the project root.
+    #[must_use]
+    pub(crate) fn current_dir(mut self, dir: impl Into<PathBuf>) -> Cmd {
+        self.dir = Some(dir.into());
+        self
     }
 
     /// The same command with `key=value` in its environment.
@@ -53,7 +82,14 @@ impl Cmd {
         self.env.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
-    /// Runs the command from `root` with inherited stdio and waits for it.
+    /// The directory it runs from, if not the project root (for tests).
+    #[cfg(test)]
+    pub(crate) fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// Runs the command from `root` (or its own directory) with inherited stdio and
+    /// waits for it.
     ///
     /// # Errors
     /// When the program cannot be started.
@@ -61,9 +97,18 @@ impl Cmd {
         self.command(root).status()
     }
 
+    /// Runs the command with stdout and stderr captured (for quick queries such as
+    /// `git rev-parse`, whose output is the answer, not progress).
+    ///
+    /// # Errors
+    /// When the program cannot be started.
+    pub(crate) fn output(&self, root: &Path) -> io::Result<std::process::Output> {
+        self.command(root).stdin(Stdio::null()).output()
+    }
+
     fn command(&self, root: &Path) -> Command {
         let mut command = Command::new(&self.program);
-        command.args(&self.args).current_dir(root);
+        command.args(&self.args).current_dir(self.dir.as_deref().unwrap_or(root));
         command.envs(self.env.iter().map(|(k, v)| (k, v)));
         command
     }
@@ -73,14 +118,20 @@ impl Cmd {
 /// step runs so that any step can be re-run by hand.
 impl fmt::Display for Cmd {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(dir) = &self.dir {
+            write!(f, "cd {} && ", quote(&dir.to_string_lossy()))?;
+        }
         for (key, value) in &self.env {
             write!(f, "{key}={} ", quote(value))?;
         }
-        // Print plain `cargo` even when `$CARGO` is a full path: that is what a reader types.
-        let program = Path::new(&self.program)
-            .file_stem()
-            .map_or_else(|| self.program.to_string_lossy().into_owned(), |stem| stem.to_string_lossy().into_owned());
-        f.write_str(&program)?;
+        // Print plain `cargo` even when `$CARGO` is a full path: that is what a reader
+        // types. Other programs (a copied bench binary) keep their full path.
+        let path = Path::new(&self.program);
+        let program = match path.file_stem() {
+            Some(stem) if stem == "cargo" => "cargo".to_owned(),
+            _ => self.program.to_string_lossy().into_owned(),
+        };
+        f.write_str(&quote(&program))?;
         for arg in &self.args {
             write!(f, " {}", quote(arg))?;
         }
@@ -112,14 +163,31 @@ pub(crate) enum Check {
     /// loom models: success and none failed. Zero models is a warning for now (the
     /// models arrive with issue 7), never reported as "checked".
     LoomModels,
+    /// The stress tests: judged as [`Check::Tests`]; stderr is captured too, and the
+    /// `ops/s` lines the tests print there are repeated after the summary. No such line
+    /// is a warning (the figures the run exists for are missing).
+    Stress,
+    /// A cargo command with `--message-format=json-render-diagnostics`: it exits
+    /// successfully; its stdout (JSON messages, not for reading) is captured for the
+    /// task instead of echoed.
+    CargoJson,
 }
 
 impl Check {
     /// Test counts for the summary, for checks that read libtest output.
     pub(crate) fn counts(self, stdout: &str) -> Option<TestCounts> {
         match self {
-            Check::Success | Check::CudaDevice => None,
-            Check::Tests | Check::GpuTests | Check::LoomModels => Some(parse_test_results(stdout)),
+            Check::Success | Check::CudaDevice | Check::CargoJson => None,
+            Check::Tests | Check::GpuTests | Check::LoomModels | Check::Stress => Some(parse_test_results(stdout)),
+        }
+    }
+
+    /// Lines of the output worth repeating after the summary: the stress tests'
+    /// throughput figures.
+    pub(crate) fn notes(self, stderr: &str) -> Vec<String> {
+        match self {
+            Check::Stress => stress_figures(stderr),
+            _ => Vec::new(),
         }
     }
 
@@ -128,15 +196,36 @@ impl Check {
         !matches!(self, Check::Success)
     }
 
-    /// The verdict on a finished command: `Ok(warning)` or `Err(reason)`.
-    pub(crate) fn judge(self, status: &ExitStatus, stdout: &str) -> Result<Option<String>, String> {
-        self.judge_parts(status.success(), &status.to_string(), stdout)
+    /// Whether the runner echoes the captured stdout as it arrives.
+    fn echoes_stdout(self) -> bool {
+        !matches!(self, Check::CargoJson)
     }
 
-    fn judge_parts(self, success: bool, status: &str, stdout: &str) -> Result<Option<String>, String> {
+    /// Whether the runner must capture stderr (still echoed) for [`Check::notes`].
+    fn reads_stderr(self) -> bool {
+        matches!(self, Check::Stress)
+    }
+
+    /// The verdict on a finished command: `Ok(warning)` or `Err(reason)`.
+    pub(crate) fn judge(self, status: &ExitStatus, stdout: &str, stderr: &str) -> Result<Option<String>, String> {
+        self.judge_parts(status.success(), &status.to_string(), stdout, stderr)
+    }
+
+    fn judge_parts(self, success: bool, status: &str, stdout: &str, stderr: &str) -> Result<Option<String>, String> {
         match self {
-            Check::Success | Check::Tests if success => Ok(None),
-            Check::Success => Err(format!("the command failed ({status})")),
+            Check::Success | Check::Tests | Check::CargoJson if success => Ok(None),
+            Check::Success | Check::CargoJson => Err(format!("the command failed ({status})")),
+            Check::Stress => {
+                Check::Tests.judge_parts(success, status, stdout, stderr)?;
+                if stress_figures(stderr).is_empty() {
+                    return Ok(Some(
+                        "the stress tests printed no `ops/s` line on stderr: no figures from this run (was the \
+                         stress test renamed or filtered out?)"
+                            .to_owned(),
+                    ));
+                }
+                Ok(None)
+            }
             Check::Tests => {
                 let counts = parse_test_results(stdout);
                 match counts.failed {
@@ -250,6 +339,122 @@ struct Passed {
     warning: Option<String>,
     check: Check,
     counts: Option<TestCounts>,
+    notes: Vec<String>,
+}
+
+/// What a passed step hands back to the task that ran it.
+#[derive(Debug, Default)]
+pub(crate) struct Outcome {
+    /// The step's stdout, when its check captures it (empty otherwise).
+    pub(crate) stdout: String,
+}
+
+/// Runs steps one at a time, numbering them `[index/total]`, and prints the summary.
+///
+/// [`run_steps`] covers a fixed list; a task whose steps depend on earlier results calls
+/// [`Runner::run`] itself, [`Runner::expect_more`] when it learns of more steps, and
+/// [`Runner::finish`] at the end.
+pub(crate) struct Runner<'a> {
+    task: &'a str,
+    root: &'a Path,
+    total: usize,
+    started: Instant,
+    passed: Vec<Passed>,
+}
+
+impl<'a> Runner<'a> {
+    /// A runner for `task` that expects `total` steps, run from `root`.
+    pub(crate) fn new(task: &'a str, root: &'a Path, total: usize) -> Runner<'a> {
+        Runner { task, root, total, started: Instant::now(), passed: Vec::new() }
+    }
+
+    /// Counts `extra` more steps in the `[index/total]` numbering.
+    pub(crate) fn expect_more(&mut self, extra: usize) {
+        self.total += extra;
+    }
+
+    /// Runs `step`: prints it, runs it, judges it.
+    ///
+    /// # Errors
+    /// [`StepFailed`] when the step does not pass; the runner has then printed the
+    /// summary so far and the failure, and the task should stop.
+    pub(crate) fn run(&mut self, step: &Step) -> Result<Outcome, StepFailed> {
+        let task = self.task;
+        let index = self.passed.len() + 1;
+        let total = self.total.max(index);
+        println!("\n{task}: [{index}/{total}] {}\n$ {}", step.name, step.cmd);
+        flush();
+        let step_started = Instant::now();
+        let verdict = execute(step, self.root);
+        let elapsed = step_started.elapsed();
+        match verdict {
+            Ok(executed) => {
+                println!("{task}: [{index}/{total}] {} ok in {}", step.name, secs(elapsed));
+                if let Some(warning) = &executed.warning {
+                    println!("{task}: warning: {warning}");
+                }
+                self.passed.push(Passed {
+                    name: step.name,
+                    elapsed,
+                    warning: executed.warning,
+                    check: step.check,
+                    counts: executed.counts,
+                    notes: executed.notes,
+                });
+                Ok(Outcome { stdout: executed.stdout })
+            }
+            Err(reason) => {
+                print_table(task, &self.passed);
+                let failure = StepFailed { task: task.to_owned(), step: step.name, index, total, reason };
+                println!("{task}: [{index}/{total}] {} FAILED after {}: {}", step.name, secs(elapsed), failure.reason);
+                println!(
+                    "{task}: FAILED at step {index}/{total} ({}); {}/{total} steps passed in {}",
+                    step.name,
+                    self.passed.len(),
+                    secs(self.started.elapsed())
+                );
+                flush();
+                Err(failure)
+            }
+        }
+    }
+
+    /// Prints the summary table, the test totals, the notes of the steps (stress
+    /// figures) and one closing line.
+    pub(crate) fn finish(self) {
+        let task = self.task;
+        let passed = &self.passed;
+        let total = self.total.max(passed.len());
+        print_table(task, passed);
+        let warnings: Vec<&str> = passed.iter().filter_map(|step| step.warning.as_deref()).collect();
+        // The workspace's test total, as a plain `N passed, N failed` line.
+        let mut tests: Option<TestCounts> = None;
+        for counts in passed
+            .iter()
+            .filter(|step| matches!(step.check, Check::Tests | Check::Stress))
+            .filter_map(|step| step.counts)
+        {
+            let total = tests.get_or_insert_with(TestCounts::default);
+            total.passed += counts.passed;
+            total.failed += counts.failed;
+            total.ignored += counts.ignored;
+        }
+        if let Some(total) = tests {
+            println!("tests: {} passed, {} failed, {} skipped", total.passed, total.failed, total.ignored);
+        }
+        for step in passed {
+            for note in &step.notes {
+                println!("{}: {note}", step.name);
+            }
+        }
+        let note = match warnings.len() {
+            0 => String::new(),
+            1 => format!(" with 1 warning: {}", warnings[0]),
+            n => format!(" with {n} warnings (see above)"),
+        };
+        println!("{task}: {}/{total} steps passed in {}{note}", passed.len(), secs(self.started.elapsed()));
+        flush();
+    }
 }
 
 /// Runs `steps` in order from `root`, stopping at the first failure.
@@ -257,106 +462,97 @@ struct Passed {
 /// # Errors
 /// [`StepFailed`] naming the first step that did not pass.
 pub(crate) fn run_steps(task: &str, root: &Path, steps: &[Step]) -> Result<(), StepFailed> {
-    let total = steps.len();
-    let started = Instant::now();
-    let mut passed: Vec<Passed> = Vec::new();
-    for (i, step) in steps.iter().enumerate() {
-        let index = i + 1;
-        println!("\n{task}: [{index}/{total}] {}\n$ {}", step.name, step.cmd);
-        flush();
-        let step_started = Instant::now();
-        let verdict = execute(step, root);
-        let elapsed = step_started.elapsed();
-        match verdict {
-            Ok((warning, counts)) => {
-                println!("{task}: [{index}/{total}] {} ok in {}", step.name, secs(elapsed));
-                if let Some(warning) = &warning {
-                    println!("{task}: warning: {warning}");
-                }
-                passed.push(Passed { name: step.name, elapsed, warning, check: step.check, counts });
-            }
-            Err(reason) => {
-                print_table(task, &passed);
-                let failure = StepFailed { task: task.to_owned(), step: step.name, index, total, reason };
-                println!("{task}: [{index}/{total}] {} FAILED after {}: {}", step.name, secs(elapsed), failure.reason);
-                println!(
-                    "{task}: FAILED at step {index}/{total} ({}); {}/{total} steps passed in {}",
-                    step.name,
-                    passed.len(),
-                    secs(started.elapsed())
-                );
-                flush();
-                return Err(failure);
-            }
-        }
+    let mut runner = Runner::new(task, root, steps.len());
+    for step in steps {
+        runner.run(step)?;
     }
-    print_table(task, &passed);
-    let warnings: Vec<&str> = passed.iter().filter_map(|step| step.warning.as_deref()).collect();
-    // The workspace's test total, as a plain `N passed, N failed` line.
-    let mut tests: Option<TestCounts> = None;
-    for counts in passed.iter().filter(|step| step.check == Check::Tests).filter_map(|step| step.counts) {
-        let total = tests.get_or_insert_with(TestCounts::default);
-        total.passed += counts.passed;
-        total.failed += counts.failed;
-        total.ignored += counts.ignored;
-    }
-    if let Some(total) = tests {
-        println!("tests: {} passed, {} failed, {} skipped", total.passed, total.failed, total.ignored);
-    }
-    let note = match warnings.len() {
-        0 => String::new(),
-        1 => format!(" with 1 warning: {}", warnings[0]),
-        n => format!(" with {n} warnings (see above)"),
-    };
-    println!("{task}: {}/{total} steps passed in {}{note}", passed.len(), secs(started.elapsed()));
-    flush();
+    runner.finish();
     Ok(())
 }
 
-/// Runs one step's command and judges it: `Ok((warning, test counts))` or `Err(reason)`.
-fn execute(step: &Step, root: &Path) -> Result<(Option<String>, Option<TestCounts>), String> {
+/// A command that ran and passed its check.
+struct Executed {
+    warning: Option<String>,
+    counts: Option<TestCounts>,
+    notes: Vec<String>,
+    stdout: String,
+}
+
+/// Runs one step's command and judges it: what it produced, or `Err(reason)`.
+fn execute(step: &Step, root: &Path) -> Result<Executed, String> {
     if !step.check.reads_output() {
         let status = step.cmd.status(root).map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
-        return step.check.judge(&status, "").map(|warning| (warning, None));
+        let warning = step.check.judge(&status, "", "")?;
+        return Ok(Executed { warning, counts: None, notes: Vec::new(), stdout: String::new() });
     }
-    // Echo stdout line by line while keeping it for the check; stderr (cargo's
-    // progress and errors) goes straight through.
-    let mut child = step
-        .cmd
-        .command(root)
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
+    // Echo stdout line by line while keeping it for the check (unless the check keeps
+    // it quiet); stderr (cargo's progress and errors) goes straight through, or is
+    // echoed and kept by a thread when the check reads it too.
+    let mut command = step.cmd.command(root);
+    command.stdout(Stdio::piped());
+    if step.check.reads_stderr() {
+        command.stderr(Stdio::piped());
+    }
+    let mut child = command.spawn().map_err(|err| format!("could not start `{}`: {err}", step.cmd))?;
+    let stderr_reader = child.stderr.take().map(|stderr| {
+        std::thread::spawn(move || {
+            let mut captured = String::new();
+            let result = read_lines(stderr, |line| {
+                // `eprintln!` so that libtest captures it in xtask's own tests.
+                eprintln!("{line}");
+                captured.push_str(line);
+                captured.push('\n');
+            });
+            result.map(|()| captured)
+        })
+    });
     let mut captured = String::new();
-    let mut read_error = None;
-    if let Some(stdout) = child.stdout.take() {
-        let mut reader = BufReader::new(stdout);
-        let mut buffer = Vec::new();
-        loop {
-            buffer.clear();
-            match reader.read_until(b'\n', &mut buffer) {
-                Ok(0) => break,
-                Ok(_) => {
-                    let line = String::from_utf8_lossy(&buffer);
-                    let line = line.trim_end_matches(['\n', '\r']);
-                    // `println!` (not a raw handle) so that libtest captures it in xtask's own tests.
-                    println!("{line}");
-                    captured.push_str(line);
-                    captured.push('\n');
-                }
-                Err(err) => {
-                    read_error = Some(err);
-                    break;
-                }
+    let echo = step.check.echoes_stdout();
+    let read_result = match child.stdout.take() {
+        Some(stdout) => read_lines(stdout, |line| {
+            if echo {
+                // `println!` (not a raw handle) so that libtest captures it in xtask's own tests.
+                println!("{line}");
             }
-        }
-    }
+            captured.push_str(line);
+            captured.push('\n');
+        }),
+        None => Ok(()),
+    };
     let status = child.wait().map_err(|err| format!("could not wait for `{}`: {err}", step.cmd))?;
-    if let Some(err) = read_error {
-        return Err(format!("could not read the output of `{}`: {err}", step.cmd));
+    let stderr = match stderr_reader.map(std::thread::JoinHandle::join) {
+        None => String::new(),
+        Some(Ok(Ok(stderr))) => stderr,
+        Some(Ok(Err(err))) => return Err(format!("could not read the stderr of `{}`: {err}", step.cmd)),
+        Some(Err(_)) => return Err(format!("the thread reading the stderr of `{}` panicked", step.cmd)),
+    };
+    read_result.map_err(|err| format!("could not read the output of `{}`: {err}", step.cmd))?;
+    let warning = step.check.judge(&status, &captured, &stderr)?;
+    Ok(Executed {
+        warning,
+        counts: step.check.counts(&captured),
+        notes: step.check.notes(&stderr),
+        stdout: if echo { String::new() } else { captured },
+    })
+}
+
+/// Calls `each` with every line of `reader` (lossily decoded, line ending removed).
+fn read_lines(reader: impl Read, mut each: impl FnMut(&str)) -> io::Result<()> {
+    let mut reader = BufReader::new(reader);
+    let mut buffer = Vec::new();
+    loop {
+        buffer.clear();
+        if reader.read_until(b'\n', &mut buffer)? == 0 {
+            return Ok(());
+        }
+        let line = String::from_utf8_lossy(&buffer);
+        each(line.trim_end_matches(['\n', '\r']));
     }
-    let warning = step.check.judge(&status, &captured)?;
-    Ok((warning, step.check.counts(&captured)))
+}
+
+/// The throughput lines (`... ops/s ...`) the stress tests print on stderr.
+fn stress_figures(stderr: &str) -> Vec<String> {
+    stderr.lines().map(str::trim).filter(|line| line.contains("ops/s")).map(str::to_owned).collect()
 }
 
 fn print_table(task: &str, passed: &[Passed]) {
@@ -369,7 +565,7 @@ fn print_table(task: &str, passed: &[Passed]) {
         let note = step.counts.map_or_else(String::new, |counts| {
             format!("  {} passed, {} failed, {} ignored", counts.passed, counts.failed, counts.ignored)
         });
-        println!("  {:<12} {mark:<13} {:>8}{note}", step.name, secs(step.elapsed));
+        println!("  {:<16} {mark:<13} {:>8}{note}", step.name, secs(step.elapsed));
     }
 }
 
@@ -389,91 +585,99 @@ mod tests {
     const OK: &str = "exit status: 0";
     const FAIL: &str = "exit status: 101";
 
+    impl Check {
+        fn judge_stdout(self, success: bool, status: &str, stdout: &str) -> Result<Option<String>, String> {
+            self.judge_parts(success, status, stdout, "")
+        }
+    }
+
     #[test]
     fn zero_gpu_tests_ran_is_a_failure() {
         let output = "test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 12 filtered out; finished in 0.00s\n";
-        let err = Check::GpuTests.judge_parts(true, OK, output).unwrap_err();
+        let err = Check::GpuTests.judge_stdout(true, OK, output).unwrap_err();
         assert!(err.contains("zero GPU tests ran"), "{err}");
         assert!(err.contains("12 tests filtered out"), "{err}");
     }
 
     #[test]
     fn gpu_run_with_no_summary_at_all_is_a_failure() {
-        assert!(Check::GpuTests.judge_parts(true, OK, "").unwrap_err().contains("zero GPU tests ran"));
+        assert!(Check::GpuTests.judge_stdout(true, OK, "").unwrap_err().contains("zero GPU tests ran"));
     }
 
     #[test]
     fn failed_gpu_tests_are_counted_in_the_failure() {
         let output = "test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n";
-        let err = Check::GpuTests.judge_parts(false, FAIL, output).unwrap_err();
+        let err = Check::GpuTests.judge_stdout(false, FAIL, output).unwrap_err();
         assert!(err.contains("1 GPU test(s) failed (3 passed)"), "{err}");
     }
 
     #[test]
     fn gpu_build_failure_is_reported_as_such() {
-        let err = Check::GpuTests.judge_parts(false, FAIL, "").unwrap_err();
+        let err = Check::GpuTests.judge_stdout(false, FAIL, "").unwrap_err();
         assert!(err.contains("before the GPU tests could report"), "{err}");
     }
 
     #[test]
     fn passing_gpu_tests_pass() {
         let output = "test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 9 filtered out\n";
-        assert_eq!(Check::GpuTests.judge_parts(true, OK, output), Ok(None));
+        assert_eq!(Check::GpuTests.judge_stdout(true, OK, output), Ok(None));
     }
 
     #[test]
     fn cuda_probe_needs_a_driver_and_a_device() {
-        let no_driver = Check::CudaDevice.judge_parts(false, "exit status: 1", "").unwrap_err();
+        let no_driver = Check::CudaDevice.judge_stdout(false, "exit status: 1", "").unwrap_err();
         assert!(no_driver.contains("no usable CUDA driver"), "{no_driver}");
-        let no_device = Check::CudaDevice.judge_parts(true, OK, "cuda devices: 0\n").unwrap_err();
+        let no_device = Check::CudaDevice.judge_stdout(true, OK, "cuda devices: 0\n").unwrap_err();
         assert!(no_device.contains("0 devices"), "{no_device}");
-        let silent = Check::CudaDevice.judge_parts(true, OK, "hello\n").unwrap_err();
+        let silent = Check::CudaDevice.judge_stdout(true, OK, "hello\n").unwrap_err();
         assert!(silent.contains("no `cuda devices: N` line"), "{silent}");
-        assert_eq!(Check::CudaDevice.judge_parts(true, OK, "cuda devices: 1\n"), Ok(None));
+        assert_eq!(Check::CudaDevice.judge_stdout(true, OK, "cuda devices: 1\n"), Ok(None));
     }
 
     #[test]
     fn zero_loom_models_is_a_warning_not_a_pass_in_silence() {
         let output = "test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 40 filtered out\n";
-        let warning = Check::LoomModels.judge_parts(true, OK, output).unwrap().expect("a warning");
+        let warning = Check::LoomModels.judge_stdout(true, OK, output).unwrap().expect("a warning");
         assert!(warning.contains("no loom models ran"), "{warning}");
         let output = "test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured; 40 filtered out\n";
-        assert_eq!(Check::LoomModels.judge_parts(true, OK, output), Ok(None));
+        assert_eq!(Check::LoomModels.judge_stdout(true, OK, output), Ok(None));
         let output = "test result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n";
-        assert!(Check::LoomModels.judge_parts(false, FAIL, output).unwrap_err().contains("1 loom model(s) failed"));
+        assert!(Check::LoomModels.judge_stdout(false, FAIL, output).unwrap_err().contains("1 loom model(s) failed"));
     }
 
     #[test]
     fn test_runs_report_failures_and_build_errors_differently() {
         let output = "test result: FAILED. 7 passed; 2 failed; 1 ignored; 0 measured; 0 filtered out\n";
-        let err = Check::Tests.judge_parts(false, FAIL, output).unwrap_err();
+        let err = Check::Tests.judge_stdout(false, FAIL, output).unwrap_err();
         assert!(err.contains("2 test(s) failed, 7 passed"), "{err}");
-        let err = Check::Tests.judge_parts(false, FAIL, "").unwrap_err();
+        let err = Check::Tests.judge_stdout(false, FAIL, "").unwrap_err();
         assert!(err.contains("build error"), "{err}");
         let output = "test result: ok. 7 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out\n";
-        assert_eq!(Check::Tests.judge_parts(true, OK, output), Ok(None));
+        assert_eq!(Check::Tests.judge_stdout(true, OK, output), Ok(None));
         assert_eq!(Check::Tests.counts(output).map(|counts| (counts.passed, counts.ignored)), Some((7, 1)));
         assert_eq!(Check::Success.counts(output), None);
     }
 
     #[test]
     fn plain_steps_are_judged_by_exit_status() {
-        assert_eq!(Check::Success.judge_parts(true, OK, ""), Ok(None));
-        assert_eq!(Check::Success.judge_parts(false, FAIL, ""), Err(format!("the command failed ({FAIL})")));
+        assert_eq!(Check::Success.judge_stdout(true, OK, ""), Ok(None));
+        assert_eq!(Check::Success.judge_stdout(false, FAIL, ""), Err(format!("the command failed ({FAIL})")));
     }
 
     #[test]
     fn commands_render_like_a_shell_line() {
-        let cmd = Cmd { program: "/usr/bin/cargo".into(), args: vec!["doc".into(), "--no-deps".into()], env: vec![] }
-            .env("RUSTDOCFLAGS", "-D warnings");
+        let cmd = Cmd::new("/usr/bin/cargo", ["doc", "--no-deps"]).env("RUSTDOCFLAGS", "-D warnings");
         assert_eq!(cmd.to_string(), "RUSTDOCFLAGS=\"-D warnings\" cargo doc --no-deps");
         assert_eq!(cmd.env_value("RUSTDOCFLAGS"), Some("-D warnings"));
+        let bench = Cmd::new("/t/xtask bench/binding", ["--bench", "*"]).current_dir("/w/benches").env("K", "v");
+        assert_eq!(bench.to_string(), "cd /w/benches && K=v \"/t/xtask bench/binding\" --bench \"*\"");
+        assert_eq!(bench.dir(), Some(Path::new("/w/benches")));
     }
 
     #[cfg(unix)]
     #[test]
     fn runner_stops_at_the_first_failure() {
-        let sh = |script: &str| Cmd { program: "sh".into(), args: vec!["-c".into(), script.into()], env: vec![] };
+        let sh = |script: &str| Cmd::new("sh", ["-c", script]);
         let steps = [
             Step::new("first", sh("exit 0")),
             Step::new("second", sh("exit 3")),
@@ -487,7 +691,7 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn runner_judges_captured_output() {
-        let sh = |script: &str| Cmd { program: "sh".into(), args: vec!["-c".into(), script.into()], env: vec![] };
+        let sh = |script: &str| Cmd::new("sh", ["-c", script]);
         let nothing_ran =
             Step::new("gpu", sh("echo 'test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'"))
                 .check(Check::GpuTests);
@@ -497,5 +701,53 @@ mod tests {
             Step::new("gpu", sh("echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'"))
                 .check(Check::GpuTests);
         assert!(run_steps("xtask self-test", Path::new("."), &[ran]).is_ok());
+    }
+
+    #[test]
+    fn stress_runs_are_judged_as_tests_and_keep_their_figures() {
+        let stdout = "test result: ok. 3 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out\n";
+        let stderr = "stress: 4 workers + control, 30.00 s, 1200 ops (40 ops/s); Totals\nnoise\n";
+        assert_eq!(Check::Stress.judge_parts(true, OK, stdout, stderr), Ok(None));
+        assert_eq!(Check::Stress.notes(stderr), ["stress: 4 workers + control, 30.00 s, 1200 ops (40 ops/s); Totals"]);
+        assert_eq!(Check::Stress.counts(stdout).map(|counts| counts.passed), Some(3));
+        let silent = Check::Stress.judge_parts(true, OK, stdout, "").unwrap().expect("a warning");
+        assert!(silent.contains("no `ops/s` line"), "{silent}");
+        let failed = "test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n";
+        assert!(Check::Stress.judge_parts(false, FAIL, failed, stderr).unwrap_err().contains("1 test(s) failed"));
+        assert!(Check::Tests.notes(stderr).is_empty());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn runner_captures_stderr_figures_and_quiet_stdout() {
+        let sh = |script: &str| Cmd::new("sh", ["-c", script]);
+        let stress = Step::new(
+            "stress",
+            sh("echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'; \
+                echo 'stress: 12 ops/s' >&2"),
+        )
+        .check(Check::Stress);
+        let mut runner = Runner::new("xtask self-test", Path::new("."), 1);
+        assert_eq!(runner.run(&stress).unwrap().stdout, "", "echoed stdout is not handed back");
+        assert_eq!(runner.passed[0].notes, ["stress: 12 ops/s"]);
+        let json = Step::new("build", sh("echo '{\"reason\":\"x\"}'")).check(Check::CargoJson);
+        runner.expect_more(1);
+        assert_eq!(runner.run(&json).unwrap().stdout, "{\"reason\":\"x\"}\n");
+        let failing = Step::new("build", sh("echo '{}'; exit 4")).check(Check::CargoJson);
+        runner.expect_more(1);
+        let failure = runner.run(&failing).unwrap_err();
+        assert_eq!((failure.index, failure.total), (3, 3));
+        assert!(failure.reason.contains("exit status: 4"), "{}", failure.reason);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn commands_run_in_their_own_directory() {
+        let dir = std::env::temp_dir();
+        let step = Step::new("pwd", Cmd::new("sh", ["-c", "pwd"]).current_dir(&dir)).check(Check::CargoJson);
+        let mut runner = Runner::new("xtask self-test", Path::new("/"), 1);
+        let printed = runner.run(&step).unwrap().stdout;
+        let printed = std::fs::canonicalize(printed.trim()).unwrap();
+        assert_eq!(printed, std::fs::canonicalize(&dir).unwrap());
     }
 }

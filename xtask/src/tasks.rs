@@ -1,9 +1,8 @@
 //! The tasks: each builds a list of [`Step`]s (or, for `demo`, one command to hand the
-//! terminal to).
+//! terminal to). `bench`, whose steps depend on what earlier steps produced, lives in
+//! [`crate::bench`] and takes its commands from here.
 //!
-//! Extending a task means pushing a step. Issue 7 adds a bounded loom step to
-//! `cargo xtask test` with `steps.push(loom_step(2, &loom_target_dir()))` and stress
-//! steps the same way; issue 8 grows [`bench_steps`].
+//! Extending a task means pushing a step.
 
 use std::path::{Path, PathBuf};
 
@@ -78,9 +77,60 @@ pub(crate) fn loom_steps(flags: &flags::Loom) -> Vec<Step> {
     vec![loom_step(flags.preemptions, &loom_target_dir())]
 }
 
-/// The steps of `cargo xtask bench`: criterion as it is, nothing more yet.
-pub(crate) fn bench_steps() -> Vec<Step> {
-    vec![Step::new("bench", Cmd::cargo(["bench", "-p", "memory-benches"]))]
+/// The package that holds the criterion benches.
+pub(crate) const BENCH_PACKAGE: &str = "memory-benches";
+
+/// The stress test of memory-binding (bounded by `MEMORY_STRESS_SECS`). memory-governor's
+/// concurrency tests read no such variable: they are fixed-size and run in
+/// `cargo xtask test`.
+pub(crate) const STRESS_TEST: (&str, &str) = ("memory-binding", "stress");
+
+/// The criterion flags every bench binary gets: `--warm-up-time`, `--measurement-time`,
+/// then whatever followed `--`.
+pub(crate) fn criterion_args(flags: &flags::Bench) -> Vec<String> {
+    let mut args = vec![
+        "--warm-up-time".to_owned(),
+        flags.warm_up_secs.to_string(),
+        "--measurement-time".to_owned(),
+        flags.measurement_secs.to_string(),
+    ];
+    args.extend(flags.criterion_args.iter().cloned());
+    args
+}
+
+/// `cargo bench` of every bench target (not the library, whose libtest harness would
+/// reject criterion's flags) of [`BENCH_PACKAGE`], writing criterion's results under
+/// `criterion_home`.
+pub(crate) fn bench_cmd(flags: &flags::Bench, criterion_home: &Path) -> Cmd {
+    let mut args: Vec<String> =
+        ["bench", "--locked", "-p", BENCH_PACKAGE, "--bench", "*", "--"].map(String::from).to_vec();
+    args.extend(criterion_args(flags));
+    Cmd::cargo(args).env("CRITERION_HOME", criterion_home.display().to_string())
+}
+
+/// Builds the bench binaries of [`BENCH_PACKAGE`] without running them; cargo's JSON
+/// messages on stdout name the executables. `locked` adds `--locked` (the working tree;
+/// a baseline revision may predate a lock refresh).
+pub(crate) fn bench_build_cmd(locked: bool) -> Cmd {
+    let mut args = vec!["bench", "--no-run", "--message-format=json-render-diagnostics"];
+    if locked {
+        args.push("--locked");
+    }
+    args.extend(["-p", BENCH_PACKAGE, "--bench", "*"]);
+    Cmd::cargo(args)
+}
+
+/// The steps of `cargo xtask stress --secs N`.
+pub(crate) fn stress_steps(flags: &flags::Stress) -> Vec<Step> {
+    let (krate, test) = STRESS_TEST;
+    vec![
+        Step::new(
+            "stress",
+            Cmd::cargo(["test", "--release", "--locked", "-p", krate, "--test", test, "--", "--nocapture"])
+                .env("MEMORY_STRESS_SECS", flags.secs.to_string()),
+        )
+        .check(Check::Stress),
+    ]
 }
 
 /// The command `cargo xtask demo ARGS` runs.
@@ -99,7 +149,13 @@ pub(crate) fn project_root() -> PathBuf {
 
 /// `target/loom` under the target directory in use (`$CARGO_TARGET_DIR` or `target/`).
 pub(crate) fn loom_target_dir() -> PathBuf {
-    let base = match std::env::var_os("CARGO_TARGET_DIR") {
+    target_dir().join("loom")
+}
+
+/// The target directory in use: `$CARGO_TARGET_DIR` (made absolute) or the project's
+/// `target/`.
+pub(crate) fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => {
             let dir = PathBuf::from(dir);
             if dir.is_absolute() {
@@ -109,8 +165,7 @@ pub(crate) fn loom_target_dir() -> PathBuf {
             }
         }
         None => project_root().join("target"),
-    };
-    base.join("loom")
+    }
 }
 
 /// `existing` flags (from the environment) with `extra` appended.
@@ -178,6 +233,44 @@ mod tests {
         }
         assert!(line.ends_with(" loom"), "{line}");
         assert!(loom_target_dir().ends_with("loom"));
+    }
+
+    #[test]
+    fn bench_runs_only_bench_targets_with_criterion_settings_and_home() {
+        let flags = flags::Bench {
+            warm_up_secs: 0.5,
+            measurement_secs: 3.0,
+            criterion_args: vec!["pair".into()],
+            ..flags::Bench::default()
+        };
+        let cmd = bench_cmd(&flags, Path::new("/t/criterion"));
+        assert_eq!(
+            cmd.to_string(),
+            "CRITERION_HOME=/t/criterion cargo bench --locked -p memory-benches --bench \"*\" -- \
+             --warm-up-time 0.5 --measurement-time 3 pair"
+        );
+        assert_eq!(criterion_args(&flags::Bench::default()), ["--warm-up-time", "1", "--measurement-time", "2"]);
+        let build = bench_build_cmd(false).to_string();
+        assert!(
+            build.ends_with("bench --no-run --message-format=json-render-diagnostics -p memory-benches --bench \"*\"")
+        );
+        assert!(bench_build_cmd(true).arg_list().contains(&"--locked".to_owned()));
+    }
+
+    #[test]
+    fn stress_runs_the_registry_stress_test_for_the_asked_seconds() {
+        let steps = stress_steps(&flags::Stress { secs: 45 });
+        assert_eq!(names(&steps), ["stress"]);
+        assert_eq!(steps[0].check, Check::Stress);
+        assert_eq!(steps[0].cmd.env_value("MEMORY_STRESS_SECS"), Some("45"));
+        assert!(
+            steps[0]
+                .cmd
+                .to_string()
+                .ends_with("cargo test --release --locked -p memory-binding --test stress -- --nocapture"),
+            "{}",
+            steps[0].cmd
+        );
     }
 
     #[test]
