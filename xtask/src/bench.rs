@@ -6,12 +6,18 @@
 //!   anyway, so its own "change since last run" lines keep working), then the ratio
 //!   table ([`crate::ratios`]) from the results this run wrote.
 //! - With `--compare REV`: a detached `git worktree` of REV under
-//!   `<target>/xtask-bench`, both sides' bench binaries built once (sharing the target
-//!   dir, copied aside after each build because both builds write the same file names),
-//!   then the binaries run alternately, baseline then candidate, `--rounds` times, each
-//!   run writing to its own criterion directory; then the comparison table
-//!   ([`crate::compare`]) and the ratio table of the candidate. The worktree and the
-//!   copied binaries are removed afterwards, on failure too.
+//!   `<target>/xtask-bench`, both sides' bench binaries built once and copied aside,
+//!   then run alternately, baseline then candidate, `--rounds` times, each run writing
+//!   to its own criterion directory; then the comparison table ([`crate::compare`]) and
+//!   the ratio table of the candidate. The worktree and the copied binaries are removed
+//!   afterwards, on failure too.
+//!
+//! The baseline builds in its own target dir, `<target>/xtask-bench/target` (kept, so
+//! third-party crates build once). It must not share the working tree's: cargo names a
+//! workspace crate's artifacts by its path relative to the workspace root, the same in
+//! both trees, and judges freshness by modification times, so after the baseline's
+//! build the working tree's older sources look up to date and its build would silently
+//! reuse the baseline's binaries (and leave them there for later builds).
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -128,11 +134,8 @@ struct Side {
 fn run_compare(flags: &flags::Bench, rev: &str, root: &Path) -> Result<(), BenchError> {
     let commit = resolve_commit(rev, root)?;
     let short = compare::short(&commit).to_owned();
-    let target = tasks::target_dir();
-    let work = target.join("xtask-bench");
-    let tree = work.join(format!("baseline-{short}"));
-    let binaries = work.join("bin");
-    let runs_dir = work.join("runs");
+    let layout = Layout::new(&tasks::target_dir(), &short);
+    let Layout { tree, binaries, runs: runs_dir, .. } = layout.clone();
     remove_worktree(root, &tree);
 
     let task = "xtask bench --compare";
@@ -145,17 +148,12 @@ fn run_compare(flags: &flags::Bench, rev: &str, root: &Path) -> Result<(), Bench
 
     let mut baseline = Side { label: "baseline", tree: tree.clone(), binaries: Vec::new(), runs: Vec::new() };
     let mut candidate = Side { label: "candidate", tree: root.to_path_buf(), binaries: Vec::new(), runs: Vec::new() };
-    for (side, locked, description) in
-        [(&mut baseline, false, format!("{rev} ({short})")), (&mut candidate, true, "the working tree".to_owned())]
-    {
-        // Both builds share the target dir (third-party crates build once); the
-        // workspace's own crates rebuild for each tree, and the bench binaries get the
-        // same names, so each side's are copied aside before the other builds.
-        let build = tasks::bench_build_cmd(locked)
-            .current_dir(&side.tree)
-            .env("CARGO_TARGET_DIR", target.display().to_string());
-        let name = if side.label == "baseline" { "build baseline" } else { "build candidate" };
-        let outcome = runner.run(&Step::new(name, build).check(Check::CargoJson))?;
+    let [build_baseline, build_candidate] = layout.build_steps(root);
+    for (side, build, description) in [
+        (&mut baseline, build_baseline, format!("{rev} ({short})")),
+        (&mut candidate, build_candidate, "the working tree".to_owned()),
+    ] {
+        let outcome = runner.run(&build)?;
         let built = bench_executables(&outcome.stdout);
         if built.is_empty() {
             return Err(BenchError::NoBenchExecutables { side: description });
@@ -211,6 +209,46 @@ fn run_compare(flags: &flags::Bench, rev: &str, root: &Path) -> Result<(), Bench
         write_output(path, &report)?;
     }
     Ok(())
+}
+
+/// Where `--compare` puts things, under `<target>/xtask-bench`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Layout {
+    /// The working tree's target dir.
+    target: PathBuf,
+    /// The baseline's worktree.
+    tree: PathBuf,
+    /// The baseline's target dir: never the working tree's (see the module docs).
+    baseline_target: PathBuf,
+    /// Copies of both sides' bench binaries.
+    binaries: PathBuf,
+    /// One criterion directory per run.
+    runs: PathBuf,
+}
+
+impl Layout {
+    fn new(target: &Path, short_commit: &str) -> Layout {
+        let work = target.join("xtask-bench");
+        Layout {
+            target: target.to_path_buf(),
+            tree: work.join(format!("baseline-{short_commit}")),
+            baseline_target: work.join("target"),
+            binaries: work.join("bin"),
+            runs: work.join("runs"),
+        }
+    }
+
+    /// The builds of the baseline (in its worktree and target dir, not `--locked`: an
+    /// old revision may predate a lock refresh) and of the candidate (`--locked`).
+    fn build_steps(&self, root: &Path) -> [Step; 2] {
+        let build = |tree: &Path, target: &Path, locked: bool| {
+            tasks::bench_build_cmd(locked).current_dir(tree).env("CARGO_TARGET_DIR", target.display().to_string())
+        };
+        [
+            Step::new("build baseline", build(&self.tree, &self.baseline_target, false)).check(Check::CargoJson),
+            Step::new("build candidate", build(root, &self.target, true)).check(Check::CargoJson),
+        ]
+    }
 }
 
 /// The commit `rev` names.
@@ -344,6 +382,20 @@ not json at all
         assert!(
             bench_executables(r#"{"reason":"compiler-artifact","target":{"kind":["bench"],"name":"x"}}"#).is_empty()
         );
+    }
+
+    #[test]
+    fn the_baseline_never_builds_in_the_working_trees_target_dir() {
+        let layout = Layout::new(Path::new("/t"), "0123456789ab");
+        assert_eq!(layout.tree, Path::new("/t/xtask-bench/baseline-0123456789ab"));
+        let [baseline, candidate] = layout.build_steps(Path::new("/w"));
+        assert_eq!(baseline.cmd.dir(), Some(Path::new("/t/xtask-bench/baseline-0123456789ab")));
+        assert_eq!(candidate.cmd.dir(), Some(Path::new("/w")));
+        assert_eq!(baseline.cmd.env_value("CARGO_TARGET_DIR"), Some("/t/xtask-bench/target"));
+        assert_eq!(candidate.cmd.env_value("CARGO_TARGET_DIR"), Some("/t"));
+        assert_eq!((baseline.check, candidate.check), (Check::CargoJson, Check::CargoJson));
+        assert!(!baseline.cmd.arg_list().contains(&"--locked".to_owned()));
+        assert!(candidate.cmd.arg_list().contains(&"--locked".to_owned()));
     }
 
     #[test]
