@@ -20,8 +20,9 @@ pub(crate) struct Summary {
     pub(crate) runs: usize,
     /// The largest distance of one run from `median`, in percent of it.
     pub(crate) spread_pct: f64,
-    /// Whether the bench declares a throughput (the times are per element).
-    pub(crate) per_element: bool,
+    /// Elements per iteration the bench declares (in its last run), if any: the times
+    /// are then per element.
+    pub(crate) elements: Option<u64>,
 }
 
 /// What happened to one bench.
@@ -39,6 +40,9 @@ pub(crate) enum Change {
     Added,
     /// The baseline's time is zero: no percentage.
     Undefined,
+    /// The two sides declare different elements per iteration (a throughput added,
+    /// removed or changed): their times measure different things.
+    Incomparable,
 }
 
 /// One row of the comparison.
@@ -97,8 +101,8 @@ fn summarize(estimates: &[Estimate]) -> Option<Summary> {
     let median = median(&values)?;
     let spread = values.iter().map(|value| (value - median).abs()).fold(0.0, f64::max);
     let spread_pct = if median > 0.0 { spread / median * 100.0 } else { 0.0 };
-    let per_element = estimates.iter().any(|estimate| estimate.elements.is_some());
-    Some(Summary { median, runs: values.len(), spread_pct, per_element })
+    let elements = estimates.last()?.elements;
+    Some(Summary { median, runs: values.len(), spread_pct, elements })
 }
 
 /// Compares every bench that either side produced; `threshold_pct` is the noise
@@ -114,6 +118,7 @@ pub(crate) fn compare(baseline: &[Results], candidate: &[Results], threshold_pct
             let baseline = base.get(id).and_then(|estimates| summarize(estimates));
             let candidate = cand.get(id).and_then(|estimates| summarize(estimates));
             let change = match (baseline, candidate) {
+                (Some(b), Some(c)) if b.elements != c.elements => Change::Incomparable,
                 (Some(b), Some(c)) if b.median > 0.0 => {
                     let pct = (c.median - b.median) * 100.0 / b.median;
                     if pct.abs() <= threshold_pct {
@@ -154,7 +159,7 @@ pub(crate) fn render(rows: &[ChangeRow], context: &Context) -> String {
     let figure = |summary: Option<Summary>| match summary {
         None => "—".to_owned(),
         Some(summary) => {
-            let unit = if summary.per_element { "/element" } else { "" };
+            let unit = if summary.elements.is_some() { "/element" } else { "" };
             let spread = if summary.runs > 1 { format!(" ±{:.1}%", summary.spread_pct) } else { String::new() };
             format!("{}{unit}{spread}", Nanos(summary.median))
         }
@@ -169,6 +174,7 @@ pub(crate) fn render(rows: &[ChangeRow], context: &Context) -> String {
                 Change::Removed => ("—".to_owned(), "only in baseline"),
                 Change::Added => ("—".to_owned(), "only in candidate"),
                 Change::Undefined => ("—".to_owned(), "undefined (zero baseline)"),
+                Change::Incomparable => ("—".to_owned(), "not comparable (elements per iteration differ)"),
             };
             vec![format!("`{}`", row.bench), figure(row.baseline), figure(row.candidate), change, verdict.to_owned()]
         })
@@ -204,6 +210,10 @@ pub(crate) fn render(rows: &[ChangeRow], context: &Context) -> String {
     let (removed, added) = (count(|change| *change == Change::Removed), count(|change| *change == Change::Added));
     if removed + added > 0 {
         out.push_str(&format!("; {removed} only in baseline, {added} only in candidate"));
+    }
+    let incomparable = count(|change| *change == Change::Incomparable);
+    if incomparable > 0 {
+        out.push_str(&format!("; {incomparable} not comparable"));
     }
     out.push_str(".\n");
     out
@@ -318,6 +328,15 @@ mod tests {
         assert_eq!(rows[0].baseline.unwrap().median, 100.0);
         assert!(matches!(rows[0].change, Change::Slower(pct) if (pct - 10.0).abs() < 1e-9));
         assert!(render(&rows, &context()).contains("100.0 ns/element"));
+        // A throughput declared on one side only, or a different element count, makes
+        // the times measure different things: no percentage, said so.
+        let plain = run(&[("kv", 1600.0)]);
+        let rows = compare(&[plain], &[with(1600.0, 16)], 5.0);
+        assert_eq!(rows[0].change, Change::Incomparable);
+        assert_eq!(compare(&[with(1600.0, 16)], &[with(3200.0, 32)], 5.0)[0].change, Change::Incomparable);
+        let text = render(&rows, &context());
+        assert!(text.contains("not comparable (elements per iteration differ)"), "{text}");
+        assert!(text.contains("; 1 not comparable."), "{text}");
     }
 
     #[test]
