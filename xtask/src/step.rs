@@ -442,9 +442,10 @@ impl<'a> Runner<'a> {
         if let Some(total) = tests {
             println!("tests: {} passed, {} failed, {} skipped", total.passed, total.failed, total.ignored);
         }
-        for step in passed {
+        for step in passed.iter().filter(|step| !step.notes.is_empty()) {
+            println!("{} figures:", step.name);
             for note in &step.notes {
-                println!("{}: {note}", step.name);
+                println!("  {note}");
             }
         }
         let note = match warnings.len() {
