@@ -4,7 +4,9 @@
 //! Each side ran several times (alternating with the other); a bench's figure for a
 //! side is the median of its runs' criterion medians, and the change is the candidate's
 //! figure against the baseline's, in percent. A change whose size is within the noise
-//! threshold is marked `~ noise`. Everything here is pure and tested on fixtures.
+//! threshold, or within the spread of either side's own runs (a difference the runs of
+//! one side show among themselves says nothing about the change), is marked `~ noise`.
+//! Everything here is pure and tested on fixtures.
 
 use std::collections::BTreeMap;
 
@@ -32,7 +34,7 @@ pub(crate) enum Change {
     Faster(f64),
     /// Slower by more than the threshold (positive percent).
     Slower(f64),
-    /// Within the threshold.
+    /// Within the threshold or the runs' own spread.
     Noise(f64),
     /// Only the baseline has it.
     Removed,
@@ -106,7 +108,8 @@ fn summarize(estimates: &[Estimate]) -> Option<Summary> {
 }
 
 /// Compares every bench that either side produced; `threshold_pct` is the noise
-/// threshold in percent (a change of exactly the threshold is noise).
+/// threshold in percent (a change of exactly the threshold is noise). A larger change
+/// is noise too when one side's runs spread at least as far from their median.
 pub(crate) fn compare(baseline: &[Results], candidate: &[Results], threshold_pct: f64) -> Vec<ChangeRow> {
     let base = by_bench(baseline);
     let cand = by_bench(candidate);
@@ -121,7 +124,7 @@ pub(crate) fn compare(baseline: &[Results], candidate: &[Results], threshold_pct
                 (Some(b), Some(c)) if b.elements != c.elements => Change::Incomparable,
                 (Some(b), Some(c)) if b.median > 0.0 => {
                     let pct = (c.median - b.median) * 100.0 / b.median;
-                    if pct.abs() <= threshold_pct {
+                    if pct.abs() <= threshold_pct.max(b.spread_pct).max(c.spread_pct) {
                         Change::Noise(pct)
                     } else if pct < 0.0 {
                         Change::Faster(pct)
@@ -184,8 +187,8 @@ pub(crate) fn render(rows: &[ChangeRow], context: &Context) -> String {
         "## Benchmarks: `{}` ({}) vs this change\n\n\
          {} run(s) of each side, alternating baseline and candidate on one machine (criterion `{}`). Each \
          figure is the median of the runs' criterion medians, per iteration (per element where the bench \
-         declares a throughput); ± is the largest distance of one run from it. Changes within ±{threshold}% are \
-         marked ~ noise.\n\n",
+         declares a throughput); ± is the largest distance of one run from it. Changes within ±{threshold}%, or \
+         within the ± of either side, are marked ~ noise.\n\n",
         context.rev,
         short(&context.commit),
         context.rounds,
@@ -202,7 +205,7 @@ pub(crate) fn render(rows: &[ChangeRow], context: &Context) -> String {
         &body,
     ));
     out.push_str(&format!(
-        "\n{} slower, {} faster, {} within ±{threshold}% (noise)",
+        "\n{} slower, {} faster, {} within ±{threshold}% or the runs' spread (noise)",
         count(|change| matches!(change, Change::Slower(_))),
         count(|change| matches!(change, Change::Faster(_))),
         count(|change| matches!(change, Change::Noise(_))),
@@ -285,6 +288,21 @@ mod tests {
     }
 
     #[test]
+    fn a_change_within_the_runs_own_spread_is_noise() {
+        // The candidate's runs differ by 24% among themselves: a 10% change is noise.
+        let baseline = [run(&[("t", 100.0)]), run(&[("t", 100.0)])];
+        let noisy = [run(&[("t", 98.0)]), run(&[("t", 122.0)])];
+        let row = &compare(&baseline, &noisy, 5.0)[0];
+        assert!((row.candidate.unwrap().spread_pct - 12.0 / 110.0 * 100.0).abs() < 1e-9);
+        assert!(matches!(row.change, Change::Noise(pct) if (pct - 10.0).abs() < 1e-9), "{row:?}");
+        // The same 10% with steady runs on both sides is a change.
+        let steady = [run(&[("t", 110.0)]), run(&[("t", 110.0)])];
+        assert!(matches!(compare(&baseline, &steady, 5.0)[0].change, Change::Slower(_)));
+        // Spread on the baseline's side counts the same.
+        assert!(matches!(compare(&noisy, &baseline, 5.0)[0].change, Change::Noise(_)));
+    }
+
+    #[test]
     fn each_side_is_the_median_over_its_runs() {
         // One noisy baseline run does not decide: the median of three is 100.
         let baseline = [run(&[("a", 100.0)]), run(&[("a", 160.0)]), run(&[("a", 99.0)])];
@@ -350,7 +368,7 @@ mod tests {
         assert!(text.starts_with("## Benchmarks: `origin/main` (0123456789ab) vs this change\n"), "{text}");
         assert!(text.contains("2 run(s) of each side, alternating"), "{text}");
         assert!(text.contains("criterion `--warm-up-time 1 --measurement-time 2`"), "{text}");
-        assert!(text.contains("Changes within ±5% are marked ~ noise."), "{text}");
+        assert!(text.contains("Changes within ±5%, or within the ± of either side, are marked ~ noise."), "{text}");
         let line = |needle: &str| text.lines().find(|line| line.contains(needle)).unwrap().to_owned();
         let pair = line("`pair/bound`");
         for part in ["31.0 ns ±3.2%", "31.0 ns ±0.0%", "+0.0%", "~ noise"] {
@@ -361,7 +379,11 @@ mod tests {
         let old = line("`old`");
         assert!(old.contains("only in baseline") && old.contains("— |"), "{old}");
         assert!(
-            text.contains("\n1 slower, 0 faster, 1 within ±5% (noise); 1 only in baseline, 0 only in candidate.\n")
+            text.contains(
+                "\n1 slower, 0 faster, 1 within ±5% or the runs' spread (noise); 1 only in baseline, 0 only in \
+                 candidate.\n"
+            ),
+            "{text}"
         );
         assert!(text.contains("| benchmark"), "{text}");
     }

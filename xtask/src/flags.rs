@@ -37,7 +37,8 @@ COMMANDS:
                                   each bench's change (median of the candidate runs vs median of
                                   the baseline runs), then the targets table of the candidate
         --rounds N                with --compare: runs of each side (default 2)
-        --threshold PCT           with --compare: changes within +-PCT% are \"~ noise\" (default 5)
+        --threshold PCT           with --compare: changes within +-PCT% (default 5), or within the
+                                  spread of one side's own runs, are marked \"~ noise\"
         -- CRITERION_ARGS...      passed to every bench binary (a name filter leaves table rows
                                   missing)
     stress [--secs N]         the bounded stress tests for N seconds (default 30):
