@@ -145,13 +145,14 @@ pub(crate) fn read_results(criterion_home: &Path, since: Option<SystemTime>) -> 
             .map(|entry| entry.path())
             .collect();
         subdirs.sort();
+        // Criterion's other directories (`base`, saved baselines, `report`) hold their
+        // files directly, never in a `new` directory, so walking them finds nothing; a
+        // bench group that happens to be called `base` is still found.
         for subdir in subdirs {
-            let name = subdir.file_name().and_then(|name| name.to_str()).unwrap_or_default();
-            match name {
-                // Criterion's previous run and saved baselines, and its HTML report.
-                "base" | "report" => {}
-                "new" if subdir.join("benchmark.json").is_file() => read_one(&subdir, since, &mut results),
-                _ => pending.push(subdir),
+            if subdir.file_name().is_some_and(|name| name == "new") && subdir.join("benchmark.json").is_file() {
+                read_one(&subdir, since, &mut results);
+            } else {
+                pending.push(subdir);
             }
         }
     }
@@ -332,9 +333,14 @@ pub(crate) mod tests {
         write_result(&home.0, "pair/bound", None, 30.0);
         write_result(&home.0, "bind", None, 12.0);
         write_result(&home.0, "kv_pages_2_threads/pooled", Some(16), 1600.0);
-        // Criterion's other directories are not results.
-        write_result(&home.0.join("pair").join("bound").join("base"), "x", None, 1.0);
+        // Criterion's other directories are not results: `base` holds the files directly.
+        let base = home.0.join("pair").join("bound").join("base");
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::write(base.join("benchmark.json"), benchmark_json("pair/bound", None)).unwrap();
+        std::fs::write(base.join("estimates.json"), estimates_json(99.0)).unwrap();
         std::fs::create_dir_all(home.0.join("report")).unwrap();
+        // A group that happens to be called `base` is a result like any other.
+        write_result(&home.0, "base/x", None, 7.0);
         // A broken result is reported by path, not skipped.
         let broken = home.0.join("live").join("none").join("new");
         std::fs::create_dir_all(&broken).unwrap();
@@ -343,7 +349,8 @@ pub(crate) mod tests {
 
         let results = read_results(&home.0, None);
         let ids: Vec<&str> = results.benches.keys().map(String::as_str).collect();
-        assert_eq!(ids, ["bind", "kv_pages_2_threads/pooled", "pair/bound"]);
+        assert_eq!(ids, ["base/x", "bind", "kv_pages_2_threads/pooled", "pair/bound"]);
+        assert_eq!(results.benches["pair/bound"].median_ns, 30.0, "new, not base");
         assert_eq!(results.benches["kv_pages_2_threads/pooled"].per_element(), 100.0);
         assert_eq!(results.problems.len(), 1, "{:?}", results.problems);
         let problem = results.problems[0].to_string();
