@@ -17,7 +17,10 @@
 //! workspace crate's artifacts by its path relative to the workspace root, the same in
 //! both trees, and judges freshness by modification times, so after the baseline's
 //! build the working tree's older sources look up to date and its build would silently
-//! reuse the baseline's binaries (and leave them there for later builds).
+//! reuse the baseline's binaries (and leave them there for later builds). Both sides
+//! build with the cargo that runs xtask (`$CARGO`), so with the same toolchain even if
+//! REV's `rust-toolchain.toml` names another: the comparison is of the code, not the
+//! compiler.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -189,12 +192,17 @@ fn run_compare(flags: &flags::Bench, rev: &str, root: &Path) -> Result<(), Bench
         criterion_args,
     };
     let mut report = compare::render(&compare::compare(&baseline.runs, &candidate.runs, flags.threshold_pct), &context);
-    for side in [&baseline, &candidate] {
-        for (round, run) in side.runs.iter().enumerate() {
-            for problem in &run.problems {
-                report.push_str(&format!("\n- {} run {}: {problem}", side.label, round + 1));
-            }
-        }
+    let problems: Vec<String> = [&baseline, &candidate]
+        .iter()
+        .flat_map(|side| {
+            side.runs.iter().enumerate().flat_map(move |(round, run)| {
+                run.problems.iter().map(move |problem| format!("- {} run {}: {problem}\n", side.label, round + 1))
+            })
+        })
+        .collect();
+    if !problems.is_empty() {
+        report.push_str("\nResults that could not be used (left out of the table above):\n");
+        report.push_str(&problems.concat());
     }
     let candidate_medians = compare::medians(&candidate.runs);
     let rows = ratios::rows(&ratios::RATIOS, &candidate_medians);
