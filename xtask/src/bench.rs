@@ -18,9 +18,9 @@
 //! both trees, and judges freshness by modification times, so after the baseline's
 //! build the working tree's older sources look up to date and its build would silently
 //! reuse the baseline's binaries (and leave them there for later builds). Both sides
-//! build with the cargo that runs xtask (`$CARGO`), so with the same toolchain even if
-//! REV's `rust-toolchain.toml` names another: the comparison is of the code, not the
-//! compiler.
+//! build with the cargo that runs xtask (`$CARGO`); the comparison is meant to be of the
+//! code, so a REV whose `rust-toolchain.toml` pins another toolchain is best compared
+//! with that file made equal.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
