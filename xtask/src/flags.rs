@@ -44,6 +44,10 @@ COMMANDS:
     stress [--secs N]         the bounded stress tests for N seconds (default 30):
                               MEMORY_STRESS_SECS=N cargo test --release -p memory-binding --test stress;
                               repeats their ops/s lines at the end
+    miri                      the unsafe-bearing crates' tests under Miri on the nightly toolchain
+                              (bash scripts/miri.sh; installs the component if missing; not in CI)
+    fuzz [--secs N]           the registry_ops fuzz target for N seconds (default 60) on nightly:
+                              cargo +nightly fuzz run registry_ops (fuzz/ is outside the workspace)
     demo [ARGS...]            runs the demo (cargo run --release -p memory-demo -- ARGS...)
     help                      prints this text
 ";
@@ -78,6 +82,10 @@ pub(crate) enum Command {
     Bench(Bench),
     /// `cargo xtask stress`.
     Stress(Stress),
+    /// `cargo xtask miri`.
+    Miri,
+    /// `cargo xtask fuzz`.
+    Fuzz(Fuzz),
     /// `cargo xtask demo`.
     Demo(Demo),
     /// `cargo xtask help`.
@@ -150,6 +158,22 @@ impl Default for Stress {
     }
 }
 
+/// Default `--secs` of `cargo xtask fuzz`.
+pub(crate) const DEFAULT_FUZZ_SECS: u64 = 60;
+
+/// Flags of `cargo xtask fuzz`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Fuzz {
+    /// libFuzzer's `-max_total_time`, at least 1.
+    pub(crate) secs: u64,
+}
+
+impl Default for Fuzz {
+    fn default() -> Fuzz {
+        Fuzz { secs: DEFAULT_FUZZ_SECS }
+    }
+}
+
 /// Arguments of `cargo xtask demo`, passed to the demo binary untouched.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Demo {
@@ -164,7 +188,9 @@ pub(crate) enum FlagError {
     #[error("no command given; run `cargo xtask help` for the list")]
     MissingCommand,
     /// A command xtask does not know.
-    #[error("unknown command `{0}`; expected test, loom, bench, stress, demo or help (see `cargo xtask help`)")]
+    #[error(
+        "unknown command `{0}`; expected test, loom, bench, stress, miri, fuzz, demo or help (see `cargo xtask help`)"
+    )]
     UnknownCommand(String),
     /// A flag or argument the command does not take.
     #[error("`cargo xtask {command}` does not take `{arg}`; see `cargo xtask help`")]
@@ -225,6 +251,11 @@ where
         "loom" => parse_loom(args).map(Command::Loom),
         "bench" => parse_bench(args).map(Command::Bench),
         "stress" => parse_stress(args).map(Command::Stress),
+        "fuzz" => parse_secs("fuzz", args, DEFAULT_FUZZ_SECS).map(|secs| Command::Fuzz(Fuzz { secs })),
+        "miri" => match args.next() {
+            None => Ok(Command::Miri),
+            Some(arg) => Err(FlagError::UnexpectedArgument { command: "miri", arg }),
+        },
         "demo" => {
             let mut rest: Vec<String> = args.collect();
             if rest.first().is_some_and(|first| first == "--") {
@@ -334,18 +365,23 @@ fn parse_bench(mut args: impl Iterator<Item = String>) -> Result<Bench, FlagErro
     }
 }
 
-fn parse_stress(mut args: impl Iterator<Item = String>) -> Result<Stress, FlagError> {
-    let mut stress = Stress::default();
+fn parse_stress(args: impl Iterator<Item = String>) -> Result<Stress, FlagError> {
+    parse_secs("stress", args, DEFAULT_STRESS_SECS).map(|secs| Stress { secs })
+}
+
+/// Parses commands whose only flag is `--secs N` (N at least 1).
+fn parse_secs(command: &'static str, mut args: impl Iterator<Item = String>, default: u64) -> Result<u64, FlagError> {
+    let mut secs = default;
     while let Some(arg) = args.next() {
         let Some(value) = SECS.value(&arg, &mut args)? else {
-            return Err(FlagError::UnexpectedArgument { command: "stress", arg });
+            return Err(FlagError::UnexpectedArgument { command, arg });
         };
-        stress.secs = whole_number(SECS.name, value.clone())?;
-        if stress.secs == 0 {
+        secs = whole_number(SECS.name, value.clone())?;
+        if secs == 0 {
             return Err(FlagError::BadValue { flag: SECS.name, value, expected: "at least 1 second" });
         }
     }
-    Ok(stress)
+    Ok(secs)
 }
 
 fn whole_number<T: std::str::FromStr>(flag: &'static str, value: String) -> Result<T, FlagError> {
@@ -561,6 +597,19 @@ mod tests {
     }
 
     #[test]
+    fn fuzz_defaults_to_a_minute_and_miri_takes_no_arguments() {
+        assert_eq!(parse_str(&["fuzz"]), Ok(Command::Fuzz(Fuzz { secs: 60 })));
+        assert_eq!(parse_str(&["fuzz", "--secs", "600"]), Ok(Command::Fuzz(Fuzz { secs: 600 })));
+        assert!(parse_str(&["fuzz", "--secs", "0"]).unwrap_err().to_string().contains("at least 1 second"));
+        assert_eq!(parse_str(&["fuzz", "x"]), Err(FlagError::UnexpectedArgument { command: "fuzz", arg: "x".into() }));
+        assert_eq!(parse_str(&["miri"]), Ok(Command::Miri));
+        assert_eq!(
+            parse_str(&["miri", "-p"]),
+            Err(FlagError::UnexpectedArgument { command: "miri", arg: "-p".into() })
+        );
+    }
+
+    #[test]
     fn help_takes_no_arguments() {
         assert_eq!(parse_str(&["help"]), Ok(Command::Help));
         assert_eq!(parse_str(&["--help"]), Ok(Command::Help));
@@ -583,6 +632,8 @@ mod tests {
             "stress [--secs N]",
             "MEMORY_STRESS_SECS",
             "demo [ARGS...]",
+            "miri",
+            "fuzz [--secs N]",
             "help",
         ] {
             assert!(HELP.contains(word), "help text lacks {word}");

@@ -51,6 +51,8 @@ fn main() -> ExitCode {
         Command::Test(test) => step::run_steps("xtask test", &root, &tasks::test_steps(&test)),
         Command::Loom(loom) => step::run_steps("xtask loom", &root, &tasks::loom_steps(&loom)),
         Command::Stress(stress) => step::run_steps("xtask stress", &root, &tasks::stress_steps(&stress)),
+        Command::Miri => step::run_steps("xtask miri", &root, &tasks::miri_steps()),
+        Command::Fuzz(fuzz) => step::run_steps("xtask fuzz", &root, &tasks::fuzz_steps(&fuzz)),
         Command::Bench(bench) => {
             return match bench::run(&bench, &root) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -133,6 +133,19 @@ pub(crate) fn stress_steps(flags: &flags::Stress) -> Vec<Step> {
     ]
 }
 
+/// The step of `cargo xtask miri`: the script picks the crates and the Miri flags and
+/// installs the component when it is missing.
+pub(crate) fn miri_steps() -> Vec<Step> {
+    vec![Step::new("miri", Cmd::new("bash", ["scripts/miri.sh"]))]
+}
+
+/// The step of `cargo xtask fuzz`: libFuzzer on the registry_ops target for `secs`.
+/// Runs the rustup proxy (`cargo +nightly`), not `$CARGO`, since fuzzing needs nightly.
+pub(crate) fn fuzz_steps(flags: &flags::Fuzz) -> Vec<Step> {
+    let time = format!("-max_total_time={}", flags.secs);
+    vec![Step::new("fuzz", Cmd::new("cargo", ["+nightly", "fuzz", "run", "registry_ops", "--", time.as_str()]))]
+}
+
 /// The command `cargo xtask demo ARGS` runs.
 pub(crate) fn demo_cmd(flags: &flags::Demo) -> Cmd {
     let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo", "--"].map(String::from).to_vec();
@@ -271,6 +284,14 @@ mod tests {
             "{}",
             steps[0].cmd
         );
+    }
+
+    #[test]
+    fn miri_runs_the_script_and_fuzz_bounds_libfuzzer_by_time() {
+        let miri = miri_steps();
+        assert_eq!(miri[0].cmd.to_string(), "bash scripts/miri.sh");
+        let fuzz = fuzz_steps(&flags::Fuzz { secs: 90 });
+        assert_eq!(fuzz[0].cmd.to_string(), "cargo +nightly fuzz run registry_ops -- -max_total_time=90");
     }
 
     #[test]
