@@ -93,6 +93,11 @@ pub(crate) enum BenchError {
 /// produce. Missed targets are reported in the table, not as errors: timings on a
 /// shared machine are too noisy to gate on.
 pub(crate) fn run(flags: &flags::Bench, root: &Path) -> Result<(), BenchError> {
+    if flags.gpu {
+        let home = tasks::target_dir().join("criterion");
+        crate::step::run_steps("xtask bench --gpu", root, &tasks::gpu_bench_steps(flags, &home))?;
+        return Ok(());
+    }
     match &flags.compare {
         None => run_once(flags, root),
         Some(rev) => run_compare(flags, rev, root),

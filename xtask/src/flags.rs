@@ -36,6 +36,9 @@ COMMANDS:
                                   them alternately on this machine and prints a markdown table of
                                   each bench's change (median of the candidate runs vs median of
                                   the baseline runs), then the targets table of the candidate
+        --gpu                     instead: probes for a CUDA device (fails without one), then runs
+                                  the CUDA bench (eager vs pool vs VMM allocate+release from 4 KiB
+                                  to 1 GiB, VMM commit per granule) and its ratio table
         --rounds N                with --compare: runs of each side (default 2)
         --threshold PCT           with --compare: changes within +-PCT% (default 5), or within the
                                   spread of one side's own runs, are marked \"~ noise\"
@@ -129,6 +132,9 @@ pub(crate) struct Bench {
     pub(crate) output: Option<PathBuf>,
     /// Everything after `--`, passed to every bench binary.
     pub(crate) criterion_args: Vec<String>,
+    /// `--gpu`: probe for a CUDA device, then run only the CUDA latency bench (eager vs
+    /// pool vs VMM across sizes, VMM commit per granule), which prints its own table.
+    pub(crate) gpu: bool,
 }
 
 impl Default for Bench {
@@ -140,6 +146,7 @@ impl Default for Bench {
             warm_up_secs: DEFAULT_WARM_UP_SECS,
             measurement_secs: DEFAULT_MEASUREMENT_SECS,
             output: None,
+            gpu: false,
             criterion_args: Vec::new(),
         }
     }
@@ -350,6 +357,8 @@ fn parse_bench(mut args: impl Iterator<Item = String>) -> Result<Bench, FlagErro
             bench.warm_up_secs = seconds(WARM_UP.name, value)?;
         } else if let Some(value) = MEASUREMENT.value(&arg, &mut args)? {
             bench.measurement_secs = seconds(MEASUREMENT.name, value)?;
+        } else if arg == "--gpu" {
+            bench.gpu = true;
         } else if let Some(value) = OUTPUT.value(&arg, &mut args)? {
             if value.is_empty() {
                 return Err(FlagError::BadValue { flag: OUTPUT.name, value, expected: "a file path" });
@@ -358,6 +367,10 @@ fn parse_bench(mut args: impl Iterator<Item = String>) -> Result<Bench, FlagErro
         } else {
             return Err(FlagError::UnexpectedArgument { command: "bench", arg });
         }
+    }
+    if bench.gpu && bench.compare.is_some() {
+        // The GPU bench prints its own table; comparing revisions on a GPU is a later step.
+        return Err(FlagError::UnexpectedArgument { command: "bench --compare", arg: "--gpu".into() });
     }
     match compare_only {
         Some(flag) if bench.compare.is_none() => Err(FlagError::NeedsCompare { flag }),
@@ -521,6 +534,7 @@ mod tests {
             measurement_secs: 10.0,
             output: Some(PathBuf::from("bench.md")),
             criterion_args: vec![],
+            gpu: false,
         };
         assert_eq!(spaced, expected);
         assert_eq!(joined, expected);
@@ -594,6 +608,13 @@ mod tests {
             parse_str(&["stress", "30"]),
             Err(FlagError::UnexpectedArgument { command: "stress", arg: "30".into() })
         );
+    }
+
+    #[test]
+    fn bench_gpu_is_a_flag_of_its_own() {
+        let Ok(Command::Bench(bench)) = parse_str(&["bench", "--gpu"]) else { panic!("bench --gpu parses") };
+        assert!(bench.gpu);
+        assert!(parse_str(&["bench", "--gpu", "--compare", "HEAD~1"]).is_err());
     }
 
     #[test]

@@ -108,6 +108,22 @@ pub(crate) fn bench_cmd(flags: &flags::Bench, criterion_home: &Path) -> Cmd {
     Cmd::cargo(args).env("CRITERION_HOME", criterion_home.display().to_string())
 }
 
+/// The steps of `cargo xtask bench --gpu`: the device probe of `test --gpu`, then the
+/// CUDA bench alone (it prints its own table of medians and ratios).
+pub(crate) fn gpu_bench_steps(flags: &flags::Bench, criterion_home: &Path) -> Vec<Step> {
+    let mut args: Vec<String> =
+        ["bench", "--locked", "-p", BENCH_PACKAGE, "--bench", "cuda", "--"].map(String::from).to_vec();
+    args.extend(criterion_args(flags));
+    vec![
+        Step::new(
+            "cuda-probe",
+            Cmd::cargo(["run", "-q", "--locked", "-p", "allocator-cuda", "--example", "cuda_probe"]),
+        )
+        .check(Check::CudaDevice),
+        Step::new("cuda-bench", Cmd::cargo(args).env("CRITERION_HOME", criterion_home.display().to_string())),
+    ]
+}
+
 /// Builds the bench binaries of [`BENCH_PACKAGE`] without running them; cargo's JSON
 /// messages on stdout name the executables. `locked` adds `--locked` (the working tree;
 /// a baseline revision may predate a lock refresh).
@@ -284,6 +300,15 @@ mod tests {
             "{}",
             steps[0].cmd
         );
+    }
+
+    #[test]
+    fn gpu_bench_probes_first_then_runs_only_the_cuda_bench() {
+        let flags = flags::Bench { gpu: true, ..flags::Bench::default() };
+        let steps = gpu_bench_steps(&flags, Path::new("/tmp/criterion"));
+        assert_eq!(names(&steps), ["cuda-probe", "cuda-bench"]);
+        assert_eq!(steps[0].check, Check::CudaDevice);
+        assert!(steps[1].cmd.to_string().contains("--bench cuda --"), "{}", steps[1].cmd);
     }
 
     #[test]
