@@ -1730,6 +1730,28 @@ mod tests {
         run(&Input { serial_limit: None, queue_capacity: 2, ops });
     }
 
+    /// The ledger itself catches what it exists to catch: a second release of one block.
+    #[test]
+    #[should_panic(expected = "never handed out (or already freed)")]
+    fn the_ledger_refuses_a_block_released_twice() {
+        let ledger = Ledger::new(DeviceKey::HOST);
+        let block = ledger.allocate(&AllocationRequest::new(64, 8).unwrap()).unwrap();
+        let twin =
+            RawAllocation::new(block.address(), block.bytes(), block.align(), block.device(), block.provider_tag());
+        assert!(ledger.release(block).is_complete());
+        let _ = ledger.release(twin);
+    }
+
+    /// ... and a block the registry never released shows up at the end.
+    #[test]
+    fn the_ledger_counts_a_block_nobody_released() {
+        let ledger = Ledger::new(DeviceKey::HOST);
+        let block = ledger.allocate(&AllocationRequest::new(64, 8).unwrap()).unwrap();
+        assert_eq!(ledger.live_count(), 1);
+        assert!(ledger.release(block).is_complete());
+        assert_eq!(ledger.live_count(), 0);
+    }
+
     /// Replays one input file: `FUZZ_INPUT=path cargo test -- --ignored replay --nocapture`.
     #[test]
     #[ignore = "replays the file named by FUZZ_INPUT"]
