@@ -93,6 +93,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore = "pipe and mmap system calls, which Miri does not support")]
     fn probes_round_trip_ordinary_memory_and_report_unmapped_pages() {
         let mut buffer = vec![0u8; 100_000];
         let address = DeviceAddress::new(buffer.as_mut_ptr().expose_provenance() as u64).unwrap();

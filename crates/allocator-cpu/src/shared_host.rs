@@ -303,6 +303,7 @@ mod tests {
     const RW: MappingAccess = MappingAccess::ReadWrite;
 
     #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap(MAP_SHARED) system calls, which Miri does not support")]
     fn a_failed_map_leaves_nothing_mapped_and_the_range_usable() {
         inject::clear();
         let shared = SharedHostAllocator::new();
@@ -322,6 +323,7 @@ mod tests {
     /// reserved again: the range is never touched again, and a release that then fails
     /// after unmapping part of the reservation reports exactly what is left.
     #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap(MAP_SHARED) system calls, which Miri does not support")]
     fn holes_are_never_touched_and_a_partial_release_is_quarantined_with_exact_bytes() {
         inject::clear();
         let shared = SharedHostAllocator::new();
@@ -346,6 +348,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap(MAP_SHARED) system calls, which Miri does not support")]
     fn a_failed_unmap_keeps_the_mapping_and_says_what_was_unmapped() {
         inject::clear();
         let shared = SharedHostAllocator::new();
@@ -362,6 +365,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap(MAP_SHARED) system calls, which Miri does not support")]
     fn backing_creation_failures_are_typed() {
         inject::clear();
         let shared = SharedHostAllocator::new();
@@ -376,6 +380,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap(MAP_SHARED) system calls, which Miri does not support")]
     fn a_backing_of_another_instance_is_foreign_and_empty_placements_map_nothing() {
         inject::clear();
         let (ours, theirs) = (SharedHostAllocator::new(), SharedHostAllocator::new());

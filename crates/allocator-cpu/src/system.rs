@@ -270,6 +270,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri aborts on a ~isize::MAX-byte allocation instead of returning null")]
     fn a_size_the_system_refuses_is_out_of_memory_naming_the_request() {
         let system = SystemAllocator::for_device(DeviceKey::host(1));
         let bytes = AllocationRequest::MAX_BYTES & !4095;

@@ -271,6 +271,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn a_commit_that_fails_midway_rolls_back_the_runs_it_committed() {
         inject::clear();
         let arena = VirtualHostAllocator::new();
@@ -290,6 +291,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn a_populate_failure_rolls_back_and_a_kernel_without_populate_is_tolerated() {
         inject::clear();
         let arena = VirtualHostAllocator::new().populating();
@@ -305,6 +307,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn a_decommit_failure_reports_the_bytes_already_released() {
         inject::clear();
         let arena = VirtualHostAllocator::new();
@@ -323,6 +326,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn a_failed_unmap_hands_the_reservation_back_untouched() {
         inject::clear();
         let arena = VirtualHostAllocator::new();
@@ -340,6 +344,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn a_refused_reservation_is_a_typed_error_and_counted() {
         inject::clear();
         let arena = VirtualHostAllocator::for_device(DeviceKey::host(2));
@@ -365,6 +370,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn recommitted_pages_read_as_zero_and_reservations_are_lazy() {
         inject::clear();
         let arena = VirtualHostAllocator::new();
@@ -381,6 +387,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "mmap/mprotect/madvise system calls, which Miri does not support")]
     fn huge_reservations_far_beyond_memory_cost_nothing_until_committed() {
         inject::clear();
         // 64 GiB of address space on a machine with far less memory: reserving is free.

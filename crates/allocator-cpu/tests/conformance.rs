@@ -51,6 +51,7 @@ fn capability_checks() -> Vec<&'static str> {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
 fn system_allocator_conforms() {
     let report = run(Suite::new(SystemAllocator::new));
     assert_skipped_exactly(&report, &capability_checks());
@@ -58,12 +59,14 @@ fn system_allocator_conforms() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
 fn system_allocator_for_a_simulated_device_conforms() {
     let report = run(Suite::new(|| SystemAllocator::for_device(DeviceKey::device(1))));
     assert_skipped_exactly(&report, &capability_checks());
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
 fn pooled_allocator_over_the_system_allocator_conforms() {
     let report = run(Suite::new(|| PooledAllocator::new(SystemAllocator::new())));
     assert_skipped_exactly(&report, &capability_checks());
@@ -71,6 +74,7 @@ fn pooled_allocator_over_the_system_allocator_conforms() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
 fn pooled_allocator_that_caches_nothing_conforms() {
     let config = PoolConfig::default().with_max_cached_bytes(0);
     let report = run(Suite::new(move || PooledAllocator::with_config(SystemAllocator::new(), config)));
@@ -78,6 +82,7 @@ fn pooled_allocator_that_caches_nothing_conforms() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
 fn pooled_allocator_over_wrappers_conforms() {
     let report = run(Suite::new(|| PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()))));
     assert_skipped_exactly(&report, &capability_checks());
@@ -86,6 +91,7 @@ fn pooled_allocator_over_wrappers_conforms() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn virtual_host_allocator_conforms() {
     let report = run(Suite::new(VirtualHostAllocator::new));
     assert_skipped_exactly(&report, &[&["memory_is_writable"][..], &checks_with_prefix("shared_")].concat());
@@ -93,12 +99,14 @@ fn virtual_host_allocator_conforms() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn populating_virtual_host_allocator_conforms() {
     let report = run(Suite::new(|| VirtualHostAllocator::new().populating()));
     report.assert_ran(&checks_with_prefix("virtual_"));
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn shared_host_allocator_conforms() {
     let report = run(Suite::new(SharedHostAllocator::new));
     assert_skipped_exactly(&report, &[&["memory_is_writable"][..], &checks_with_prefix("virtual_")].concat());
@@ -106,6 +114,7 @@ fn shared_host_allocator_conforms() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn recording_wrapper_over_capability_allocators_conforms() {
     let report = run(Suite::new(|| RecordingAllocator::new(VirtualHostAllocator::new())));
     report.assert_ran(&checks_with_prefix("virtual_"));

@@ -338,6 +338,7 @@ enum Request {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "allocates multi-MiB zeroed blocks: about 3 minutes under Miri")]
 fn hostile_sizes_and_alignments_are_typed_errors_and_refusals_leave_nothing_behind() {
     let not_pow2: fn(&LayoutError) -> bool = |e| matches!(e, LayoutError::AlignmentNotPowerOfTwo { .. });
     let overflow: fn(&LayoutError) -> bool = |e| matches!(e, LayoutError::SizeOverflow { .. });
@@ -626,6 +627,7 @@ fn bind_error(result: Result<MemoryBinding, BindError>) -> Result<(), Refusal> {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "large table of cold-path calls: about 2 minutes under Miri")]
 fn foreign_unknown_and_wrong_state_identities_are_refused_by_every_cold_path_entry_point() {
     let registry = BindingRegistry::new().unwrap();
     let other = BindingRegistry::new().unwrap();

@@ -837,6 +837,7 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
+    #[cfg_attr(miri, ignore = "proptest state machine, 256+ cases: hours under Miri")]
     fn registry_agrees_with_the_reference_model_after_every_step(ops in case()) {
         run(&ops);
     }
@@ -899,6 +900,7 @@ fn scripted_lifecycle_agrees_with_the_reference_model() {
 /// operation generator (with a fixed seed, so this is deterministic): a generator that
 /// stopped reaching, say, `ContextNotQuiescent` would leave that path unchecked.
 #[test]
+#[cfg_attr(miri, ignore = "proptest search over 256 cases: hours under Miri")]
 fn random_search_reaches_every_outcome_kind() {
     use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
     let config = ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() };

@@ -340,6 +340,7 @@ fn control(
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "time-bounded multi-threaded stress: hours under Miri")]
 fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_block() {
     install_pause_hook(); // before any event, so the other tests' hook sees every callsite
     let seconds = seconds();
@@ -725,6 +726,7 @@ impl DeviceAllocator for AlwaysBusy {
 /// the mechanism) widen the window between the reads; one thread releases a live handle
 /// in a loop while another calls `remove`. Bounded by rounds, not by time.
 #[test]
+#[cfg_attr(miri, ignore = "100 rounds of 64 threads: hours under Miri")]
 fn remove_never_succeeds_while_a_live_handle_is_being_released_and_refused() {
     const PINS: usize = 64;
     const ROUNDS: usize = 100;

@@ -433,6 +433,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "two full conformance suites: about 85 s under Miri")]
     fn the_wrappers_forward_every_capability_and_pass_over_the_model() {
         let recorded =
             Suite::new(|| crate::RecordingAllocator::new(PageReserve::new())).with_access(&ModelAccess).run();
@@ -457,6 +458,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "full conformance suite over HostHeap: over 10 minutes under Miri")]
     fn capability_checks_say_they_were_skipped_for_a_plain_allocator() {
         let report = Suite::new(crate::HostHeap::new).with_access(&crate::HostHeap::access()).run();
         report.assert_passed();
@@ -512,6 +514,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "full memory_is_writable check over HostHeap: about 100 s under Miri")]
     fn a_plain_allocator_that_corrupts_neighbours_fails_memory_is_writable() {
         // memory_is_writable needs a plain allocator: a heap whose blocks all alias one
         // buffer is simulated by handing every request the same block.
