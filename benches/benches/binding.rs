@@ -17,6 +17,7 @@ use memory_api::MechanismIdentity;
 use memory_api::{
     AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
 };
+use memory_benches::CounterAllocator;
 use memory_binding::BindingRegistry;
 
 /// Hands out addresses from a per-allocator counter and frees nothing: the cheapest
@@ -43,34 +44,6 @@ impl DeviceAllocator for Counter {
         // Relaxed and per-allocator: on two devices nothing is shared.
         let start = self.next.fetch_add(4096, Ordering::Relaxed);
         let address = DeviceAddress::new(start).unwrap_or(DeviceAddress::new(1).unwrap_or_else(|| unreachable!()));
-        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
-    }
-    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        ReleaseOutcome::complete(allocation.bytes())
-    }
-}
-
-/// A thread-local counter allocator for the contention benches: the raw allocator
-/// must not be the shared line, or the bench would measure it instead of the registry.
-struct Local {
-    device: DeviceKey,
-}
-
-impl DeviceAllocator for Local {
-    fn device(&self) -> DeviceKey {
-        self.device
-    }
-    fn name(&self) -> &str {
-        "local"
-    }
-    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        thread_local!(static NEXT: std::cell::Cell<u64> = const { std::cell::Cell::new(1 << 20) });
-        let start = NEXT.with(|n| {
-            let v = n.get();
-            n.set(v + 4096);
-            v
-        });
-        let address = DeviceAddress::new(start).unwrap_or_else(|| unreachable!("starts above zero"));
         Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
@@ -139,8 +112,8 @@ fn run_threads(registry: &BindingRegistry, mechanisms: &[MechanismIdentity], ite
 
 fn threads(c: &mut Criterion) {
     let registry = BindingRegistry::new().expect("registry");
-    let first = registry.with_memory(Arc::new(Local { device: DeviceKey::device(0) })).expect("binding");
-    let second = registry.with_memory(Arc::new(Local { device: DeviceKey::device(1) })).expect("binding");
+    let first = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(0)))).expect("binding");
+    let second = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(1)))).expect("binding");
     let (m0, m1) = (first.identity().mechanism(), second.identity().mechanism());
     let mut group = c.benchmark_group("threads");
     group.bench_function("one_thread", |b| b.iter_custom(|iters| run_threads(&registry, &[m0], iters)));

@@ -23,9 +23,10 @@ use std::time::{Duration, Instant};
 
 use allocator_cpu::SystemAllocator;
 use criterion::{Criterion, criterion_group, criterion_main};
+use memory_benches::CounterAllocator;
 use memory_governor::{
-    Account, AccountConfig, AllocError, AllocationRequest, BindingRegistry, DeviceAddress, DeviceAllocator, DeviceKey,
-    Governor, IdentityIssuer, MemoryBinding, MemoryRole, RawAllocation, ReleaseOutcome,
+    Account, AccountConfig, AllocationRequest, BindingRegistry, DeviceAllocator, DeviceKey, Governor, IdentityIssuer,
+    MemoryBinding, MemoryRole,
 };
 
 const PAIR_BYTES: u64 = 4096;
@@ -37,34 +38,6 @@ fn record(name: &str, elapsed: Duration, ops: u64) -> Duration {
     let per_op = elapsed.as_secs_f64() * 1e9 / ops.max(1) as f64;
     SAMPLES.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(name.to_owned()).or_default().push(per_op);
     elapsed
-}
-
-/// Hands out addresses from a per-thread counter and frees nothing: the cheapest
-/// allocator, shared by no thread, so the benches measure the layers above it.
-struct Counter {
-    device: DeviceKey,
-}
-
-impl DeviceAllocator for Counter {
-    fn device(&self) -> DeviceKey {
-        self.device
-    }
-    fn name(&self) -> &str {
-        "counter"
-    }
-    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        thread_local!(static NEXT: std::cell::Cell<u64> = const { std::cell::Cell::new(1 << 20) });
-        let start = NEXT.with(|next| {
-            let start = next.get();
-            next.set(start + 4096);
-            start
-        });
-        let address = DeviceAddress::new(start).unwrap_or_else(|| unreachable!("starts above zero"));
-        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
-    }
-    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        ReleaseOutcome::complete(allocation.bytes())
-    }
 }
 
 fn account(governor: &Governor, device: DeviceKey) -> Account {
@@ -161,7 +134,10 @@ fn governed(c: &mut Criterion) {
     let request = AllocationRequest::new(PAIR_BYTES as usize, 256).expect("request").with_role(MemoryRole::KvCache);
     let mut group = c.benchmark_group("governed");
     for (inner_name, make) in [
-        ("counter", (|| Arc::new(Counter { device: DeviceKey::device(0) }) as Arc<dyn DeviceAllocator>) as fn() -> _),
+        (
+            "counter",
+            (|| Arc::new(CounterAllocator::new(DeviceKey::device(0))) as Arc<dyn DeviceAllocator>) as fn() -> _,
+        ),
         ("system", || Arc::new(SystemAllocator::for_device(DeviceKey::device(0))) as Arc<dyn DeviceAllocator>),
     ] {
         for governed in [false, true] {

@@ -1,1 +1,54 @@
-//! Criterion benches across the workspace (see `benches/`).
+//! Criterion benches across the workspace (see `benches/`), and the allocator they
+//! share as a floor.
+#![forbid(unsafe_code)]
+
+use std::cell::Cell;
+
+use memory_api::{
+    AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
+};
+
+/// Hands out addresses from a per-thread counter and frees nothing: the cheapest
+/// allocator, sharing no cache line between threads, so a bench measures the layers
+/// above it (the registry, the governor) rather than the allocator.
+#[derive(Debug)]
+pub struct CounterAllocator {
+    device: DeviceKey,
+}
+
+impl CounterAllocator {
+    /// A counter allocator claiming to serve `device`.
+    pub fn new(device: DeviceKey) -> CounterAllocator {
+        CounterAllocator { device }
+    }
+}
+
+thread_local!(static NEXT: Cell<u64> = const { Cell::new(1 << 20) });
+
+impl DeviceAllocator for CounterAllocator {
+    fn device(&self) -> DeviceKey {
+        self.device
+    }
+
+    fn name(&self) -> &str {
+        "counter"
+    }
+
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let start = NEXT.with(|next| {
+            let start = next.get();
+            next.set(start + 4096);
+            start
+        });
+        let address = DeviceAddress::new(start).ok_or_else(|| AllocError::Unsupported {
+            allocator: "counter".to_owned(),
+            device: self.device,
+            what: "a counter that wrapped to address zero",
+        })?;
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, 0))
+    }
+
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+}
