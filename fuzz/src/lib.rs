@@ -1752,14 +1752,32 @@ mod tests {
         assert_eq!(ledger.live_count(), 0);
     }
 
-    /// Replays one input file: `FUZZ_INPUT=path cargo test -- --ignored replay --nocapture`.
+    /// Replays one input file, or every file of a directory (a corpus):
+    /// `FUZZ_INPUT=path cargo test -- --ignored replay --nocapture`
+    /// (`FUZZ_STATS=1` prints how often each outcome was reached).
     #[test]
-    #[ignore = "replays the file named by FUZZ_INPUT"]
+    #[ignore = "replays the file or directory named by FUZZ_INPUT"]
     fn replay() {
-        let path = std::env::var("FUZZ_INPUT").expect("set FUZZ_INPUT to a crash or corpus file");
-        let data = std::fs::read(&path).expect("read FUZZ_INPUT");
-        let input = decode(&data).expect("the bytes decode to an input");
-        println!("{input:#?}");
-        run(&input);
+        let path = std::path::PathBuf::from(std::env::var("FUZZ_INPUT").expect("set FUZZ_INPUT to a file or corpus"));
+        let files: Vec<_> = if path.is_dir() {
+            let mut files: Vec<_> =
+                std::fs::read_dir(&path).expect("read FUZZ_INPUT").flatten().map(|e| e.path()).collect();
+            files.sort();
+            files
+        } else {
+            vec![path]
+        };
+        for file in &files {
+            let data = std::fs::read(file).expect("read an input");
+            let Some(input) = decode(&data) else { continue };
+            if files.len() == 1 {
+                println!("{input:#?}");
+            }
+            run(&input);
+        }
+        println!("replayed {} input(s)", files.len());
+        if std::env::var_os("FUZZ_STATS").is_some() {
+            println!("{:#?}", outcomes());
+        }
     }
 }
