@@ -98,6 +98,15 @@ pub enum AllocError {
         /// What reported the loss.
         reason: String,
     },
+    /// An admission policy (a governor's quota, budget or reserve) refused the request
+    /// before any memory was touched; `detail` names what ran short and what to change.
+    #[error("admission refused on {device}: {detail}")]
+    AdmissionRefused {
+        /// The device asked for.
+        device: DeviceKey,
+        /// The policy's explanation (limits, usage, the largest reclaimable holder).
+        detail: String,
+    },
     /// The allocator cannot serve this kind of request at all.
     #[error("{allocator} on {device} does not support {what}; use a mechanism that does")]
     Unsupported {
@@ -319,6 +328,16 @@ mod tests {
         assert!(text.contains("offset 4096") && text.contains("8192-byte allocation"), "{text}");
         let text = CapabilityError::Misaligned { offset: 1, len: 2, granularity: 4096 }.to_string();
         assert!(text.contains("4096-byte granularity") && text.contains("round"), "{text}");
+    }
+
+    #[test]
+    fn admission_refusals_name_the_device_and_carry_the_policy_explanation() {
+        let err = AllocError::AdmissionRefused {
+            device: DeviceKey::device(2),
+            detail: "tenant-a's quota of 80 MiB is used; raise the quota".into(),
+        };
+        let text = err.to_string();
+        assert!(text.contains("device:2") && text.contains("raise the quota"), "{text}");
     }
 
     #[test]

@@ -24,8 +24,8 @@ use std::collections::HashMap;
 use std::fmt;
 
 use memory_api::{
-    AllocError, AllocationRequest, AllocatorStats, BackendError, ByteRange, CapabilityError, DeviceAllocator,
-    DeviceKey, MappingAccess, MemoryRole, RawAllocation, ReleaseError, ReleaseOutcome, SharedBacking, SharedMapping,
+    AllocError, AllocationRequest, AllocatorStats, ByteRange, CapabilityError, DeviceAllocator, DeviceKey,
+    MappingAccess, MemoryRole, RawAllocation, ReleaseError, ReleaseOutcome, SharedBacking, SharedMapping,
     SharedPlacement, VirtualBacking,
 };
 
@@ -39,18 +39,10 @@ const QUARANTINED: u64 = 1 << 60;
 const WIDE: u64 = 1 << 59;
 const INNER: u64 = WIDE - 1;
 
-/// The `backend` name of [`BackendError`]s that carry a governor refusal.
-pub const GOVERNOR_BACKEND: &str = "governor";
-
-/// The `code` of a refusal because the budget is exhausted.
-pub const CODE_EXHAUSTED: i64 = 1;
-/// The `code` of a refusal because the request overflows the largest charge.
-pub const CODE_OVERFLOW: i64 = 2;
-
-/// Whether `error` is a governor refusal (a quota or limit), as returned through the
-/// `DeviceAllocator` interface by a [`GovernedAllocator`].
+/// Whether `error` is a governor refusal (a quota, limit or reserve), as returned
+/// through the `DeviceAllocator` interface by a [`GovernedAllocator`].
 pub fn is_governor_refusal(error: &AllocError) -> bool {
-    matches!(error, AllocError::Backend { source, .. } if source.backend == GOVERNOR_BACKEND)
+    matches!(error, AllocError::AdmissionRefused { .. })
 }
 
 /// The decoded tag of a governed block.
@@ -126,12 +118,7 @@ impl Tables {
 }
 
 fn capability_gone(what: &'static str) -> CapabilityError {
-    CapabilityError::Backend(BackendError {
-        backend: GOVERNOR_BACKEND,
-        operation: what,
-        code: 0,
-        detail: "the inner allocator no longer offers this capability".to_owned(),
-    })
+    CapabilityError::Unsupported { allocator: "the governed allocator's inner allocator".to_owned(), what }
 }
 
 fn not_ours(name: &str, block: &RawAllocation) -> CapabilityError {
@@ -334,19 +321,7 @@ impl GovernedAllocError {
         match self {
             GovernedAllocError::Allocator(error) => error,
             GovernedAllocError::Refused(refusal) => {
-                let code = match refusal {
-                    AdmissionError::Overflow { .. } => CODE_OVERFLOW,
-                    _ => CODE_EXHAUSTED,
-                };
-                AllocError::Backend {
-                    device,
-                    source: BackendError {
-                        backend: GOVERNOR_BACKEND,
-                        operation: "admission",
-                        code,
-                        detail: refusal.to_string(),
-                    },
-                }
+                AllocError::AdmissionRefused { device, detail: refusal.to_string() }
             }
         }
     }

@@ -118,9 +118,7 @@ pub mod capability {
 }
 
 // The governor's public interface, flat.
-pub use allocator::{
-    CODE_EXHAUSTED, CODE_OVERFLOW, GOVERNOR_BACKEND, GovernedAllocError, GovernedAllocator, is_governor_refusal,
-};
+pub use allocator::{GovernedAllocError, GovernedAllocator, is_governor_refusal};
 pub use error::{
     AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
     LimitScope, PolicyError, ShrinkError,
