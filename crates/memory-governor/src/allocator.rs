@@ -315,8 +315,8 @@ pub enum GovernedAllocError {
 
 impl GovernedAllocError {
     /// This error through the `DeviceAllocator` interface: a refusal becomes an
-    /// [`AllocError::Backend`] from [`GOVERNOR_BACKEND`] whose detail is the full
-    /// message (tier, device, authority, role, sizes, largest holder, what to change).
+    /// [`AllocError::AdmissionRefused`] whose detail is the full message (tier, device,
+    /// authority, role, sizes, largest holder, what to change).
     pub fn into_alloc_error(self, device: DeviceKey) -> AllocError {
         match self {
             GovernedAllocError::Allocator(error) => error,
