@@ -712,7 +712,10 @@ impl Model {
                 }
                 Released::Failed => Place::Quarantined { unmapped, residual, reason: Reason::Injected },
                 Released::Quarantined { unmapped: more, residual, reason } => {
-                    Place::Quarantined { unmapped: unmapped + more, residual, reason }
+                    // Unmapped bytes accumulate across retries but never exceed what the
+                    // block minus its residual leaves (the honesty rule).
+                    let ceiling = self.allocations[allocation].bytes.saturating_sub(residual);
+                    Place::Quarantined { unmapped: (unmapped + more).min(ceiling), residual, reason }
                 }
             };
             self.allocations[allocation].place = place;
