@@ -45,6 +45,7 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         Cmd::cargo(["doc", "--workspace", "--no-deps", "--locked"])
             .env("RUSTDOCFLAGS", extend_flags(std::env::var("RUSTDOCFLAGS").ok(), "-D warnings")),
     ));
+    steps.push(package_step());
     if flags.gpu {
         steps.push(
             Step::new("gpu-tests", Cmd::cargo(["test", "-p", "allocator-cuda", "--locked", "--", "--ignored", "gpu_"]))
@@ -52,6 +53,22 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         );
     }
     steps
+}
+
+/// The crates published to the registry, in dependency order.
+pub(crate) const PUBLISHED_CRATES: [&str; 5] =
+    ["memory-api", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda"];
+
+/// `cargo package` of every published crate together: cargo verifies each against the
+/// others packaged into a local registry, so a missing version, a file left out of a
+/// package or a dependency only the workspace provides fails here, not at release time.
+/// `--allow-dirty` lets a developer run it before committing; CI runs on a clean clone.
+pub(crate) fn package_step() -> Step {
+    let mut args = vec!["package", "--locked", "--allow-dirty"];
+    for krate in PUBLISHED_CRATES {
+        args.extend(["-p", krate]);
+    }
+    Step::new("package", Cmd::cargo(args))
 }
 
 /// The loom step: the `--lib` tests of [`LOOM_CRATES`] whose names contain `loom`, in
@@ -164,7 +181,12 @@ pub(crate) fn fuzz_steps(flags: &flags::Fuzz) -> Vec<Step> {
 
 /// The command `cargo xtask demo ARGS` runs.
 pub(crate) fn demo_cmd(flags: &flags::Demo) -> Cmd {
-    let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo", "--"].map(String::from).to_vec();
+    let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo"].map(String::from).to_vec();
+    // CUDA is an optional feature of the demo: enable it only when asked to use it.
+    if flags.args.iter().any(|arg| arg == "--gpu") {
+        args.extend(["--features".to_owned(), "cuda".to_owned()]);
+    }
+    args.push("--".to_owned());
     args.extend(flags.args.iter().cloned());
     Cmd::cargo(args)
 }
@@ -216,11 +238,19 @@ mod tests {
     #[test]
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
-        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "loom", "docs"]);
+        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "loom", "docs", "package"]);
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
             checks,
-            [Check::Success, Check::Success, Check::Success, Check::Tests, Check::LoomModels, Check::Success]
+            [
+                Check::Success,
+                Check::Success,
+                Check::Success,
+                Check::Tests,
+                Check::LoomModels,
+                Check::Success,
+                Check::Success
+            ]
         );
         let loom = &steps[4];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
@@ -229,7 +259,10 @@ mod tests {
     #[test]
     fn gpu_probes_first_and_runs_the_gpu_tests_last() {
         let steps = test_steps(&flags::Test { gpu: true });
-        assert_eq!(names(&steps), ["cuda-probe", "fmt", "tidy", "clippy", "tests", "loom", "docs", "gpu-tests"]);
+        assert_eq!(
+            names(&steps),
+            ["cuda-probe", "fmt", "tidy", "clippy", "tests", "loom", "docs", "package", "gpu-tests"]
+        );
         assert_eq!(steps[0].check, Check::CudaDevice);
         let gpu = steps.last().unwrap();
         assert_eq!(gpu.check, Check::GpuTests);
@@ -317,6 +350,14 @@ mod tests {
         assert_eq!(miri[0].cmd.to_string(), "bash scripts/miri.sh");
         let fuzz = fuzz_steps(&flags::Fuzz { secs: 90 });
         assert_eq!(fuzz[0].cmd.to_string(), "cargo +nightly fuzz run registry_ops -- -max_total_time=90");
+    }
+
+    #[test]
+    fn demo_enables_cuda_only_for_gpu_runs() {
+        let cmd = demo_cmd(&flags::Demo { args: vec!["--gpu".into()] });
+        assert!(cmd.to_string().ends_with("-p memory-demo --features cuda -- --gpu"), "{cmd}");
+        let cmd = demo_cmd(&flags::Demo { args: vec!["--seed".into(), "3".into()] });
+        assert!(!cmd.to_string().contains("cuda"), "{cmd}");
     }
 
     #[test]
