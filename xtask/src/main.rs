@@ -6,10 +6,11 @@
 //!   device is present or no GPU test ran.
 //! - `cargo xtask loom [--preemptions N]`: the loom models, in `target/loom`.
 //! - `cargo xtask bench [--compare REV]`: the criterion benches, then one table of the
-//!   ratios measured in that run against the issues' targets; with `--compare`, the
+//!   ratios measured in that run against the performance targets; with `--compare`, the
 //!   per-bench change between REV and the working tree, measured alternately on this
 //!   machine, as markdown.
 //! - `cargo xtask stress [--secs N]`: the bounded stress tests, run for longer.
+//! - `cargo xtask mutants [--file F]`: mutation testing of the core crates (weekly).
 //! - `cargo xtask demo [ARGS]`: the demo binary.
 //!
 //! Layout: [`flags`] parses the command line into types, [`tasks`] turns each command
@@ -36,23 +37,18 @@ use flags::Command;
 fn main() -> ExitCode {
     let command = match flags::parse(std::env::args_os().skip(1)) {
         Ok(command) => command,
-        Err(err) => {
-            eprintln!("xtask: {err}\n\n{}", flags::HELP);
-            return ExitCode::from(2);
-        }
+        // Help goes to stdout with success, a usage error to stderr with status 2.
+        Err(err) => err.exit(),
     };
     let root = tasks::project_root();
     let result = match command {
-        Command::Help => {
-            print!("{}", flags::HELP);
-            return ExitCode::SUCCESS;
-        }
         Command::Demo(demo) => return run_demo(&demo, &root),
         Command::Test(test) => step::run_steps("xtask test", &root, &tasks::test_steps(&test)),
         Command::Loom(loom) => step::run_steps("xtask loom", &root, &tasks::loom_steps(&loom)),
         Command::Stress(stress) => step::run_steps("xtask stress", &root, &tasks::stress_steps(&stress)),
         Command::Miri => step::run_steps("xtask miri", &root, &tasks::miri_steps()),
         Command::Fuzz(fuzz) => step::run_steps("xtask fuzz", &root, &tasks::fuzz_steps(&fuzz)),
+        Command::Mutants(mutants) => step::run_steps("xtask mutants", &root, &tasks::mutants_steps(&mutants)),
         Command::Bench(bench) => {
             return match bench::run(&bench, &root) {
                 Ok(()) => ExitCode::SUCCESS,

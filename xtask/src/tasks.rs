@@ -179,6 +179,27 @@ pub(crate) fn fuzz_steps(flags: &flags::Fuzz) -> Vec<Step> {
     vec![Step::new("fuzz", Cmd::new("cargo", ["+nightly", "fuzz", "run", "registry_ops", "--", time.as_str()]))]
 }
 
+/// The crates `cargo xtask mutants` mutates: the registry and the governor, whose
+/// tests must catch at least 90% of viable mutants per file.
+pub(crate) const MUTATED_CRATES: [&str; 2] = ["memory-binding", "memory-governor"];
+
+/// `cargo xtask mutants [--file F]`: cargo-mutants over [`MUTATED_CRATES`] (or one
+/// file), testing each mutant with the mutated crate's own tests. Slow (minutes per
+/// file): a weekly workflow runs it, not CI. The stress and property tests are shortened
+/// so a mutant that hangs a protocol times out rather than running for the full budget.
+pub(crate) fn mutants_steps(flags: &flags::Mutants) -> Vec<Step> {
+    let mut args =
+        vec!["mutants".to_owned(), "--no-shuffle".to_owned(), "--timeout-multiplier".to_owned(), "3".to_owned()];
+    for krate in MUTATED_CRATES {
+        args.extend(["--package".to_owned(), krate.to_owned()]);
+    }
+    if let Some(file) = &flags.file {
+        args.extend(["--file".to_owned(), file.display().to_string()]);
+    }
+    let cmd = Cmd::cargo(args).env("MEMORY_STRESS_SECS", "1").env("PROPTEST_CASES", "32");
+    vec![Step::new("mutants", cmd)]
+}
+
 /// The command `cargo xtask demo ARGS` runs.
 pub(crate) fn demo_cmd(flags: &flags::Demo) -> Cmd {
     let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo"].map(String::from).to_vec();
@@ -350,6 +371,18 @@ mod tests {
         assert_eq!(miri[0].cmd.to_string(), "bash scripts/miri.sh");
         let fuzz = fuzz_steps(&flags::Fuzz { secs: 90 });
         assert_eq!(fuzz[0].cmd.to_string(), "cargo +nightly fuzz run registry_ops -- -max_total_time=90");
+    }
+
+    #[test]
+    fn mutants_covers_both_core_crates_or_one_file() {
+        let all = mutants_steps(&flags::Mutants { file: None });
+        let cmd = all[0].cmd.to_string();
+        assert!(cmd.contains("--package memory-binding --package memory-governor"), "{cmd}");
+        assert!(!cmd.contains("--file"), "{cmd}");
+        let file = "crates/memory-governor/src/allocator.rs";
+        let one = mutants_steps(&flags::Mutants { file: Some(file.into()) });
+        assert!(one[0].cmd.to_string().ends_with(&format!("--file {file}")), "{}", one[0].cmd);
+        assert_eq!(one[0].cmd.env_value("MEMORY_STRESS_SECS"), Some("1"));
     }
 
     #[test]
