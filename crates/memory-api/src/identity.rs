@@ -256,64 +256,15 @@ impl IdentityIssuer {
         })
     }
 
-    /// Mints a provider-context identity.
+    /// Mints one identity of kind `I` (the named minters such as
+    /// [`IdentityIssuer::mechanism`] are this, spelled out).
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
     #[inline]
-    pub fn provider_context(&self) -> Result<ProviderContextIdentity, IdentityError> {
-        let serial = self.reserve(IdentityKind::ProviderContext, 1)?;
-        Ok(ProviderContextIdentity { registry: self.registry, serial })
-    }
-
-    /// Mints an authority identity.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn authority(&self) -> Result<AuthorityIdentity, IdentityError> {
-        let serial = self.reserve(IdentityKind::Authority, 1)?;
-        Ok(AuthorityIdentity { registry: self.registry, serial })
-    }
-
-    /// Mints a mechanism identity.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn mechanism(&self) -> Result<MechanismIdentity, IdentityError> {
-        let serial = self.reserve(IdentityKind::Mechanism, 1)?;
-        Ok(MechanismIdentity { registry: self.registry, serial })
-    }
-
-    /// Mints a binding id.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn binding(&self) -> Result<BindingId, IdentityError> {
-        let serial = self.reserve(IdentityKind::Binding, 1)?;
-        Ok(BindingId { registry: self.registry, serial })
-    }
-
-    /// Mints a binding generation.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn binding_generation(&self) -> Result<BindingGeneration, IdentityError> {
-        let serial = self.reserve(IdentityKind::BindingGeneration, 1)?;
-        Ok(BindingGeneration { registry: self.registry, serial })
-    }
-
-    /// Mints one allocation generation.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn allocation_generation(&self) -> Result<AllocationGeneration, IdentityError> {
-        let serial = self.reserve(IdentityKind::AllocationGeneration, 1)?;
-        Ok(AllocationGeneration { registry: self.registry, serial })
+    pub fn mint<I: Identity>(&self) -> Result<I, IdentityError> {
+        let serial = self.reserve(I::KIND, 1)?;
+        Ok(I::from_parts(self.registry, serial))
     }
 
     /// Reserves a block of `count` identities of kind `I` in one counter update, so a
@@ -343,6 +294,40 @@ impl IdentityIssuer {
         let next = self.counters[I::KIND.slot()].load(Ordering::Relaxed);
         (serial.get() < next).then(|| I::from_parts(self.registry, serial))
     }
+}
+
+/// The named minters: [`IdentityIssuer::mint`] for each kind, spelled out for callers
+/// that read better with a name than with a turbofish.
+macro_rules! named_minters {
+    ($($(#[$doc:meta])* $method:ident -> $kind:ty;)*) => {
+        impl IdentityIssuer {
+            $(
+                $(#[$doc])*
+                ///
+                /// # Errors
+                /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+                #[inline]
+                pub fn $method(&self) -> Result<$kind, IdentityError> {
+                    self.mint()
+                }
+            )*
+        }
+    };
+}
+
+named_minters! {
+    /// Mints a provider-context identity.
+    provider_context -> ProviderContextIdentity;
+    /// Mints an authority identity.
+    authority -> AuthorityIdentity;
+    /// Mints a mechanism identity.
+    mechanism -> MechanismIdentity;
+    /// Mints a binding id.
+    binding -> BindingId;
+    /// Mints a binding generation.
+    binding_generation -> BindingGeneration;
+    /// Mints one allocation generation.
+    allocation_generation -> AllocationGeneration;
 }
 
 /// A run of identities reserved from an [`IdentityIssuer`] for one thread.
