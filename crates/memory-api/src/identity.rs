@@ -28,6 +28,14 @@ impl RegistryId {
     }
 }
 
+/// Serialised as its display form; there is no `Deserialize` (ids are minted, never read).
+#[cfg(feature = "serde")]
+impl serde::Serialize for RegistryId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
 impl fmt::Display for RegistryId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "r{}", self.0)
@@ -49,6 +57,7 @@ fn checked_reserve(counter: &AtomicU64, count: u64, limit: u64) -> Option<NonZer
 
 /// The kinds of identity an issuer mints; each has its own counter.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub enum IdentityKind {
     /// [`ProviderContextIdentity`].
@@ -158,6 +167,15 @@ macro_rules! identity_type {
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 write!(f, concat!($prefix, "{}.{}"), self.registry, self.serial)
+            }
+        }
+
+        /// Serialised as its display form (`mech:1.5`): identities go out, never in,
+        /// so there is no `Deserialize`.
+        #[cfg(feature = "serde")]
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_str(self)
             }
         }
 
@@ -369,6 +387,7 @@ impl<I: Identity> IdentityBlock<I> {
 /// Everything that identifies one binding: which binding, which generation of it, and
 /// the device, mechanism, provider context and authority it is pinned to.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct BindingIdentity {
     binding: BindingId,
     generation: BindingGeneration,
@@ -447,6 +466,7 @@ impl fmt::Display for BindingIdentity {
 
 /// A binding identity plus the generation of one allocation made through it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct AllocationIdentity {
     binding: BindingIdentity,
     generation: AllocationGeneration,
