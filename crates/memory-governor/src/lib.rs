@@ -94,6 +94,8 @@ pub mod credit;
 pub mod error;
 pub mod governor;
 pub mod lease;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod policy;
 pub mod reclaim;
 pub mod stats;
