@@ -34,9 +34,16 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
     steps.push(Step::new("tidy", Cmd::cargo(["test", "--locked", "-p", "xtask", "--test", "tidy"])));
     steps.push(Step::new(
         "clippy",
-        Cmd::cargo(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
+        Cmd::cargo(["clippy", "--workspace", "--all-targets", "--all-features", "--locked", "--", "-D", "warnings"]),
     ));
     steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])).check(Check::Tests));
+    // The optional features (serde, metrics) change what compiles and add tests of
+    // their own: run the crates that have them with every feature on.
+    let mut features = vec!["test", "--locked", "--all-features"];
+    for krate in FEATURE_CRATES {
+        features.extend(["-p", krate]);
+    }
+    steps.push(Step::new("features", Cmd::cargo(features)).check(Check::Tests));
     // The loom models with a low preemption bound (seconds per model); `cargo xtask
     // loom` explores deeper.
     steps.push(loom_step(LOOM_PREEMPTIONS_IN_TEST, &loom_target_dir()));
@@ -54,6 +61,10 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
     }
     steps
 }
+
+/// The crates with optional features (`serde`, `metrics`) whose tests the `features`
+/// step runs with every feature on.
+pub(crate) const FEATURE_CRATES: [&str; 2] = ["memory-api", "memory-governor"];
 
 /// The crates published to the registry, in dependency order.
 pub(crate) const PUBLISHED_CRATES: [&str; 5] =
@@ -259,7 +270,7 @@ mod tests {
     #[test]
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
-        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "loom", "docs", "package"]);
+        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "features", "loom", "docs", "package"]);
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
             checks,
@@ -268,12 +279,13 @@ mod tests {
                 Check::Success,
                 Check::Success,
                 Check::Tests,
+                Check::Tests,
                 Check::LoomModels,
                 Check::Success,
                 Check::Success
             ]
         );
-        let loom = &steps[4];
+        let loom = &steps[5];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
@@ -282,7 +294,7 @@ mod tests {
         let steps = test_steps(&flags::Test { gpu: true });
         assert_eq!(
             names(&steps),
-            ["cuda-probe", "fmt", "tidy", "clippy", "tests", "loom", "docs", "package", "gpu-tests"]
+            ["cuda-probe", "fmt", "tidy", "clippy", "tests", "features", "loom", "docs", "package", "gpu-tests"]
         );
         assert_eq!(steps[0].check, Check::CudaDevice);
         let gpu = steps.last().unwrap();
