@@ -1089,6 +1089,92 @@ mod queue {
         }
     }
 
+    /// An allocator whose every release panics (a hostile or buggy inner allocator).
+    struct PanicsOnRelease;
+
+    impl DeviceAllocator for PanicsOnRelease {
+        fn device(&self) -> DeviceKey {
+            DeviceKey::device(0)
+        }
+        fn name(&self) -> &str {
+            "panics-on-release"
+        }
+        fn allocate(
+            &self,
+            request: &memory_api::AllocationRequest,
+        ) -> Result<memory_api::RawAllocation, memory_api::AllocError> {
+            let address = memory_api::DeviceAddress::new(0x10_0000).expect("non-zero");
+            Ok(memory_api::RawAllocation::new(address, request.bytes(), request.align(), DeviceKey::device(0), 0))
+        }
+        fn release(&self, _allocation: memory_api::RawAllocation) -> ReleaseOutcome {
+            panic!("a queued release panicked (on purpose)");
+        }
+    }
+
+    fake_test! {
+        fn a_queued_release_that_panics_does_not_stop_later_polls_and_drains() {
+            let s = setup(8);
+            let hostile: Arc<dyn DeviceAllocator> = Arc::new(PanicsOnRelease);
+            let panicked = Arc::new(Mutex::new(Vec::new()));
+            let prepared_panicking = || {
+                let seen = Arc::clone(&panicked);
+                PreparedRelease::new(
+                    identity(DeviceKey::device(0)),
+                    Arc::clone(&hostile),
+                    hostile.allocate(&request(64, 8)).unwrap(),
+                    Box::new(move |outcome: ReleaseOutcome| seen.lock().unwrap().push(outcome.summary())),
+                )
+            };
+            for release in [prepared_panicking(), s.prepared(1), s.prepared(2)] {
+                s.queue.enqueue(release).unwrap();
+            }
+            let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.queue.poll()));
+            assert!(first.is_err(), "the panic reaches the caller of poll");
+            assert_eq!(panicked.lock().unwrap().len(), 1, "the panicking release's owner was told (quarantined)");
+            assert_eq!(s.queue.len(), 2, "nothing else was lost with the panic");
+            // Before the fix the panic poisoned the runner lock and every later poll
+            // answered Ok(0) without running anything.
+            assert_eq!(s.queue.poll(), Ok(2), "the next poll runs the releases behind it");
+            assert_eq!(s.ran(), vec![1, 2]);
+
+            control::hold_events(true);
+            for release in [prepared_panicking(), s.prepared(3)] {
+                s.queue.enqueue(release).unwrap();
+            }
+            let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.queue.drain()));
+            assert!(second.is_err());
+            assert_eq!(s.queue.drain(), Ok(1), "drain recovers as well");
+            assert_eq!(s.ran(), vec![1, 2, 3]);
+            assert!(s.queue.is_empty());
+            assert_eq!(s.eager.stats().unwrap().live_allocations, 0, "every real block was freed");
+            assert_eq!(panicked.lock().unwrap().len(), 2);
+        }
+    }
+
+    fake_test! {
+        fn dropping_a_queue_whose_due_release_panics_runs_the_others_then_re_raises() {
+            let s = setup(8);
+            let hostile: Arc<dyn DeviceAllocator> = Arc::new(PanicsOnRelease);
+            let block = hostile.allocate(&request(64, 8)).unwrap();
+            let panicking = PreparedRelease::new(identity(DeviceKey::device(0)), hostile, block, Box::new(|_| {}));
+            s.queue.enqueue(panicking).unwrap();
+            s.queue.enqueue(s.prepared(1)).unwrap();
+            let Setup { eager, queue, log } = s;
+            let queue = Arc::into_inner(queue).expect("the only handle");
+            let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(queue)));
+            assert!(dropped.is_err(), "the release's panic is not swallowed");
+            let log = log.lock().unwrap();
+            assert_eq!(log.len(), 1);
+            assert!(
+                matches!(log[0], (1, ReleaseSummary::Complete { .. }, false)),
+                "the due release behind the panicking one ran instead of being abandoned: {:?}",
+                log[0]
+            );
+            assert_eq!(eager.stats().unwrap().live_allocations, 0);
+            assert_eq!(control::live_events(), 0, "the queue's events were destroyed");
+        }
+    }
+
     fake_test! {
         fn a_sticky_error_while_polling_keeps_the_releases_queued() {
             let s = setup(4);
