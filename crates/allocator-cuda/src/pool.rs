@@ -142,13 +142,15 @@ impl CudaPoolAllocator {
 
     /// Waits for the stream (so that queued frees have reached the pool), then returns
     /// cached memory to the device until the pool holds at most `keep_bytes`; the bytes
-    /// returned.
+    /// returned, counting what the synchronisation itself gave back (the pool releases
+    /// memory above its release threshold at every synchronisation).
     ///
     /// # Errors
     /// The driver's failure; a sticky error marks the device lost.
     pub fn trim_to(&self, keep_bytes: usize) -> Result<usize, CudaError> {
-        self.stream.synchronize()?;
+        // Read before synchronising: the synchronisation may already shrink the pool.
         let before = self.get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        self.stream.synchronize()?;
         let device = self.stream.device_inner();
         {
             let _current = device.enter("cuMemPoolTrimTo")?;

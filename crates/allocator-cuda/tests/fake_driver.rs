@@ -451,7 +451,49 @@ mod pool {
             let (_device, pool) = setup(PoolConfig { release_threshold: 0 });
             let block = pool.allocate(&request(MIB, 256)).unwrap();
             complete(pool.release(block));
-            assert_eq!(pool.usage().unwrap().reserved_bytes, 0);
+            assert_eq!(pool.usage().unwrap().reserved_bytes, MIB as u64, "a stream-ordered free only caches");
+            assert_eq!(pool.stats().unwrap().cached_bytes, MIB as u64);
+            pool.stream().synchronize().unwrap();
+            assert_eq!(pool.usage().unwrap().reserved_bytes, 0, "the synchronisation released it");
+            assert_eq!(control::used_bytes(), 0);
+        }
+    }
+
+    fake_test! {
+        fn an_event_synchronisation_also_hands_memory_above_the_threshold_back() {
+            let (device, pool) = setup(PoolConfig { release_threshold: MIB as u64 });
+            let blocks: Vec<_> = (0..3).map(|_| pool.allocate(&request(MIB, 256)).unwrap()).collect();
+            for block in blocks {
+                complete(pool.release(block));
+            }
+            assert_eq!(pool.usage().unwrap().reserved_bytes, 3 * MIB as u64);
+            let eager = std::sync::Arc::new(allocator_cuda::CudaAllocator::new(&device));
+            let queue = allocator_cuda::CudaReleaseQueue::new(pool.stream(), 1);
+            let block = eager.allocate(&request(64, 8)).unwrap();
+            let release = memory_api::PreparedRelease::new(
+                crate::common::identity(memory_api::DeviceKey::device(0)),
+                eager,
+                block,
+                Box::new(|_| {}),
+            );
+            memory_api::DeferredReleaseQueue::enqueue(&queue, release).unwrap();
+            assert_eq!(queue.drain(), Ok(1));
+            assert_eq!(control::calls("cuEventSynchronize"), 1);
+            assert_eq!(pool.usage().unwrap().reserved_bytes, MIB as u64, "the pool kept its threshold's worth");
+        }
+    }
+
+    fake_test! {
+        fn trim_counts_the_cached_memory_its_own_synchronisation_hands_back() {
+            // The stream-ordered frees reach the pool when trim synchronises, and with a
+            // zero threshold that synchronisation already returns them: trim must count
+            // them, or it reports 0 while the pool shrank by a mebibyte.
+            let (_device, pool) = setup(PoolConfig { release_threshold: 0 });
+            let block = pool.allocate(&request(MIB, 256)).unwrap();
+            complete(pool.release(block));
+            assert_eq!(pool.stats().unwrap().cached_bytes, MIB as u64);
+            assert_eq!(pool.trim(), MIB);
+            assert_eq!(pool.stats().unwrap().cached_bytes, 0);
             assert_eq!(control::used_bytes(), 0);
         }
     }
