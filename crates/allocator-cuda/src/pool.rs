@@ -261,7 +261,7 @@ impl Drop for CudaPoolAllocator {
         if let Err(error) = self.stream.synchronize() {
             tracing::warn!(device = %self.book.key(), "synchronising before destroying the pool failed: {error}");
         }
-        let Ok(_current) = device.enter("cuMemPoolDestroy") else {
+        let Some(_current) = device.enter_to_destroy("cuMemPoolDestroy", "pool") else {
             return;
         };
         // SAFETY: the pool was created by `new` and is destroyed only here. Blocks still

@@ -20,9 +20,10 @@ use crate::stream::{CudaStream, Event, EventState};
 /// a completion never re-enters its caller.
 ///
 /// A release the queue cannot take (full, closed, another device) is handed back
-/// exactly as offered. If recording the event fails the queue closes itself (the
-/// refusal says `Closed`, and the caller releases synchronously); a sticky error also
-/// marks the device lost.
+/// exactly as offered. If creating or recording the event fails, the refusal carries
+/// the driver's error (`QueueRefusalReason::Backend`; [`crate::CudaError::from_backend`]
+/// recovers it) and the queue closes itself, so later releases are refused as `Closed`
+/// and the caller releases synchronously; a sticky error also marks the device lost.
 ///
 /// Dropping the queue runs the releases whose events have completed; the rest are
 /// dropped unexecuted, which reports them to their owners as quarantined
@@ -199,7 +200,7 @@ impl DeferredReleaseQueue for CudaReleaseQueue {
                 state.closed = true;
                 drop(state);
                 tracing::error!(%device, "recording a release event failed; the queue is closed: {error}");
-                Self::refuse(release, QueueRefusalReason::Closed)
+                Self::refuse(release, QueueRefusalReason::Backend(error.to_backend()))
             }
         }
     }

@@ -6,30 +6,8 @@
 //! state in its own process. Runs under plain `cargo test`; needs only a C compiler.
 #![cfg(target_os = "linux")]
 
+#[macro_use]
 mod common;
-
-/// A test whose body runs in a child process against the fake driver, with the given
-/// `FAKE_CUDA_*` environment.
-macro_rules! fake_test {
-    ($(#[$meta:meta])* fn $name:ident() $body:block) => {
-        fake_test!(env [] $(#[$meta])* fn $name() $body);
-    };
-    (env [$($key:literal = $value:literal),* $(,)?] $(#[$meta:meta])* fn $name:ident() $body:block) => {
-        $(#[$meta])*
-        #[test]
-        fn $name() {
-            if crate::common::fake::in_child() {
-                $body
-            } else {
-                crate::common::fake::run_in_child(
-                    concat!(module_path!(), "::", stringify!($name)),
-                    &[$(($key, $value)),*],
-                    crate::common::fake::Variant::Current,
-                );
-            }
-        }
-    };
-}
 
 const MIB: usize = 1 << 20;
 
@@ -1078,8 +1056,14 @@ mod queue {
             let s = setup(4);
             control::inject("cuEventRecord", 0, 1, CudaErrorCode::ERROR_INVALID_VALUE);
             let refusal = s.queue.enqueue(s.prepared(0)).unwrap_err();
-            assert_eq!(refusal.reason, QueueRefusalReason::Closed);
+            let QueueRefusalReason::Backend(source) = &refusal.reason else {
+                panic!("expected the driver's error, got {:?}", refusal.reason)
+            };
+            assert_eq!((source.operation, source.code), ("cuEventRecord", 1));
             assert!(s.queue.is_closed());
+            let again = s.queue.enqueue(s.prepared(1)).unwrap_err();
+            assert_eq!(again.reason, QueueRefusalReason::Closed, "later releases meet a closed queue");
+            assert!(matches!(s.eager.release(again.release.cancel()), ReleaseOutcome::Complete(_)));
             assert!(matches!(s.eager.release(refusal.release.cancel()), ReleaseOutcome::Complete(_)));
         }
     }
