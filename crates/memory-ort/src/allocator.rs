@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use memory_governor::{Account, MemoryBinding, Tier};
 
-use crate::blocks::{GovernedBlocks, OrtAllocatorStats, ReleasePath};
+use crate::blocks::{GovernedBlocks, OrtAllocatorStats, RefusalAnswer, ReleasePath};
 use crate::config::{CPU_MIN_ALIGNMENT, CUDA_MIN_ALIGNMENT, OrtAllocatorConfig};
 use crate::environment::OrtEnvironment;
 use crate::error::OrtAdapterError;
@@ -48,7 +48,8 @@ impl GovernedOrtAllocator {
         let alignment = config.checked_alignment(CPU_MIN_ALIGNMENT)?;
         let info =
             MemoryInfo::cpu().map_err(|message| OrtAdapterError::Runtime { action: "describe cpu memory", message })?;
-        let blocks = GovernedBlocks::new(binding, account, config, alignment, ReleasePath::Now);
+        let blocks =
+            GovernedBlocks::new(binding, account, config, alignment, ReleasePath::Now, RefusalAnswer::OverdraftAndStop);
         Ok(GovernedOrtAllocator::from_core(Core::new(info, blocks), "cpu"))
     }
 
@@ -83,7 +84,8 @@ impl GovernedOrtAllocator {
         })?;
         let info = MemoryInfo::cuda(ordinal)
             .map_err(|message| OrtAdapterError::Runtime { action: "describe cuda memory", message })?;
-        let blocks = GovernedBlocks::new(binding, account, config, alignment, ReleasePath::Deferred(queue));
+        let blocks =
+            GovernedBlocks::new(binding, account, config, alignment, ReleasePath::Deferred(queue), RefusalAnswer::Null);
         Ok(GovernedOrtAllocator::from_core(Core::new(info, blocks), "cuda"))
     }
 
@@ -130,10 +132,33 @@ impl GovernedOrtAllocator {
         self.core.info()
     }
 
+    /// A weak watch on the allocator ONNX Runtime calls: says whether it still lives.
+    pub fn watch(&self) -> AllocatorWatch {
+        AllocatorWatch(Arc::downgrade(&self.core))
+    }
+
     /// How many owners keep the allocator alive (this handle, its clones, sessions made
     /// with it, live blocks); for tests of the ownership rules.
     pub fn owners(&self) -> usize {
         Arc::strong_count(&self.core)
+    }
+}
+
+/// Whether an allocator's core (the table ONNX Runtime calls) is still alive, without
+/// keeping it alive. For tests and shutdown checks.
+#[derive(Clone)]
+pub struct AllocatorWatch(std::sync::Weak<Core>);
+
+impl fmt::Debug for AllocatorWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AllocatorWatch").field("alive", &self.is_alive()).finish()
+    }
+}
+
+impl AllocatorWatch {
+    /// Whether a handle, a session or a live block still holds the allocator.
+    pub fn is_alive(&self) -> bool {
+        self.0.strong_count() > 0
     }
 }
 

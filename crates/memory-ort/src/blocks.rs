@@ -7,6 +7,7 @@
 //! address ONNX Runtime holds to its handle; it is a sharded map, so `Free` takes one
 //! shard's lock, never a lock every thread shares.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +54,79 @@ pub(crate) enum Freed {
     Unknown,
 }
 
+/// Watches one commit or run for refusals: keeps the first reason and, for a run,
+/// stops it (ONNX Runtime's run-options terminate flag).
+pub(crate) struct Watch {
+    reason: Mutex<Option<String>>,
+    stop: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl Watch {
+    /// A watch that records refusals and calls `stop` on the first one.
+    pub(crate) fn new(stop: Option<Box<dyn Fn() + Send + Sync>>) -> Arc<Watch> {
+        Arc::new(Watch { reason: Mutex::new(None), stop })
+    }
+
+    fn refused(&self, reason: &str) {
+        let first = {
+            let mut slot = self.reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let first = slot.is_none();
+            slot.get_or_insert_with(|| reason.to_owned());
+            first
+        };
+        if first && let Some(stop) = &self.stop {
+            stop();
+        }
+    }
+
+    /// The first refusal's reason, if any.
+    pub(crate) fn reason(&self) -> Option<String> {
+        self.reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// What the current thread is doing for which adapter: committing a session (its
+/// `Alloc` calls are session-long memory: prepacked weights), or running one (a refusal
+/// stops that run).
+#[derive(Clone, Default)]
+enum Phase {
+    #[default]
+    Idle,
+    Committing(usize, Arc<Watch>),
+    Running(usize, Arc<Watch>),
+}
+
+thread_local! {
+    static PHASE: RefCell<Phase> = RefCell::new(Phase::Idle);
+}
+
+/// Restores the thread's previous phase when dropped.
+pub(crate) struct PhaseGuard(Phase);
+
+impl Drop for PhaseGuard {
+    fn drop(&mut self) {
+        let previous = std::mem::take(&mut self.0);
+        PHASE.with(|phase| *phase.borrow_mut() = previous);
+    }
+}
+
+fn enter(next: Phase) -> PhaseGuard {
+    PhaseGuard(PHASE.with(|phase| std::mem::replace(&mut *phase.borrow_mut(), next)))
+}
+
+/// How a refused run-time `Alloc` is answered. ONNX Runtime's tensors do not check the
+/// pointer an `OrtAllocator` returns (its own allocators throw instead, which a C
+/// allocator cannot), so a null during a run would crash the process.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum RefusalAnswer {
+    /// Serve the block from host memory outside the books (the overdraft, counted and
+    /// logged) and stop the run at its next kernel boundary; the run fails with the
+    /// governor's reason and the overdraft is freed with it.
+    OverdraftAndStop,
+    /// Answer null (device memory: no host overdraft can stand in for it).
+    Null,
+}
+
 /// Figures of one adapter, as `GetStats` reports them (ONNX Runtime's key names in
 /// brackets).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -80,11 +154,15 @@ pub struct OrtAllocatorStats {
     pub frees_after_loss: u64,
     /// Frees of pointers this adapter never handed out (ignored).
     pub unknown_frees: u64,
+    /// Refused run-time requests served from the overdraft (their runs were stopped).
+    pub overdraft_blocks: u64,
+    /// Their bytes (cumulative).
+    pub overdraft_bytes: u64,
 }
 
 impl OrtAllocatorStats {
     /// The figures as ONNX Runtime's `GetStats` key/value pairs.
-    pub fn key_values(&self) -> [(&'static str, u64); 11] {
+    pub fn key_values(&self) -> [(&'static str, u64); 13] {
         [
             ("Limit", self.limit),
             ("InUse", self.in_use),
@@ -97,6 +175,8 @@ impl OrtAllocatorStats {
             ("NumRefusals", self.refusals),
             ("NumFreesAfterLoss", self.frees_after_loss),
             ("NumUnknownFrees", self.unknown_frees),
+            ("NumOverdraftBlocks", self.overdraft_blocks),
+            ("OverdraftBytes", self.overdraft_bytes),
         ]
     }
 }
@@ -113,6 +193,16 @@ struct Counters {
     refusals: AtomicU64,
     frees_after_loss: AtomicU64,
     unknown_frees: AtomicU64,
+    overdraft_blocks: AtomicU64,
+    overdraft_bytes: AtomicU64,
+}
+
+/// One block ONNX Runtime holds.
+enum Block {
+    /// Governed: registry identity, charged by the governor.
+    Governed(BoundAllocation),
+    /// Served from the overdraft after a refusal; freed back to the host.
+    Overdraft { bytes: usize },
 }
 
 /// The governed blocks of one adapter.
@@ -122,7 +212,8 @@ pub(crate) struct GovernedBlocks {
     config: OrtAllocatorConfig,
     alignment: usize,
     release: ReleasePath,
-    live: DashMap<usize, BoundAllocation>,
+    live: DashMap<usize, Block>,
+    refusal_answer: RefusalAnswer,
     counters: Counters,
     last_refusal: Mutex<Option<String>>,
 }
@@ -134,8 +225,10 @@ impl GovernedBlocks {
         config: OrtAllocatorConfig,
         alignment: usize,
         release: ReleasePath,
+        refusal_answer: RefusalAnswer,
     ) -> GovernedBlocks {
         GovernedBlocks {
+            refusal_answer,
             binding,
             account,
             config,
@@ -155,37 +248,85 @@ impl GovernedBlocks {
         self.config
     }
 
-    /// Allocates `size` bytes for `kind`, charged to its role. `None` is a refusal
-    /// (ONNX Runtime's failure signal); its reason is logged and kept for
+    /// This adapter's identity in the thread's phase (its address, unique while alive).
+    fn owner(&self) -> usize {
+        std::ptr::from_ref(self).addr()
+    }
+
+    /// Marks the current thread as committing a session with this adapter until the
+    /// guard drops: its `Alloc` calls are then charged like `Reserve`.
+    pub(crate) fn enter_commit(&self, watch: Arc<Watch>) -> PhaseGuard {
+        enter(Phase::Committing(self.owner(), watch))
+    }
+
+    /// Marks the current thread as running a session of this adapter until the guard
+    /// drops: a refusal is recorded in `watch`, which stops the run.
+    pub(crate) fn enter_run(&self, watch: Arc<Watch>) -> PhaseGuard {
+        enter(Phase::Running(self.owner(), watch))
+    }
+
+    fn phase(&self) -> Phase {
+        let owner = self.owner();
+        PHASE.with(|phase| match &*phase.borrow() {
+            Phase::Committing(id, watch) if *id == owner => Phase::Committing(owner, Arc::clone(watch)),
+            Phase::Running(id, watch) if *id == owner => Phase::Running(owner, Arc::clone(watch)),
+            _ => Phase::Idle,
+        })
+    }
+
+    /// Allocates `size` bytes for `kind`, charged to its role: `Reserve`, and `Alloc`
+    /// while a session is being committed (prepacked weights), to the reserve role;
+    /// other `Alloc` calls to the alloc role. `None` is a refusal answered with null
+    /// (during session creation, where ONNX Runtime checks it, or for device memory);
+    /// a refusal during a run is served from the overdraft and stops the run (see
+    /// [`RefusalAnswer`]). Either way the reason is logged and kept for
     /// [`GovernedBlocks::last_refusal`]. A zero-byte request gets `None` without a
     /// refusal, as ONNX Runtime's own allocator answers it.
     pub(crate) fn allocate(&self, size: usize, kind: RequestKind) -> Option<usize> {
         if size == 0 {
             return None;
         }
-        let role = match kind {
-            RequestKind::Alloc => self.config.role_of_alloc(),
-            RequestKind::Reserve => self.config.role_of_reserve(),
-        };
-        let request = match AllocationRequest::new(size, self.alignment) {
-            Ok(request) => request.with_role(role),
-            Err(err) => {
-                self.refuse(size, role, &err.to_string());
-                return None;
-            }
-        };
-        let block = match self.binding.allocate(request) {
+        let phase = self.phase();
+        let session_long = kind == RequestKind::Reserve || matches!(phase, Phase::Committing(..));
+        let role = if session_long { self.config.role_of_reserve() } else { self.config.role_of_alloc() };
+        let granted = AllocationRequest::new(size, self.alignment)
+            .map_err(|err| err.to_string())
+            .and_then(|request| self.binding.allocate(request.with_role(role)).map_err(|err| err.to_string()));
+        let block = match granted {
             Ok(block) => block,
-            Err(err) => {
-                self.refuse(size, role, &err.to_string());
-                return None;
+            Err(reason) => {
+                let reason = self.refuse(size, role, &reason);
+                return match (phase, self.refusal_answer) {
+                    (Phase::Committing(_, watch), _) => {
+                        watch.refused(&reason);
+                        None
+                    }
+                    (Phase::Running(_, watch), RefusalAnswer::Null) => {
+                        watch.refused(&reason);
+                        None
+                    }
+                    (_, RefusalAnswer::Null) => None,
+                    (Phase::Running(_, watch), RefusalAnswer::OverdraftAndStop) => {
+                        watch.refused(&reason);
+                        self.overdraft(size)
+                    }
+                    (Phase::Idle, RefusalAnswer::OverdraftAndStop) if kind == RequestKind::Reserve => None,
+                    (Phase::Idle, RefusalAnswer::OverdraftAndStop) => {
+                        tracing::error!(
+                            bytes = size,
+                            "refused outside a governed run: served from the overdraft, and no run could be stopped \
+                             (run sessions through GovernedSession::run)"
+                        );
+                        self.overdraft(size)
+                    }
+                };
             }
         };
         let address = block.address().get() as usize;
         let bytes = block.bytes() as u64;
         match self.live.entry(address) {
             Entry::Vacant(slot) => {
-                slot.insert(block);
+                slot.insert(Block::Governed(block));
             }
             Entry::Occupied(_) => {
                 // The allocator handed out an address ONNX Runtime still holds: never
@@ -194,7 +335,10 @@ impl GovernedBlocks {
                 if let Err(rejected) = self.binding.release(block) {
                     tracing::error!(reason = %rejected.reason, "the duplicate block could not be released");
                 }
-                self.refuse(size, role, "the allocator returned an address that is still in use");
+                let reason = self.refuse(size, role, "the allocator returned an address that is still in use");
+                if let Phase::Committing(_, watch) | Phase::Running(_, watch) = self.phase() {
+                    watch.refused(&reason);
+                }
                 return None;
             }
         }
@@ -211,12 +355,29 @@ impl GovernedBlocks {
         Some(address)
     }
 
+    /// Serves a refused run-time block from host memory outside the books.
+    fn overdraft(&self, size: usize) -> Option<usize> {
+        let address = crate::ffi::overdraft_allocate(size, self.alignment)?;
+        self.live.insert(address, Block::Overdraft { bytes: size });
+        self.counters.overdraft_blocks.fetch_add(1, Ordering::Relaxed);
+        self.counters.overdraft_bytes.fetch_add(size as u64, Ordering::Relaxed);
+        tracing::warn!(bytes = size, "refused block served from the overdraft; the run is being stopped");
+        Some(address)
+    }
+
     /// Frees the block at `address` through the binding it came from.
     pub(crate) fn free(&self, address: usize) -> Freed {
         let Some((_, block)) = self.live.remove(&address) else {
             self.counters.unknown_frees.fetch_add(1, Ordering::Relaxed);
             tracing::error!(address, "onnx runtime freed a pointer this allocator never handed out; ignored");
             return Freed::Unknown;
+        };
+        let block = match block {
+            Block::Governed(block) => block,
+            Block::Overdraft { bytes } => {
+                crate::ffi::overdraft_free(address, bytes, self.alignment);
+                return Freed::Released;
+            }
         };
         let bytes = block.bytes() as u64;
         self.counters.in_use.fetch_sub(bytes, Ordering::Relaxed);
@@ -249,16 +410,12 @@ impl GovernedBlocks {
         }
     }
 
-    fn refuse(&self, size: usize, role: MemoryRole, reason: &str) {
+    fn refuse(&self, size: usize, role: MemoryRole, reason: &str) -> String {
         self.counters.refusals.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(bytes = size, %role, device = %self.binding.device(), reason, "ort allocation refused");
         let message = format!("{size} bytes of {role} on {}: {reason}", self.binding.device());
-        *self.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(message);
-    }
-
-    /// How many requests have been refused so far.
-    pub(crate) fn refusal_count(&self) -> u64 {
-        self.counters.refusals.load(Ordering::Relaxed)
+        *self.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(message.clone());
+        message
     }
 
     /// The reason of the latest refusal.
@@ -291,6 +448,8 @@ impl GovernedBlocks {
             refusals: load(&c.refusals),
             frees_after_loss: load(&c.frees_after_loss),
             unknown_frees: load(&c.unknown_frees),
+            overdraft_blocks: load(&c.overdraft_blocks),
+            overdraft_bytes: load(&c.overdraft_bytes),
         }
     }
 }

@@ -22,6 +22,7 @@ pub struct OrtAllocatorConfig {
     alloc_role: MemoryRole,
     reserve_role: MemoryRole,
     alignment: usize,
+    prepacking: bool,
 }
 
 impl Default for OrtAllocatorConfig {
@@ -30,6 +31,7 @@ impl Default for OrtAllocatorConfig {
             alloc_role: MemoryRole::Activations,
             reserve_role: MemoryRole::Weights,
             alignment: CPU_MIN_ALIGNMENT,
+            prepacking: false,
         }
     }
 }
@@ -62,6 +64,22 @@ impl OrtAllocatorConfig {
     pub fn alignment(mut self, bytes: usize) -> OrtAllocatorConfig {
         self.alignment = bytes;
         self
+    }
+
+    /// Whether sessions committed with the allocator prepack their weights (off by
+    /// default). ONNX Runtime allocates prepacked weight copies with its own CPU
+    /// allocator, not the environment's, so with prepacking on those bytes (most of a
+    /// convolutional model's weights) escape the books; off, every weight byte is
+    /// reserved through the governed allocator and charged.
+    #[must_use]
+    pub fn prepacking(mut self, enabled: bool) -> OrtAllocatorConfig {
+        self.prepacking = enabled;
+        self
+    }
+
+    /// Whether sessions prepack their weights.
+    pub fn prepacks(&self) -> bool {
+        self.prepacking
     }
 
     /// The role of `Alloc` requests.

@@ -16,9 +16,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use ort::AsPointer;
 use ort::session::builder::SessionBuilder;
-use ort::session::{Session, SessionInputs, SessionOutputs};
+use ort::session::{RunOptions, Session, SessionInputs, SessionOutputs};
 
 use crate::allocator::GovernedOrtAllocator;
+use crate::blocks::Watch;
 use crate::error::OrtAdapterError;
 use crate::ffi::{self, Core};
 
@@ -70,7 +71,8 @@ impl OrtEnvironment {
     }
 
     /// Commits a session from a model file whose CPU (or CUDA) memory all comes from
-    /// `allocator`. The builder's logger is replaced by one that forwards ONNX Runtime's
+    /// `allocator`. Weight prepacking follows [`OrtAllocatorConfig::prepacking`](crate::OrtAllocatorConfig::prepacking)
+    /// (off by default, so every weight byte is booked). The builder's logger is replaced by one that forwards ONNX Runtime's
     /// session log to `tracing` (target `memory_ort::onnxruntime`); it also keeps the
     /// allocator alive for as long as ONNX Runtime keeps the session.
     ///
@@ -111,7 +113,9 @@ impl OrtEnvironment {
         let keep_alive = Arc::clone(&allocator.core);
         let builder = builder
             .with_env_allocators()
-            .map_err(|err| runtime("opt the session into environment allocators", &err))?;
+            .map_err(|err| runtime("opt the session into environment allocators", &err))?
+            .with_prepacking(allocator.config().prepacks())
+            .map_err(|err| runtime("set weight prepacking", &err))?;
         let mut builder = builder
             .with_logger(Arc::new(move |level, category, id, location, message| {
                 // The closure owns a count of the allocator core: ONNX Runtime keeps the
@@ -121,10 +125,11 @@ impl OrtEnvironment {
                 forward_log(level, category, id, location, message);
             }))
             .map_err(|err| runtime("set the session logger", &err))?;
-        let refusals_before = allocator.core.blocks.refusal_count();
+        let watch = Watch::new(None);
         let created = {
             let _window = REGISTRATION.lock().unwrap_or_else(PoisonError::into_inner);
             self.register(&allocator.core)?;
+            let _committing = allocator.core.blocks.enter_commit(Arc::clone(&watch));
             let created = create(&mut builder);
             self.unregister(&allocator.core);
             created
@@ -132,10 +137,12 @@ impl OrtEnvironment {
         drop(builder);
         match created {
             Ok(session) => {
+                let run_options =
+                    Arc::new(RunOptions::new().map_err(|err| runtime("create the session's run options", &err))?);
                 tracing::info!(binding = %allocator.binding().identity(), "governed ort session committed");
-                Ok(GovernedSession { session, allocator: allocator.clone() })
+                Ok(GovernedSession { session, run_options, allocator: allocator.clone() })
             }
-            Err(err) => Err(explain(allocator, refusals_before, "create the session", &err)),
+            Err(err) => Err(explain(&watch, "create the session", &err.to_string())),
         }
     }
 
@@ -168,39 +175,71 @@ impl OrtEnvironment {
     }
 }
 
-/// A session whose memory comes from a [`GovernedOrtAllocator`]. Its `run` errors carry
-/// the governor's reason when a refusal caused them.
-#[derive(Debug)]
+/// A session whose memory comes from a [`GovernedOrtAllocator`]. Run it through
+/// [`GovernedSession::run`]: a refusal during the run stops it at the next kernel
+/// boundary and the error carries the governor's reason.
 pub struct GovernedSession {
     session: Session,
+    run_options: Arc<RunOptions>,
     allocator: GovernedOrtAllocator,
+}
+
+impl std::fmt::Debug for GovernedSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GovernedSession").field("session", &self.session).field("allocator", &self.allocator).finish()
+    }
 }
 
 impl GovernedSession {
     /// Runs the session.
     ///
+    /// ONNX Runtime's tensors do not check the pointer an allocator returns, so a
+    /// request the governor refuses during a run is served from a small host overdraft
+    /// outside the books (counted in [`OrtAllocatorStats`](crate::OrtAllocatorStats))
+    /// while the run is stopped at its next kernel boundary; the overdraft is freed as
+    /// the failed run unwinds.
+    ///
     /// # Errors
     /// [`OrtAdapterError::Refused`] when the run failed because the governor refused
     /// memory (the tenant's quota or the device limit; the reason says which and what
-    /// to change), [`OrtAdapterError::Runtime`] for other errors.
+    /// to change) or the device was lost, [`OrtAdapterError::Runtime`] for other errors.
     pub fn run<'s, 'i, 'v: 'i, const N: usize>(
         &'s mut self,
         inputs: impl Into<SessionInputs<'i, 'v, N>>,
     ) -> Result<SessionOutputs<'s>, OrtAdapterError> {
-        let refusals_before = self.allocator.core.blocks.refusal_count();
-        let allocator = &self.allocator;
-        self.session.run(inputs).map_err(|err| explain(allocator, refusals_before, "run", &err))
+        self.run_options.unterminate().map_err(|err| runtime("reset the run options", &err))?;
+        let options = Arc::clone(&self.run_options);
+        let watch = Watch::new(Some(Box::new(move || {
+            if let Err(err) = options.terminate() {
+                tracing::error!(%err, "could not stop the run after a refusal");
+            }
+        })));
+        let result = {
+            let _running = self.allocator.core.blocks.enter_run(Arc::clone(&watch));
+            self.session.run_with_options(inputs, &self.run_options)
+        };
+        match result {
+            // The run may finish before it reaches a kernel boundary after a refusal: its
+            // outputs then hold overdraft memory, so they are discarded.
+            Ok(outputs) => match watch.reason() {
+                None => Ok(outputs),
+                Some(reason) => {
+                    drop(outputs);
+                    Err(OrtAdapterError::Refused {
+                        action: "run",
+                        reason,
+                        runtime: "the run finished on overdraft memory; its outputs were discarded".to_owned(),
+                    })
+                }
+            },
+            Err(err) => Err(explain(&watch, "run", &err.to_string())),
+        }
     }
 
-    /// The `ort` session (inputs, outputs, metadata, `run_with_options`).
+    /// The `ort` session (inputs, outputs, metadata). Runs go through
+    /// [`GovernedSession::run`], which can stop a run the governor refuses.
     pub fn session(&self) -> &Session {
         &self.session
-    }
-
-    /// The `ort` session, mutably (errors from its own `run` do not name a refusal;
-    /// [`GovernedOrtAllocator::last_refusal`] has it).
-    pub fn session_mut(&mut self) -> &mut Session {
-        &mut self.session
     }
 
     /// The allocator the session's memory comes from.
@@ -214,17 +253,11 @@ fn runtime(action: &'static str, err: &dyn std::fmt::Display) -> OrtAdapterError
 }
 
 /// An ONNX Runtime error, with the governor's reason when a refusal happened during the
-/// call (ONNX Runtime only sees a null pointer).
-fn explain<R>(
-    allocator: &GovernedOrtAllocator,
-    refusals_before: u64,
-    action: &'static str,
-    err: &ort::Error<R>,
-) -> OrtAdapterError {
-    let refused = allocator.core.blocks.refusal_count() != refusals_before;
-    match allocator.last_refusal() {
-        Some(reason) if refused => OrtAdapterError::Refused { action, reason, runtime: err.to_string() },
-        _ => OrtAdapterError::Runtime { action, message: err.to_string() },
+/// call (ONNX Runtime only sees a null pointer or a stopped run).
+fn explain(watch: &Watch, action: &'static str, runtime: &str) -> OrtAdapterError {
+    match watch.reason() {
+        Some(reason) => OrtAdapterError::Refused { action, reason, runtime: runtime.to_owned() },
+        None => OrtAdapterError::Runtime { action, message: runtime.to_owned() },
     }
 }
 

@@ -297,6 +297,25 @@ unsafe extern "system" fn shrink(this: *mut OrtAllocator) -> OrtStatusPtr {
     }
 }
 
+/// Host memory for a refused run-time block (see `RefusalAnswer`), from the global
+/// allocator, outside the books.
+pub(crate) fn overdraft_allocate(size: usize, align: usize) -> Option<usize> {
+    let layout = std::alloc::Layout::from_size_align(size, align).ok()?;
+    // SAFETY: `size` is non-zero (zero-byte requests never get here) and the layout is
+    // valid; the block is freed by `overdraft_free` with the same layout.
+    let block = unsafe { std::alloc::alloc(layout) };
+    (!block.is_null()).then(|| block.expose_provenance())
+}
+
+/// Frees a block from [`overdraft_allocate`].
+pub(crate) fn overdraft_free(address: usize, size: usize, align: usize) {
+    let Ok(layout) = std::alloc::Layout::from_size_align(size, align) else { return };
+    // SAFETY: `address` came from `overdraft_allocate(size, align)` (the live table
+    // recorded it as an overdraft block of `size` and removed it exactly once before
+    // this call), so the pointer and layout match that allocation.
+    unsafe { std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(address), layout) };
+}
+
 /// Registers `core`'s table with the environment `env`.
 ///
 /// # Safety

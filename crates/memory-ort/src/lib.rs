@@ -72,9 +72,10 @@ mod environment;
 mod error;
 #[allow(unsafe_code)]
 mod ffi;
+pub mod workloads;
 
 // The public interface.
-pub use allocator::GovernedOrtAllocator;
+pub use allocator::{AllocatorWatch, GovernedOrtAllocator};
 pub use assets::OrtAssets;
 pub use blocks::OrtAllocatorStats;
 pub use config::{CPU_MIN_ALIGNMENT, CUDA_MIN_ALIGNMENT, OrtAllocatorConfig};

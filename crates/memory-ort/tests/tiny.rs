@@ -46,3 +46,35 @@ fn tiny_model_runs_on_governed_memory_with_weights_and_activations_charged_apart
     assert_eq!(tenant.registry_live(), (0, 0));
     assert_eq!(allocator.live_blocks(), 0);
 }
+
+#[test]
+fn a_refusal_in_the_last_kernel_of_a_run_discards_its_outputs_and_names_the_governors_reason() {
+    let name = "a_refusal_in_the_last_kernel_of_a_run_discards_its_outputs_and_names_the_governors_reason";
+    let Some((env, _)) = common::ort(name) else { return };
+    let tenant = Tenant::new("tight", 64 << 20, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
+    let weights = tenant.charged_total();
+    // Room for nothing of a 512-row batch: the first activation is refused. ONNX Runtime
+    // would crash on a null there; the adapter serves the overdraft and stops the run.
+    tenant.governor.set_quota(tenant.authority, weights + 1000).unwrap();
+    let batch = 512;
+    let data = input(batch);
+    let err = session
+        .run(ort::inputs![Tensor::from_array(([batch, tiny_model::FEATURES], data)).unwrap()])
+        .map(|_| ())
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, memory_ort::OrtAdapterError::Refused { action: "run", .. }), "{text}");
+    assert!(text.contains("authority quota"), "{text}");
+    let stats = allocator.stats();
+    assert!(stats.overdraft_blocks > 0 && stats.refusals > 0, "{stats:?}");
+    assert_eq!(tenant.charged_total(), weights, "nothing of the failed run stays booked");
+    assert_eq!(allocator.live_blocks(), tenant.registry_live().1, "no overdraft block outlives the run");
+
+    // Within the quota again, the same session runs.
+    tenant.governor.set_quota(tenant.authority, 64 << 20).unwrap();
+    let data = input(4);
+    let outputs = session.run(ort::inputs![Tensor::from_array(([4, tiny_model::FEATURES], data)).unwrap()]).unwrap();
+    assert_eq!(outputs[0].try_extract_tensor::<f32>().unwrap().1.len(), 4 * tiny_model::FEATURES);
+}
