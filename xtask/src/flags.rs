@@ -36,6 +36,11 @@ COMMANDS:
                                   them alternately on this machine and prints a markdown table of
                                   each bench's change (median of the candidate runs vs median of
                                   the baseline runs), then the targets table of the candidate
+        --ort                     instead: fetches ONNX Runtime and the real models, then per model
+                                  p50/p99 latency and peak RSS of ORT's arena, no arena, governed
+                                  pool and governed system allocator, alternating, each in its own
+                                  process, as ratios against the arena (args after -- go to
+                                  ort-bench: --rounds N --vad-iters N --ocr-iters N)
         --gpu                     instead: probes for a CUDA device (fails without one), then runs
                                   the CUDA bench (eager vs pool vs VMM allocate+release from 4 KiB
                                   to 1 GiB, VMM commit per granule) and its ratio table
@@ -51,7 +56,9 @@ COMMANDS:
                               (bash scripts/miri.sh; installs the component if missing; not in CI)
     fuzz [--secs N]           the registry_ops fuzz target for N seconds (default 60) on nightly:
                               cargo +nightly fuzz run registry_ops (fuzz/ is outside the workspace)
-    demo [ARGS...]            runs the demo (cargo run --release -p memory-demo -- ARGS...)
+    demo [ARGS...]            runs the demo (cargo run --release -p memory-demo -- ARGS...); with --ort
+                              first fetches ONNX Runtime and the real models (two tenants on
+                              Silero VAD and PP-OCRv4 through governed allocators)
     help                      prints this text
 ";
 
@@ -135,6 +142,8 @@ pub(crate) struct Bench {
     /// `--gpu`: probe for a CUDA device, then run only the CUDA latency bench (eager vs
     /// pool vs VMM across sizes, VMM commit per granule), which prints its own table.
     pub(crate) gpu: bool,
+    /// `--ort`: fetch the real models and run the ONNX Runtime allocator bench.
+    pub(crate) ort: bool,
 }
 
 impl Default for Bench {
@@ -147,6 +156,7 @@ impl Default for Bench {
             measurement_secs: DEFAULT_MEASUREMENT_SECS,
             output: None,
             gpu: false,
+            ort: false,
             criterion_args: Vec::new(),
         }
     }
@@ -359,6 +369,8 @@ fn parse_bench(mut args: impl Iterator<Item = String>) -> Result<Bench, FlagErro
             bench.measurement_secs = seconds(MEASUREMENT.name, value)?;
         } else if arg == "--gpu" {
             bench.gpu = true;
+        } else if arg == "--ort" {
+            bench.ort = true;
         } else if let Some(value) = OUTPUT.value(&arg, &mut args)? {
             if value.is_empty() {
                 return Err(FlagError::BadValue { flag: OUTPUT.name, value, expected: "a file path" });
@@ -371,6 +383,10 @@ fn parse_bench(mut args: impl Iterator<Item = String>) -> Result<Bench, FlagErro
     if bench.gpu && bench.compare.is_some() {
         // The GPU bench prints its own table; comparing revisions on a GPU is a later step.
         return Err(FlagError::UnexpectedArgument { command: "bench --compare", arg: "--gpu".into() });
+    }
+    if bench.ort && (bench.gpu || bench.compare.is_some()) {
+        // The ONNX Runtime bench prints its own table and runs alone.
+        return Err(FlagError::UnexpectedArgument { command: "bench --ort", arg: "--gpu or --compare".into() });
     }
     match compare_only {
         Some(flag) if bench.compare.is_none() => Err(FlagError::NeedsCompare { flag }),
@@ -535,6 +551,7 @@ mod tests {
             output: Some(PathBuf::from("bench.md")),
             criterion_args: vec![],
             gpu: false,
+            ort: false,
         };
         assert_eq!(spaced, expected);
         assert_eq!(joined, expected);
@@ -608,6 +625,16 @@ mod tests {
             parse_str(&["stress", "30"]),
             Err(FlagError::UnexpectedArgument { command: "stress", arg: "30".into() })
         );
+    }
+
+    #[test]
+    fn bench_ort_is_a_flag_of_its_own() {
+        let Ok(Command::Bench(bench)) = parse_str(&["bench", "--ort", "--", "--rounds", "2"]) else {
+            panic!("bench --ort parses")
+        };
+        assert!(bench.ort && bench.criterion_args == ["--rounds", "2"]);
+        assert!(parse_str(&["bench", "--ort", "--gpu"]).is_err());
+        assert!(parse_str(&["bench", "--ort", "--compare", "HEAD~1"]).is_err());
     }
 
     #[test]

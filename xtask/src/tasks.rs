@@ -29,6 +29,9 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         );
     }
     steps.push(Step::new("fmt", Cmd::cargo(["fmt", "--all", "--check"])));
+    // memory-ort's real-model tests need ONNX Runtime and the models: fetched (once)
+    // into target/ort-cache, and required by the tests step below.
+    steps.push(crate::ort::fetch_step());
     // The architecture tidy test also runs inside `cargo test --workspace`; running it
     // first on its own reports a layering mistake in seconds rather than minutes.
     steps.push(Step::new("tidy", Cmd::cargo(["test", "--locked", "-p", "xtask", "--test", "tidy"])));
@@ -36,7 +39,10 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         "clippy",
         Cmd::cargo(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
     ));
-    steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])).check(Check::Tests));
+    steps.push(
+        Step::new("tests", crate::ort::with_assets(Cmd::cargo(["test", "--workspace", "--locked"])))
+            .check(Check::Tests),
+    );
     // The loom models with a low preemption bound (seconds per model); `cargo xtask
     // loom` explores deeper.
     steps.push(loom_step(LOOM_PREEMPTIONS_IN_TEST, &loom_target_dir()));
@@ -47,8 +53,21 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
     ));
     if flags.gpu {
         steps.push(
-            Step::new("gpu-tests", Cmd::cargo(["test", "-p", "allocator-cuda", "--locked", "--", "--ignored", "gpu_"]))
-                .check(Check::GpuTests),
+            Step::new(
+                "gpu-tests",
+                crate::ort::with_assets(Cmd::cargo([
+                    "test",
+                    "-p",
+                    "allocator-cuda",
+                    "-p",
+                    "memory-ort",
+                    "--locked",
+                    "--",
+                    "--ignored",
+                    "gpu_",
+                ])),
+            )
+            .check(Check::GpuTests),
         );
     }
     steps
@@ -216,30 +235,43 @@ mod tests {
     #[test]
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
-        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "loom", "docs"]);
+        assert_eq!(names(&steps), ["fmt", "ort-fetch", "tidy", "clippy", "tests", "loom", "docs"]);
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
             checks,
-            [Check::Success, Check::Success, Check::Success, Check::Tests, Check::LoomModels, Check::Success]
+            [
+                Check::Success,
+                Check::Success,
+                Check::Success,
+                Check::Success,
+                Check::Tests,
+                Check::LoomModels,
+                Check::Success
+            ]
         );
-        let loom = &steps[4];
+        assert_eq!(steps[4].cmd.env_value(crate::ort::REQUIRED_ENV), Some("1"), "real-model tests never skip");
+        let loom = &steps[5];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
     #[test]
     fn gpu_probes_first_and_runs_the_gpu_tests_last() {
         let steps = test_steps(&flags::Test { gpu: true });
-        assert_eq!(names(&steps), ["cuda-probe", "fmt", "tidy", "clippy", "tests", "loom", "docs", "gpu-tests"]);
+        assert_eq!(
+            names(&steps),
+            ["cuda-probe", "fmt", "ort-fetch", "tidy", "clippy", "tests", "loom", "docs", "gpu-tests"]
+        );
         assert_eq!(steps[0].check, Check::CudaDevice);
         let gpu = steps.last().unwrap();
         assert_eq!(gpu.check, Check::GpuTests);
         assert!(gpu.cmd.arg_list().ends_with(&["--".into(), "--ignored".into(), "gpu_".into()]));
+        assert!(gpu.cmd.to_string().contains("-p memory-ort"), "{}", gpu.cmd);
     }
 
     #[test]
     fn building_steps_are_locked_and_clippy_denies_warnings() {
         for step in test_steps(&flags::Test { gpu: true }) {
-            if step.name != "fmt" {
+            if step.name != "fmt" && step.name != "ort-fetch" {
                 assert!(step.cmd.arg_list().contains(&"--locked".to_owned()), "{} is not --locked", step.name);
             }
         }

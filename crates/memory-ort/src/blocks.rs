@@ -97,7 +97,7 @@ enum Phase {
 }
 
 thread_local! {
-    static PHASE: RefCell<Phase> = RefCell::new(Phase::Idle);
+    static PHASE: RefCell<Phase> = const { RefCell::new(Phase::Idle) };
 }
 
 /// Restores the thread's previous phase when dropped.

@@ -70,6 +70,23 @@ impl OrtEnvironment {
         Session::builder(&self.environment).map_err(|err| runtime("create session options", &err))
     }
 
+    /// A session without the adapter, on ONNX Runtime's own CPU allocator (with or
+    /// without its arena, with or without weight prepacking): the baseline the tests,
+    /// the demo and the bench compare governed sessions with.
+    ///
+    /// # Errors
+    /// [`OrtAdapterError::Runtime`] when ONNX Runtime cannot create the session.
+    pub fn plain_session(&self, model: &Path, arena: bool, prepacking: bool) -> Result<Session, OrtAdapterError> {
+        let cpu = ort::ep::CPU::default().with_arena_allocator(arena).build();
+        self.session_builder()?
+            .with_no_environment_execution_providers()
+            .and_then(|builder| builder.with_execution_providers([cpu]))
+            .and_then(|builder| builder.with_prepacking(prepacking))
+            .map_err(|err| runtime("configure a plain session", &err))?
+            .commit_from_file(model)
+            .map_err(|err| runtime("create the session", &err))
+    }
+
     /// Commits a session from a model file whose CPU (or CUDA) memory all comes from
     /// `allocator`. Weight prepacking follows [`OrtAllocatorConfig::prepacking`](crate::OrtAllocatorConfig::prepacking)
     /// (off by default, so every weight byte is booked). The builder's logger is replaced by one that forwards ONNX Runtime's

@@ -12,6 +12,7 @@
 //! - every live block: `Alloc`/`Reserve` take a count for the block and `Free` gives it
 //!   back as its very last step, so an output tensor that outlives its session can still
 //!   free into a live core.
+//!
 //! The environment holds the pointer only inside [`crate::OrtEnvironment`]'s
 //! register-create-unregister window, during which the committing call holds a count.
 //!
@@ -96,16 +97,18 @@ pub(crate) fn status_result(status: OrtStatusPtr) -> Result<(), String> {
     // SAFETY: a non-null status returned by the API is owned by us until released;
     // GetErrorMessage returns a NUL-terminated string that lives as long as the status,
     // and we copy it before releasing the status exactly once.
-    let message = unsafe {
-        let text = (ort::api().GetErrorMessage)(status);
-        let message = if text.is_null() {
-            "unknown error".to_owned()
-        } else {
-            std::ffi::CStr::from_ptr(text).to_string_lossy().into_owned()
-        };
-        (ort::api().ReleaseStatus)(status);
-        message
+    let api = ort::api();
+    // SAFETY: a non-null status returned by the API is ours until released.
+    let text = unsafe { (api.GetErrorMessage)(status) };
+    let message = if text.is_null() {
+        "unknown error".to_owned()
+    } else {
+        // SAFETY: GetErrorMessage returns a NUL-terminated string that lives as long as
+        // the status, which is released only below, after the copy.
+        unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned()
     };
+    // SAFETY: released exactly once; nothing uses it afterwards.
+    unsafe { (api.ReleaseStatus)(status) };
     Err(message)
 }
 

@@ -72,7 +72,7 @@ impl VadStream {
         let chunk: Vec<f32> = (0..VAD_CHUNK as u64)
             .map(|i| {
                 let t = self.position + i;
-                let voiced = (t / 8_000 + self.seed) % 3 != 0;
+                let voiced = !(t / 8_000 + self.seed).is_multiple_of(3);
                 let noise = (hash(self.seed ^ t) % 2001) as f32 / 1000.0 - 1.0;
                 let tone = if voiced {
                     let f = 140.0 + 30.0 * (self.seed % 5) as f32;

@@ -41,25 +41,18 @@ fn gpu_cuda_ort_allocator_charges_the_pool_and_orders_frees_on_the_stream() {
         GovernedOrtAllocator::cuda(env, binding, Some(account.clone()), queue.clone(), OrtAllocatorConfig::cuda())
             .unwrap();
 
-    let table = allocator.as_ort_allocator();
-    // SAFETY: the table is alive while `allocator` is; the entries were set by the adapter.
-    let (a, b) = unsafe { (((*table).Alloc.unwrap())(table, 1 << 20), ((*table).Reserve.unwrap())(table, 3 << 20)) };
+    let (a, b) = (common::table_alloc(&allocator, 1 << 20, false), common::table_alloc(&allocator, 3 << 20, true));
     assert!(!a.is_null() && !b.is_null());
     assert_eq!(a.addr() % 256, 0, "CUDA alignment");
     let snapshot = account.snapshot();
     assert_eq!(snapshot.role(MemoryRole::Activations).current, 1 << 20);
     assert_eq!(snapshot.role(MemoryRole::Weights).current, 3 << 20);
-    // SAFETY: both blocks came from this table and are freed once.
-    unsafe {
-        ((*table).Free.unwrap())(table, a);
-        ((*table).Free.unwrap())(table, b);
-    }
+    common::table_free(&allocator, a);
+    common::table_free(&allocator, b);
     // Frees were queued on the stream, not executed at once; draining completes them.
     queue.drain().unwrap();
     assert_eq!(account.snapshot().current, 0);
     // A request over the quota answers null (device memory has no host overdraft).
-    // SAFETY: as above.
-    let refused = unsafe { ((*table).Alloc.unwrap())(table, 128 << 20) };
-    assert!(refused.is_null());
+    assert!(common::table_alloc(&allocator, 128 << 20, false).is_null());
     assert!(allocator.last_refusal().is_some_and(|reason| reason.contains("authority quota")));
 }

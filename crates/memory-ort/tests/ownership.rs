@@ -73,11 +73,12 @@ fn get_stats_through_the_c_table_reports_limit_use_totals_peak_and_counts() {
     let mut session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
     let held = run_tiny(&mut session, 16);
 
-    let table = allocator.as_ort_allocator();
+    let this = allocator.as_ort_allocator();
     let mut pairs = std::ptr::null_mut();
-    // SAFETY: the table is alive (the handle is held) and GetStats was set by the
-    // adapter; `pairs` is a valid out-pointer.
-    let status = unsafe { ((*table).GetStats.expect("the adapter implements GetStats"))(table, &mut pairs) };
+    // SAFETY: the table is alive while the handle is held, and only read.
+    let get_stats = unsafe { &*this }.GetStats.expect("the adapter implements GetStats");
+    // SAFETY: the entry belongs to this live table; `pairs` is a valid out-pointer.
+    let status = unsafe { get_stats(this, &mut pairs) };
     assert!(status.0.is_null(), "GetStats failed");
     let read = |key: &str| -> u64 {
         let key = CString::new(key).unwrap();
@@ -110,19 +111,13 @@ fn a_panic_inside_the_allocator_answers_null_and_the_process_lives_on() {
     let tenant = Tenant::new("panicky", 64 << 20, Backing::Custom(inner));
     let allocator = tenant.allocator(env);
     faulty.panic_on_nth(Callback::Allocate, 1);
-    let table = allocator.as_ort_allocator();
-    // SAFETY: the table is alive while `allocator` is; Alloc was set by the adapter.
-    let block = unsafe { ((*table).Alloc.expect("set"))(table, 4096) };
-    assert!(block.is_null(), "a panic is answered with null");
-    // SAFETY: as above.
-    let block = unsafe { ((*table).Alloc.expect("set"))(table, 4096) };
+    assert!(common::table_alloc(&allocator, 4096, false).is_null(), "a panic is answered with null");
+    let block = common::table_alloc(&allocator, 4096, false);
     assert!(!block.is_null(), "the next request is served");
-    // SAFETY: the block came from this table and is freed once.
-    unsafe { ((*table).Free.expect("set"))(table, block) };
+    common::table_free(&allocator, block);
     assert_eq!(tenant.charged_total(), 0);
     // A pointer the adapter never handed out is ignored, counted, and frees nothing.
     let mut foreign = [0u8; 64];
-    // SAFETY: Free validates the pointer against its table before touching anything.
-    unsafe { ((*table).Free.expect("set"))(table, foreign.as_mut_ptr().cast()) };
+    common::table_free(&allocator, foreign.as_mut_ptr().cast());
     assert_eq!(allocator.stats().unknown_frees, 1);
 }

@@ -108,3 +108,28 @@ impl Tenant {
         (snapshot.live_bytes, snapshot.live_allocations)
     }
 }
+
+/// `Alloc` (or `Reserve`) through the adapter's C table, as ONNX Runtime calls it.
+pub fn table_alloc(allocator: &GovernedOrtAllocator, size: usize, reserve: bool) -> *mut std::ffi::c_void {
+    let this = allocator.as_ort_allocator();
+    // SAFETY: the table is alive while `allocator` is, and only read.
+    let table = unsafe { &*this };
+    if reserve {
+        let entry = table.Reserve.expect("the adapter sets Reserve");
+        // SAFETY: the entry belongs to this live table; ONNX Runtime calls it the same way.
+        unsafe { entry(this, size) }
+    } else {
+        let entry = table.Alloc.expect("the adapter sets Alloc");
+        // SAFETY: as above.
+        unsafe { entry(this, size) }
+    }
+}
+
+/// `Free` through the adapter's C table.
+pub fn table_free(allocator: &GovernedOrtAllocator, block: *mut std::ffi::c_void) {
+    let this = allocator.as_ort_allocator();
+    // SAFETY: the table is alive while `allocator` is, and only read.
+    let free = unsafe { &*this }.Free.expect("the adapter sets Free");
+    // SAFETY: Free checks the pointer against its table before touching anything.
+    unsafe { free(this, block) }
+}
