@@ -6,6 +6,19 @@ use std::process::ExitCode;
 use memory_demo::{FlagError, USAGE, parse, run};
 
 fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().is_some_and(|first| first == "--ort") {
+        return match memory_demo::real_models::run(&args[1..]) {
+            Ok((report, passed)) => {
+                print!("{report}");
+                if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+            }
+            Err(error) => {
+                eprintln!("memory-demo --ort: {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let config = match parse(std::env::args().skip(1)) {
         Ok(config) => config,
         Err(FlagError::Help) => {

@@ -67,7 +67,8 @@ pub(crate) enum Command {
     /// run weekly, not in CI); cargo-mutants prints the missed mutants.
     Mutants(Mutants),
     /// Runs the demo (cargo run --release -p memory-demo -- ARGS...); `--gpu` also
-    /// enables the demo's `cuda` feature.
+    /// enables the demo's `cuda` feature; `--ort` first fetches ONNX Runtime and the real
+    /// models (two tenants on Silero VAD and PP-OCRv4 through governed allocators).
     Demo(Demo),
 }
 
@@ -126,6 +127,12 @@ pub(crate) struct Bench {
     /// (eager vs pool vs VMM allocate+release, VMM commit per granule) and its table.
     #[arg(long)]
     pub(crate) gpu: bool,
+    /// Instead: fetch ONNX Runtime and the real models, then per model p50/p99 latency
+    /// and peak RSS of ORT's arena, no arena, governed pool and governed system
+    /// allocator, alternating, each in its own process, as ratios against the arena
+    /// (arguments after -- go to ort-bench: --rounds N --vad-iters N --ocr-iters N).
+    #[arg(long, conflicts_with_all = ["compare", "gpu"])]
+    pub(crate) ort: bool,
     /// Passed to every bench binary after `--` (a name filter leaves table rows missing).
     #[arg(last = true, value_name = "CRITERION_ARGS")]
     pub(crate) criterion_args: Vec<String>,
@@ -141,6 +148,7 @@ impl Default for Bench {
             measurement_secs: DEFAULT_MEASUREMENT_SECS,
             output: None,
             gpu: false,
+            ort: false,
             criterion_args: Vec::new(),
         }
     }
@@ -317,6 +325,8 @@ mod tests {
         assert_eq!((parsed.warm_up_secs, parsed.measurement_secs), (0.5, 4.0));
         assert_eq!(parsed.output, Some(PathBuf::from("t.md")));
         assert!(bench(&["--gpu"]).unwrap().gpu);
+        assert!(bench(&["--ort"]).unwrap().ort);
+        assert!(rejected(&["bench", "--ort", "--gpu"]).contains("--ort"));
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //!   machine, as markdown.
 //! - `cargo xtask stress [--secs N]`: the bounded stress tests, run for longer.
 //! - `cargo xtask mutants [--file F]`: mutation testing of the core crates (weekly).
-//! - `cargo xtask demo [ARGS]`: the demo binary.
+//! - `cargo xtask demo [ARGS]`: the demo binary; `demo --ort` fetches ONNX Runtime and
+//!   the real models first ([`mod@ort`]).
 //!
 //! Layout: [`flags`] parses the command line into types, [`tasks`] turns each command
 //! into a list of steps, [`step`] runs and judges them, [`libtest`] reads test output.
@@ -25,6 +26,7 @@ mod compare;
 mod estimates;
 mod flags;
 mod libtest;
+mod ort;
 mod ratios;
 mod step;
 mod table;
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Miri => step::run_steps("xtask miri", &root, &tasks::miri_steps()),
         Command::Fuzz(fuzz) => step::run_steps("xtask fuzz", &root, &tasks::fuzz_steps(&fuzz)),
         Command::Mutants(mutants) => step::run_steps("xtask mutants", &root, &tasks::mutants_steps(&mutants)),
+        Command::Bench(bench) if bench.ort => step::run_steps("xtask bench --ort", &root, &ort::bench_steps(&bench)),
         Command::Bench(bench) => {
             return match bench::run(&bench, &root) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -70,7 +73,13 @@ fn main() -> ExitCode {
 
 /// Hands the terminal to the demo and passes its exit code on.
 fn run_demo(demo: &flags::Demo, root: &std::path::Path) -> ExitCode {
-    let cmd = tasks::demo_cmd(demo);
+    let mut cmd = tasks::demo_cmd(demo);
+    if ort::is_demo_ort(demo) {
+        if step::run_steps("xtask demo --ort", root, &[ort::fetch_step()]).is_err() {
+            return ExitCode::FAILURE;
+        }
+        cmd = ort::with_assets(cmd);
+    }
     match cmd.status(root) {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {

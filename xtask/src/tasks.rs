@@ -29,6 +29,9 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         );
     }
     steps.push(Step::new("fmt", Cmd::cargo(["fmt", "--all", "--check"])));
+    // memory-ort's real-model tests need ONNX Runtime and the models: fetched (once)
+    // into target/ort-cache, and required by the tests step below.
+    steps.push(crate::ort::fetch_step());
     // The architecture tidy test also runs inside `cargo test --workspace`; running it
     // first on its own reports a layering mistake in seconds rather than minutes.
     steps.push(Step::new("tidy", Cmd::cargo(["test", "--locked", "-p", "xtask", "--test", "tidy"])));
@@ -36,7 +39,10 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         "clippy",
         Cmd::cargo(["clippy", "--workspace", "--all-targets", "--all-features", "--locked", "--", "-D", "warnings"]),
     ));
-    steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])).check(Check::Tests));
+    steps.push(
+        Step::new("tests", crate::ort::with_assets(Cmd::cargo(["test", "--workspace", "--locked"])))
+            .check(Check::Tests),
+    );
     // The optional features (serde, metrics) change what compiles and add tests of
     // their own: run the crates that have them with every feature on.
     let mut features = vec!["test", "--locked", "--all-features"];
@@ -55,8 +61,21 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
     steps.push(package_step());
     if flags.gpu {
         steps.push(
-            Step::new("gpu-tests", Cmd::cargo(["test", "-p", "allocator-cuda", "--locked", "--", "--ignored", "gpu_"]))
-                .check(Check::GpuTests),
+            Step::new(
+                "gpu-tests",
+                crate::ort::with_assets(Cmd::cargo([
+                    "test",
+                    "-p",
+                    "allocator-cuda",
+                    "-p",
+                    "memory-ort",
+                    "--locked",
+                    "--",
+                    "--ignored",
+                    "gpu_",
+                ])),
+            )
+            .check(Check::GpuTests),
         );
     }
     steps
@@ -270,11 +289,15 @@ mod tests {
     #[test]
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
-        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "features", "loom", "docs", "package"]);
+        assert_eq!(
+            names(&steps),
+            ["fmt", "ort-fetch", "tidy", "clippy", "tests", "features", "loom", "docs", "package"]
+        );
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
             checks,
             [
+                Check::Success,
                 Check::Success,
                 Check::Success,
                 Check::Success,
@@ -285,7 +308,8 @@ mod tests {
                 Check::Success
             ]
         );
-        let loom = &steps[5];
+        assert_eq!(steps[4].cmd.env_value(crate::ort::REQUIRED_ENV), Some("1"), "real-model tests never skip");
+        let loom = &steps[6];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
@@ -294,18 +318,31 @@ mod tests {
         let steps = test_steps(&flags::Test { gpu: true });
         assert_eq!(
             names(&steps),
-            ["cuda-probe", "fmt", "tidy", "clippy", "tests", "features", "loom", "docs", "package", "gpu-tests"]
+            [
+                "cuda-probe",
+                "fmt",
+                "ort-fetch",
+                "tidy",
+                "clippy",
+                "tests",
+                "features",
+                "loom",
+                "docs",
+                "package",
+                "gpu-tests"
+            ]
         );
         assert_eq!(steps[0].check, Check::CudaDevice);
         let gpu = steps.last().unwrap();
         assert_eq!(gpu.check, Check::GpuTests);
         assert!(gpu.cmd.arg_list().ends_with(&["--".into(), "--ignored".into(), "gpu_".into()]));
+        assert!(gpu.cmd.to_string().contains("-p memory-ort"), "{}", gpu.cmd);
     }
 
     #[test]
     fn building_steps_are_locked_and_clippy_denies_warnings() {
         for step in test_steps(&flags::Test { gpu: true }) {
-            if step.name != "fmt" {
+            if step.name != "fmt" && step.name != "ort-fetch" {
                 assert!(step.cmd.arg_list().contains(&"--locked".to_owned()), "{} is not --locked", step.name);
             }
         }

@@ -15,14 +15,25 @@ use std::sync::OnceLock;
 use serde_json::{Value, json};
 
 /// Crates that may contain `unsafe` code; every other library must `#![forbid(unsafe_code)]`.
-const UNSAFE_ALLOWED: [&str; 3] = ["allocator-cpu", "allocator-cuda", "memory-binding"];
+const UNSAFE_ALLOWED: [&str; 4] = ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-ort"];
 
 /// Tooling crates outside the layering (binaries and benches), exempt from the unsafe check.
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 6] =
-    ["memory-api", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda", "memory-testkit"];
+const NAMED_CRATES: [&str; 7] = [
+    "memory-api",
+    "memory-binding",
+    "memory-governor",
+    "allocator-cpu",
+    "allocator-cuda",
+    "memory-testkit",
+    "memory-ort",
+];
+
+/// Adapter crates: they consume the core (the governor and the providers); nothing but
+/// tooling depends on them.
+const ADAPTERS: [&str; 1] = ["memory-ort"];
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
@@ -69,15 +80,21 @@ enum Rule {
     BindingKnowsNoConcreteAllocator,
     GovernorNamesNoCuda,
     OnlyAllocatorCudaNamesCudarc,
+    OnlyMemoryOrtNamesOrt,
+    AdaptersSitOnTheCore,
+    OnlyToolingDependsOnAdapters,
 }
 
 impl Rule {
-    const ALL: [Rule; 5] = [
+    const ALL: [Rule; 8] = [
         Rule::MemoryApiIsALeaf,
         Rule::AllocatorsDependOnMemoryApiOnly,
         Rule::BindingKnowsNoConcreteAllocator,
         Rule::GovernorNamesNoCuda,
         Rule::OnlyAllocatorCudaNamesCudarc,
+        Rule::OnlyMemoryOrtNamesOrt,
+        Rule::AdaptersSitOnTheCore,
+        Rule::OnlyToolingDependsOnAdapters,
     ];
 
     /// The invariant, as docs/ARCHITECTURE.md states it.
@@ -95,6 +112,14 @@ impl Rule {
             }
             Rule::GovernorNamesNoCuda => "memory-governor has no normal dependency on allocator-cuda or cudarc",
             Rule::OnlyAllocatorCudaNamesCudarc => "only allocator-cuda depends on cudarc",
+            Rule::OnlyMemoryOrtNamesOrt => "only memory-ort depends on ort (or ort-sys)",
+            Rule::AdaptersSitOnTheCore => {
+                "memory-ort depends (normally) on memory-governor and the allocator crates only, of the workspace"
+            }
+            Rule::OnlyToolingDependsOnAdapters => {
+                "no core, provider or test-kit crate depends on an adapter (memory-ort); only tooling \
+                 (memory-demo, memory-benches, xtask) may"
+            }
         }
     }
 
@@ -119,6 +144,18 @@ impl Rule {
                 edge.from == "memory-governor" && shipped && matches!(to, "allocator-cuda" | "cudarc")
             }
             Rule::OnlyAllocatorCudaNamesCudarc => to == "cudarc" && edge.from != "allocator-cuda",
+            Rule::OnlyMemoryOrtNamesOrt => matches!(to, "ort" | "ort-sys") && edge.from != "memory-ort",
+            Rule::AdaptersSitOnTheCore => {
+                ADAPTERS.contains(&edge.from.as_str())
+                    && edge.kind == DepKind::Normal
+                    && edge.internal
+                    && !matches!(to, "memory-governor" | "allocator-cpu" | "allocator-cuda")
+            }
+            Rule::OnlyToolingDependsOnAdapters => {
+                ADAPTERS.contains(&to)
+                    && !TOOLING.contains(&edge.from.as_str())
+                    && !ADAPTERS.contains(&edge.from.as_str())
+            }
         }
     }
 }
@@ -289,6 +326,17 @@ fn only_allocator_cuda_names_cudarc() {
 }
 
 #[test]
+fn only_memory_ort_names_ort() {
+    assert_clean(Rule::OnlyMemoryOrtNamesOrt);
+}
+
+#[test]
+fn adapters_sit_on_the_core_and_only_tooling_depends_on_them() {
+    assert_clean(Rule::AdaptersSitOnTheCore);
+    assert_clean(Rule::OnlyToolingDependsOnAdapters);
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -332,7 +380,11 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
         ("allocator-cpu", vec![("memory-api", None), ("memory-testkit", Some("dev"))]),
         ("allocator-cuda", vec![("memory-api", None), ("cudarc", None), ("memory-testkit", Some("dev"))]),
         ("memory-testkit", vec![("memory-api", None)]),
-        ("memory-demo", vec![("memory-governor", None), ("allocator-cpu", None)]),
+        (
+            "memory-ort",
+            vec![("memory-governor", None), ("allocator-cuda", None), ("ort", None), ("allocator-cpu", Some("dev"))],
+        ),
+        ("memory-demo", vec![("memory-governor", None), ("allocator-cpu", None), ("memory-ort", None)]),
     ];
     for (name, deps) in &mut layout {
         if *name == extra_from {
@@ -403,6 +455,26 @@ fn synthetic_bad_edges_are_reported_by_name() {
         assert_eq!(found.len(), 1, "{from} -> {edge:?} should break {rule:?} once, found {found:?}");
         assert!(found[0].contains(expected), "{:?} does not name {expected:?}", found[0]);
         assert!(found[0].contains(rule.invariant()), "{:?} does not state the invariant", found[0]);
+    }
+}
+
+#[test]
+fn synthetic_adapter_edges_are_reported_by_name() {
+    let cases: [(&str, Dep, Rule, &str); 4] = [
+        ("memory-governor", ("ort", None), Rule::OnlyMemoryOrtNamesOrt, "memory-governor -> ort (normal"),
+        ("memory-demo", ("ort-sys", None), Rule::OnlyMemoryOrtNamesOrt, "memory-demo -> ort-sys"),
+        ("memory-ort", ("memory-testkit", None), Rule::AdaptersSitOnTheCore, "memory-ort -> memory-testkit (normal"),
+        (
+            "memory-governor",
+            ("memory-ort", Some("dev")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-governor -> memory-ort (dev",
+        ),
+    ];
+    for (from, edge, rule, expected) in cases {
+        let found = violations(&synthetic(from, &[edge]), rule);
+        assert_eq!(found.len(), 1, "{from} -> {edge:?} should break {rule:?} once, found {found:?}");
+        assert!(found[0].contains(expected), "{:?} does not name {expected:?}", found[0]);
     }
 }
 
