@@ -16,6 +16,6 @@ pub mod real_models;
 pub mod report;
 mod sim;
 
-pub use config::{Config, FlagError, USAGE, parse};
+pub use config::{Config, FlagError, Invocation, parse};
 pub use report::{Check, Report};
 pub use sim::{SimError, run};

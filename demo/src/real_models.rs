@@ -18,14 +18,6 @@ use memory_governor::{
 use memory_ort::workloads::{VadStream, detect_text, ocr_image};
 use memory_ort::{GovernedOrtAllocator, OrtAllocatorConfig, OrtAssets, OrtEnvironment};
 
-/// `--ort` usage.
-pub const ORT_USAGE: &str = "\
-memory-demo --ort [--requests N]
-    serves Silero VAD streams and PP-OCRv4 detection for two tenants through governed
-    ONNX Runtime allocators; N requests per tenant and model (default 40); the runtime and
-    models come from target/ort-cache (cargo xtask demo --ort fetches them)
-";
-
 struct TenantSpec {
     name: &'static str,
     quota: u64,
@@ -47,27 +39,12 @@ struct Served {
     overdraft_blocks: u64,
 }
 
-/// Runs the real mode with `args` (after `--ort`); returns the report and whether the
-/// nothing-lost check passed.
+/// Runs the real mode, `requests` per tenant and model; returns the report and whether
+/// the nothing-lost check passed.
 ///
 /// # Errors
-/// A message when the flags are wrong, the assets are missing or a model fails.
-pub fn run(args: &[String]) -> Result<(String, bool), String> {
-    let mut requests = 40usize;
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--requests" => {
-                requests = args
-                    .next()
-                    .and_then(|n| n.parse().ok())
-                    .filter(|&n| n > 0)
-                    .ok_or("`--requests` expects a whole number of at least 1")?;
-            }
-            "--help" | "-h" => return Ok((ORT_USAGE.to_owned(), true)),
-            other => return Err(format!("`--ort` does not take `{other}`\n\n{ORT_USAGE}")),
-        }
-    }
+/// A message when the assets are missing or a model fails.
+pub fn run(requests: usize) -> Result<(String, bool), String> {
     let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
     let env = OrtEnvironment::load(&assets.library).map_err(|err| err.to_string())?;
 
