@@ -18,7 +18,18 @@ use std::fmt;
 use crate::allocator::RawAllocation;
 use crate::error::ReleaseError;
 
-/// What a release did. See the [module docs](self) for the rules.
+/// What a release did, honest by construction.
+///
+/// | outcome       | what happened                                  | ownership afterwards          |
+/// |---------------|------------------------------------------------|-------------------------------|
+/// | `Complete`    | everything was released                        | none (zero unmapped is fine)  |
+/// | `Quarantined` | something was mutated, something is still held | the block, handed back        |
+/// | `Failed`      | nothing was mutated                            | the block, handed back intact |
+///
+/// The payloads have private fields: outcomes are built only through the constructors,
+/// which refuse dishonest claims (a quarantine claiming to have unmapped or still own
+/// more than the block is recorded as [`ReleaseError::DishonestOutcome`] and the whole
+/// block is treated as owned).
 #[must_use = "a release outcome says whether memory is still owned"]
 #[derive(Debug)]
 pub enum ReleaseOutcome {

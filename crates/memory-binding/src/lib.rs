@@ -25,7 +25,7 @@
 //!   make the trust boundary explicit; the crate body forbids unsafe blocks.
 //! - The hot path (`bind`, `allocate`, `release`, views) takes no registry-wide lock:
 //!   lifecycle in a mostly-read word with per-thread in-flight slots
-//!   ([`lifecycle`]), handles pinned through per-thread pins, generations from
+//!   (`src/lifecycle.rs`), handles pinned through per-thread pins, generations from
 //!   per-thread blocks, records in per-thread slabs addressed by slot + generation.
 //!   Every primitive comes from the crate-private `sync` module so loom can model the protocols
 //!   under `--cfg memory_loom`.
@@ -72,26 +72,35 @@
 //! ```
 #![deny(unsafe_code)]
 
-pub mod binding;
-pub mod capability;
-pub mod entry;
-pub mod error;
-pub mod lifecycle;
-pub mod registry;
-pub mod snapshot;
-pub(crate) mod sync;
+mod binding;
+mod capability;
+mod entry;
+mod error;
+mod lifecycle;
+mod registry;
+mod snapshot;
+mod sync;
 
-// The public interface, flat.
-pub use binding::{AllocationView, BoundAllocation, MemoryBinding, ReleaseReport};
-pub use capability::{BoundSharedMapping, BoundVirtualBacking};
+// The public interface. Modules are private: every name is here, grouped by what it is
+// for.
+
+// The registry: registration, selection, lifecycles (the cold path).
 pub use entry::{DropPolicy, Resource};
-pub use error::{
-    AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError, Rejected,
-    ViewError,
-};
 pub use lifecycle::MechanismState;
 pub use registry::{BindingRegistry, InvalidationReport, MechanismOptions};
+
+// Bindings, allocations, views and bound capabilities (the hot path).
+pub use binding::{AllocationView, BoundAllocation, MemoryBinding, ReleaseReport};
+pub use capability::{BoundSharedMapping, BoundVirtualBacking};
+
+// Reports and snapshots.
 pub use snapshot::{
     AllocationState, AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot,
     RetryReport, TerminationReport,
+};
+
+// Errors, one enum per operation family; a rejected handle comes back in `Rejected`.
+pub use error::{
+    AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError, Rejected,
+    ViewError,
 };
