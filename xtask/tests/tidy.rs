@@ -15,14 +15,26 @@ use std::sync::OnceLock;
 use serde_json::{Value, json};
 
 /// Crates that may contain `unsafe` code; every other library must `#![forbid(unsafe_code)]`.
-const UNSAFE_ALLOWED: [&str; 3] = ["allocator-cpu", "allocator-cuda", "memory-binding"];
+const UNSAFE_ALLOWED: [&str; 5] = ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-plugin", "memory-capi"];
 
 /// Tooling crates outside the layering (binaries and benches), exempt from the unsafe check.
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 6] =
-    ["memory-api", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda", "memory-testkit"];
+const NAMED_CRATES: [&str; 9] = [
+    "memory-api",
+    "memory-binding",
+    "memory-governor",
+    "allocator-cpu",
+    "allocator-cuda",
+    "memory-testkit",
+    "memory-plugin-abi",
+    "memory-plugin",
+    "memory-capi",
+];
+
+/// Crates allowed to depend on an adapter (`memory-capi`): tooling only.
+const ADAPTER_USERS: [&str; 3] = TOOLING;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
@@ -69,15 +81,23 @@ enum Rule {
     BindingKnowsNoConcreteAllocator,
     GovernorNamesNoCuda,
     OnlyAllocatorCudaNamesCudarc,
+    PluginAbiStandsAlone,
+    PluginIsAProvider,
+    CapiComposesThroughTheGovernor,
+    NothingDependsOnAnAdapter,
 }
 
 impl Rule {
-    const ALL: [Rule; 5] = [
+    const ALL: [Rule; 9] = [
         Rule::MemoryApiIsALeaf,
         Rule::AllocatorsDependOnMemoryApiOnly,
         Rule::BindingKnowsNoConcreteAllocator,
         Rule::GovernorNamesNoCuda,
         Rule::OnlyAllocatorCudaNamesCudarc,
+        Rule::PluginAbiStandsAlone,
+        Rule::PluginIsAProvider,
+        Rule::CapiComposesThroughTheGovernor,
+        Rule::NothingDependsOnAnAdapter,
     ];
 
     /// The invariant, as docs/ARCHITECTURE.md states it.
@@ -95,6 +115,18 @@ impl Rule {
             }
             Rule::GovernorNamesNoCuda => "memory-governor has no normal dependency on allocator-cuda or cudarc",
             Rule::OnlyAllocatorCudaNamesCudarc => "only allocator-cuda depends on cudarc",
+            Rule::PluginAbiStandsAlone => "memory-plugin-abi has no normal or build dependency at all",
+            Rule::PluginIsAProvider => {
+                "memory-plugin depends on memory-api and memory-plugin-abi only, never on the registry or the \
+                 governor (its tests may add memory-testkit and memory-binding)"
+            }
+            Rule::CapiComposesThroughTheGovernor => {
+                "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
+                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin and memory-plugin-abi only"
+            }
+            Rule::NothingDependsOnAnAdapter => {
+                "no core or provider crate depends on an adapter (memory-capi); only tooling may"
+            }
         }
     }
 
@@ -119,6 +151,25 @@ impl Rule {
                 edge.from == "memory-governor" && shipped && matches!(to, "allocator-cuda" | "cudarc")
             }
             Rule::OnlyAllocatorCudaNamesCudarc => to == "cudarc" && edge.from != "allocator-cuda",
+            Rule::PluginAbiStandsAlone => edge.from == "memory-plugin-abi" && shipped,
+            Rule::PluginIsAProvider => {
+                edge.from == "memory-plugin"
+                    && edge.internal
+                    && !matches!(to, "memory-api" | "memory-plugin-abi")
+                    && !(edge.kind == DepKind::Dev && matches!(to, "memory-testkit" | "memory-binding"))
+            }
+            Rule::CapiComposesThroughTheGovernor => {
+                edge.from == "memory-capi"
+                    && edge.internal
+                    && shipped
+                    && !matches!(
+                        to,
+                        "memory-governor" | "allocator-cpu" | "allocator-cuda" | "memory-plugin" | "memory-plugin-abi"
+                    )
+            }
+            Rule::NothingDependsOnAnAdapter => {
+                to == "memory-capi" && shipped && !ADAPTER_USERS.contains(&edge.from.as_str())
+            }
         }
     }
 }
@@ -289,6 +340,26 @@ fn only_allocator_cuda_names_cudarc() {
 }
 
 #[test]
+fn memory_plugin_abi_stands_alone() {
+    assert_clean(Rule::PluginAbiStandsAlone);
+}
+
+#[test]
+fn memory_plugin_is_a_provider() {
+    assert_clean(Rule::PluginIsAProvider);
+}
+
+#[test]
+fn memory_capi_composes_through_the_governor() {
+    assert_clean(Rule::CapiComposesThroughTheGovernor);
+}
+
+#[test]
+fn nothing_but_tooling_depends_on_an_adapter() {
+    assert_clean(Rule::NothingDependsOnAnAdapter);
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -333,6 +404,29 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
         ("allocator-cuda", vec![("memory-api", None), ("cudarc", None), ("memory-testkit", Some("dev"))]),
         ("memory-testkit", vec![("memory-api", None)]),
         ("memory-demo", vec![("memory-governor", None), ("allocator-cpu", None)]),
+        ("memory-plugin-abi", vec![]),
+        (
+            "memory-plugin",
+            vec![
+                ("memory-api", None),
+                ("memory-plugin-abi", None),
+                ("libloading", None),
+                ("memory-binding", Some("dev")),
+                ("memory-testkit", Some("dev")),
+            ],
+        ),
+        (
+            "memory-capi",
+            vec![
+                ("memory-governor", None),
+                ("allocator-cpu", None),
+                ("allocator-cuda", None),
+                ("memory-plugin", None),
+                ("memory-plugin-abi", None),
+                ("cbindgen", Some("dev")),
+            ],
+        ),
+        ("memory-benches", vec![("memory-capi", Some("dev")), ("memory-plugin", Some("dev"))]),
     ];
     for (name, deps) in &mut layout {
         if *name == extra_from {
@@ -356,7 +450,28 @@ fn synthetic_design_layout_is_clean() {
 
 #[test]
 fn synthetic_bad_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 9] = [
+    let cases: [(&str, Dep, Rule, &str); 15] = [
+        ("memory-plugin-abi", ("libc", None), Rule::PluginAbiStandsAlone, "memory-plugin-abi -> libc (normal"),
+        ("memory-plugin", ("memory-binding", None), Rule::PluginIsAProvider, "memory-plugin -> memory-binding (normal"),
+        (
+            "memory-plugin",
+            ("memory-governor", Some("dev")),
+            Rule::PluginIsAProvider,
+            "memory-plugin -> memory-governor (dev",
+        ),
+        (
+            "memory-capi",
+            ("memory-binding", None),
+            Rule::CapiComposesThroughTheGovernor,
+            "memory-capi -> memory-binding",
+        ),
+        ("memory-governor", ("memory-capi", None), Rule::NothingDependsOnAnAdapter, "memory-governor -> memory-capi"),
+        (
+            "memory-plugin",
+            ("memory-capi", Some("build")),
+            Rule::NothingDependsOnAnAdapter,
+            "memory-plugin -> memory-capi (build",
+        ),
         ("memory-api", ("memory-binding", None), Rule::MemoryApiIsALeaf, "memory-api -> memory-binding (normal"),
         ("memory-api", ("memory-testkit", Some("dev")), Rule::MemoryApiIsALeaf, "memory-api -> memory-testkit (dev"),
         (
@@ -455,8 +570,9 @@ fn synthetic_library_without_forbid_unsafe_is_reported_unless_allowed() {
     };
     let found = unsafe_violations(&packages, &read);
     let named: Vec<&str> = found.iter().map(|line| line.split(' ').next().unwrap()).collect();
-    // memory-binding and allocator-* may use unsafe; memory-demo is tooling.
-    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit"], "{found:?}");
+    // memory-binding, allocator-*, memory-plugin and memory-capi may use unsafe;
+    // memory-demo and memory-benches are tooling.
+    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit", "memory-plugin-abi"], "{found:?}");
     let read = |_: &Path| -> Result<String, String> { Ok("//! A crate.\n#![forbid(unsafe_code)]\n".to_owned()) };
     assert!(unsafe_violations(&packages, &read).is_empty());
 }
