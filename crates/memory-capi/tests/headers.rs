@@ -39,3 +39,8 @@ fn check(crate_name: &str, header: &str) {
 fn plugin_header_matches_the_rust_abi() {
     check("memory-plugin-abi", "memory_plugin.h");
 }
+
+#[test]
+fn capi_header_matches_the_rust_api() {
+    check("memory-capi", "memory_capi.h");
+}

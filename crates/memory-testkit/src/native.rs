@@ -97,6 +97,13 @@ impl NativeBuild {
             }
         }
         self.args.hash(&mut hasher);
+        // An argument naming a file (a library to link) counts by size and time.
+        for arg in &self.args {
+            if let Ok(meta) = std::fs::metadata(arg) {
+                meta.len().hash(&mut hasher);
+                meta.modified().ok().hash(&mut hasher);
+            }
+        }
         hasher.finish()
     }
 
@@ -107,7 +114,9 @@ impl NativeBuild {
             return output;
         }
         std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
-        let partial = dir.join(format!("{name}.partial-{}", std::process::id()));
+        static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let partial = dir.join(format!("{name}.partial-{}-{build}", std::process::id()));
         let mut command = self.command();
         command.args(flags).arg("-o").arg(&partial).args(&self.sources).args(&self.args);
         let shown = std::iter::once(command.get_program())
@@ -122,7 +131,10 @@ impl NativeBuild {
             String::from_utf8_lossy(&result.stdout),
             String::from_utf8_lossy(&result.stderr)
         );
-        std::fs::rename(&partial, &output).unwrap_or_else(|e| panic!("renaming {}: {e}", partial.display()));
+        if let Err(error) = std::fs::rename(&partial, &output) {
+            // Another build of the same inputs may have finished first; its output is ours.
+            assert!(output.exists(), "renaming {}: {error}", partial.display());
+        }
         output
     }
 
