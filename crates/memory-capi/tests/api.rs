@@ -29,14 +29,18 @@ fn setup() -> Setup {
         mechanism: null_mut(),
         binding: null_mut(),
     };
-    // SAFETY: every out-pointer is a live local.
-    unsafe {
-        ok(mc_registry_create(&mut s.registry));
-        ok(mc_context_register(s.registry, HOST, null_mut(), None, &mut s.context));
-        ok(mc_authority_register(s.registry, HOST, null_mut(), None, &mut s.authority));
-        ok(mc_register_cpu_allocator(s.registry, null_mut(), s.context, s.authority, MC_CPU_SYSTEM, &mut s.mechanism));
-        ok(mc_bind_mechanism(s.registry, s.mechanism, &mut s.binding));
-    }
+    // SAFETY: every out-pointer is a live local (so for each call below).
+    ok(unsafe { mc_registry_create(&mut s.registry) });
+    // SAFETY: as above.
+    ok(unsafe { mc_context_register(s.registry, HOST, null_mut(), None, &mut s.context) });
+    // SAFETY: as above.
+    ok(unsafe { mc_authority_register(s.registry, HOST, null_mut(), None, &mut s.authority) });
+    // SAFETY: as above.
+    ok(unsafe {
+        mc_register_cpu_allocator(s.registry, null_mut(), s.context, s.authority, MC_CPU_SYSTEM, &mut s.mechanism)
+    });
+    // SAFETY: as above.
+    ok(unsafe { mc_bind_mechanism(s.registry, s.mechanism, &mut s.binding) });
     s
 }
 
