@@ -240,7 +240,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
     pub(crate) fn take(&'static self, handle: u64) -> Result<(T, Reservation<T>), Fault> {
         let (cell, generation) = self.decode(handle)?;
         let live = generation | LIVE;
-        match cell.state.compare_exchange(live, generation | TAKEN, Ordering::Acquire, Ordering::Relaxed) {
+        match cell.state.compare_exchange(live, live | TAKEN, Ordering::Acquire, Ordering::Relaxed) {
             Ok(_) => {
                 // SAFETY: our compare-and-swap moved the cell from LIVE with no borrows
                 // to TAKEN, so nobody else reads the value and nobody can take it again;
