@@ -15,13 +15,14 @@ use std::sync::OnceLock;
 use serde_json::{Value, json};
 
 /// Crates that may contain `unsafe` code; every other library must `#![forbid(unsafe_code)]`.
-const UNSAFE_ALLOWED: [&str; 4] = ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-ort"];
+const UNSAFE_ALLOWED: [&str; 6] =
+    ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-ort", "memory-plugin", "memory-capi"];
 
 /// Tooling crates outside the layering (binaries and benches), exempt from the unsafe check.
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 7] = [
+const NAMED_CRATES: [&str; 10] = [
     "memory-api",
     "memory-binding",
     "memory-governor",
@@ -29,11 +30,14 @@ const NAMED_CRATES: [&str; 7] = [
     "allocator-cuda",
     "memory-testkit",
     "memory-ort",
+    "memory-plugin-abi",
+    "memory-plugin",
+    "memory-capi",
 ];
 
 /// Adapter crates: they consume the core (the governor and the providers); nothing but
 /// tooling depends on them.
-const ADAPTERS: [&str; 1] = ["memory-ort"];
+const ADAPTERS: [&str; 2] = ["memory-ort", "memory-capi"];
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
@@ -83,10 +87,13 @@ enum Rule {
     OnlyMemoryOrtNamesOrt,
     AdaptersSitOnTheCore,
     OnlyToolingDependsOnAdapters,
+    PluginAbiStandsAlone,
+    PluginIsAProvider,
+    CapiComposesThroughTheGovernor,
 }
 
 impl Rule {
-    const ALL: [Rule; 8] = [
+    const ALL: [Rule; 11] = [
         Rule::MemoryApiIsALeaf,
         Rule::AllocatorsDependOnMemoryApiOnly,
         Rule::BindingKnowsNoConcreteAllocator,
@@ -95,6 +102,9 @@ impl Rule {
         Rule::OnlyMemoryOrtNamesOrt,
         Rule::AdaptersSitOnTheCore,
         Rule::OnlyToolingDependsOnAdapters,
+        Rule::PluginAbiStandsAlone,
+        Rule::PluginIsAProvider,
+        Rule::CapiComposesThroughTheGovernor,
     ];
 
     /// The invariant, as docs/ARCHITECTURE.md states it.
@@ -117,8 +127,17 @@ impl Rule {
                 "memory-ort depends (normally) on memory-governor and the allocator crates only, of the workspace"
             }
             Rule::OnlyToolingDependsOnAdapters => {
-                "no core, provider or test-kit crate depends on an adapter (memory-ort); only tooling \
-                 (memory-demo, memory-benches, xtask) may"
+                "no core, provider or test-kit crate depends on an adapter (memory-ort, memory-capi); only \
+                 tooling (memory-demo, memory-benches, xtask) may"
+            }
+            Rule::PluginAbiStandsAlone => "memory-plugin-abi has no normal or build dependency at all",
+            Rule::PluginIsAProvider => {
+                "memory-plugin depends on memory-api and memory-plugin-abi only, never on the registry or the \
+                 governor (its tests may add memory-testkit and memory-binding)"
+            }
+            Rule::CapiComposesThroughTheGovernor => {
+                "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
+                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin and memory-plugin-abi only"
             }
         }
     }
@@ -146,7 +165,7 @@ impl Rule {
             Rule::OnlyAllocatorCudaNamesCudarc => to == "cudarc" && edge.from != "allocator-cuda",
             Rule::OnlyMemoryOrtNamesOrt => matches!(to, "ort" | "ort-sys") && edge.from != "memory-ort",
             Rule::AdaptersSitOnTheCore => {
-                ADAPTERS.contains(&edge.from.as_str())
+                edge.from == "memory-ort"
                     && edge.kind == DepKind::Normal
                     && edge.internal
                     && !matches!(to, "memory-governor" | "allocator-cpu" | "allocator-cuda")
@@ -155,6 +174,22 @@ impl Rule {
                 ADAPTERS.contains(&to)
                     && !TOOLING.contains(&edge.from.as_str())
                     && !ADAPTERS.contains(&edge.from.as_str())
+            }
+            Rule::PluginAbiStandsAlone => edge.from == "memory-plugin-abi" && shipped,
+            Rule::PluginIsAProvider => {
+                edge.from == "memory-plugin"
+                    && edge.internal
+                    && !matches!(to, "memory-api" | "memory-plugin-abi")
+                    && !(edge.kind == DepKind::Dev && matches!(to, "memory-testkit" | "memory-binding"))
+            }
+            Rule::CapiComposesThroughTheGovernor => {
+                edge.from == "memory-capi"
+                    && edge.internal
+                    && shipped
+                    && !matches!(
+                        to,
+                        "memory-governor" | "allocator-cpu" | "allocator-cuda" | "memory-plugin" | "memory-plugin-abi"
+                    )
             }
         }
     }
@@ -337,6 +372,21 @@ fn adapters_sit_on_the_core_and_only_tooling_depends_on_them() {
 }
 
 #[test]
+fn memory_plugin_abi_stands_alone() {
+    assert_clean(Rule::PluginAbiStandsAlone);
+}
+
+#[test]
+fn memory_plugin_is_a_provider() {
+    assert_clean(Rule::PluginIsAProvider);
+}
+
+#[test]
+fn memory_capi_composes_through_the_governor() {
+    assert_clean(Rule::CapiComposesThroughTheGovernor);
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -385,6 +435,29 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
             vec![("memory-governor", None), ("allocator-cuda", None), ("ort", None), ("allocator-cpu", Some("dev"))],
         ),
         ("memory-demo", vec![("memory-governor", None), ("allocator-cpu", None), ("memory-ort", None)]),
+        ("memory-plugin-abi", vec![]),
+        (
+            "memory-plugin",
+            vec![
+                ("memory-api", None),
+                ("memory-plugin-abi", None),
+                ("libloading", None),
+                ("memory-binding", Some("dev")),
+                ("memory-testkit", Some("dev")),
+            ],
+        ),
+        (
+            "memory-capi",
+            vec![
+                ("memory-governor", None),
+                ("allocator-cpu", None),
+                ("allocator-cuda", None),
+                ("memory-plugin", None),
+                ("memory-plugin-abi", None),
+                ("cbindgen", Some("dev")),
+            ],
+        ),
+        ("memory-benches", vec![("memory-capi", Some("dev")), ("memory-plugin", Some("dev"))]),
     ];
     for (name, deps) in &mut layout {
         if *name == extra_from {
@@ -408,7 +481,33 @@ fn synthetic_design_layout_is_clean() {
 
 #[test]
 fn synthetic_bad_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 9] = [
+    let cases: [(&str, Dep, Rule, &str); 15] = [
+        ("memory-plugin-abi", ("libc", None), Rule::PluginAbiStandsAlone, "memory-plugin-abi -> libc (normal"),
+        ("memory-plugin", ("memory-binding", None), Rule::PluginIsAProvider, "memory-plugin -> memory-binding (normal"),
+        (
+            "memory-plugin",
+            ("memory-governor", Some("dev")),
+            Rule::PluginIsAProvider,
+            "memory-plugin -> memory-governor (dev",
+        ),
+        (
+            "memory-capi",
+            ("memory-binding", None),
+            Rule::CapiComposesThroughTheGovernor,
+            "memory-capi -> memory-binding",
+        ),
+        (
+            "memory-governor",
+            ("memory-capi", None),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-governor -> memory-capi",
+        ),
+        (
+            "memory-plugin",
+            ("memory-capi", Some("build")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-plugin -> memory-capi (build",
+        ),
         ("memory-api", ("memory-binding", None), Rule::MemoryApiIsALeaf, "memory-api -> memory-binding (normal"),
         ("memory-api", ("memory-testkit", Some("dev")), Rule::MemoryApiIsALeaf, "memory-api -> memory-testkit (dev"),
         (
@@ -527,8 +626,9 @@ fn synthetic_library_without_forbid_unsafe_is_reported_unless_allowed() {
     };
     let found = unsafe_violations(&packages, &read);
     let named: Vec<&str> = found.iter().map(|line| line.split(' ').next().unwrap()).collect();
-    // memory-binding and allocator-* may use unsafe; memory-demo is tooling.
-    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit"], "{found:?}");
+    // memory-binding, allocator-*, memory-plugin and memory-capi may use unsafe;
+    // memory-demo and memory-benches are tooling.
+    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit", "memory-plugin-abi"], "{found:?}");
     let read = |_: &Path| -> Result<String, String> { Ok("//! A crate.\n#![forbid(unsafe_code)]\n".to_owned()) };
     assert!(unsafe_violations(&packages, &read).is_empty());
 }
