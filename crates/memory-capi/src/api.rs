@@ -7,7 +7,9 @@ use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use allocator_cpu::{PooledAllocator, SharedHostAllocator, SystemAllocator, VirtualHostAllocator};
+use allocator_cpu::{PooledAllocator, SystemAllocator};
+#[cfg(unix)]
+use allocator_cpu::{SharedHostAllocator, VirtualHostAllocator};
 use allocator_cuda::{CudaAllocator, CudaDevice, CudaPoolAllocator, CudaStream, CudaVmmAllocator};
 use memory_governor::{
     AccountConfig, AllocationRequest, AuthorityIdentity, BindingRegistry, BoundAllocation, DeferredReleaseQueue,
@@ -498,8 +500,20 @@ pub unsafe extern "C" fn mc_register_cpu_allocator(
         let allocator: Arc<dyn DeviceAllocator> = match kind {
             MC_CPU_SYSTEM => Arc::new(SystemAllocator::for_device(device)),
             MC_CPU_POOLED => Arc::new(PooledAllocator::new(SystemAllocator::for_device(device))),
+            #[cfg(unix)]
             MC_CPU_VIRTUAL => Arc::new(VirtualHostAllocator::for_device(device)),
+            #[cfg(unix)]
             MC_CPU_SHARED => Arc::new(SharedHostAllocator::for_device(device)),
+            // Address-space reservation and shared mappings need mmap (Linux, macOS).
+            #[cfg(not(unix))]
+            MC_CPU_VIRTUAL | MC_CPU_SHARED => {
+                return Err(Failure::new(
+                    MC_ERR_UNSUPPORTED,
+                    format!(
+                        "cpu allocator kind {kind} needs mmap, which this platform lacks; use MC_CPU_SYSTEM or MC_CPU_POOLED"
+                    ),
+                ));
+            }
             other => {
                 return Err(Failure::new(
                     MC_ERR_INVALID_ARGUMENT,

@@ -4,6 +4,10 @@
 //!
 //! Each test loads its own copy of the library (its own path and inode), so the
 //! dynamic loader maps it separately and `is_mapped` can tell when it is unloaded.
+//!
+//! Unix only: the example plugin is a shared object built by the host C compiler, and
+//! `is_mapped` asks the dynamic loader with `RTLD_NOLOAD`.
+#![cfg(unix)]
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -61,8 +65,8 @@ fn is_mapped(path: &Path) -> bool {
 }
 
 fn libc_flags() -> i32 {
-    // RTLD_LAZY | RTLD_NOLOAD on Linux.
-    0x0001 | 0x0004
+    // The values differ between Linux and macOS: take them from libc.
+    libc::RTLD_LAZY | libc::RTLD_NOLOAD
 }
 
 fn request(bytes: usize) -> AllocationRequest {
