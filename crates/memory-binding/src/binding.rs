@@ -19,7 +19,7 @@ use memory_api::{
 use crate::entry::{DropPolicy, MechanismCore, Pin, QuarantinedAllocation};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
 use crate::lifecycle::{Admit, MechanismState};
-use crate::sync::Arc;
+use crate::sync::{Arc, AtomicU8, Ordering};
 
 /// A binding: the right to allocate through one mechanism, pinned to its allocator,
 /// provider context and authority. Cheap to clone; a clone is the same binding.
@@ -156,9 +156,13 @@ impl MemoryBinding {
     /// stream's pending work"). The queued release counts as in flight, so its
     /// context cannot be confirmed terminated until the queue has run or dropped it.
     ///
+    /// A queue that refuses with another release than the one offered has lost the one
+    /// offered: this returns `Ok`, and its block stays quarantined (error event).
+    ///
     /// # Errors
     /// A [`Rejected`] handing the allocation back on a foreign, cross-binding, stale or
-    /// device-lost handle, a queue for another device, or a queue that refused.
+    /// device-lost handle, a queue for another device, or a queue that refused, handing
+    /// back the exact release offered.
     pub fn release_deferred(
         &self,
         allocation: BoundAllocation,
@@ -682,8 +686,13 @@ fn release_deferred(
     }
 }
 
-/// Builds the prepared release and offers it; on refusal ends the in-flight count and
-/// returns the block.
+/// Builds the prepared release and offers it.
+///
+/// `Ok` when the queue took it, or when it refused with another release than the one
+/// offered: then the offered release counts as lost by the queue (its block stays
+/// quarantined and its in-flight count ends exactly once, whoever gets there first).
+/// `Err` hands the block back on an honest refusal; the caller re-records or
+/// quarantines it, then ends the count.
 fn enqueue(
     pin: &Arc<Pin>,
     parts: &HandleParts,
@@ -702,10 +711,17 @@ fn enqueue(
         ),
         recognise(&core.issuer, parts.generation),
     );
-    let releaser: Arc<dyn DeviceAllocator> = Arc::new(LifecycleCheckedRelease { core: Arc::clone(core) });
+    let queued = Arc::new(QueuedRelease { core: Arc::clone(core), claim: AtomicU8::new(QUEUED) });
+    let withdrawn = WithdrawOnDrop(Arc::clone(&queued));
     let completion_pin = Arc::clone(pin);
     let completion_parts = *parts;
     let completion = Box::new(move |outcome: ReleaseOutcome| {
+        let queued = &withdrawn.0;
+        // The registry may have disowned this release (its queue refused with another
+        // one): then the books were settled already.
+        if !queued.claimed_by_completion() {
+            return;
+        }
         let core = &completion_pin.core;
         let lost =
             matches!(&outcome, ReleaseOutcome::Failed(f) if matches!(f.error(), ReleaseError::DeviceLost { .. }));
@@ -723,23 +739,88 @@ fn enqueue(
         }
         core.lifecycle.end_detached(completion_pin.slot);
     });
+    let releaser: Arc<dyn DeviceAllocator> = Arc::clone(&queued) as Arc<dyn DeviceAllocator>;
     let prepared = PreparedRelease::new(identity, releaser, raw, completion);
-    match queue.enqueue(prepared) {
-        Ok(()) => Ok(()),
+    let refusal = match queue.enqueue(prepared) {
+        Ok(()) => return Ok(()),
+        Err(refusal) => refusal,
+    };
+    // A refusal must hand back the very release offered. Withdrawing whatever came back
+    // drops its completion uncalled: if it was ours, the claim now says so.
+    let same_identity = *refusal.release.identity() == identity;
+    let reason = refusal.reason;
+    let block = refusal.release.cancel();
+    if queued.claim.load(Ordering::SeqCst) == WITHDRAWN && same_identity && block.same_block(&parts.raw(core.device)) {
         // The caller re-records or quarantines the block, then ends the count: ending
         // it first would let termination or removal run while the block is nowhere.
-        Err(refusal) => Err((refusal.release.cancel(), refusal.reason)),
+        return Err((block, reason));
+    }
+    refused_with_another_release(pin, parts, &queued, &reason);
+    Ok(())
+}
+
+/// A queue refused with another release than the one offered: the offered one counts
+/// as lost by the queue. Whoever claims it first settles its books (a completion that
+/// already ran, or one that runs later, finds the claim taken and does nothing).
+#[cold]
+fn refused_with_another_release(pin: &Pin, parts: &HandleParts, queued: &QueuedRelease, reason: &QueueRefusalReason) {
+    let core = &pin.core;
+    tracing::error!(
+        mechanism = %core.identity,
+        %reason,
+        "deferred-release queue refused with another release than the one offered; the offered block counts as lost by the queue"
+    );
+    let withdrawn = queued.claim.load(Ordering::SeqCst) == WITHDRAWN;
+    if withdrawn || queued.claim.compare_exchange(QUEUED, DISOWNED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+        let raw = parts.raw(core.device);
+        let bytes = raw.bytes();
+        core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
+        core.lifecycle.end_detached(pin.slot);
     }
 }
 
-/// The allocator a queued release runs through: it re-checks the lifecycle when the
-/// queue finally runs it, so a release that comes due after device loss makes no
-/// allocator callback.
-struct LifecycleCheckedRelease {
+/// Claim states of a queued release: the first of its completion, its withdrawal and
+/// its disowning by the registry settles the books.
+const QUEUED: u8 = 0;
+/// The queue runs it: the allocator is (being) called, the completion books the outcome.
+const RUNNING: u8 = 1;
+/// The queue dropped it unrun: the completion books the abandoned block.
+const COMPLETED: u8 = 2;
+/// Withdrawn by `cancel`: the completion never runs; the refusal's receiver books it.
+const WITHDRAWN: u8 = 3;
+/// Its queue refused with another release: the registry booked it as lost by the
+/// queue; running it later makes no allocator call.
+const DISOWNED: u8 = 4;
+
+/// The allocator a queued release runs through: it claims the release (so a release
+/// the registry disowned makes no allocator call) and re-checks the lifecycle when the
+/// queue finally runs it (so a release that comes due after device loss makes no
+/// allocator callback either).
+struct QueuedRelease {
     core: Arc<MechanismCore>,
+    claim: AtomicU8,
 }
 
-impl DeviceAllocator for LifecycleCheckedRelease {
+impl QueuedRelease {
+    /// Whether the completion settles the books: it was run (the allocator claimed it)
+    /// or it claims it now (dropped unrun).
+    fn claimed_by_completion(&self) -> bool {
+        self.claim.load(Ordering::SeqCst) == RUNNING
+            || self.claim.compare_exchange(QUEUED, COMPLETED, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+}
+
+/// Held by a queued release's completion: dropped uncalled (the release was withdrawn),
+/// it marks the claim so the refusal's receiver knows the completion will never run.
+struct WithdrawOnDrop(Arc<QueuedRelease>);
+
+impl Drop for WithdrawOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.claim.compare_exchange(QUEUED, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+impl DeviceAllocator for QueuedRelease {
     fn device(&self) -> DeviceKey {
         self.core.device
     }
@@ -754,6 +835,10 @@ impl DeviceAllocator for LifecycleCheckedRelease {
         })
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        if self.claim.compare_exchange(QUEUED, RUNNING, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            // Disowned: the block is quarantined already; the completion ignores this.
+            return ReleaseOutcome::failed(allocation, ReleaseError::Abandoned);
+        }
         match self.core.lifecycle.state() {
             MechanismState::DeviceLost | MechanismState::Terminated => ReleaseOutcome::failed(
                 allocation,
