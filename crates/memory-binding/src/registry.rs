@@ -187,6 +187,9 @@ impl BindingRegistry {
         allocator: Arc<dyn DeviceAllocator>,
         options: MechanismOptions,
     ) -> Result<MechanismIdentity, RegistryError> {
+        // Allocator callbacks run before the lock: a slow or re-entrant `device()` must
+        // stall nothing else.
+        let device = allocator.device();
         let cold = lock(&self.inner.cold);
         let context = self.context(context)?;
         let authority = self.authority(authority)?;
@@ -202,7 +205,6 @@ impl BindingRegistry {
                 found: authority.device,
             });
         }
-        let device = allocator.device();
         if device != context.device {
             return Err(RegistryError::DeviceMismatch {
                 what: "allocator",
@@ -226,10 +228,9 @@ impl BindingRegistry {
         let mechanism = Arc::new(Mechanism::new(core));
         self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
         let selected = self.inner.selection.load().iter().any(|s| s.device == device);
-        if !selected {
-            self.store_selection(device, Some((generation, mechanism)));
-        }
+        let replaced = (!selected).then(|| self.store_selection(device, Some((generation, mechanism))));
         drop(cold);
+        drop(replaced);
         tracing::info!(mechanism = %identity, %device, selected = !selected, "mechanism registered");
         Ok(identity)
     }
@@ -261,7 +262,14 @@ impl BindingRegistry {
         self.register_allocator_with(context, authority, allocator, options)
     }
 
-    fn store_selection(&self, device: DeviceKey, selected: Option<(BindingGeneration, Arc<Mechanism>)>) {
+    /// Replaces `device`'s selection; returns the replaced table, for the caller to drop
+    /// once `cold` is released (it may hold the last reference to a mechanism).
+    #[must_use = "drop the replaced selection after releasing the cold lock"]
+    fn store_selection(
+        &self,
+        device: DeviceKey,
+        selected: Option<(BindingGeneration, Arc<Mechanism>)>,
+    ) -> Arc<Vec<Selected>> {
         let current = self.inner.selection.load();
         let mut table: Vec<Selected> = current
             .iter()
@@ -272,7 +280,7 @@ impl BindingRegistry {
             table.push(Selected { device, generation, mechanism });
         }
         // Only called under `cold`, so load-modify-store cannot lose an update.
-        self.inner.selection.store(Arc::new(table));
+        self.inner.selection.swap(Arc::new(table))
     }
 
     /// Makes `mechanism` the one future `bind(device)` calls use. Existing bindings,
@@ -293,8 +301,9 @@ impl BindingRegistry {
         }
         let generation = self.inner.issuer.binding_generation()?;
         let device = entry.core.device;
-        self.store_selection(device, Some((generation, entry)));
+        let replaced = self.store_selection(device, Some((generation, entry)));
         drop(cold);
+        drop(replaced);
         tracing::info!(mechanism = %mechanism, %device, %generation, "mechanism selected");
         Ok(generation)
     }
@@ -357,10 +366,9 @@ impl BindingRegistry {
             }
         })?;
         let device = entry.core.device;
-        if self.selected(device) == Some(*mechanism) {
-            self.store_selection(device, None);
-        }
+        let replaced = (self.selected(device) == Some(*mechanism)).then(|| self.store_selection(device, None));
         drop(cold);
+        drop(replaced);
         tracing::info!(mechanism = %mechanism, %device, "mechanism retired");
         Ok(())
     }
@@ -383,11 +391,10 @@ impl BindingRegistry {
             context.set_state(ContextState::Lost);
             report.contexts += 1;
         }
-        if self.selected(device).is_some() {
-            self.store_selection(device, None);
-            report.selection_dropped = true;
-        }
+        let replaced = self.selected(device).is_some().then(|| self.store_selection(device, None));
+        report.selection_dropped = replaced.is_some();
         drop(cold);
+        drop(replaced);
         tracing::error!(%device, reason, mechanisms = report.mechanisms, contexts = report.contexts, "device lost");
         report
     }

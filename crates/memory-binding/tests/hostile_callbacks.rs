@@ -6,16 +6,19 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::time::Duration;
 
 use common::{HeldQueue, PAGE, register, register_with, request};
 use memory_api::{
-    AllocError, AllocationRequest, DeferredReleaseQueue, DeviceAddress, DeviceAllocator, DeviceKey, MechanismIdentity,
-    PreparedRelease, QueueRefusal, QueueRefusalReason, RawAllocation, ReleaseError, ReleaseOutcome,
+    AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
+    DeviceKey, MappingAccess, MechanismIdentity, PreparedRelease, QueueRefusal, QueueRefusalReason, RawAllocation,
+    ReleaseError, ReleaseOutcome, SharedBacking, SharedMapping, SharedPlacement, VirtualBacking,
 };
-use memory_binding::{BindingRegistry, DropPolicy, HandleError, MechanismOptions};
+use memory_binding::{AllocateError, BindingRegistry, DropPolicy, HandleError, MechanismOptions, ReleaseReport};
 
 const GPU0: DeviceKey = DeviceKey::device(0);
 
@@ -316,4 +319,325 @@ fn an_honest_refusal_hands_the_allocation_back_recorded() {
     assert_eq!(counts(&registry, &mechanism), (1, 0, 0));
     binding.release(rejected.handle).unwrap();
     assert_eq!((ledger.released(), ledger.live()), (1, 0));
+}
+
+// ---------------------------------------------------------------------------------
+// Item 4: no callback runs under any registry lock
+// ---------------------------------------------------------------------------------
+
+/// The device the lock probe works on, so that it never disturbs the test's own books.
+const PROBE_DEVICE: DeviceKey = DeviceKey::device(7);
+
+/// How long a probe waits for the registry before calling the callback's caller
+/// guilty of holding a lock (a healthy probe answers in microseconds).
+const PROBE_PATIENCE: Duration = Duration::from_secs(10);
+
+thread_local! {
+    /// Set on probe threads: callbacks they trigger themselves (a snapshot asks every
+    /// allocator its name) do not probe again.
+    static PROBING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From inside a callback, asks another thread to take every registry lock class and
+/// waits (with a timeout) for it: the cold lock (`select`), the identity tables' shards
+/// (register and remove a context and an authority), and every pin's record lock and
+/// quarantine lock (`snapshots`). A callback made under any of them stalls the probe.
+#[derive(Default)]
+struct LockProbe {
+    registry: OnceLock<BindingRegistry>,
+    spare: OnceLock<MechanismIdentity>,
+    probed: Mutex<BTreeSet<&'static str>>,
+    stalled: Mutex<Vec<&'static str>>,
+}
+
+impl LockProbe {
+    /// Arms the probe: it needs a mechanism of its own to select.
+    fn arm(&self, registry: &BindingRegistry) {
+        let (_, _, spare) = register(registry, Arc::new(common::Caps::new(PROBE_DEVICE)));
+        self.spare.set(spare).unwrap();
+        self.registry.set(registry.clone()).unwrap();
+    }
+
+    fn probe(&self, callback: &'static str) {
+        if PROBING.get() {
+            return;
+        }
+        let (Some(registry), Some(spare)) = (self.registry.get(), self.spare.get()) else { return };
+        let (registry, spare) = (registry.clone(), *spare);
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            PROBING.set(true);
+            registry.select(&spare).expect("the probe's own mechanism stays selectable");
+            let context = registry.register_provider_context(PROBE_DEVICE, Arc::new(())).unwrap();
+            let authority = registry.register_authority(PROBE_DEVICE, Arc::new(())).unwrap();
+            assert!(!registry.snapshots().mechanisms.is_empty());
+            registry.remove_provider_context(&context).unwrap();
+            registry.remove_authority(&authority).unwrap();
+            let _ = done.send(());
+        });
+        self.probed.lock().unwrap().insert(callback);
+        if finished.recv_timeout(PROBE_PATIENCE).is_err() {
+            self.stalled.lock().unwrap().push(callback);
+        }
+    }
+
+    fn probed(&self) -> BTreeSet<&'static str> {
+        self.probed.lock().unwrap().clone()
+    }
+
+    fn stalled(&self) -> Vec<&'static str> {
+        self.stalled.lock().unwrap().clone()
+    }
+}
+
+/// An allocator with both capabilities whose every method, and its destructor, probes
+/// the registry's locks before doing its work.
+struct ProbingAllocator {
+    caps: common::Caps,
+    probe: Arc<LockProbe>,
+    /// Answer the next allocation with a block one byte short (to reach the give-back
+    /// of an unfit block).
+    unfit_next: AtomicBool,
+}
+
+impl ProbingAllocator {
+    fn on(device: DeviceKey, probe: &Arc<LockProbe>) -> Arc<ProbingAllocator> {
+        Arc::new(ProbingAllocator {
+            caps: common::Caps::new(device),
+            probe: Arc::clone(probe),
+            unfit_next: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Drop for ProbingAllocator {
+    fn drop(&mut self) {
+        self.probe.probe("allocator destructor");
+    }
+}
+
+impl DeviceAllocator for ProbingAllocator {
+    fn device(&self) -> DeviceKey {
+        self.probe.probe("device");
+        self.caps.device()
+    }
+    fn name(&self) -> &str {
+        self.probe.probe("name");
+        "probing"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.probe.probe("allocate");
+        let block = self.caps.allocate(request)?;
+        if !self.unfit_next.swap(false, Ordering::SeqCst) {
+            return Ok(block);
+        }
+        Ok(RawAllocation::new(block.address(), block.bytes() - 1, block.align(), block.device(), 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.probe.probe("release");
+        self.caps.release(allocation)
+    }
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        self.probe.probe("virtual_backing");
+        Some(self)
+    }
+    fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        self.probe.probe("shared_mapping");
+        Some(self)
+    }
+    fn stats(&self) -> Option<memory_api::AllocatorStats> {
+        self.probe.probe("stats");
+        None
+    }
+    fn trim(&self) -> usize {
+        self.probe.probe("trim");
+        0
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        self.probe.probe("forget_lost");
+        self.caps.forget_lost(lost);
+    }
+}
+
+impl VirtualBacking for ProbingAllocator {
+    fn granularity(&self) -> usize {
+        self.probe.probe("virtual granularity");
+        VirtualBacking::granularity(&self.caps)
+    }
+    fn commit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.probe.probe("commit");
+        self.caps.commit(allocation, range)
+    }
+    fn decommit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.probe.probe("decommit");
+        self.caps.decommit(allocation, range)
+    }
+    fn committed_bytes(&self, allocation: &RawAllocation) -> Result<usize, CapabilityError> {
+        self.probe.probe("committed_bytes");
+        self.caps.committed_bytes(allocation)
+    }
+}
+
+impl SharedMapping for ProbingAllocator {
+    fn granularity(&self) -> usize {
+        self.probe.probe("shared granularity");
+        SharedMapping::granularity(&self.caps)
+    }
+    fn create_backing(&self, bytes: usize) -> Result<SharedBacking, CapabilityError> {
+        self.probe.probe("create_backing");
+        self.caps.create_backing(bytes)
+    }
+    fn map(
+        &self,
+        backing: &SharedBacking,
+        allocation: &RawAllocation,
+        placement: SharedPlacement,
+        access: MappingAccess,
+    ) -> Result<(), CapabilityError> {
+        self.probe.probe("map");
+        self.caps.map(backing, allocation, placement, access)
+    }
+    fn unmap(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.probe.probe("unmap");
+        self.caps.unmap(allocation, range)
+    }
+}
+
+/// A deferred-release queue that probes in every method and holds what it takes.
+struct ProbingQueue {
+    device: DeviceKey,
+    probe: Arc<LockProbe>,
+    held: Mutex<Vec<PreparedRelease>>,
+}
+
+impl DeferredReleaseQueue for ProbingQueue {
+    fn device(&self) -> DeviceKey {
+        self.probe.probe("queue device");
+        self.device
+    }
+    fn enqueue(&self, release: PreparedRelease) -> Result<(), QueueRefusal> {
+        self.probe.probe("enqueue");
+        self.held.lock().unwrap().push(release);
+        Ok(())
+    }
+}
+
+impl Drop for ProbingQueue {
+    fn drop(&mut self) {
+        self.probe.probe("queue destructor");
+    }
+}
+
+/// A context or authority resource whose destructor probes.
+struct ProbingResource(Arc<LockProbe>, &'static str);
+
+impl Drop for ProbingResource {
+    fn drop(&mut self) {
+        self.0.probe(self.1);
+    }
+}
+
+/// Every registry operation, driven through an allocator, queue and resources whose
+/// every callback and destructor checks from another thread that no registry lock is
+/// held: none may stall the probe.
+#[test]
+fn no_callback_or_destructor_runs_under_a_registry_lock() {
+    let probe = Arc::new(LockProbe::default());
+    let registry = BindingRegistry::new().unwrap();
+    probe.arm(&registry);
+    let resource = |what| -> memory_binding::Resource { Arc::new(ProbingResource(Arc::clone(&probe), what)) };
+
+    // Registration (a device-tier mechanism deferring drops to a queue, a host one
+    // releasing at once, and the one-call adapter).
+    let context = registry.register_provider_context(GPU0, resource("context destructor")).unwrap();
+    let authority = registry.register_authority(GPU0, resource("authority destructor")).unwrap();
+    let queue = Arc::new(ProbingQueue { device: GPU0, probe: Arc::clone(&probe), held: Mutex::new(Vec::new()) });
+    let allocator = ProbingAllocator::on(GPU0, &probe);
+    let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(queue.clone())) };
+    let deferring = registry.register_allocator_with(&context, &authority, allocator.clone(), options).unwrap();
+    let quarantining = registry.register_allocator(&context, &authority, ProbingAllocator::on(GPU0, &probe)).unwrap();
+    let host = registry.with_memory(ProbingAllocator::on(DeviceKey::HOST, &probe)).unwrap();
+
+    // Selection and binding.
+    assert_eq!(registry.selected(GPU0), Some(deferring));
+    registry.select(&quarantining).unwrap();
+    let binding = registry.bind(GPU0).unwrap();
+    let deferring_binding = registry.bind_registered(&deferring).unwrap();
+
+    // The hot path: allocate, view, release, the three drop policies, a deferred
+    // release and an unfit block given back.
+    let block = binding.allocate(request(4 * PAGE)).unwrap();
+    assert_eq!(block.view(PAGE, PAGE).unwrap().len(), PAGE);
+    assert_eq!(registry.allocation_state(&block.identity().unwrap()), memory_binding::AllocationState::Live);
+    let virt = binding.virtual_backing().unwrap();
+    let page = ByteRange::new(0, PAGE);
+    assert_eq!((virt.granularity(), virt.commit(&block, page).unwrap()), (PAGE, PAGE));
+    assert_eq!(virt.committed_bytes(&block).unwrap(), PAGE);
+    assert_eq!(virt.decommit(&block, page).unwrap(), PAGE);
+    let shared = binding.shared_mapping().unwrap();
+    let backing = shared.create_backing(PAGE).unwrap();
+    let placement = SharedPlacement { target: page, backing_offset: 0 };
+    shared.map(&backing, &block, placement, MappingAccess::ReadOnly).unwrap();
+    assert_eq!((shared.granularity(), shared.unmap(&block, page).unwrap()), (PAGE, PAGE));
+    assert!(matches!(binding.release(block), Ok(ReleaseReport::Complete { .. })));
+    drop(binding.allocate(request(PAGE)).unwrap()); // quarantined on drop
+    drop(host.allocate(request(PAGE)).unwrap()); // released on drop
+    drop(deferring_binding.allocate(request(PAGE)).unwrap()); // deferred on drop
+    deferring_binding.release_deferred(deferring_binding.allocate(request(PAGE)).unwrap(), &*queue).unwrap();
+    for held in std::mem::take(&mut *queue.held.lock().unwrap()) {
+        assert!(matches!(held.execute(), memory_api::ReleaseSummary::Complete { .. }));
+    }
+    allocator.unfit_next.store(true, Ordering::SeqCst);
+    let unfit = deferring_binding.allocate(request(PAGE));
+    assert!(matches!(unfit, Err(AllocateError::InvalidBlock { .. })), "{unfit:?}");
+    let _ = (host.allocator().stats(), host.allocator().trim());
+
+    // Snapshots, quarantine retry, retirement and removal.
+    assert_eq!(registry.snapshot(&quarantining).unwrap().quarantined.len(), 1);
+    assert_eq!(registry.snapshots().mechanisms.len(), 4);
+    assert_eq!(registry.retry_quarantined(&quarantining).unwrap().released, 1);
+    let host_mechanism = host.identity().mechanism();
+    registry.retire(&host_mechanism).unwrap();
+    drop(host);
+    registry.remove(&host_mechanism).unwrap(); // the host allocator's destructor runs here
+
+    // Device loss and termination (forget_lost), then the context and authority go.
+    let kept = binding.allocate(request(PAGE)).unwrap();
+    registry.invalidate_device(GPU0, "probe");
+    assert_eq!(registry.confirm_context_terminated(&context).unwrap().lost_allocations, 1);
+    drop((kept, binding, deferring_binding, virt, shared, backing, allocator, queue));
+    registry.remove(&deferring).unwrap();
+    registry.remove(&quarantining).unwrap();
+    registry.remove_provider_context(&context).unwrap();
+    registry.remove_authority(&authority).unwrap();
+
+    let expected: BTreeSet<&str> = [
+        "device",
+        "name",
+        "allocate",
+        "release",
+        "virtual_backing",
+        "shared_mapping",
+        "stats",
+        "trim",
+        "forget_lost",
+        "virtual granularity",
+        "commit",
+        "decommit",
+        "committed_bytes",
+        "shared granularity",
+        "create_backing",
+        "map",
+        "unmap",
+        "queue device",
+        "enqueue",
+        "queue destructor",
+        "allocator destructor",
+        "context destructor",
+        "authority destructor",
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(probe.probed(), expected, "the test must reach every callback and destructor");
+    assert_eq!(probe.stalled(), Vec::<&str>::new(), "callbacks made while a registry lock was held");
 }
