@@ -130,10 +130,7 @@ impl MemoryBinding {
             }
             Err((raw, error)) => {
                 // Could not record it: give it straight back rather than leak it.
-                let outcome = core.allocator.release(raw);
-                if !outcome.is_complete() {
-                    tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unrecordable allocation could not be released");
-                }
+                give_back(core, raw, "an allocation that cannot be recorded");
                 Err(AllocateError::Identity(error))
             }
         }
@@ -493,16 +490,31 @@ fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
 fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAllocation) -> AllocateError {
     let found = format!("{raw:?}");
     tracing::error!(mechanism = %core.identity, block = %found, "allocator returned a block that does not fit the request");
-    let outcome = core.allocator.release(raw);
-    if !outcome.is_complete() {
-        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unfit block could not be released");
-    }
+    give_back(core, raw, "an unfit block");
     AllocateError::InvalidBlock {
-        allocator: core.allocator.name().to_owned(),
+        allocator: core.allocator_name.clone(),
         requested: request.bytes(),
         align: request.align(),
         device: core.device,
         found,
+    }
+}
+
+/// Gives a block the registry will not record back to the allocator inside `allocate`
+/// (still counted in flight, so termination cannot run meanwhile). If the device was
+/// lost while the allocator ran, no callback may run any more: the block is kept for
+/// `forget_lost` at termination instead. (A loss that lands between this check and the
+/// release is the same race as one that lands during the allocator's own call.)
+#[cold]
+fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
+    if matches!(core.lifecycle.state(), MechanismState::DeviceLost | MechanismState::Terminated) {
+        tracing::error!(mechanism = %core.identity, block = ?raw, "device lost during allocate: {what} is kept for forget_lost at termination");
+        core.keep_unrecorded_lost(raw);
+        return;
+    }
+    let outcome = core.allocator.release(raw);
+    if !outcome.is_complete() {
+        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "{what} could not be given back");
     }
 }
 
@@ -825,7 +837,7 @@ impl DeviceAllocator for QueuedRelease {
         self.core.device
     }
     fn name(&self) -> &str {
-        self.core.allocator.name()
+        &self.core.allocator_name
     }
     fn allocate(&self, _request: &AllocationRequest) -> Result<RawAllocation, memory_api::AllocError> {
         Err(memory_api::AllocError::Unsupported {

@@ -124,7 +124,14 @@ pub(crate) struct MechanismCore {
     pub(crate) lifecycle: Lifecycle,
     pub(crate) lost_reason: OnceLock<String>,
     pub(crate) drop_policy: DropPolicy,
+    /// The allocator's name, read once at registration: messages and snapshots need it
+    /// also after the device is lost, when no allocator callback may run.
+    pub(crate) allocator_name: String,
     quarantine: Mutex<Vec<QuarantinedAllocation>>,
+    /// Blocks an allocator answered after its device was lost that could not be
+    /// recorded (unfit, or no identity left): no callback may give them back, so they
+    /// wait here for `forget_lost` at termination.
+    unrecorded_lost: Mutex<Vec<RawAllocation>>,
     quarantined: AtomicUsize,
     next_pin_slot: AtomicUsize,
 }
@@ -139,6 +146,7 @@ impl MechanismCore {
         registered_generation: BindingGeneration,
         issuer: Arc<IdentityIssuer>,
         drop_policy: DropPolicy,
+        allocator_name: String,
     ) -> MechanismCore {
         MechanismCore {
             device: context.device,
@@ -151,7 +159,9 @@ impl MechanismCore {
             lifecycle: Lifecycle::new(),
             lost_reason: OnceLock::new(),
             drop_policy,
+            allocator_name,
             quarantine: Mutex::new(Vec::new()),
+            unrecorded_lost: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
             next_pin_slot: AtomicUsize::new(0),
         }
@@ -198,6 +208,23 @@ impl MechanismCore {
         self.quarantined.load(Ordering::SeqCst)
     }
 
+    /// Keeps a block answered after device loss that has no record (see
+    /// `unrecorded_lost`).
+    pub(crate) fn keep_unrecorded_lost(&self, block: RawAllocation) {
+        lock(&self.unrecorded_lost).push(block);
+    }
+
+    /// Takes the unrecorded lost blocks out (termination hands them to `forget_lost`).
+    pub(crate) fn take_unrecorded_lost(&self) -> Vec<RawAllocation> {
+        std::mem::take(&mut *lock(&self.unrecorded_lost))
+    }
+
+    /// Unrecorded lost blocks and their bytes.
+    pub(crate) fn unrecorded_lost(&self) -> (usize, usize) {
+        let blocks = lock(&self.unrecorded_lost);
+        (blocks.len(), blocks.iter().map(RawAllocation::bytes).sum())
+    }
+
     /// Calls `f` on every quarantined block (snapshots, lookups).
     pub(crate) fn with_quarantine<R>(&self, f: impl FnOnce(&[QuarantinedAllocation]) -> R) -> R {
         f(&lock(&self.quarantine))
@@ -228,9 +255,10 @@ impl Mechanism {
         self.pins.iter()
     }
 
-    /// Live allocations across all pins.
+    /// Live allocations across all pins, plus blocks kept unrecorded after device loss.
     pub(crate) fn live(&self) -> (usize, usize) {
-        self.pins().map(|pin| pin.live()).fold((0, 0), |(n, b), (pn, pb)| (n + pn, b + pb))
+        let unrecorded = self.core.unrecorded_lost();
+        self.pins().map(|pin| pin.live()).fold(unrecorded, |(n, b), (pn, pb)| (n + pn, b + pb))
     }
 }
 
@@ -433,6 +461,7 @@ mod loom_records {
             issuer.binding_generation().unwrap(),
             Arc::clone(&issuer),
             DropPolicy::Release,
+            "unused".to_owned(),
         );
         Arc::new(Pin::new(Arc::new(core), 0))
     }

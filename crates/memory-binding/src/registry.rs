@@ -190,6 +190,7 @@ impl BindingRegistry {
         // Allocator callbacks run before the lock: a slow or re-entrant `device()` must
         // stall nothing else.
         let device = allocator.device();
+        let name = allocator.name().to_owned();
         let cold = lock(&self.inner.cold);
         let context = self.context(context)?;
         let authority = self.authority(authority)?;
@@ -224,6 +225,7 @@ impl BindingRegistry {
             generation,
             Arc::clone(&self.inner.issuer),
             drop_policy,
+            name,
         );
         let mechanism = Arc::new(Mechanism::new(core));
         self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
@@ -441,6 +443,7 @@ impl BindingRegistry {
         let mut handoffs = Vec::with_capacity(mechanisms.len());
         for mechanism in &mechanisms {
             let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.drain()).collect();
+            lost.extend(mechanism.core.take_unrecorded_lost());
             report.lost_allocations += lost.len();
             report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
             let quarantine = mechanism.core.take_quarantine();

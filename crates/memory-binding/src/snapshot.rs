@@ -97,7 +97,8 @@ pub struct MechanismSnapshot {
     pub allocator: String,
     /// Whether it is the device's selection.
     pub selected: bool,
-    /// Live (or, on a lost device, lost) allocations.
+    /// Live (or, on a lost device, lost) allocations, including blocks an allocator
+    /// answered after its device was lost that could not be recorded.
     pub live_allocations: usize,
     /// Their bytes.
     pub live_bytes: usize,
@@ -177,7 +178,7 @@ impl BindingRegistry {
             context: core.context.identity,
             authority: core.authority.identity,
             state,
-            allocator: core.allocator.name().to_owned(),
+            allocator: core.allocator_name.clone(),
             selected: self.selected(core.device) == Some(core.identity),
             live_allocations,
             live_bytes,

@@ -15,8 +15,9 @@ use std::time::Duration;
 use common::{HeldQueue, PAGE, register, register_with, request};
 use memory_api::{
     AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
-    DeviceKey, MappingAccess, MechanismIdentity, PreparedRelease, QueueRefusal, QueueRefusalReason, RawAllocation,
-    ReleaseError, ReleaseOutcome, SharedBacking, SharedMapping, SharedPlacement, VirtualBacking,
+    DeviceKey, IdentityError, IdentityIssuer, MappingAccess, MechanismIdentity, PreparedRelease, QueueRefusal,
+    QueueRefusalReason, RawAllocation, ReleaseError, ReleaseOutcome, SharedBacking, SharedMapping, SharedPlacement,
+    VirtualBacking,
 };
 use memory_binding::{AllocateError, BindingRegistry, DropPolicy, HandleError, MechanismOptions, ReleaseReport};
 
@@ -640,4 +641,76 @@ fn no_callback_or_destructor_runs_under_a_registry_lock() {
     .collect();
     assert_eq!(probe.probed(), expected, "the test must reach every callback and destructor");
     assert_eq!(probe.stalled(), Vec::<&str>::new(), "callbacks made while a registry lock was held");
+}
+
+// ---------------------------------------------------------------------------------
+// Item 7: the device is lost while `allocate` is inside the allocator
+// ---------------------------------------------------------------------------------
+
+/// Makes `ledger` invalidate its device from inside the `nth` allocate call from now.
+fn lose_device_inside_allocate(ledger: &Ledger, registry: &BindingRegistry, nth: usize) {
+    let registry = Mutex::new(Some(registry.clone()));
+    let calls = AtomicUsize::new(0);
+    let hook = move || {
+        if calls.fetch_add(1, Ordering::SeqCst) + 1 == nth
+            && let Some(registry) = registry.lock().unwrap().take()
+        {
+            registry.invalidate_device(GPU0, "lost inside allocate");
+        }
+    };
+    assert!(ledger.on_allocate.set(Box::new(hook)).is_ok());
+}
+
+/// An unfit block answered after the device was lost is not released through the lost
+/// device's allocator: it is kept and handed to `forget_lost` at termination.
+#[test]
+fn an_unfit_block_returned_after_device_loss_is_kept_for_forget_lost_not_released() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let (context, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    lose_device_inside_allocate(&ledger, &registry, 1);
+    ledger.short_blocks.store(true, Ordering::SeqCst);
+    let error = binding.allocate(request(PAGE)).unwrap_err();
+    assert!(matches!(error, AllocateError::InvalidBlock { .. }), "{error}");
+    assert_eq!((ledger.released(), ledger.unknown_releases()), (0, 0), "a callback reached a lost device");
+    assert_eq!(ledger.live(), 1);
+    let snapshot = registry.snapshot(&mechanism).unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.live_bytes, snapshot.in_flight), (1, PAGE - 1, 0));
+    let report = registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!((report.lost_allocations, report.lost_bytes), (1, PAGE - 1));
+    assert_eq!((ledger.forgotten().len(), ledger.live(), ledger.released()), (1, 0, 0));
+}
+
+/// The same for a block that cannot be recorded (generations exhausted): after loss it
+/// is kept for `forget_lost`, not given back through the allocator.
+#[test]
+fn an_unrecordable_block_returned_after_device_loss_is_kept_for_forget_lost_not_released() {
+    let registry = BindingRegistry::with_issuer(IdentityIssuer::with_serial_limit(256).unwrap());
+    let ledger = Ledger::on(GPU0);
+    let (context, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let blocks: Vec<_> = (0..256).map(|_| binding.allocate(request(8)).unwrap()).collect();
+    lose_device_inside_allocate(&ledger, &registry, 1);
+    let error = binding.allocate(request(8)).unwrap_err();
+    assert!(matches!(error, AllocateError::Identity(IdentityError::Exhausted { .. })), "{error}");
+    assert_eq!((ledger.released(), ledger.unknown_releases(), ledger.live()), (0, 0, 257));
+    let report = registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!(report.lost_allocations, 257);
+    assert_eq!((ledger.forgotten().len(), ledger.live(), ledger.released()), (257, 0, 0));
+    drop(blocks);
+    assert_eq!(ledger.released(), 0);
+}
+
+/// The control: on a healthy device an unfit block still goes straight back.
+#[test]
+fn an_unfit_block_on_a_healthy_device_is_given_back_at_once() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let (_, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    ledger.short_blocks.store(true, Ordering::SeqCst);
+    assert!(matches!(binding.allocate(request(PAGE)), Err(AllocateError::InvalidBlock { .. })));
+    assert_eq!((ledger.released(), ledger.live()), (1, 0));
+    assert_eq!(counts(&registry, &mechanism), (0, 0, 0));
 }
