@@ -376,6 +376,15 @@ impl Drop for BoundAllocation {
     fn drop(&mut self) {
         let Some(pin) = self.pin.take() else { return };
         let parts = self.parts();
+        if std::thread::panicking() {
+            // A callback panicking here (a queue's enqueue) would abort the process: the
+            // drop policy has booked the block already, so the panic is only logged.
+            let slot = self.slot;
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop_release(pin, parts, slot))) {
+                reraise_unless_unwinding(panic, "a drop-time release");
+            }
+            return;
+        }
         drop_release(pin, parts, self.slot);
     }
 }
@@ -535,11 +544,16 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
                     let settled = match call_release(core, &allocation, raw) {
                         // The common answer needs no bookkeeping beyond the record
                         // already taken.
-                        ReleaseOutcome::Complete(done) => {
+                        Some(ReleaseOutcome::Complete(done)) => {
                             tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
                             Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
                         }
-                        outcome => settle(core, &pin, &allocation.parts(), outcome),
+                        Some(outcome) => settle(core, &pin, &allocation.parts(), outcome),
+                        // It panicked while this thread unwinds: quarantined, not re-raised.
+                        None => Settled::Done(ReleaseReport::Quarantined {
+                            unmapped_bytes: 0,
+                            residual_bytes: allocation.bytes,
+                        }),
                     };
                     drop(in_flight);
                     Ok(settled)
@@ -561,19 +575,42 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
     }
 }
 
-/// Calls the allocator's release; a panic quarantines the whole block, then unwinds.
+/// Calls the allocator's release; a panic quarantines the whole block, then unwinds,
+/// unless this thread is unwinding already (then `None`: see [`reraise_unless_unwinding`]).
 #[inline]
-fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> ReleaseOutcome {
+fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> Option<ReleaseOutcome> {
     match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
-        Ok(outcome) => outcome,
+        Ok(outcome) => Some(outcome),
         Err(panic) => {
             let parts = handle.as_parts();
             let raw = parts.raw(core.device);
             let bytes = raw.bytes();
             core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
-            resume_unwind(panic)
+            reraise_unless_unwinding(panic, "a release");
+            None
         }
     }
+}
+
+/// Re-raises a callback's panic, unless this thread is already unwinding: a panic
+/// escaping a destructor then aborts the process, so the panic is logged and dropped
+/// instead. The caller has already booked what the callback left (a quarantine).
+#[cold]
+pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, callback: &str) {
+    if !std::thread::panicking() {
+        resume_unwind(panic);
+    }
+    let message = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string payload");
+    tracing::error!(
+        panic = message,
+        "{callback} panicked while the thread was unwinding; not re-raised (it would abort)"
+    );
+    // The payload's own destructor could panic too: leak it rather than risk that.
+    std::mem::forget(panic);
 }
 
 enum Settled {
@@ -873,7 +910,7 @@ fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
                 return; // Lost or terminated: no callback; termination retires the record.
             };
             let Some(raw) = pin.take(slot, parts.generation) else { return };
-            let outcome = call_release(core, &parts, raw);
+            let Some(outcome) = call_release(core, &parts, raw) else { return };
             // Nobody holds a handle any more: a refused drop-time release is quarantined.
             if let Settled::Refused { slot, error } = settle(core, &pin, &parts, outcome)
                 && let Some(raw) = pin.take(slot, parts.generation)

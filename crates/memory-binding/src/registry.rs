@@ -9,7 +9,7 @@
 //! callback runs or the value drops.
 
 use std::fmt;
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -18,7 +18,7 @@ use memory_api::{
     MechanismIdentity, ProviderContextIdentity, RawAllocation, RegistryId, ReleaseOutcome,
 };
 
-use crate::binding::MemoryBinding;
+use crate::binding::{MemoryBinding, reraise_unless_unwinding};
 use crate::entry::{AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
@@ -460,7 +460,7 @@ impl BindingRegistry {
             }
         }
         if let Some(panic) = first_panic {
-            resume_unwind(panic);
+            reraise_unless_unwinding(panic, "forget_lost");
         }
         tracing::info!(context = %context, ?report, "provider context terminated");
         Ok(report)
@@ -503,9 +503,11 @@ impl BindingRegistry {
                     entry.error = memory_api::ReleaseError::CallbackPanicked;
                     still.push(entry);
                     still.extend(pending);
+                    report.still_quarantined = still.len();
                     core.restore_quarantine(still);
                     drop(in_flight);
-                    resume_unwind(panic);
+                    reraise_unless_unwinding(panic, "a retried release");
+                    return Ok(report);
                 }
             };
             match outcome {

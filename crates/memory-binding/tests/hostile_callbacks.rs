@@ -714,3 +714,145 @@ fn an_unfit_block_on_a_healthy_device_is_given_back_at_once() {
     assert_eq!((ledger.released(), ledger.live()), (1, 0));
     assert_eq!(counts(&registry, &mechanism), (0, 0, 0));
 }
+
+// ---------------------------------------------------------------------------------
+// Item 8: a release that panics while the thread is already unwinding
+// ---------------------------------------------------------------------------------
+
+/// Runs `f` from a destructor while a worker thread unwinds from an unrelated panic
+/// (as a runtime's worker does when a request fails), and returns what `f` returned.
+/// A panic escaping `f` there would abort the whole process.
+fn while_unwinding<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    struct RunOnDrop<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for RunOnDrop<F> {
+        fn drop(&mut self) {
+            assert!(std::thread::panicking(), "the destructor must run during unwinding");
+            (self.0.take().unwrap())();
+        }
+    }
+    let (sender, result) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let _guard = RunOnDrop(Some(move || sender.send(f()).unwrap()));
+        panic!("the worker's request failed");
+    });
+    assert!(worker.join().is_err(), "the worker's own panic must be the one that ends it");
+    result.recv().unwrap()
+}
+
+fn panicked_quarantine(registry: &BindingRegistry, mechanism: &MechanismIdentity) -> Vec<(usize, String)> {
+    let snapshot = registry.snapshot(mechanism).unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.in_flight), (0, 0));
+    snapshot.quarantined.iter().map(|q| (q.residual_bytes, q.reason.clone())).collect()
+}
+
+/// A live host allocation dropped by a thread that is unwinding, whose release panics:
+/// the block is quarantined, the panic is logged, and the process does not abort.
+#[test]
+fn a_release_panicking_in_a_drop_during_unwinding_quarantines_without_aborting() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(DeviceKey::HOST); // host tier: dropping releases at once
+    let (_, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let block = binding.allocate(request(64)).unwrap();
+    ledger.panic_on_release.store(true, Ordering::SeqCst);
+    while_unwinding(move || drop(block));
+    let quarantined = panicked_quarantine(&registry, &mechanism);
+    assert_eq!(quarantined.len(), 1);
+    assert!(quarantined[0].1.contains("panicked"), "{quarantined:?}");
+    ledger.panic_on_release.store(false, Ordering::SeqCst);
+    assert_eq!(registry.retry_quarantined(&mechanism).unwrap().released, 1);
+    assert_eq!(ledger.live(), 0);
+}
+
+/// An explicit release from a destructor during unwinding: the panicking release is
+/// reported as a quarantine instead of re-raised.
+#[test]
+fn an_explicit_release_panicking_during_unwinding_reports_a_quarantine() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let (_, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let block = binding.allocate(request(64)).unwrap();
+    ledger.panic_on_release.store(true, Ordering::SeqCst);
+    let report = while_unwinding(move || binding.release(block).map_err(|rejected| rejected.reason));
+    assert_eq!(report, Ok(ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: 64 }));
+    assert_eq!(panicked_quarantine(&registry, &mechanism).len(), 1);
+}
+
+/// A queue whose `enqueue` panics, reached from a drop during unwinding.
+struct ExplodingQueue;
+
+impl DeferredReleaseQueue for ExplodingQueue {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn enqueue(&self, _release: PreparedRelease) -> Result<(), QueueRefusal> {
+        panic!("queue exploded")
+    }
+}
+
+#[test]
+fn a_deferring_drop_whose_queue_panics_during_unwinding_quarantines_without_aborting() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(Arc::new(ExplodingQueue))) };
+    let (_, _, mechanism) = register_with(&registry, ledger.clone(), options);
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let block = binding.allocate(request(64)).unwrap();
+    while_unwinding(move || drop(block));
+    let quarantined = panicked_quarantine(&registry, &mechanism);
+    assert_eq!(quarantined.len(), 1, "{quarantined:?}");
+    assert_eq!(ledger.released(), 0);
+}
+
+/// The cold-path calls that re-raise a callback's panic (a retried release, a
+/// `forget_lost`) do not re-raise it from a destructor during unwinding either.
+#[test]
+fn retry_and_termination_with_panicking_callbacks_during_unwinding_do_not_abort() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let (context, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    drop(binding.allocate(request(64)).unwrap()); // device tier: quarantined on drop
+    ledger.panic_on_release.store(true, Ordering::SeqCst);
+    let retried = {
+        let registry = registry.clone();
+        while_unwinding(move || registry.retry_quarantined(&mechanism))
+    };
+    assert_eq!(retried.map(|r| (r.released, r.still_quarantined)), Ok((0, 1)));
+    let quarantined = panicked_quarantine(&registry, &mechanism);
+    assert!(quarantined[0].1.contains("panicked"), "{quarantined:?}");
+
+    /// Panics in `forget_lost`.
+    struct Forgetful;
+    impl DeviceAllocator for Forgetful {
+        fn device(&self) -> DeviceKey {
+            GPU0
+        }
+        fn name(&self) -> &str {
+            "forgetful"
+        }
+        fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            let address = DeviceAddress::new(0x1000_0000).unwrap();
+            Ok(RawAllocation::new(address, request.bytes(), request.align(), GPU0, 0))
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            ReleaseOutcome::complete(allocation.bytes())
+        }
+        fn forget_lost(&self, _: Vec<RawAllocation>) {
+            panic!("forget_lost exploded")
+        }
+    }
+    let forgetful = registry
+        .register_allocator(&context, &registry.snapshot(&mechanism).unwrap().authority, Arc::new(Forgetful))
+        .unwrap();
+    let kept = registry.bind_registered(&forgetful).unwrap().allocate(request(64)).unwrap();
+    registry.invalidate_device(GPU0, "reset");
+    let terminated = {
+        let registry = registry.clone();
+        while_unwinding(move || registry.confirm_context_terminated(&context).map(|r| r.lost_allocations))
+    };
+    assert_eq!(terminated, Ok(1));
+    assert_eq!(registry.snapshot(&forgetful).unwrap().live_allocations, 0);
+    drop(kept);
+}
