@@ -546,7 +546,8 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
                         // already taken.
                         Some(ReleaseOutcome::Complete(done)) => {
                             tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
-                            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+                            let unmapped_bytes = core.completed(allocation.bytes, done.unmapped_bytes());
+                            Settled::Done(ReleaseReport::Complete { unmapped_bytes })
                         }
                         Some(outcome) => settle(core, &pin, &allocation.parts(), outcome),
                         // It panicked while this thread unwinds: quarantined, not re-raised.
@@ -633,7 +634,9 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
     match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
-            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+            Settled::Done(ReleaseReport::Complete {
+                unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
+            })
         }
         ReleaseOutcome::Quarantined(q) => {
             let (unmapped, residual) = (q.unmapped_bytes(), q.residual_bytes());

@@ -133,6 +133,8 @@ pub(crate) struct MechanismCore {
     /// wait here for `forget_lost` at termination.
     unrecorded_lost: Mutex<Vec<RawAllocation>>,
     quarantined: AtomicUsize,
+    /// Release answers the registry did not believe (corrected and traced).
+    dishonest_outcomes: AtomicUsize,
     next_pin_slot: AtomicUsize,
 }
 
@@ -163,6 +165,7 @@ impl MechanismCore {
             quarantine: Mutex::new(Vec::new()),
             unrecorded_lost: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
+            dishonest_outcomes: AtomicUsize::new(0),
             next_pin_slot: AtomicUsize::new(0),
         }
     }
@@ -183,6 +186,7 @@ impl MechanismCore {
             "allocation quarantined"
         );
         if matches!(entry.error, ReleaseError::DishonestOutcome { .. }) {
+            self.count_dishonest_outcome();
             tracing::error!(mechanism = %self.identity, error = %entry.error, "allocator reported an impossible release outcome");
         }
         let mut list = lock(&self.quarantine);
@@ -202,6 +206,35 @@ impl MechanismCore {
         let mut list = lock(&self.quarantine);
         list.extend(entries);
         self.quarantined.store(list.len(), Ordering::SeqCst);
+    }
+
+    /// Counts a release answer the registry corrected (shown in snapshots).
+    pub(crate) fn count_dishonest_outcome(&self) {
+        self.dishonest_outcomes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn dishonest_outcomes(&self) -> usize {
+        self.dishonest_outcomes.load(Ordering::Relaxed)
+    }
+
+    /// What a `Complete` release of a `bytes`-byte block reports: the unmapped bytes
+    /// the allocator claims, unless it claims more than the block, which is dishonest
+    /// (traced, counted, and reported as the block's size).
+    #[inline]
+    pub(crate) fn completed(&self, bytes: usize, claimed_unmapped: usize) -> usize {
+        if claimed_unmapped <= bytes { claimed_unmapped } else { self.overclaimed(bytes, claimed_unmapped) }
+    }
+
+    #[cold]
+    fn overclaimed(&self, bytes: usize, claimed_unmapped: usize) -> usize {
+        self.count_dishonest_outcome();
+        tracing::error!(
+            mechanism = %self.identity,
+            claimed_unmapped,
+            allocation_bytes = bytes,
+            "allocator reported a complete release unmapping more than the block; counting the block's size"
+        );
+        bytes
     }
 
     pub(crate) fn quarantined_count(&self) -> usize {

@@ -511,7 +511,10 @@ impl BindingRegistry {
                 }
             };
             match outcome {
-                ReleaseOutcome::Complete(_) => report.released += 1,
+                ReleaseOutcome::Complete(done) => {
+                    core.completed(entry.allocation.bytes(), done.unmapped_bytes());
+                    report.released += 1;
+                }
                 ReleaseOutcome::Quarantined(q) if q.allocation().same_block(&entry.allocation) => {
                     // Never more unmapped than the block minus what it still holds.
                     let ceiling = entry.allocation.bytes().saturating_sub(q.residual_bytes());
@@ -526,6 +529,7 @@ impl BindingRegistry {
                 }
                 // An answer about another block: keep ours, wholly owned.
                 ReleaseOutcome::Quarantined(_) | ReleaseOutcome::Failed(_) => {
+                    core.count_dishonest_outcome();
                     tracing::error!(mechanism = %mechanism, "allocator answered a retried release with another block");
                     let bytes = entry.allocation.bytes();
                     entry.error = memory_api::ReleaseError::DishonestOutcome {

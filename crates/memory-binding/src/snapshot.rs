@@ -106,6 +106,10 @@ pub struct MechanismSnapshot {
     pub in_flight: usize,
     /// Quarantined blocks.
     pub quarantined: Vec<QuarantineSnapshot>,
+    /// Release answers the registry did not believe: a quarantine or refusal about
+    /// another block, a quarantine claiming more than the block, a `Complete` claiming
+    /// to unmap more than the block. Each was corrected and traced as an error.
+    pub dishonest_outcomes: usize,
     /// Why the device was lost, if it was.
     pub lost_reason: Option<String>,
 }
@@ -184,6 +188,7 @@ impl BindingRegistry {
             live_bytes,
             in_flight: core.lifecycle.in_flight(),
             quarantined,
+            dishonest_outcomes: core.dishonest_outcomes(),
             lost_reason: matches!(state, MechanismState::DeviceLost | MechanismState::Terminated)
                 .then(|| core.lost_reason()),
         })

@@ -856,3 +856,40 @@ fn retry_and_termination_with_panicking_callbacks_during_unwinding_do_not_abort(
     assert_eq!(registry.snapshot(&forgetful).unwrap().live_allocations, 0);
     drop(kept);
 }
+
+// ---------------------------------------------------------------------------------
+// A `Complete` that claims more unmapped bytes than the block
+// ---------------------------------------------------------------------------------
+
+/// An allocator answering `Complete` with more unmapped bytes than the block holds is
+/// dishonest: the registry reports the block's size instead, traces an error and
+/// counts the outcome, on the explicit, deferred and retried release paths alike.
+#[test]
+fn a_complete_release_claiming_more_than_the_block_is_corrected_and_counted() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let (_, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let dishonest = |registry: &BindingRegistry| registry.snapshot(&mechanism).unwrap().dishonest_outcomes;
+
+    // Honest claims (the block's size, or nothing) are taken as they are.
+    ledger.complete_claims.store(PAGE, Ordering::SeqCst);
+    let report = binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap();
+    assert_eq!((report, dishonest(&registry)), (ReleaseReport::Complete { unmapped_bytes: PAGE }, 0));
+
+    ledger.complete_claims.store(1 << 40, Ordering::SeqCst);
+    let report = binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap();
+    assert_eq!(report, ReleaseReport::Complete { unmapped_bytes: PAGE }, "the claim was not checked");
+    assert_eq!(dishonest(&registry), 1);
+
+    let queue = HeldQueue::new(GPU0, 1);
+    binding.release_deferred(binding.allocate(request(PAGE)).unwrap(), &queue).unwrap();
+    assert_eq!(queue.run_all().len(), 1);
+    assert_eq!(dishonest(&registry), 2);
+
+    drop(binding.allocate(request(PAGE)).unwrap()); // device tier: quarantined on drop
+    assert_eq!(registry.retry_quarantined(&mechanism).unwrap().released, 1);
+    assert_eq!(dishonest(&registry), 3);
+    assert_eq!((ledger.released(), ledger.live()), (4, 0));
+    assert_eq!(counts(&registry, &mechanism), (0, 0, 0));
+}
