@@ -6,15 +6,52 @@
 use std::fmt;
 
 use memory_api::{
-    ByteRange, CapabilityError, MappingAccess, SharedBacking, SharedMapping, SharedPlacement, VirtualBacking,
+    ByteRange, CapabilityError, DeviceAllocator, MappingAccess, SharedBacking, SharedMapping, SharedPlacement,
+    VirtualBacking,
 };
 
 use crate::binding::{BoundAllocation, MemoryBinding};
+use crate::entry::MechanismCore;
 use crate::error::{BoundCapabilityError, HandleError};
 use crate::lifecycle::{Admit, MechanismState};
 
 const VIRTUAL: &str = "virtual backing";
 const SHARED: &str = "shared mapping";
+
+/// Whether `capability` lies inside the allocator's own value: the allocator itself or
+/// one of its fields, which the allocator's contract covers. (Addresses only: nothing
+/// is dereferenced.)
+fn part_of<C: ?Sized>(allocator: &dyn DeviceAllocator, capability: &C) -> bool {
+    let start = std::ptr::from_ref(allocator).cast::<u8>().addr();
+    let end = start + std::mem::size_of_val(allocator);
+    let at = std::ptr::from_ref(capability).cast::<u8>().addr();
+    start <= at && at + std::mem::size_of_val(capability) <= end
+}
+
+/// The first capability `allocator` exposes that is not part of its own value, if any:
+/// such an allocator is a composite, which only the trusted registration path accepts.
+pub(crate) fn split_capability(allocator: &dyn DeviceAllocator) -> Option<&'static str> {
+    if allocator.virtual_backing().is_some_and(|c| !part_of(allocator, c)) {
+        return Some(VIRTUAL);
+    }
+    allocator.shared_mapping().is_some_and(|c| !part_of(allocator, c)).then_some(SHARED)
+}
+
+impl MechanismCore {
+    /// The allocator's reserve/commit capability, if it has one the registration path
+    /// admits (one that moved out of the allocator's value since a safe registration
+    /// is treated as absent).
+    pub(crate) fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        let allocator = &*self.allocator;
+        allocator.virtual_backing().filter(|c| self.trusted_composite || part_of(allocator, *c))
+    }
+
+    /// The allocator's shared-mapping capability, as for [`MechanismCore::virtual_backing`].
+    pub(crate) fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        let allocator = &*self.allocator;
+        allocator.shared_mapping().filter(|c| self.trusted_composite || part_of(allocator, *c))
+    }
+}
 
 impl MemoryBinding {
     /// The reserve/commit capability of this binding's allocator.
@@ -22,7 +59,7 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn virtual_backing(&self) -> Result<BoundVirtualBacking, BoundCapabilityError> {
-        if self.pin.core.allocator.virtual_backing().is_none() {
+        if self.pin.core.virtual_backing().is_none() {
             return Err(BoundCapabilityError::Unsupported { mechanism: self.pin.core.identity, capability: VIRTUAL });
         }
         Ok(BoundVirtualBacking { binding: self.clone() })
@@ -33,7 +70,7 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn shared_mapping(&self) -> Result<BoundSharedMapping, BoundCapabilityError> {
-        if self.pin.core.allocator.shared_mapping().is_none() {
+        if self.pin.core.shared_mapping().is_none() {
             return Err(BoundCapabilityError::Unsupported { mechanism: self.pin.core.identity, capability: SHARED });
         }
         Ok(BoundSharedMapping { binding: self.clone() })
@@ -46,7 +83,7 @@ impl MemoryBinding {
         admit: Admit,
         range: Option<ByteRange>,
         capability: &'static str,
-        granularity: impl FnOnce() -> usize,
+        granularity: impl FnOnce() -> Option<usize>,
         call: impl FnOnce(&memory_api::RawAllocation) -> Option<Result<R, CapabilityError>>,
     ) -> Result<R, BoundCapabilityError> {
         // Handle and bounds first: a refused call must not reach the allocator, not
@@ -65,7 +102,9 @@ impl MemoryBinding {
             return Err(HandleError::StaleAllocation.into());
         }
         if let Some(range) = range {
-            range.check_aligned(granularity())?;
+            let granularity =
+                granularity().ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability })?;
+            range.check_aligned(granularity)?;
         }
         let result = call(&allocation.raw_view(core.device))
             .ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability })?;
@@ -81,7 +120,7 @@ pub struct BoundVirtualBacking {
 
 impl BoundVirtualBacking {
     fn capability(binding: &MemoryBinding) -> Option<&dyn VirtualBacking> {
-        binding.pin.core.allocator.virtual_backing()
+        binding.pin.core.virtual_backing()
     }
 
     /// Commit granularity in bytes.
@@ -101,7 +140,7 @@ impl BoundVirtualBacking {
             Admit::ActiveOnly,
             Some(range),
             VIRTUAL,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.commit(raw, range)),
         )
     }
@@ -117,7 +156,7 @@ impl BoundVirtualBacking {
             Admit::ActiveOrRetired,
             Some(range),
             VIRTUAL,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.decommit(raw, range)),
         )
     }
@@ -132,7 +171,7 @@ impl BoundVirtualBacking {
             Admit::ActiveOrRetired,
             None,
             VIRTUAL,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.committed_bytes(raw)),
         )
     }
@@ -157,7 +196,7 @@ pub struct BoundSharedMapping {
 
 impl BoundSharedMapping {
     fn capability(binding: &MemoryBinding) -> Option<&dyn SharedMapping> {
-        binding.pin.core.allocator.shared_mapping()
+        binding.pin.core.shared_mapping()
     }
 
     /// Mapping granularity in bytes.
@@ -208,16 +247,19 @@ impl BoundSharedMapping {
             }
             .into());
         }
-        let granularity = self.granularity();
         let source = ByteRange::new(placement.backing_offset, placement.target.len());
         source.check_within(backing.bytes())?;
+        let mechanism = self.binding.pin.core.identity;
+        let granularity = Self::capability(&self.binding)
+            .map(|c| c.granularity())
+            .ok_or(BoundCapabilityError::Unsupported { mechanism, capability: SHARED })?;
         source.check_aligned(granularity)?;
         self.binding.capability_call(
             allocation,
             Admit::ActiveOnly,
             Some(placement.target),
             SHARED,
-            || granularity,
+            || Some(granularity),
             |raw| Self::capability(&self.binding).map(|c| c.map(backing, raw, placement, access)),
         )
     }
@@ -233,7 +275,7 @@ impl BoundSharedMapping {
             Admit::ActiveOrRetired,
             Some(range),
             SHARED,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.unmap(raw, range)),
         )
     }

@@ -127,6 +127,9 @@ pub(crate) struct MechanismCore {
     /// The allocator's name, read once at registration: messages and snapshots need it
     /// also after the device is lost, when no allocator callback may run.
     pub(crate) allocator_name: String,
+    /// Registered through `register_trusted_composite`: its capability objects may live
+    /// outside the allocator's value.
+    pub(crate) trusted_composite: bool,
     quarantine: Mutex<Vec<QuarantinedAllocation>>,
     /// Blocks an allocator answered after its device was lost that could not be
     /// recorded (unfit, or no identity left): no callback may give them back, so they
@@ -149,6 +152,7 @@ impl MechanismCore {
         issuer: Arc<IdentityIssuer>,
         drop_policy: DropPolicy,
         allocator_name: String,
+        trusted_composite: bool,
     ) -> MechanismCore {
         MechanismCore {
             device: context.device,
@@ -162,6 +166,7 @@ impl MechanismCore {
             lost_reason: OnceLock::new(),
             drop_policy,
             allocator_name,
+            trusted_composite,
             quarantine: Mutex::new(Vec::new()),
             unrecorded_lost: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
@@ -495,6 +500,7 @@ mod loom_records {
             Arc::clone(&issuer),
             DropPolicy::Release,
             "unused".to_owned(),
+            false,
         );
         Arc::new(Pin::new(Arc::new(core), 0))
     }

@@ -19,6 +19,7 @@ use memory_api::{
 };
 
 use crate::binding::{MemoryBinding, reraise_unless_unwinding};
+use crate::capability::split_capability;
 use crate::entry::{AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
@@ -187,11 +188,60 @@ impl BindingRegistry {
         allocator: Arc<dyn DeviceAllocator>,
         options: MechanismOptions,
     ) -> Result<MechanismIdentity, RegistryError> {
-        // Allocator callbacks run before the lock: a slow or re-entrant `device()` must
-        // stall nothing else.
+        self.register(context, authority, allocator, options, false)
+    }
+
+    fn register(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        allocator: Arc<dyn DeviceAllocator>,
+        options: MechanismOptions,
+        trusted_composite: bool,
+    ) -> Result<MechanismIdentity, RegistryError> {
+        // Allocator callbacks run before the lock (a slow or re-entrant callback must
+        // stall nothing else), and capability discovery only once the identities
+        // passed, so a refused registration makes no callback beyond `device()`.
         let device = allocator.device();
+        self.admit_registration(context, authority, device)?;
         let name = allocator.name().to_owned();
+        if !trusted_composite && let Some(capability) = split_capability(&*allocator) {
+            return Err(RegistryError::SplitComposite { allocator: name, capability });
+        }
         let cold = lock(&self.inner.cold);
+        // Again under the lock: the context may have been lost or removed meanwhile.
+        let (context, authority) = self.admit_registration(context, authority, device)?;
+        let identity = self.inner.issuer.mechanism()?;
+        let generation = self.inner.issuer.binding_generation()?;
+        let drop_policy = options.drop_policy.unwrap_or_else(|| DropPolicy::default_for(device));
+        let core = MechanismCore::new(
+            identity,
+            allocator,
+            context,
+            authority,
+            generation,
+            Arc::clone(&self.inner.issuer),
+            drop_policy,
+            name,
+            trusted_composite,
+        );
+        let mechanism = Arc::new(Mechanism::new(core));
+        self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
+        let selected = self.inner.selection.load().iter().any(|s| s.device == device);
+        let replaced = (!selected).then(|| self.store_selection(device, Some((generation, mechanism))));
+        drop(cold);
+        drop(replaced);
+        tracing::info!(mechanism = %identity, %device, selected = !selected, trusted_composite, "mechanism registered");
+        Ok(identity)
+    }
+
+    /// The context and authority a mechanism on `device` may be registered under.
+    fn admit_registration(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        device: DeviceKey,
+    ) -> Result<(Arc<ContextEntry>, Arc<AuthorityEntry>), RegistryError> {
         let context = self.context(context)?;
         let authority = self.authority(authority)?;
         let state = context.state();
@@ -214,31 +264,18 @@ impl BindingRegistry {
                 found: device,
             });
         }
-        let identity = self.inner.issuer.mechanism()?;
-        let generation = self.inner.issuer.binding_generation()?;
-        let drop_policy = options.drop_policy.unwrap_or_else(|| DropPolicy::default_for(device));
-        let core = MechanismCore::new(
-            identity,
-            allocator,
-            context,
-            authority,
-            generation,
-            Arc::clone(&self.inner.issuer),
-            drop_policy,
-            name,
-        );
-        let mechanism = Arc::new(Mechanism::new(core));
-        self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
-        let selected = self.inner.selection.load().iter().any(|s| s.device == device);
-        let replaced = (!selected).then(|| self.store_selection(device, Some((generation, mechanism))));
-        drop(cold);
-        drop(replaced);
-        tracing::info!(mechanism = %identity, %device, selected = !selected, "mechanism registered");
-        Ok(identity)
+        Ok((context, authority))
     }
 
     /// Registers a composite whose allocation, capabilities and release live in
     /// different inner objects that `allocator` routes between.
+    ///
+    /// The safe path ([`BindingRegistry::register_allocator_with`]) accepts capability
+    /// objects only when they are part of the allocator's own value (the allocator
+    /// itself or one of its fields), so the allocator's own contract covers them; it
+    /// refuses a capability reached through a pointer to another object with
+    /// [`RegistryError::SplitComposite`]. This path accepts such a composite on the
+    /// caller's word, and its snapshot says so (`MechanismSnapshot::trusted_composite`).
     ///
     /// # Safety
     /// Rust cannot prove such a composition coherent, so the caller attests that:
@@ -261,7 +298,7 @@ impl BindingRegistry {
         options: MechanismOptions,
     ) -> Result<MechanismIdentity, RegistryError> {
         tracing::info!("registering a trusted composite allocator (caller-attested coherence)");
-        self.register_allocator_with(context, authority, allocator, options)
+        self.register(context, authority, allocator, options, true)
     }
 
     /// Replaces `device`'s selection; returns the replaced table, for the caller to drop

@@ -95,6 +95,9 @@ pub struct MechanismSnapshot {
     pub state: MechanismState,
     /// The allocator's name.
     pub allocator: String,
+    /// Registered through `register_trusted_composite`: its capabilities may live in
+    /// other objects than the allocator, on the registering caller's word.
+    pub trusted_composite: bool,
     /// Whether it is the device's selection.
     pub selected: bool,
     /// Live (or, on a lost device, lost) allocations, including blocks an allocator
@@ -183,6 +186,7 @@ impl BindingRegistry {
             authority: core.authority.identity,
             state,
             allocator: core.allocator_name.clone(),
+            trusted_composite: core.trusted_composite,
             selected: self.selected(core.device) == Some(core.identity),
             live_allocations,
             live_bytes,

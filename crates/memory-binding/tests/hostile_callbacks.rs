@@ -19,7 +19,10 @@ use memory_api::{
     QueueRefusalReason, RawAllocation, ReleaseError, ReleaseOutcome, SharedBacking, SharedMapping, SharedPlacement,
     VirtualBacking,
 };
-use memory_binding::{AllocateError, BindingRegistry, DropPolicy, HandleError, MechanismOptions, ReleaseReport};
+use memory_binding::{
+    AllocateError, BindingRegistry, BoundCapabilityError, DropPolicy, HandleError, MechanismOptions, RegistryError,
+    ReleaseReport,
+};
 
 const GPU0: DeviceKey = DeviceKey::device(0);
 
@@ -558,6 +561,13 @@ fn no_callback_or_destructor_runs_under_a_registry_lock() {
     let deferring = registry.register_allocator_with(&context, &authority, allocator.clone(), options).unwrap();
     let quarantining = registry.register_allocator(&context, &authority, ProbingAllocator::on(GPU0, &probe)).unwrap();
     let host = registry.with_memory(ProbingAllocator::on(DeviceKey::HOST, &probe)).unwrap();
+    // SAFETY: the probing allocator is a bookkeeping allocator (no memory behind its
+    // addresses) that implements its capabilities itself.
+    let composite = unsafe {
+        let allocator = ProbingAllocator::on(GPU0, &probe);
+        registry.register_trusted_composite(&context, &authority, allocator, MechanismOptions::default())
+    }
+    .unwrap();
 
     // Selection and binding.
     assert_eq!(registry.selected(GPU0), Some(deferring));
@@ -595,7 +605,7 @@ fn no_callback_or_destructor_runs_under_a_registry_lock() {
 
     // Snapshots, quarantine retry, retirement and removal.
     assert_eq!(registry.snapshot(&quarantining).unwrap().quarantined.len(), 1);
-    assert_eq!(registry.snapshots().mechanisms.len(), 4);
+    assert_eq!(registry.snapshots().mechanisms.len(), 5);
     assert_eq!(registry.retry_quarantined(&quarantining).unwrap().released, 1);
     let host_mechanism = host.identity().mechanism();
     registry.retire(&host_mechanism).unwrap();
@@ -609,6 +619,7 @@ fn no_callback_or_destructor_runs_under_a_registry_lock() {
     drop((kept, binding, deferring_binding, virt, shared, backing, allocator, queue));
     registry.remove(&deferring).unwrap();
     registry.remove(&quarantining).unwrap();
+    registry.remove(&composite).unwrap();
     registry.remove_provider_context(&context).unwrap();
     registry.remove_authority(&authority).unwrap();
 
@@ -892,4 +903,179 @@ fn a_complete_release_claiming_more_than_the_block_is_corrected_and_counted() {
     assert_eq!(dishonest(&registry), 3);
     assert_eq!((ledger.released(), ledger.live()), (4, 0));
     assert_eq!(counts(&registry, &mechanism), (0, 0, 0));
+}
+
+// ---------------------------------------------------------------------------------
+// The trust boundary: `register_trusted_composite`
+// ---------------------------------------------------------------------------------
+
+/// A composite that allocates through one object and hands out the virtual backing of
+/// another, separately allocated one (as a wrapper routing to inner objects does).
+struct SplitComposite {
+    allocation: common::Caps,
+    backing: Arc<common::Caps>,
+    /// When false, it hands out its own (inline) allocation object's capability.
+    split: AtomicBool,
+}
+
+impl SplitComposite {
+    fn new(split: bool) -> Arc<SplitComposite> {
+        Arc::new(SplitComposite {
+            allocation: common::Caps::new(GPU0),
+            backing: Arc::new(common::Caps::new(GPU0)),
+            split: AtomicBool::new(split),
+        })
+    }
+}
+
+impl DeviceAllocator for SplitComposite {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn name(&self) -> &str {
+        "split"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.allocation.allocate(request)
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.allocation.release(allocation)
+    }
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        if self.split.load(Ordering::SeqCst) { Some(&*self.backing) } else { Some(&self.allocation) }
+    }
+}
+
+/// The safe path accepts only capabilities that are part of the allocator's own value
+/// (the allocator or one of its fields), which its own contract covers; a capability
+/// object reached through a pointer to another object is a composite, which only
+/// `register_trusted_composite` accepts, on the caller's word, and the snapshot says so.
+#[test]
+fn only_the_trusted_path_registers_a_composite_whose_capabilities_live_in_another_object() {
+    let registry = BindingRegistry::new().unwrap();
+    let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
+    let composite = SplitComposite::new(true);
+    let refused = registry.register_allocator(&context, &authority, composite.clone());
+    match refused {
+        Err(RegistryError::SplitComposite { ref allocator, capability }) => {
+            assert_eq!((allocator.as_str(), capability), ("split", "virtual backing"));
+            let message = refused.unwrap_err().to_string();
+            assert!(message.contains("register_trusted_composite"), "{message}");
+        }
+        other => panic!("the safe path accepted a split composite: {other:?}"),
+    }
+    assert!(registry.snapshots().mechanisms.is_empty(), "a refused registration published something");
+    assert_eq!(registry.selected(GPU0), None);
+
+    // The same allocator through the trust boundary: registered, marked, and usable.
+    // SAFETY: the composite allocates and releases through `allocation` and commits
+    // through `backing`, two bookkeeping allocators with no memory behind them; no
+    // host memory is ever dereferenced.
+    let trusted = unsafe {
+        registry.register_trusted_composite(&context, &authority, composite.clone(), MechanismOptions::default())
+    }
+    .unwrap();
+    let plain = registry.register_allocator(&context, &authority, SplitComposite::new(false)).unwrap();
+    assert!(registry.snapshot(&trusted).unwrap().trusted_composite);
+    assert!(!registry.snapshot(&plain).unwrap().trusted_composite);
+    let binding = registry.bind_registered(&trusted).unwrap();
+    let block = binding.allocate(request(PAGE)).unwrap();
+    let virt = binding.virtual_backing().unwrap();
+    assert_eq!(virt.commit(&block, ByteRange::new(0, PAGE)).unwrap(), PAGE);
+    assert_eq!(composite.backing.commits.load(Ordering::SeqCst), 1, "the commit went to the composite's backing");
+    binding.release(block).unwrap();
+
+    // A safely registered allocator whose capability later moves out of its value is
+    // treated as not offering it: the safe path's guarantee holds after registration.
+    let shifty = SplitComposite::new(false);
+    let mechanism = registry.register_allocator(&context, &authority, shifty.clone()).unwrap();
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let block = binding.allocate(request(PAGE)).unwrap();
+    let virt = binding.virtual_backing().unwrap();
+    assert_eq!(virt.commit(&block, ByteRange::new(0, PAGE)).unwrap(), PAGE);
+    shifty.split.store(true, Ordering::SeqCst);
+    let refused = virt.commit(&block, ByteRange::new(PAGE, 0));
+    assert!(matches!(refused, Err(BoundCapabilityError::Unsupported { .. })), "{refused:?}");
+    assert!(matches!(binding.virtual_backing(), Err(BoundCapabilityError::Unsupported { .. })));
+    assert_eq!(virt.granularity(), 0);
+    assert_eq!(shifty.backing.commits.load(Ordering::SeqCst), 0);
+    binding.release(block).unwrap();
+}
+
+/// The composite check makes no mistake about allocators whose capabilities are the
+/// allocator itself, a field of it, or a zero-sized allocator.
+#[test]
+fn capabilities_inside_the_allocator_value_pass_the_safe_path() {
+    /// A zero-sized allocator implementing its own capability.
+    struct Tiny;
+    impl DeviceAllocator for Tiny {
+        fn device(&self) -> DeviceKey {
+            GPU0
+        }
+        fn name(&self) -> &str {
+            "tiny"
+        }
+        fn allocate(&self, _: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            Err(AllocError::Unsupported { allocator: "tiny".into(), device: GPU0, what: "allocation" })
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            ReleaseOutcome::complete(allocation.bytes())
+        }
+        fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+            Some(self)
+        }
+    }
+    impl SharedMapping for Tiny {
+        fn granularity(&self) -> usize {
+            PAGE
+        }
+        fn create_backing(&self, _: usize) -> Result<SharedBacking, CapabilityError> {
+            Err(CapabilityError::Unsupported { allocator: "tiny".into(), what: "backings" })
+        }
+        fn map(
+            &self,
+            _: &SharedBacking,
+            _: &RawAllocation,
+            _: SharedPlacement,
+            _: MappingAccess,
+        ) -> Result<(), CapabilityError> {
+            Ok(())
+        }
+        fn unmap(&self, _: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+            Ok(range.len())
+        }
+    }
+    /// Its shared mapping is a separate zero-sized static: a composite.
+    struct TinyElsewhere;
+    static ELSEWHERE: Tiny = Tiny;
+    impl DeviceAllocator for TinyElsewhere {
+        fn device(&self) -> DeviceKey {
+            GPU0
+        }
+        fn name(&self) -> &str {
+            "tiny-elsewhere"
+        }
+        fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            Tiny.allocate(request)
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            Tiny.release(allocation)
+        }
+        fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+            Some(&ELSEWHERE)
+        }
+    }
+    let registry = BindingRegistry::new().unwrap();
+    let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
+    let wrapped = Arc::new(memory_testkit::RecordingAllocator::new(common::Caps::new(GPU0)));
+    for allocator in [Arc::new(Tiny) as Arc<dyn DeviceAllocator>, Arc::new(common::Caps::new(GPU0)), wrapped] {
+        let name = allocator.name().to_owned();
+        let mechanism = registry.register_allocator(&context, &authority, allocator).unwrap();
+        let binding = registry.bind_registered(&mechanism).unwrap();
+        assert!(binding.shared_mapping().is_ok(), "{name}");
+    }
+    let refused = registry.register_allocator(&context, &authority, Arc::new(TinyElsewhere));
+    assert!(matches!(refused, Err(RegistryError::SplitComposite { capability: "shared mapping", .. })), "{refused:?}");
 }
