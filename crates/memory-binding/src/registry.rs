@@ -734,3 +734,133 @@ impl fmt::Debug for BindingRegistry {
             .finish()
     }
 }
+
+/// loom models of selection (`cargo xtask loom`): `select`, `bind` and `retire` racing.
+/// (The selection table is an arc-swap and the tables dashmaps, which loom does not
+/// instrument; their operations are linearisable and run between loom's switch points,
+/// while the cold lock, the lifecycle word, the in-flight slots and the pin locks are
+/// modelled.)
+#[cfg(all(test, memory_loom))]
+mod loom_selection {
+    use super::*;
+    use crate::error::AllocateError;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use memory_api::{AllocError, AllocationRequest, DeviceAddress};
+
+    const GPU0: DeviceKey = DeviceKey::device(0);
+
+    /// Hands out one fixed block per call (nothing behind it).
+    struct Blocks;
+    impl DeviceAllocator for Blocks {
+        fn device(&self) -> DeviceKey {
+            GPU0
+        }
+        fn name(&self) -> &str {
+            "blocks"
+        }
+        fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            let address = DeviceAddress::new(0x10_0000).expect("non-zero");
+            Ok(RawAllocation::new(address, request.bytes(), request.align(), GPU0, 0))
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            ReleaseOutcome::complete(allocation.bytes())
+        }
+    }
+
+    /// A registry with two mechanisms on one device; the first is selected.
+    fn two_mechanisms() -> (BindingRegistry, MechanismIdentity, MechanismIdentity) {
+        let registry = BindingRegistry::new().unwrap();
+        let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
+        let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
+        let first = registry.register_allocator(&context, &authority, Arc::new(Blocks)).unwrap();
+        let second = registry.register_allocator(&context, &authority, Arc::new(Blocks)).unwrap();
+        (registry, first, second)
+    }
+
+    /// `select` racing `retire` of the same mechanism, with a `bind` (and an
+    /// allocation through it) racing both: a retired mechanism is never left selected,
+    /// a select either lands before the retirement (whose removal of the selection
+    /// wins) or is refused, a bind only ever sees a selection that was stored, with the
+    /// generation `select` returned, and an allocation that starts after the retirement
+    /// returned is refused.
+    #[test]
+    fn loom_select_bind_and_retire_race_without_selecting_a_retired_mechanism() {
+        loom::model(|| {
+            let (registry, first, second) = two_mechanisms();
+            let initial = registry.bind(GPU0).unwrap().identity().generation();
+            let retired = Arc::new(AtomicBool::new(false));
+            let select = {
+                let registry = registry.clone();
+                loom::thread::spawn(move || registry.select(&second))
+            };
+            let retire = {
+                let (registry, retired) = (registry.clone(), Arc::clone(&retired));
+                loom::thread::spawn(move || {
+                    registry.retire(&second).unwrap();
+                    retired.store(true, Ordering::SeqCst);
+                })
+            };
+
+            let bound = match registry.bind(GPU0) {
+                Ok(bound) => Some(bound),
+                // Selected and retired before this bind: nothing is selected.
+                Err(BindError::NoSelection { .. }) => None,
+                // Read the selection, then saw the retirement.
+                Err(BindError::Inactive { mechanism, state: MechanismState::Retired }) if mechanism == second => None,
+                Err(other) => panic!("bind: {other}"),
+            };
+            let retired_before = retired.load(Ordering::SeqCst);
+            if let Some(bound) = &bound {
+                let allocated = bound.allocate(AllocationRequest::new(64, 8).unwrap());
+                if bound.identity().mechanism() == second && retired_before {
+                    assert!(
+                        matches!(allocated, Err(AllocateError::Inactive { state: MechanismState::Retired, .. })),
+                        "an allocation started after retire returned was admitted"
+                    );
+                }
+                if let Ok(block) = allocated {
+                    bound.release(block).unwrap();
+                }
+            }
+
+            let selected = select.join().unwrap();
+            retire.join().unwrap();
+            match (&selected, registry.selected(GPU0)) {
+                // Selected first, then retired: the retirement dropped the selection.
+                (Ok(_), None) => {}
+                // Retired first: the select was refused and the first stays selected.
+                (Err(RegistryError::InvalidState { state: MechanismState::Retired, .. }), Some(m)) if m == first => {}
+                (selected, now) => panic!("select returned {selected:?} and the selection is {now:?}"),
+            }
+            if let Some(bound) = &bound {
+                if bound.identity().mechanism() == second {
+                    assert_eq!(Ok(bound.identity().generation()), selected, "a bind saw a selection never stored");
+                } else {
+                    assert_eq!(bound.identity().generation(), initial, "a bind of the first saw another generation");
+                }
+            }
+            // Nothing is left in flight or recorded on the retired mechanism.
+            drop(bound);
+            registry.remove(&second).unwrap();
+        });
+    }
+
+    /// Two selects racing: the selection ends on the one whose generation is the
+    /// later-stored, and every bind afterwards carries that generation.
+    #[test]
+    fn loom_racing_selects_leave_one_selection_with_its_own_generation() {
+        loom::model(|| {
+            let (registry, first, second) = two_mechanisms();
+            let other = {
+                let registry = registry.clone();
+                loom::thread::spawn(move || registry.select(&second).unwrap())
+            };
+            let mine = registry.select(&first).unwrap();
+            let theirs = other.join().unwrap();
+            let bound = registry.bind(GPU0).unwrap();
+            let expected = if bound.identity().mechanism() == first { mine } else { theirs };
+            assert_eq!(bound.identity().generation(), expected);
+            assert_eq!(registry.selected(GPU0), Some(bound.identity().mechanism()));
+        });
+    }
+}
