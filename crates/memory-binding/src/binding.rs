@@ -280,11 +280,10 @@ impl BoundAllocation {
         ))
     }
 
-    /// Whether the registry still holds this allocation's record under its generation.
+    /// Whether the registry still holds this allocation's record under its generation
+    /// (termination retires every record of its mechanisms).
     pub fn is_valid(&self) -> bool {
-        self.pin.as_ref().is_some_and(|pin| {
-            !matches!(pin.core.lifecycle.state(), MechanismState::Terminated) && pin.holds(self.slot, self.generation)
-        })
+        self.pin.as_ref().is_some_and(|pin| pin.holds(self.slot, self.generation))
     }
 
     /// A view of `len` bytes at `offset`. It borrows the allocation, so the
@@ -323,10 +322,6 @@ impl BoundAllocation {
     /// A borrowed copy of the block for capability calls (never released).
     pub(crate) fn raw_view(&self, device: DeviceKey) -> RawAllocation {
         RawAllocation::new(self.address, self.bytes, self.align(), device, self.provider_tag)
-    }
-
-    pub(crate) fn record_key(&self) -> (u32, NonZeroU64) {
-        (self.slot, self.generation)
     }
 
     pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Arc<Pin>, HandleError> {

@@ -98,9 +98,9 @@ impl MemoryBinding {
             MechanismState::Terminated => HandleError::StaleAllocation,
             state => HandleError::Inactive { mechanism: core.identity, state },
         })?;
-        if !pin.holds_generation(allocation) {
-            return Err(HandleError::StaleAllocation.into());
-        }
+        // The record exists: the allocation is borrowed, so nothing releases it during
+        // this call, and the in-flight count above keeps termination (the only other
+        // path that retires records) from running until the call is over.
         if let Some(range) = range {
             let granularity =
                 granularity().ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability })?;

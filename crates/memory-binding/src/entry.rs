@@ -430,12 +430,9 @@ impl Pin {
         lock_leaf(&self.records).slab.get(slot as usize).is_some_and(|record| record.generation == generation)
     }
 
-    /// Whether the record `allocation` names is still held under its generation.
-    pub(crate) fn holds_generation(&self, allocation: &crate::BoundAllocation) -> bool {
-        let (slot, generation) = allocation.record_key();
-        self.holds(slot, generation)
-    }
-
+        // The record exists: the allocation is borrowed, so nothing releases it during
+        // this call, and the in-flight count above keeps termination (the only other
+        // path that retires records) from running until the call is over.
     /// Whether any record holds `generation`.
     pub(crate) fn find(&self, generation: NonZeroU64) -> bool {
         lock_leaf(&self.records).slab.iter().any(|(_, record)| record.generation == generation)
