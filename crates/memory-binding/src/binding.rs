@@ -480,7 +480,8 @@ fn recognise<I: Identity>(issuer: &memory_api::IdentityIssuer, serial: NonZeroU6
     issuer.recognise(serial).expect("handle serials are minted by the mechanism's own issuer")
 }
 
-fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
+/// Why an operation on an existing allocation was refused in `state`.
+pub(crate) fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
     match state {
         MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
         MechanismState::Terminated => HandleError::StaleAllocation,

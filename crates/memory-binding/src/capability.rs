@@ -10,7 +10,7 @@ use memory_api::{
     VirtualBacking,
 };
 
-use crate::binding::{BoundAllocation, MemoryBinding};
+use crate::binding::{BoundAllocation, MemoryBinding, refusal_for};
 use crate::entry::MechanismCore;
 use crate::error::{BoundCapabilityError, HandleError};
 use crate::lifecycle::{Admit, MechanismState};
@@ -93,11 +93,7 @@ impl MemoryBinding {
             range.check_within(allocation.bytes())?;
         }
         let core = &pin.core;
-        let _in_flight = core.lifecycle.begin(self.pin.slot, admit).map_err(|state| match state {
-            MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
-            MechanismState::Terminated => HandleError::StaleAllocation,
-            state => HandleError::Inactive { mechanism: core.identity, state },
-        })?;
+        let _in_flight = core.lifecycle.begin(self.pin.slot, admit).map_err(|state| refusal_for(core, state))?;
         // The record exists: the allocation is borrowed, so nothing releases it during
         // this call, and the in-flight count above keeps termination (the only other
         // path that retires records) from running until the call is over.

@@ -49,12 +49,8 @@ impl ContextEntry {
     }
 
     pub(crate) fn set_state(&self, state: ContextState) {
-        let raw = match state {
-            ContextState::Live => 0,
-            ContextState::Lost => 1,
-            ContextState::Terminated => 2,
-        };
-        self.state.store(raw, Ordering::SeqCst);
+        // Declaration order: live 0, lost 1, terminated 2, as `state` decodes.
+        self.state.store(state as u8, Ordering::SeqCst);
     }
 }
 
@@ -430,9 +426,9 @@ impl Pin {
         lock_leaf(&self.records).slab.get(slot as usize).is_some_and(|record| record.generation == generation)
     }
 
-        // The record exists: the allocation is borrowed, so nothing releases it during
-        // this call, and the in-flight count above keeps termination (the only other
-        // path that retires records) from running until the call is over.
+    // The record exists: the allocation is borrowed, so nothing releases it during
+    // this call, and the in-flight count above keeps termination (the only other
+    // path that retires records) from running until the call is over.
     /// Whether any record holds `generation`.
     pub(crate) fn find(&self, generation: NonZeroU64) -> bool {
         lock_leaf(&self.records).slab.iter().any(|(_, record)| record.generation == generation)

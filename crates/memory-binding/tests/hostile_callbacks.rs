@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::Duration;
 
-use common::{HeldQueue, PAGE, register, register_with, request};
+use tracing::Level;
+
+use common::{Collector, HeldQueue, PAGE, has, register, register_with, request};
 use memory_api::{
     AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
     DeviceKey, IdentityError, IdentityIssuer, MappingAccess, MechanismIdentity, PreparedRelease, QueueRefusal,
@@ -49,6 +51,8 @@ struct Ledger {
     panic_on_release: AtomicBool,
     /// Answer a release `Complete` with this many unmapped bytes (0: the block's size).
     complete_claims: AtomicUsize,
+    /// Refuse every release (nothing mutated).
+    refuse_releases: AtomicBool,
 }
 
 impl Ledger {
@@ -96,8 +100,9 @@ impl DeviceAllocator for Ledger {
         if self.panic_on_release.load(Ordering::SeqCst) {
             panic!("ledger release exploded");
         }
-        if self.live.lock().unwrap().remove(&allocation.address().get()).is_none() {
-            self.unknown_releases.fetch_add(1, Ordering::SeqCst);
+        let refused = self.refuse_releases.load(Ordering::SeqCst);
+        if refused || self.live.lock().unwrap().remove(&allocation.address().get()).is_none() {
+            self.unknown_releases.fetch_add(usize::from(!refused), Ordering::SeqCst);
             let error = ReleaseError::NotOwned {
                 allocator: "ledger".into(),
                 device: self.device(),
@@ -201,6 +206,8 @@ impl DeferredReleaseQueue for ForgingQueue {
     fn enqueue(&self, release: PreparedRelease) -> Result<(), QueueRefusal> {
         let identity = *release.identity();
         let bytes = release.bytes();
+        // What a queue can see of a release: its identity, size and allocator's name.
+        assert!(format!("{release:?}").contains("allocator: \"ledger\""), "{release:?}");
         match self.offered {
             Offered::Drop => drop(release),
             Offered::Keep => self.kept.lock().unwrap().push(release),
@@ -249,8 +256,12 @@ fn a_queue_refusing_with_a_forged_release_cannot_corrupt_the_books() {
         let address = block.address().get();
         queue.address.store(address, Ordering::SeqCst);
 
+        let collector = Collector::default();
+        let traced = tracing::subscriber::set_default(collector.clone());
         let result = binding.release_deferred(block, &queue);
+        drop(traced);
         assert!(result.is_ok(), "{what}: a release the queue lost has no handle left to give back: {result:?}");
+        assert!(has(&collector.take(), Level::ERROR, "refused with another release"), "{what}: not traced");
         let (live, quarantined, in_flight) = counts(&registry, &mechanism);
         assert_eq!((live, in_flight), (0, 0), "{what}: the forged refusal was booked (or counted out twice)");
         let released = offered == Offered::Execute;
@@ -682,8 +693,12 @@ fn an_unfit_block_returned_after_device_loss_is_kept_for_forget_lost_not_release
     let binding = registry.bind_registered(&mechanism).unwrap();
     lose_device_inside_allocate(&ledger, &registry, 1);
     ledger.short_blocks.store(true, Ordering::SeqCst);
+    let collector = Collector::default();
+    let traced = tracing::subscriber::set_default(collector.clone());
     let error = binding.allocate(request(PAGE)).unwrap_err();
+    drop(traced);
     assert!(matches!(error, AllocateError::InvalidBlock { .. }), "{error}");
+    assert!(has(&collector.take(), Level::ERROR, "kept for forget_lost"));
     assert_eq!((ledger.released(), ledger.unknown_releases()), (0, 0), "a callback reached a lost device");
     assert_eq!(ledger.live(), 1);
     let snapshot = registry.snapshot(&mechanism).unwrap();
@@ -711,6 +726,26 @@ fn an_unrecordable_block_returned_after_device_loss_is_kept_for_forget_lost_not_
     assert_eq!((ledger.forgotten().len(), ledger.live(), ledger.released()), (257, 0, 0));
     drop(blocks);
     assert_eq!(ledger.released(), 0);
+}
+
+/// An unfit block the allocator then refuses to take back is reported as an error
+/// event (the registry has no record to keep it under).
+#[test]
+fn an_unfit_block_the_allocator_will_not_take_back_is_traced_as_an_error() {
+    let registry = BindingRegistry::new().unwrap();
+    let ledger = Ledger::on(GPU0);
+    let (_, _, mechanism) = register(&registry, ledger.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    ledger.short_blocks.store(true, Ordering::SeqCst);
+    ledger.refuse_releases.store(true, Ordering::SeqCst);
+    let collector = Collector::default();
+    let traced = tracing::subscriber::set_default(collector.clone());
+    assert!(matches!(binding.allocate(request(PAGE)), Err(AllocateError::InvalidBlock { .. })));
+    drop(traced);
+    let events = collector.take();
+    assert!(has(&events, Level::ERROR, "does not fit the request"), "{events:?}");
+    assert!(has(&events, Level::ERROR, "an unfit block could not be given back"), "{events:?}");
+    assert_eq!(counts(&registry, &mechanism), (0, 0, 0));
 }
 
 /// The control: on a healthy device an unfit block still goes straight back.
@@ -742,7 +777,9 @@ fn while_unwinding<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) ->
         }
     }
     let (sender, result) = mpsc::channel();
+    let dispatch = tracing::dispatcher::get_default(Clone::clone);
     let worker = std::thread::spawn(move || {
+        let _traced = tracing::dispatcher::set_default(&dispatch);
         let _guard = RunOnDrop(Some(move || sender.send(f()).unwrap()));
         panic!("the worker's request failed");
     });
@@ -766,7 +803,12 @@ fn a_release_panicking_in_a_drop_during_unwinding_quarantines_without_aborting()
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
     ledger.panic_on_release.store(true, Ordering::SeqCst);
+    let collector = Collector::default();
+    let traced = tracing::subscriber::set_default(collector.clone());
     while_unwinding(move || drop(block));
+    drop(traced);
+    let events = collector.take();
+    assert!(has(&events, Level::ERROR, "a release panicked while the thread was unwinding"), "{events:?}");
     let quarantined = panicked_quarantine(&registry, &mechanism);
     assert_eq!(quarantined.len(), 1);
     assert!(quarantined[0].1.contains("panicked"), "{quarantined:?}");
@@ -810,7 +852,12 @@ fn a_deferring_drop_whose_queue_panics_during_unwinding_quarantines_without_abor
     let (_, _, mechanism) = register_with(&registry, ledger.clone(), options);
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
+    let collector = Collector::default();
+    let traced = tracing::subscriber::set_default(collector.clone());
     while_unwinding(move || drop(block));
+    drop(traced);
+    let events = collector.take();
+    assert!(has(&events, Level::ERROR, "a drop-time release panicked while the thread was unwinding"), "{events:?}");
     let quarantined = panicked_quarantine(&registry, &mechanism);
     assert_eq!(quarantined.len(), 1, "{quarantined:?}");
     assert_eq!(ledger.released(), 0);
@@ -889,9 +936,13 @@ fn a_complete_release_claiming_more_than_the_block_is_corrected_and_counted() {
     assert_eq!((report, dishonest(&registry)), (ReleaseReport::Complete { unmapped_bytes: PAGE }, 0));
 
     ledger.complete_claims.store(1 << 40, Ordering::SeqCst);
+    let collector = Collector::default();
+    let traced = tracing::subscriber::set_default(collector.clone());
     let report = binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap();
+    drop(traced);
     assert_eq!(report, ReleaseReport::Complete { unmapped_bytes: PAGE }, "the claim was not checked");
     assert_eq!(dishonest(&registry), 1);
+    assert!(has(&collector.take(), Level::ERROR, "unmapping more than the block"));
 
     let queue = HeldQueue::new(GPU0, 1);
     binding.release_deferred(binding.allocate(request(PAGE)).unwrap(), &queue).unwrap();
