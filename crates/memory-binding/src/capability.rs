@@ -287,3 +287,46 @@ impl fmt::Debug for BoundSharedMapping {
         f.debug_tuple("BoundSharedMapping").field(&self.binding.identity()).finish()
     }
 }
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+    use memory_api::{AllocError, AllocationRequest, DeviceKey, RawAllocation, ReleaseOutcome};
+
+    /// An allocator with a little state, so that it has a size.
+    struct Sized8(#[allow(dead_code)] u64);
+
+    impl DeviceAllocator for Sized8 {
+        fn device(&self) -> DeviceKey {
+            DeviceKey::HOST
+        }
+        fn name(&self) -> &str {
+            "sized"
+        }
+        fn allocate(&self, _: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            Err(AllocError::Unsupported { allocator: "sized".into(), device: DeviceKey::HOST, what: "allocation" })
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            ReleaseOutcome::complete(allocation.bytes())
+        }
+    }
+
+    /// An allocator and, right behind it in memory, an object that is not part of it.
+    #[repr(C)]
+    struct Neighbours {
+        allocator: Sized8,
+        after: [u64; 4],
+    }
+
+    #[test]
+    fn only_objects_wholly_inside_the_allocator_value_are_part_of_it() {
+        let pair = Neighbours { allocator: Sized8(7), after: [0; 4] };
+        let allocator: &dyn DeviceAllocator = &pair.allocator;
+        assert!(part_of(allocator, &pair.allocator), "the allocator itself");
+        assert!(part_of(allocator, &pair.allocator.0), "its field");
+        assert!(!part_of(allocator, &pair.after), "the object right behind it");
+        assert!(!part_of(allocator, &pair.after[0]), "the first word behind it");
+        let unrelated = [0u64; 2];
+        assert!(!part_of(allocator, &unrelated), "an unrelated object");
+    }
+}

@@ -20,7 +20,7 @@ use slab::Slab;
 use thread_local::ThreadLocal;
 
 use crate::error::ContextState;
-use crate::lifecycle::{IN_FLIGHT_SLOTS, Lifecycle};
+use crate::lifecycle::Lifecycle;
 use crate::sync::{Arc, AtomicU8, AtomicUsize, LeafMutex, Mutex, Ordering, lock, lock_leaf};
 
 /// An opaque resource pinned by a context or authority (a CUDA context owner, a
@@ -279,7 +279,8 @@ impl Mechanism {
     /// This thread's pin (created on first use, then reused: no allocation).
     pub(crate) fn pin(&self) -> &Arc<Pin> {
         self.pins.get_or(|| {
-            let slot = self.core.next_pin_slot.fetch_add(1, Ordering::Relaxed) % IN_FLIGHT_SLOTS;
+            // Round-robin; the lifecycle maps the number onto its slots.
+            let slot = self.core.next_pin_slot.fetch_add(1, Ordering::Relaxed);
             Arc::new(Pin::new(Arc::clone(&self.core), slot))
         })
     }
