@@ -48,10 +48,12 @@ pub struct Completion {
 }
 
 impl Completion {
-    /// Bytes of physical memory the release unmapped or freed at the layer below
-    /// (zero is a valid answer, for a reservation that had nothing committed or a
-    /// zero-size block). It may exceed the block's size when the backend padded it for
-    /// alignment; accounting layers refund their own charge, not this figure.
+    /// Bytes of the block the release unmapped or freed at the layer below (zero is a
+    /// valid answer, for a reservation that had nothing committed or a zero-size
+    /// block). It cannot exceed the block's size: padding a backend added for alignment
+    /// is its own business, not part of the block. The registry treats a larger claim
+    /// as dishonest (it reports the block's size, counts the outcome and traces an
+    /// error); accounting layers refund their own charge, not this figure.
     #[inline]
     pub fn unmapped_bytes(&self) -> usize {
         self.unmapped_bytes

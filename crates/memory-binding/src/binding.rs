@@ -19,7 +19,7 @@ use memory_api::{
 use crate::entry::{DropPolicy, MechanismCore, Pin, QuarantinedAllocation};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
 use crate::lifecycle::{Admit, MechanismState};
-use crate::sync::Arc;
+use crate::sync::{Arc, AtomicU8, Ordering};
 
 /// A binding: the right to allocate through one mechanism, pinned to its allocator,
 /// provider context and authority. Cheap to clone; a clone is the same binding.
@@ -130,10 +130,7 @@ impl MemoryBinding {
             }
             Err((raw, error)) => {
                 // Could not record it: give it straight back rather than leak it.
-                let outcome = core.allocator.release(raw);
-                if !outcome.is_complete() {
-                    tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unrecordable allocation could not be released");
-                }
+                give_back(core, raw, "an allocation that cannot be recorded");
                 Err(AllocateError::Identity(error))
             }
         }
@@ -156,9 +153,13 @@ impl MemoryBinding {
     /// stream's pending work"). The queued release counts as in flight, so its
     /// context cannot be confirmed terminated until the queue has run or dropped it.
     ///
+    /// A queue that refuses with another release than the one offered has lost the one
+    /// offered: this returns `Ok`, and its block stays quarantined (error event).
+    ///
     /// # Errors
     /// A [`Rejected`] handing the allocation back on a foreign, cross-binding, stale or
-    /// device-lost handle, a queue for another device, or a queue that refused.
+    /// device-lost handle, a queue for another device, or a queue that refused, handing
+    /// back the exact release offered.
     pub fn release_deferred(
         &self,
         allocation: BoundAllocation,
@@ -279,11 +280,10 @@ impl BoundAllocation {
         ))
     }
 
-    /// Whether the registry still holds this allocation's record under its generation.
+    /// Whether the registry still holds this allocation's record under its generation
+    /// (termination retires every record of its mechanisms).
     pub fn is_valid(&self) -> bool {
-        self.pin.as_ref().is_some_and(|pin| {
-            !matches!(pin.core.lifecycle.state(), MechanismState::Terminated) && pin.holds(self.slot, self.generation)
-        })
+        self.pin.as_ref().is_some_and(|pin| pin.holds(self.slot, self.generation))
     }
 
     /// A view of `len` bytes at `offset`. It borrows the allocation, so the
@@ -322,10 +322,6 @@ impl BoundAllocation {
     /// A borrowed copy of the block for capability calls (never released).
     pub(crate) fn raw_view(&self, device: DeviceKey) -> RawAllocation {
         RawAllocation::new(self.address, self.bytes, self.align(), device, self.provider_tag)
-    }
-
-    pub(crate) fn record_key(&self) -> (u32, NonZeroU64) {
-        (self.slot, self.generation)
     }
 
     pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Arc<Pin>, HandleError> {
@@ -375,6 +371,15 @@ impl Drop for BoundAllocation {
     fn drop(&mut self) {
         let Some(pin) = self.pin.take() else { return };
         let parts = self.parts();
+        if std::thread::panicking() {
+            // A callback panicking here (a queue's enqueue) would abort the process: the
+            // drop policy has booked the block already, so the panic is only logged.
+            let slot = self.slot;
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop_release(pin, parts, slot))) {
+                reraise_unless_unwinding(panic, "a drop-time release");
+            }
+            return;
+        }
         drop_release(pin, parts, self.slot);
     }
 }
@@ -475,7 +480,8 @@ fn recognise<I: Identity>(issuer: &memory_api::IdentityIssuer, serial: NonZeroU6
     issuer.recognise(serial).expect("handle serials are minted by the mechanism's own issuer")
 }
 
-fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
+/// Why an operation on an existing allocation was refused in `state`.
+pub(crate) fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
     match state {
         MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
         MechanismState::Terminated => HandleError::StaleAllocation,
@@ -489,16 +495,31 @@ fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
 fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAllocation) -> AllocateError {
     let found = format!("{raw:?}");
     tracing::error!(mechanism = %core.identity, block = %found, "allocator returned a block that does not fit the request");
-    let outcome = core.allocator.release(raw);
-    if !outcome.is_complete() {
-        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unfit block could not be released");
-    }
+    give_back(core, raw, "an unfit block");
     AllocateError::InvalidBlock {
-        allocator: core.allocator.name().to_owned(),
+        allocator: core.allocator_name.clone(),
         requested: request.bytes(),
         align: request.align(),
         device: core.device,
         found,
+    }
+}
+
+/// Gives a block the registry will not record back to the allocator inside `allocate`
+/// (still counted in flight, so termination cannot run meanwhile). If the device was
+/// lost while the allocator ran, no callback may run any more: the block is kept for
+/// `forget_lost` at termination instead. (A loss that lands between this check and the
+/// release is the same race as one that lands during the allocator's own call.)
+#[cold]
+fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
+    if matches!(core.lifecycle.state(), MechanismState::DeviceLost | MechanismState::Terminated) {
+        tracing::error!(mechanism = %core.identity, block = ?raw, "device lost during allocate: {what} is kept for forget_lost at termination");
+        core.keep_unrecorded_lost(raw);
+        return;
+    }
+    let outcome = core.allocator.release(raw);
+    if !outcome.is_complete() {
+        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "{what} could not be given back");
     }
 }
 
@@ -519,11 +540,17 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
                     let settled = match call_release(core, &allocation, raw) {
                         // The common answer needs no bookkeeping beyond the record
                         // already taken.
-                        ReleaseOutcome::Complete(done) => {
+                        Some(ReleaseOutcome::Complete(done)) => {
                             tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
-                            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+                            let unmapped_bytes = core.completed(allocation.bytes, done.unmapped_bytes());
+                            Settled::Done(ReleaseReport::Complete { unmapped_bytes })
                         }
-                        outcome => settle(core, &pin, &allocation.parts(), outcome),
+                        Some(outcome) => settle(core, &pin, &allocation.parts(), outcome),
+                        // It panicked while this thread unwinds: quarantined, not re-raised.
+                        None => Settled::Done(ReleaseReport::Quarantined {
+                            unmapped_bytes: 0,
+                            residual_bytes: allocation.bytes,
+                        }),
                     };
                     drop(in_flight);
                     Ok(settled)
@@ -545,19 +572,42 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
     }
 }
 
-/// Calls the allocator's release; a panic quarantines the whole block, then unwinds.
+/// Calls the allocator's release; a panic quarantines the whole block, then unwinds,
+/// unless this thread is unwinding already (then `None`: see [`reraise_unless_unwinding`]).
 #[inline]
-fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> ReleaseOutcome {
+fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> Option<ReleaseOutcome> {
     match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
-        Ok(outcome) => outcome,
+        Ok(outcome) => Some(outcome),
         Err(panic) => {
             let parts = handle.as_parts();
             let raw = parts.raw(core.device);
             let bytes = raw.bytes();
             core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
-            resume_unwind(panic)
+            reraise_unless_unwinding(panic, "a release");
+            None
         }
     }
+}
+
+/// Re-raises a callback's panic, unless this thread is already unwinding: a panic
+/// escaping a destructor then aborts the process, so the panic is logged and dropped
+/// instead. The caller has already booked what the callback left (a quarantine).
+#[cold]
+pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, callback: &str) {
+    if !std::thread::panicking() {
+        resume_unwind(panic);
+    }
+    let message = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string payload");
+    tracing::error!(
+        panic = message,
+        "{callback} panicked while the thread was unwinding; not re-raised (it would abort)"
+    );
+    // The payload's own destructor could panic too: leak it rather than risk that.
+    std::mem::forget(panic);
 }
 
 enum Settled {
@@ -580,7 +630,9 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
     match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
-            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+            Settled::Done(ReleaseReport::Complete {
+                unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
+            })
         }
         ReleaseOutcome::Quarantined(q) => {
             let (unmapped, residual) = (q.unmapped_bytes(), q.residual_bytes());
@@ -682,8 +734,13 @@ fn release_deferred(
     }
 }
 
-/// Builds the prepared release and offers it; on refusal ends the in-flight count and
-/// returns the block.
+/// Builds the prepared release and offers it.
+///
+/// `Ok` when the queue took it, or when it refused with another release than the one
+/// offered: then the offered release counts as lost by the queue (its block stays
+/// quarantined and its in-flight count ends exactly once, whoever gets there first).
+/// `Err` hands the block back on an honest refusal; the caller re-records or
+/// quarantines it, then ends the count.
 fn enqueue(
     pin: &Arc<Pin>,
     parts: &HandleParts,
@@ -702,10 +759,17 @@ fn enqueue(
         ),
         recognise(&core.issuer, parts.generation),
     );
-    let releaser: Arc<dyn DeviceAllocator> = Arc::new(LifecycleCheckedRelease { core: Arc::clone(core) });
+    let queued = Arc::new(QueuedRelease { core: Arc::clone(core), claim: AtomicU8::new(QUEUED) });
+    let withdrawn = WithdrawOnDrop(Arc::clone(&queued));
     let completion_pin = Arc::clone(pin);
     let completion_parts = *parts;
     let completion = Box::new(move |outcome: ReleaseOutcome| {
+        let queued = &withdrawn.0;
+        // The registry may have disowned this release (its queue refused with another
+        // one): then the books were settled already.
+        if !queued.claimed_by_completion() {
+            return;
+        }
         let core = &completion_pin.core;
         let lost =
             matches!(&outcome, ReleaseOutcome::Failed(f) if matches!(f.error(), ReleaseError::DeviceLost { .. }));
@@ -723,28 +787,93 @@ fn enqueue(
         }
         core.lifecycle.end_detached(completion_pin.slot);
     });
+    let releaser: Arc<dyn DeviceAllocator> = Arc::clone(&queued) as Arc<dyn DeviceAllocator>;
     let prepared = PreparedRelease::new(identity, releaser, raw, completion);
-    match queue.enqueue(prepared) {
-        Ok(()) => Ok(()),
+    let refusal = match queue.enqueue(prepared) {
+        Ok(()) => return Ok(()),
+        Err(refusal) => refusal,
+    };
+    // A refusal must hand back the very release offered. Withdrawing whatever came back
+    // drops its completion uncalled: if it was ours, the claim now says so.
+    let same_identity = *refusal.release.identity() == identity;
+    let reason = refusal.reason;
+    let block = refusal.release.cancel();
+    if queued.claim.load(Ordering::SeqCst) == WITHDRAWN && same_identity && block.same_block(&parts.raw(core.device)) {
         // The caller re-records or quarantines the block, then ends the count: ending
         // it first would let termination or removal run while the block is nowhere.
-        Err(refusal) => Err((refusal.release.cancel(), refusal.reason)),
+        return Err((block, reason));
+    }
+    refused_with_another_release(pin, parts, &queued, &reason);
+    Ok(())
+}
+
+/// A queue refused with another release than the one offered: the offered one counts
+/// as lost by the queue. Whoever claims it first settles its books (a completion that
+/// already ran, or one that runs later, finds the claim taken and does nothing).
+#[cold]
+fn refused_with_another_release(pin: &Pin, parts: &HandleParts, queued: &QueuedRelease, reason: &QueueRefusalReason) {
+    let core = &pin.core;
+    tracing::error!(
+        mechanism = %core.identity,
+        %reason,
+        "deferred-release queue refused with another release than the one offered; the offered block counts as lost by the queue"
+    );
+    let withdrawn = queued.claim.load(Ordering::SeqCst) == WITHDRAWN;
+    if withdrawn || queued.claim.compare_exchange(QUEUED, DISOWNED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+        let raw = parts.raw(core.device);
+        let bytes = raw.bytes();
+        core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
+        core.lifecycle.end_detached(pin.slot);
     }
 }
 
-/// The allocator a queued release runs through: it re-checks the lifecycle when the
-/// queue finally runs it, so a release that comes due after device loss makes no
-/// allocator callback.
-struct LifecycleCheckedRelease {
+/// Claim states of a queued release: the first of its completion, its withdrawal and
+/// its disowning by the registry settles the books.
+const QUEUED: u8 = 0;
+/// The queue runs it: the allocator is (being) called, the completion books the outcome.
+const RUNNING: u8 = 1;
+/// The queue dropped it unrun: the completion books the abandoned block.
+const COMPLETED: u8 = 2;
+/// Withdrawn by `cancel`: the completion never runs; the refusal's receiver books it.
+const WITHDRAWN: u8 = 3;
+/// Its queue refused with another release: the registry booked it as lost by the
+/// queue; running it later makes no allocator call.
+const DISOWNED: u8 = 4;
+
+/// The allocator a queued release runs through: it claims the release (so a release
+/// the registry disowned makes no allocator call) and re-checks the lifecycle when the
+/// queue finally runs it (so a release that comes due after device loss makes no
+/// allocator callback either).
+struct QueuedRelease {
     core: Arc<MechanismCore>,
+    claim: AtomicU8,
 }
 
-impl DeviceAllocator for LifecycleCheckedRelease {
+impl QueuedRelease {
+    /// Whether the completion settles the books: it was run (the allocator claimed it)
+    /// or it claims it now (dropped unrun).
+    fn claimed_by_completion(&self) -> bool {
+        self.claim.load(Ordering::SeqCst) == RUNNING
+            || self.claim.compare_exchange(QUEUED, COMPLETED, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+}
+
+/// Held by a queued release's completion: dropped uncalled (the release was withdrawn),
+/// it marks the claim so the refusal's receiver knows the completion will never run.
+struct WithdrawOnDrop(Arc<QueuedRelease>);
+
+impl Drop for WithdrawOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.claim.compare_exchange(QUEUED, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+impl DeviceAllocator for QueuedRelease {
     fn device(&self) -> DeviceKey {
         self.core.device
     }
     fn name(&self) -> &str {
-        self.core.allocator.name()
+        &self.core.allocator_name
     }
     fn allocate(&self, _request: &AllocationRequest) -> Result<RawAllocation, memory_api::AllocError> {
         Err(memory_api::AllocError::Unsupported {
@@ -754,6 +883,10 @@ impl DeviceAllocator for LifecycleCheckedRelease {
         })
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        if self.claim.compare_exchange(QUEUED, RUNNING, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            // Disowned: the block is quarantined already; the completion ignores this.
+            return ReleaseOutcome::failed(allocation, ReleaseError::Abandoned);
+        }
         match self.core.lifecycle.state() {
             MechanismState::DeviceLost | MechanismState::Terminated => ReleaseOutcome::failed(
                 allocation,
@@ -776,7 +909,7 @@ fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
                 return; // Lost or terminated: no callback; termination retires the record.
             };
             let Some(raw) = pin.take(slot, parts.generation) else { return };
-            let outcome = call_release(core, &parts, raw);
+            let Some(outcome) = call_release(core, &parts, raw) else { return };
             // Nobody holds a handle any more: a refused drop-time release is quarantined.
             if let Settled::Refused { slot, error } = settle(core, &pin, &parts, outcome)
                 && let Some(raw) = pin.take(slot, parts.generation)

@@ -22,7 +22,9 @@
 //! # Correctness
 //! - No `unsafe` code except the caller-attested
 //!   [`BindingRegistry::register_trusted_composite`], which is an `unsafe fn` only to
-//!   make the trust boundary explicit; the crate body forbids unsafe blocks.
+//!   make the trust boundary explicit; the crate body forbids unsafe blocks. The safe
+//!   path admits only capability objects that are part of the allocator's own value;
+//!   a composite whose capabilities live in other objects needs the caller's word.
 //! - The hot path (`bind`, `allocate`, `release`, views) takes no registry-wide lock:
 //!   lifecycle in a mostly-read word with per-thread in-flight slots
 //!   (`src/lifecycle.rs`), handles pinned through per-thread pins, generations from
