@@ -288,7 +288,7 @@ impl fmt::Debug for BoundSharedMapping {
     }
 }
 
-#[cfg(all(test, not(memory_loom)))]
+#[cfg(test)]
 mod tests {
     use super::*;
     use memory_api::{AllocError, AllocationRequest, DeviceKey, RawAllocation, ReleaseOutcome};
