@@ -58,7 +58,7 @@ fn request() -> AllocationRequest {
 fn pair(c: &mut Criterion) {
     let request = request();
     let raw: Arc<dyn DeviceAllocator> = Arc::new(Counter::new(DeviceKey::device(0)));
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(Counter::new(DeviceKey::device(0)))).expect("binding");
     let mut group = c.benchmark_group("pair");
     group.bench_function("raw_dyn", |b| {
@@ -111,7 +111,7 @@ fn run_threads(registry: &BindingRegistry, mechanisms: &[MechanismIdentity], ite
 }
 
 fn threads(c: &mut Criterion) {
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let first = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(0)))).expect("binding");
     let second = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(1)))).expect("binding");
     let (m0, m1) = (first.identity().mechanism(), second.identity().mechanism());
@@ -127,7 +127,7 @@ fn threads(c: &mut Criterion) {
 
 fn live(c: &mut Criterion) {
     let request = request();
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(Counter::new(DeviceKey::device(0)))).expect("binding");
     let mut group = c.benchmark_group("live");
     let mut measure = |name: &str| {

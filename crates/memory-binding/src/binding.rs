@@ -13,7 +13,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use memory_api::{
     AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingId, BindingIdentity,
     DeferredReleaseQueue, DeviceAddress, DeviceAllocator, DeviceKey, Identity, PreparedRelease, QueueRefusalReason,
-    RawAllocation, ReleaseError, ReleaseOutcome,
+    RawAllocation, ReleaseError, ReleaseOutcome, ReleaseSummary,
 };
 
 use crate::entry::{DropPolicy, MechanismCore, Pin, QuarantinedAllocation};
@@ -28,25 +28,6 @@ pub struct MemoryBinding {
     pub(crate) pin: Arc<Pin>,
     pub(crate) binding: BindingId,
     pub(crate) generation: BindingGeneration,
-}
-
-/// What an accepted release did.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReleaseReport {
-    /// Everything was released.
-    Complete {
-        /// Bytes unmapped or freed.
-        unmapped_bytes: usize,
-    },
-    /// Part was released; the rest is quarantined in the registry (visible in
-    /// snapshots, retried by `retry_quarantined`, discharged at termination).
-    Quarantined {
-        /// Bytes unmapped.
-        unmapped_bytes: usize,
-        /// Bytes still owned.
-        residual_bytes: usize,
-    },
 }
 
 impl MemoryBinding {
@@ -99,7 +80,7 @@ impl MemoryBinding {
         let core = &self.pin.core;
         let _in_flight = core.lifecycle.begin(self.pin.slot, Admit::ActiveOnly).map_err(|state| match state {
             MechanismState::DeviceLost | MechanismState::Terminated => {
-                AllocateError::DeviceLost { device: core.device, reason: core.lost_reason() }
+                AllocateError::DeviceLost { device: core.device, mechanism: core.identity, reason: core.lost_reason() }
             }
             state => AllocateError::Inactive { mechanism: core.identity, state },
         })?;
@@ -142,7 +123,7 @@ impl MemoryBinding {
     /// A [`Rejected`] handing the allocation back when it belongs to another
     /// registry or binding, its generation is stale, its device was lost (no
     /// callback runs then), or the allocator refused without mutating anything.
-    pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
+    pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
         if let Err(reason) = self.check_owns(&allocation) {
             return Err(Rejected { handle: allocation, reason });
         }
@@ -203,10 +184,7 @@ impl MemoryBinding {
         if expected != found {
             return HandleError::ForeignRegistry { expected, found };
         }
-        HandleError::BindingMismatch {
-            expected: self.identity().to_string(),
-            found: allocation.binding_identity().map_or_else(|| "an unknown binding".to_owned(), |b| b.to_string()),
-        }
+        HandleError::BindingMismatch { expected: self.identity(), found: allocation.binding_identity() }
     }
 }
 
@@ -224,6 +202,7 @@ impl fmt::Debug for MemoryBinding {
 /// quarantine with a warning (device memory may still be in use). On a lost device
 /// dropping does nothing; the block is retired when the context is confirmed
 /// terminated.
+#[must_use = "dropping a live allocation releases, defers or quarantines it by the drop policy; release it through its binding"]
 pub struct BoundAllocation {
     pin: Option<Arc<Pin>>,
     address: DeviceAddress,
@@ -310,9 +289,11 @@ impl BoundAllocation {
     pub(crate) fn check_usable(&self) -> Result<&Arc<Pin>, HandleError> {
         let pin = self.pin.as_ref().ok_or(HandleError::StaleAllocation)?;
         match pin.core.lifecycle.state() {
-            MechanismState::DeviceLost => {
-                Err(HandleError::DeviceLost { device: pin.core.device, reason: pin.core.lost_reason() })
-            }
+            MechanismState::DeviceLost => Err(HandleError::DeviceLost {
+                device: pin.core.device,
+                mechanism: pin.core.identity,
+                reason: pin.core.lost_reason(),
+            }),
             MechanismState::Terminated => Err(HandleError::StaleAllocation),
             // A view makes no callback; `Removing` is a momentary check by `remove`.
             MechanismState::Active | MechanismState::Retired | MechanismState::Removing => Ok(pin),
@@ -483,7 +464,9 @@ fn recognise<I: Identity>(issuer: &memory_api::IdentityIssuer, serial: NonZeroU6
 /// Why an operation on an existing allocation was refused in `state`.
 pub(crate) fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
     match state {
-        MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
+        MechanismState::DeviceLost => {
+            HandleError::DeviceLost { device: core.device, mechanism: core.identity, reason: core.lost_reason() }
+        }
         MechanismState::Terminated => HandleError::StaleAllocation,
         state => HandleError::Inactive { mechanism: core.identity, state },
     }
@@ -526,7 +509,7 @@ fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
 /// Explicit release: validate, take the record exactly once, call the allocator.
 /// Borrows the core through the handle's pin: no shared refcount is touched.
 #[inline]
-fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
+fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
     let Some(pin) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
@@ -543,11 +526,11 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
                         Some(ReleaseOutcome::Complete(done)) => {
                             tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
                             let unmapped_bytes = core.completed(allocation.bytes, done.unmapped_bytes());
-                            Settled::Done(ReleaseReport::Complete { unmapped_bytes })
+                            Settled::Done(ReleaseSummary::Complete { unmapped_bytes })
                         }
                         Some(outcome) => settle(core, &pin, &allocation.parts(), outcome),
                         // It panicked while this thread unwinds: quarantined, not re-raised.
-                        None => Settled::Done(ReleaseReport::Quarantined {
+                        None => Settled::Done(ReleaseSummary::Quarantined {
                             unmapped_bytes: 0,
                             residual_bytes: allocation.bytes,
                         }),
@@ -611,7 +594,7 @@ pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, cal
 }
 
 enum Settled {
-    Done(ReleaseReport),
+    Done(ReleaseSummary),
     /// Nothing was released; the block is back in the pin at `slot`.
     Refused {
         slot: u32,
@@ -630,7 +613,7 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
     match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
-            Settled::Done(ReleaseReport::Complete {
+            Settled::Done(ReleaseSummary::Complete {
                 unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
             })
         }
@@ -642,7 +625,7 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
             } else {
                 mismatched(core, parts, expected, unmapped, residual)
             };
-            let report = ReleaseReport::Quarantined {
+            let report = ReleaseSummary::Quarantined {
                 unmapped_bytes: entry.unmapped_bytes,
                 residual_bytes: entry.residual_bytes,
             };
@@ -653,7 +636,7 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
             let (raw, error) = failed.into_parts();
             if !raw.same_block(&expected) {
                 let entry = mismatched(core, parts, expected, 0, parts.bytes);
-                let report = ReleaseReport::Quarantined {
+                let report = ReleaseSummary::Quarantined {
                     unmapped_bytes: entry.unmapped_bytes,
                     residual_bytes: entry.residual_bytes,
                 };
@@ -665,7 +648,7 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
                 Err(raw) => {
                     let bytes = raw.bytes();
                     core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
-                    Settled::Done(ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: bytes })
+                    Settled::Done(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: bytes })
                 }
             }
         }

@@ -210,9 +210,11 @@ impl BoundSharedMapping {
         ByteRange::new(0, bytes).check_aligned(self.granularity())?;
         let _in_flight =
             core.lifecycle.begin(self.binding.pin.slot, Admit::ActiveOnly).map_err(|state| match state {
-                MechanismState::DeviceLost => {
-                    HandleError::DeviceLost { device: core.device, reason: core.lost_reason() }
-                }
+                MechanismState::DeviceLost => HandleError::DeviceLost {
+                    device: core.device,
+                    mechanism: core.identity,
+                    reason: core.lost_reason(),
+                },
                 state => HandleError::Inactive { mechanism: core.identity, state },
             })?;
         let capability = Self::capability(&self.binding)
