@@ -29,6 +29,7 @@ use std::fmt;
 use crate::sync::{AtomicU8, AtomicUsize, CachePadded, Ordering};
 
 /// Where a mechanism is in its lifecycle.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum MechanismState {

@@ -72,6 +72,7 @@ impl MechanismOptions {
 }
 
 /// What `invalidate_device` changed.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct InvalidationReport {
