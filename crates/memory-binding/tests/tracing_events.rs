@@ -59,9 +59,12 @@ fn lifecycle_transitions_are_traced_and_the_hot_path_stays_at_trace() {
     assert!(has(&collector.take(), Level::INFO, "authority removed"));
 }
 
-/// Records the spans opened: their names and fields.
+/// One opened span: its name and its fields as text.
+type OpenedSpan = (String, Vec<(String, String)>);
+
+/// Records the spans opened.
 #[derive(Clone, Default)]
-struct SpanCollector(Arc<std::sync::Mutex<Vec<(String, Vec<(String, String)>)>>>);
+struct SpanCollector(Arc<std::sync::Mutex<Vec<OpenedSpan>>>);
 
 struct Fields(Vec<(String, String)>);
 impl tracing::field::Visit for Fields {
