@@ -149,7 +149,7 @@ fn child(args: &[String]) -> Result<(), String> {
                 registry.register_provider_context(DeviceKey::HOST, Arc::new("bench")).map_err(|e| e.to_string())?;
             let tenant = registry.register_authority(DeviceKey::HOST, Arc::new("bench")).map_err(|e| e.to_string())?;
             let account = governor
-                .open_account(AccountConfig::new(DeviceKey::HOST, tenant).quota(4 << 30))
+                .open_account(AccountConfig::new(DeviceKey::HOST, tenant).with_quota(4 << 30))
                 .map_err(|e| e.to_string())?;
             let governed = governor.govern(inner, tenant).map_err(|e| e.to_string())?;
             let mechanism =

@@ -43,9 +43,16 @@ impl GovernorConfig {
     /// refund then writes the shared books (exact `current` at every instant, but two
     /// threads contend on one cache line).
     #[must_use]
-    pub fn credit_chunk(mut self, bytes: u64) -> GovernorConfig {
+    pub fn with_credit_chunk(mut self, bytes: u64) -> GovernorConfig {
         self.credit_chunk = bytes.min(MAX_CHUNK);
         self
+    }
+
+    /// The former name of [`GovernorConfig::with_credit_chunk`].
+    #[deprecated(note = "builders are named with_*: use with_credit_chunk")]
+    #[must_use]
+    pub fn credit_chunk(self, bytes: u64) -> GovernorConfig {
+        self.with_credit_chunk(bytes)
     }
 
     /// The configured credit chunk.
@@ -72,16 +79,30 @@ impl AccountConfig {
 
     /// Caps the account at `bytes` (nested inside the device limit).
     #[must_use]
-    pub fn quota(mut self, bytes: u64) -> AccountConfig {
+    pub fn with_quota(mut self, bytes: u64) -> AccountConfig {
         self.quota = bytes;
         self
     }
 
     /// A human-readable name for messages and snapshots (default: the authority).
     #[must_use]
-    pub fn label(mut self, label: impl Into<String>) -> AccountConfig {
+    pub fn with_label(mut self, label: impl Into<String>) -> AccountConfig {
         self.label = Some(label.into());
         self
+    }
+
+    /// The former name of [`AccountConfig::with_quota`].
+    #[deprecated(note = "builders are named with_*: use with_quota")]
+    #[must_use]
+    pub fn quota(self, bytes: u64) -> AccountConfig {
+        self.with_quota(bytes)
+    }
+
+    /// The former name of [`AccountConfig::with_label`].
+    #[deprecated(note = "builders are named with_*: use with_label")]
+    #[must_use]
+    pub fn label(self, label: impl Into<String>) -> AccountConfig {
+        self.with_label(label)
     }
 }
 

@@ -63,7 +63,7 @@
 //! let governor = Governor::new();
 //! governor.set_device_limit(gpu, 1 << 20)?;
 //! governor.set_policy(gpu, Arc::new(GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, 256 << 10)))?;
-//! let account = governor.open_account(AccountConfig::new(gpu, tenant).quota(512 << 10).label("tenant-a"))?;
+//! let account = governor.open_account(AccountConfig::new(gpu, tenant).with_quota(512 << 10).with_label("tenant-a"))?;
 //!
 //! // Governed allocation through the registry: identity and governance compose.
 //! let allocator: Arc<dyn DeviceAllocator> = Arc::new(allocator_cpu::SystemAllocator::for_device(gpu));

@@ -70,8 +70,8 @@ fn limits_are_kept_per_device_key() {
 fn authority_quotas_nest_inside_the_device_budget() {
     let governor = governor(0);
     governor.set_device_limit(GPU, 10).unwrap();
-    let a = governor.open_account(AccountConfig::new(GPU, authority()).quota(6).label("a")).unwrap();
-    let b = governor.open_account(AccountConfig::new(GPU, authority()).quota(6).label("b")).unwrap();
+    let a = governor.open_account(AccountConfig::new(GPU, authority()).with_quota(6).with_label("a")).unwrap();
+    let b = governor.open_account(AccountConfig::new(GPU, authority()).with_quota(6).with_label("b")).unwrap();
     let a_lease = a.lease(MemoryRole::KvCache, 6).unwrap();
     let err = a.lease(MemoryRole::KvCache, 1).unwrap_err();
     assert_eq!(err.exhaustion().unwrap().scope, LimitScope::Authority, "{err}");

@@ -32,7 +32,7 @@ fn setup(inner: Arc<dyn DeviceAllocator>, limit: u64, chunk: u64) -> Setup {
     let authority = registry.register_authority(DEV, Arc::new("tenant")).unwrap();
     let governor = governor(chunk);
     governor.set_device_limit(DEV, limit).unwrap();
-    let account = governor.open_account(AccountConfig::new(DEV, authority).label("tenant")).unwrap();
+    let account = governor.open_account(AccountConfig::new(DEV, authority).with_label("tenant")).unwrap();
     let governed = governor.govern(inner, authority).unwrap();
     let mechanism = registry.register_allocator(&context, &authority, Arc::new(governed)).unwrap();
     let binding = registry.bind(DEV).unwrap();

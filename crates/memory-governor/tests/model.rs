@@ -81,7 +81,7 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
     governor.set_device_limit(GPU, limit).unwrap();
     let accounts: Vec<Account> = quotas
         .iter()
-        .map(|&quota| governor.open_account(AccountConfig::new(GPU, authority()).quota(quota)).unwrap())
+        .map(|&quota| governor.open_account(AccountConfig::new(GPU, authority()).with_quota(quota)).unwrap())
         .collect();
     let reserve_policy = |bytes| -> Arc<dyn AdmissionPolicy> {
         Arc::new(GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, bytes))

@@ -173,7 +173,7 @@ fn two_tenants_run_concurrently_on_threads_within_their_quotas() {
     let mut plain_vad = plain(env, &assets.silero_vad);
     let mut plain_ocr = plain(env, &assets.ocr_det);
     let registry = Arc::new(BindingRegistry::new());
-    let governor = Arc::new(Governor::with_config(GovernorConfig::default().credit_chunk(0)));
+    let governor = Arc::new(Governor::with_config(GovernorConfig::default().with_credit_chunk(0)));
     let quotas = [96 * MIB, 160 * MIB];
     let tenants: Vec<Tenant> = ["tenant-a", "tenant-b"]
         .into_iter()
