@@ -1,22 +1,26 @@
 //! [`PooledAllocator`]: a caching allocator over any [`DeviceAllocator`].
 //!
-//! Two caches share one byte cap per shard:
+//! Two caches:
 //! - **size classes** for requests up to [`PoolConfig::max_class_bytes`]: whole inner
-//!   blocks, four classes per doubling, reused by requests of the same class;
+//!   blocks, four classes per doubling, kept in per-thread shards so the hot path of
+//!   small blocks takes no lock another thread uses;
 //! - **segments** for larger requests: inner blocks carved best-fit into pieces, split
-//!   when the rest could serve another large request, and coalesced with free
-//!   neighbours when a piece comes back (as a BFC arena or PyTorch's large pool do). A
-//!   request of any size is served from a free piece that holds it, so memory freed by
-//!   one run of a model serves the next run's differently sized buffers instead of
-//!   being handed back and faulted in again.
+//!   when the rest could serve another large request, and merged with free neighbours
+//!   when a piece comes back (as a BFC arena or PyTorch's large pool do). Memory one
+//!   run of a model freed serves the next run's differently sized buffers instead of
+//!   going back to the system and being faulted in again. Segments sit behind one
+//!   lock: a request that large costs far more than the lock, and any thread's free
+//!   segment memory serves every thread.
 //!
-//! When a release would push the shard over its cap, wholly free segments are handed
-//! back to the inner allocator least recently idle first; the block just released is
-//! the last to go, because it is the likeliest to be asked for again.
+//! Under the cap, wholly free segments go back to the inner allocator least recently
+//! idle first; the block just released is the last to go, because it is the likeliest
+//! to be asked for again (a runtime's next request of the same shape).
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use crossbeam_utils::CachePadded;
 use memory_api::{
     AllocError, AllocationRequest, AllocatorStats, DeviceAddress, DeviceAllocator, DeviceKey, RawAllocation,
     ReleaseError, ReleaseOutcome,
@@ -33,6 +37,9 @@ const STEPS: usize = 4;
 const CLASS_ALIGN_MAX: usize = 4096;
 /// Granularity (and least alignment) of segments and of the pieces carved from them.
 const LARGE_ROUND: usize = 4096;
+/// Marks a provider tag's slot as a piece of a segment rather than a class record
+/// (slots never come near 2^47).
+const PIECE_TAG: usize = 1 << 47;
 
 /// The size class of `bytes` (at least [`MIN_CLASS`]): its index and size.
 fn class_of(bytes: usize) -> (usize, usize) {
@@ -56,12 +63,15 @@ fn class_align(size: usize) -> usize {
 /// Settings of a [`PooledAllocator`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Bytes of freed memory the pool may keep for reuse (split evenly across shards):
-    /// cached class blocks and free pieces of segments.
+    /// Bytes of freed memory the pool may keep for reuse. It bounds the size-class
+    /// caches (split evenly across shards) and, separately, the free memory of
+    /// segments (pool-wide, so one large block of up to this size stays cached
+    /// whichever thread frees it).
     pub max_cached_bytes: usize,
     /// Requests up to this size use size classes; larger ones are carved from segments.
     pub max_class_bytes: usize,
-    /// Lock shards; threads map onto them round-robin (rounded up to a power of two).
+    /// Lock shards of the size classes; threads map onto them round-robin (rounded up
+    /// to a power of two).
     pub shards: usize,
 }
 
@@ -91,47 +101,91 @@ enum Key {
     Direct,
 }
 
+// ---------------------------------------------------------------------------------------
+// Size classes: per-thread shards of whole blocks.
+// ---------------------------------------------------------------------------------------
+
 #[derive(Debug)]
 enum State {
     /// Handed out with this size and alignment.
     Live { bytes: usize, align: usize },
-    /// Free: a cached class block, or a free piece of a segment.
+    /// In a free list.
     Cached,
-    /// Being released to the inner allocator by some thread.
+    /// Being released to the inner allocator by some thread (block taken out).
     Releasing,
-    /// A class block the inner allocator quarantined during a trim; the next trim retries.
+    /// The inner allocator quarantined it during a trim; the next trim retries.
     Quarantined,
-    /// A piece given up with its device (`forget_lost`): never reused or freed.
-    Lost,
-}
-
-/// What a record stands for.
-enum Body {
-    /// A whole inner block: size class `class`, or an uncached block (`None`). The block
-    /// is `None` only while `Releasing`.
-    Whole { block: Option<RawAllocation>, class: Option<usize> },
-    /// `size` bytes at `offset` in `segment`, with its neighbours in address order.
-    Piece { segment: usize, offset: usize, size: usize, prev: Option<usize>, next: Option<usize> },
 }
 
 struct Record {
+    /// The inner allocator's block; `None` only while `Releasing`.
+    block: Option<RawAllocation>,
+    /// Its size class; `None` for an uncached block.
+    class: Option<usize>,
     state: State,
-    body: Body,
 }
 
-/// An inner block serving large requests, split into pieces that cover it exactly.
-/// No two neighbouring pieces are both free, so a wholly free segment is one piece,
-/// its `head`.
+#[derive(Default)]
+struct Shard {
+    records: Slab<Record>,
+    classes: Vec<Vec<usize>>,
+    cached_bytes: usize,
+    counters: PoolStats,
+}
+
+impl Shard {
+    fn pop(&mut self, class: usize) -> Option<usize> {
+        self.classes.get_mut(class)?.pop()
+    }
+
+    fn push(&mut self, class: usize, slot: usize) {
+        if self.classes.len() <= class {
+            self.classes.resize_with(class + 1, Vec::new);
+        }
+        self.classes[class].push(slot);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Segments: large blocks carved into pieces, behind one lock.
+// ---------------------------------------------------------------------------------------
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum PieceState {
+    /// Handed out with this size and alignment.
+    Live { bytes: usize, align: usize },
+    /// Free (in the free index unless its segment is lost, quarantined or being
+    /// released).
+    Free,
+    /// Its whole segment is being released to the inner allocator for the caller.
+    Releasing,
+    /// Given up with its device (`forget_lost`): never reused or freed.
+    Lost,
+}
+
+/// `size` bytes at `offset` in `segment`, with its neighbours in address order.
+#[derive(Copy, Clone, Debug)]
+struct Piece {
+    state: PieceState,
+    segment: usize,
+    offset: usize,
+    size: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+/// An inner block split into pieces that tile it. No two neighbouring pieces are both
+/// free, so a wholly free segment is a single piece, its `head`.
 struct Segment {
     /// The inner block; `None` while it is being released.
     block: Option<RawAllocation>,
     /// Its size (what was asked of the inner allocator).
     size: usize,
-    /// The piece at offset 0 (never merged away, so its slot is stable).
+    /// The piece at offset 0 (never merged into another, so its slot is stable).
     head: usize,
     /// Pieces handed out now.
     live: usize,
-    /// The shard's clock when it last became wholly free (least recently idle goes first).
+    /// The clock when it last became wholly free (least recently idle goes first).
     idle_since: u64,
     /// Some piece was given up with the device: nothing in it is reused or freed.
     lost: bool,
@@ -152,72 +206,107 @@ struct Eviction {
 }
 
 #[derive(Default)]
-struct Shard {
-    records: Slab<Record>,
-    classes: Vec<Vec<usize>>,
+struct Segments {
+    pieces: Slab<Piece>,
     segments: Slab<Segment>,
     /// Free pieces by (size, slot): best fit is the first at or above the request.
-    free_pieces: BTreeSet<(usize, usize)>,
+    free: BTreeSet<(usize, usize)>,
     cached_bytes: usize,
     clock: u64,
     counters: PoolStats,
 }
 
-impl Shard {
-    fn pop_class(&mut self, index: usize) -> Option<usize> {
-        self.classes.get_mut(index)?.pop()
-    }
-
-    fn push_class(&mut self, index: usize, slot: usize) {
-        if self.classes.len() <= index {
-            self.classes.resize_with(index + 1, Vec::new);
-        }
-        self.classes[index].push(slot);
-    }
-
-    fn piece(&self, slot: usize) -> Option<(usize, usize, usize, Option<usize>, Option<usize>)> {
-        match self.records.get(slot)?.body {
-            Body::Piece { segment, offset, size, prev, next } => Some((segment, offset, size, prev, next)),
-            Body::Whole { .. } => None,
-        }
-    }
-
-    fn piece_mut(&mut self, slot: usize) -> Option<(&mut usize, &mut Option<usize>, &mut Option<usize>)> {
-        match &mut self.records.get_mut(slot)?.body {
-            Body::Piece { size, prev, next, .. } => Some((size, prev, next)),
-            Body::Whole { .. } => None,
-        }
-    }
-
+impl Segments {
     /// The address of piece `slot`, while its segment holds its block.
-    fn piece_address(&self, slot: usize) -> Option<DeviceAddress> {
-        let (segment, offset, ..) = self.piece(slot)?;
-        self.segments.get(segment)?.block.as_ref()?.address().checked_add(offset)
+    fn address(&self, slot: usize) -> Option<DeviceAddress> {
+        let piece = self.pieces.get(slot)?;
+        self.segments.get(piece.segment)?.block.as_ref()?.address().checked_add(piece.offset)
     }
 
-    fn is_free_piece(&self, slot: Option<usize>) -> Option<usize> {
-        let slot = slot?;
-        matches!(self.records.get(slot)?.state, State::Cached).then_some(slot)
+    fn piece_mut(&mut self, slot: usize) -> &mut Piece {
+        self.pieces.get_mut(slot).expect("pieces link only to live slots")
+    }
+
+    /// A new segment over `block` (`size` bytes), handed out whole for `request`.
+    fn insert(&mut self, block: RawAllocation, size: usize, request: &AllocationRequest) -> usize {
+        let segment = self.segments.insert(Segment {
+            block: Some(block),
+            size,
+            head: usize::MAX,
+            live: 1,
+            idle_since: 0,
+            lost: false,
+            quarantined: false,
+        });
+        let state = PieceState::Live { bytes: request.bytes(), align: request.align() };
+        let slot = self.pieces.insert(Piece { state, segment, offset: 0, size, prev: None, next: None });
+        if let Some(segment) = self.segments.get_mut(segment) {
+            segment.head = slot;
+        }
+        slot
+    }
+
+    /// Carves `bytes` at an address aligned to `align` out of the smallest free piece
+    /// that holds it, splitting off the rest when it is larger than `split_above` (so
+    /// another large request could use it; a smaller rest stays with the piece).
+    fn take(
+        &mut self,
+        bytes: usize,
+        align: usize,
+        split_above: usize,
+        request: &AllocationRequest,
+    ) -> Option<(usize, DeviceAddress)> {
+        let (size, slot) = self
+            .free
+            .range((bytes, 0)..)
+            .copied()
+            .find(|&(_, slot)| self.address(slot).is_some_and(|address| address.is_aligned_to(align)))?;
+        let address = self.address(slot)?;
+        self.free.remove(&(size, slot));
+        let Piece { segment, offset, next, .. } = *self.pieces.get(slot)?;
+        let rest = size - bytes;
+        let taken = if rest > split_above {
+            let split = self.pieces.insert(Piece {
+                state: PieceState::Free,
+                segment,
+                offset: offset + bytes,
+                size: rest,
+                prev: Some(slot),
+                next,
+            });
+            if let Some(following) = next {
+                self.piece_mut(following).prev = Some(split);
+            }
+            let piece = self.piece_mut(slot);
+            (piece.size, piece.next) = (bytes, Some(split));
+            self.free.insert((rest, split));
+            bytes
+        } else {
+            size
+        };
+        self.cached_bytes -= taken;
+        self.piece_mut(slot).state = PieceState::Live { bytes: request.bytes(), align: request.align() };
+        if let Some(segment) = self.segments.get_mut(segment) {
+            segment.live += 1;
+        }
+        Some((slot, address))
     }
 
     /// Frees live piece `slot` into the cache, merging it with free neighbours.
     fn free_piece(&mut self, slot: usize) {
-        let Some((segment, _, size, prev, next)) = self.piece(slot) else { return };
-        if let Some(record) = self.records.get_mut(slot) {
-            record.state = State::Cached;
-        }
+        let Some(&Piece { segment, size, prev, next, .. }) = self.pieces.get(slot) else { return };
+        self.piece_mut(slot).state = PieceState::Free;
         self.cached_bytes += size;
         let mut merged = slot;
-        if let Some(after) = self.is_free_piece(next) {
+        if let Some(after) = self.free_neighbour(next) {
             self.absorb_next(merged, after);
         }
-        if let Some(before) = self.is_free_piece(prev) {
+        if let Some(before) = self.free_neighbour(prev) {
             self.absorb_next(before, merged);
             merged = before;
         }
-        if let Some((_, _, size, ..)) = self.piece(merged) {
-            self.free_pieces.insert((size, merged));
-        }
+        let merged_size = self.piece_mut(merged).size;
+        self.free.insert((merged_size, merged));
         if let Some(segment) = self.segments.get_mut(segment) {
             segment.live -= 1;
             if segment.live == 0 {
@@ -227,34 +316,67 @@ impl Shard {
         }
     }
 
+    fn free_neighbour(&self, slot: Option<usize>) -> Option<usize> {
+        let slot = slot?;
+        (self.pieces.get(slot)?.state == PieceState::Free).then_some(slot)
+    }
+
     /// Merges free piece `after` into its left neighbour `into` (which leaves the free
     /// index while it grows).
     fn absorb_next(&mut self, into: usize, after: usize) {
-        let Some((_, _, after_size, _, after_next)) = self.piece(after) else { return };
-        if let Some((_, _, into_size, ..)) = self.piece(into) {
-            self.free_pieces.remove(&(into_size, into));
-        }
-        self.free_pieces.remove(&(after_size, after));
-        self.records.remove(after);
-        if let Some((size, _, next)) = self.piece_mut(into) {
-            *size += after_size;
-            *next = after_next;
-        }
-        if let Some(following) = after_next
-            && let Some((_, prev, _)) = self.piece_mut(following)
-        {
-            *prev = Some(into);
+        let Some(absorbed) = self.pieces.remove(after) else { return };
+        self.free.remove(&(absorbed.size, after));
+        let piece = self.piece_mut(into);
+        let into_size = piece.size;
+        (piece.size, piece.next) = (into_size + absorbed.size, absorbed.next);
+        self.free.remove(&(into_size, into));
+        if let Some(following) = absorbed.next {
+            self.piece_mut(following).prev = Some(into);
         }
     }
 
-    /// Takes wholly free segment `index` out of the cache for release.
-    fn take_idle(&mut self, index: usize) -> Option<Eviction> {
+    /// Wholly free segments, least recently idle first, except `keep`.
+    fn idle_lru(&self, keep: Option<usize>) -> Vec<usize> {
+        let mut idle: Vec<(u64, usize)> = self
+            .segments
+            .iter()
+            .filter(|&(index, segment)| Some(index) != keep && segment.is_idle())
+            .map(|(index, segment)| (segment.idle_since, index))
+            .collect();
+        idle.sort_unstable();
+        idle.into_iter().map(|(_, index)| index).collect()
+    }
+
+    /// Takes wholly free (or quarantined) segment `index` out of the cache for release.
+    fn take_out(&mut self, index: usize) -> Option<Eviction> {
         let segment = self.segments.get_mut(index)?;
+        let was_quarantined = std::mem::take(&mut segment.quarantined);
         let block = segment.block.take()?;
         let (head, size) = (segment.head, segment.size);
-        self.free_pieces.remove(&(size, head));
-        self.cached_bytes -= size;
+        if !was_quarantined {
+            self.free.remove(&(size, head));
+            self.cached_bytes -= size;
+        }
         Some(Eviction { segment: index, block })
+    }
+
+    /// Puts back a segment the inner allocator did not release: free again, or held
+    /// (quarantined) for the next trim.
+    fn put_back(&mut self, index: usize, block: RawAllocation, quarantined: bool) {
+        let Some(segment) = self.segments.get_mut(index) else { return };
+        (segment.block, segment.quarantined) = (Some(block), quarantined);
+        if !quarantined {
+            let (head, size) = (segment.head, segment.size);
+            self.free.insert((size, head));
+            self.cached_bytes += size;
+        }
+    }
+
+    /// Forgets a released segment and its single piece.
+    fn remove(&mut self, index: usize) -> Option<Segment> {
+        let segment = self.segments.remove(index)?;
+        self.pieces.remove(segment.head);
+        Some(segment)
     }
 
     /// The pieces of `segment` in address order.
@@ -263,41 +385,43 @@ impl Shard {
         let mut cursor = self.segments.get(segment).map(|segment| segment.head);
         while let Some(slot) = cursor {
             pieces.push(slot);
-            cursor = self.piece(slot).and_then(|(.., next)| next);
+            cursor = self.pieces.get(slot).and_then(|piece| piece.next);
         }
         pieces
     }
 
-    /// Marks `segment` lost: its free pieces leave the cache for good.
-    fn lose_segment(&mut self, segment: usize) {
-        if self.segments.get(segment).is_none_or(|segment| segment.lost) {
-            return;
-        }
-        for slot in self.pieces_of(segment) {
-            if let Some((_, _, size, ..)) = self.piece(slot)
-                && self.free_pieces.remove(&(size, slot))
-            {
-                self.cached_bytes -= size;
+    /// Gives up live piece `slot` with its device; once its segment has no live piece
+    /// left, the segment is dropped and its block returned, to be forgotten.
+    fn lose(&mut self, slot: usize) -> Option<RawAllocation> {
+        let segment = self.pieces.get(slot)?.segment;
+        self.piece_mut(slot).state = PieceState::Lost;
+        if self.segments.get(segment).is_some_and(|entry| !entry.lost) {
+            // Its free pieces leave the cache for good.
+            for piece in self.pieces_of(segment) {
+                let Piece { state, size, .. } = *self.pieces.get(piece)?;
+                if state == PieceState::Free && self.free.remove(&(size, piece)) {
+                    self.cached_bytes -= size;
+                }
             }
         }
-        if let Some(segment) = self.segments.get_mut(segment) {
-            segment.lost = true;
-        }
-    }
-
-    /// Removes a lost segment whose last piece is gone; returns its block to forget.
-    fn drop_lost_segment(&mut self, segment: usize) -> Option<RawAllocation> {
-        if self.segments.get(segment).is_none_or(|segment| !segment.lost || segment.live > 0) {
+        let entry = self.segments.get_mut(segment)?;
+        entry.lost = true;
+        entry.live -= 1;
+        if entry.live > 0 {
             return None;
         }
-        for slot in self.pieces_of(segment) {
-            self.records.remove(slot);
+        for piece in self.pieces_of(segment) {
+            self.pieces.remove(piece);
         }
         self.segments.remove(segment)?.block
     }
 }
 
-/// Counters of a [`PooledAllocator`], summed over its shards.
+// ---------------------------------------------------------------------------------------
+// The pool.
+// ---------------------------------------------------------------------------------------
+
+/// Counters of a [`PooledAllocator`], summed over its shards and segments.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Bytes callers asked for, over all successful allocations.
@@ -323,10 +447,10 @@ pub struct PoolStats {
     pub trims: u64,
     /// Bytes `trim` returned to the inner allocator.
     pub trimmed_bytes: u64,
-    /// Cached blocks the inner allocator quarantined during a trim or an eviction
-    /// (retried next trim).
+    /// Cached blocks or segments the inner allocator quarantined during a trim or an
+    /// eviction (retried next trim).
     pub quarantined_blocks: u64,
-    /// Inner blocks held to serve large requests (segments), whether in use or free.
+    /// Inner blocks held to serve large requests (segments), in use or free.
     pub segments: u64,
     /// Their bytes.
     pub segment_bytes: u64,
@@ -336,35 +460,62 @@ pub struct PoolStats {
     pub evicted_bytes: u64,
 }
 
+impl PoolStats {
+    fn add_counters(&mut self, c: &PoolStats) {
+        self.requested_bytes += c.requested_bytes;
+        self.hits += c.hits;
+        self.misses += c.misses;
+        self.failures += c.failures;
+        self.live_bytes += c.live_bytes;
+        self.live_blocks += c.live_blocks;
+        self.passed_through += c.passed_through;
+        self.trims += c.trims;
+        self.trimmed_bytes += c.trimmed_bytes;
+        self.evicted_segments += c.evicted_segments;
+        self.evicted_bytes += c.evicted_bytes;
+    }
+
+    fn served(&mut self, request: &AllocationRequest, hit: bool) {
+        if hit {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        self.requested_bytes += request.bytes() as u64;
+        self.live_bytes += request.bytes() as u64;
+        self.live_blocks += 1;
+    }
+}
+
 /// A caching allocator over any [`DeviceAllocator`].
 ///
 /// - Requests up to [`PoolConfig::max_class_bytes`] round up to a size class (four per
 ///   doubling, from 256 bytes) and reuse whole blocks of that class. Requests whose
 ///   alignment exceeds their class's are passed through uncached.
 /// - Larger requests round up to 4 KiB and are carved from **segments**: the smallest
-///   free piece that holds the request (at the requested alignment) serves it, split
-///   when the rest is larger than [`PoolConfig::max_class_bytes`] (so it could serve
-///   another large request); on a miss a new segment of exactly the rounded size is
-///   allocated. A freed piece merges with free neighbours, so a wholly free segment is
-///   one piece again and serves any request up to its size.
-/// - A released block goes into its home shard's cache. When that would take the
-///   shard over its share of [`PoolConfig::max_cached_bytes`], wholly free segments
-///   are released to the inner allocator, least recently idle first; a block that
-///   still does not fit is released to the inner allocator itself (its outcome is the
-///   caller's). [`DeviceAllocator::trim`] returns every cached class block and wholly
-///   free segment; an out-of-memory from the inner allocator triggers one trim and a
-///   retry. Free pieces of a segment that is partly in use stay until it is free.
-/// - No global lock: each thread allocates from its own shard (stealing from others
-///   with `try_lock` only on a miss), so threads that allocate and release their own
-///   blocks never contend. A block remembers its home shard in its provider tag and
-///   returns there.
+///   free piece that holds the request at the requested alignment serves it, split when
+///   the rest is larger than [`PoolConfig::max_class_bytes`] (so another large request
+///   could use it); on a miss a new segment of exactly the rounded size is allocated.
+///   A freed piece merges with its free neighbours, so a wholly free segment is one
+///   piece again and serves any request up to its size.
+/// - A released class block goes into its home shard's cache while the shard holds
+///   less than its share of [`PoolConfig::max_cached_bytes`]; otherwise it is released
+///   to the inner allocator. A released piece goes back into its segment; when free
+///   segment memory exceeds the cap, wholly free segments are released to the inner
+///   allocator, least recently idle first, and a block that alone does not fit is
+///   released itself (its outcome is the caller's). [`DeviceAllocator::trim`] returns
+///   every cached class block and wholly free segment; an out-of-memory from the inner
+///   allocator triggers one trim and a retry. Free pieces of a segment partly in use
+///   stay until it is wholly free.
+/// - Class blocks take no global lock: each thread allocates from its own shard
+///   (stealing from others with `try_lock` only on a miss), and a block remembers its
+///   home shard in its provider tag. Segments share one lock.
 /// - Every release is validated against the block's record (address, size, alignment,
 ///   state), so a foreign, forged or repeated release is refused and handed back.
-/// - An inner release that fails or quarantines the caller's own block leaves the
-///   record live, so the caller can retry through the pool; a quarantine is reported
-///   with its byte counts capped to the caller's block. A cached block or segment the
-///   inner allocator refuses or quarantines stays with the pool (cached, or held for
-///   the next trim).
+/// - An inner release that fails or quarantines the caller's own block leaves it live,
+///   so the caller can retry through the pool; a quarantine is reported with its byte
+///   counts capped to the caller's block. A cached block or free segment the inner
+///   allocator refuses stays cached; one it quarantines is held for the next trim.
 ///
 /// Capabilities of the inner allocator are not forwarded: a cached block is not tied
 /// to one owner, so commit/map state could leak between owners.
@@ -374,6 +525,7 @@ pub struct PooledAllocator<A: DeviceAllocator> {
     config: PoolConfig,
     shard_cap: usize,
     shards: Shards<Shard>,
+    segments: CachePadded<Mutex<Segments>>,
 }
 
 impl<A: DeviceAllocator> PooledAllocator<A> {
@@ -387,7 +539,8 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         let shards = Shards::new(config.shards);
         let shard_cap = config.max_cached_bytes / shards.len();
         let name = format!("pooled({})", inner.name());
-        PooledAllocator { inner, name, config, shard_cap, shards }
+        let segments = CachePadded::new(Mutex::new(Segments::default()));
+        PooledAllocator { inner, name, config, shard_cap, shards, segments }
     }
 
     /// The wrapped allocator.
@@ -400,23 +553,12 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         self.config
     }
 
-    /// Pool counters, summed over shards.
+    /// Pool counters, summed over shards and segments.
     pub fn pool_stats(&self) -> PoolStats {
         let mut total = PoolStats::default();
         for index in 0..self.shards.len() {
             let Some(shard) = self.shards.lock(index) else { continue };
-            let c = &shard.counters;
-            total.requested_bytes += c.requested_bytes;
-            total.hits += c.hits;
-            total.misses += c.misses;
-            total.failures += c.failures;
-            total.live_bytes += c.live_bytes;
-            total.live_blocks += c.live_blocks;
-            total.passed_through += c.passed_through;
-            total.trims += c.trims;
-            total.trimmed_bytes += c.trimmed_bytes;
-            total.evicted_segments += c.evicted_segments;
-            total.evicted_bytes += c.evicted_bytes;
+            total.add_counters(&shard.counters);
             total.cached_bytes += shard.cached_bytes as u64;
             for (_, record) in shard.records.iter() {
                 match record.state {
@@ -425,13 +567,23 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
                     _ => {}
                 }
             }
-            for (_, segment) in shard.segments.iter() {
-                total.segments += 1;
-                total.segment_bytes += segment.size as u64;
-                total.quarantined_blocks += u64::from(segment.quarantined);
-            }
+        }
+        let large = self.segments();
+        total.add_counters(&large.counters);
+        total.cached_bytes += large.cached_bytes as u64;
+        total.cached_blocks += large.free.len() as u64;
+        for (_, segment) in large.segments.iter() {
+            total.segments += 1;
+            total.segment_bytes += segment.size as u64;
+            total.quarantined_blocks += u64::from(segment.quarantined);
         }
         total
+    }
+
+    /// Locks the segments. Every critical section leaves them consistent before it can
+    /// panic, so a poisoned lock is still usable.
+    fn segments(&self) -> MutexGuard<'_, Segments> {
+        self.segments.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// How `request` is served, and what to ask of the inner allocator on a miss.
@@ -453,146 +605,122 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         (Key::Direct, *request)
     }
 
-    /// Serves `request` from shard `index`'s cache, if it holds a fitting block.
+    /// Serves `request` from shard `index`'s class cache, if it holds a block of `class`.
     fn take_cached(
         &self,
-        shard: &mut Shard,
+        mut guard: MutexGuard<'_, Shard>,
         index: usize,
-        key: Key,
+        class: usize,
         request: &AllocationRequest,
     ) -> Option<RawAllocation> {
-        let (slot, address) = match key {
-            Key::Class(class) => {
-                let slot = shard.pop_class(class)?;
-                let record = shard.records.get_mut(slot).expect("free lists hold live slots");
-                let Body::Whole { block: Some(block), .. } = &record.body else {
-                    unreachable!("a cached class record holds its block")
-                };
-                let (address, size) = (block.address(), block.bytes());
-                record.state = State::Live { bytes: request.bytes(), align: request.align() };
-                shard.cached_bytes -= size;
-                (slot, address)
-            }
-            Key::Large { bytes, align } => self.take_piece(shard, bytes, align, request)?,
-            Key::Direct => return None,
-        };
-        let counters = &mut shard.counters;
-        counters.hits += 1;
-        counters.requested_bytes += request.bytes() as u64;
-        counters.live_bytes += request.bytes() as u64;
-        counters.live_blocks += 1;
+        let shard: &mut Shard = &mut guard;
+        let slot = shard.pop(class)?;
+        let record = shard.records.get_mut(slot).expect("free lists hold live slots");
+        let block = record.block.as_ref().expect("a cached record holds its block");
+        let (address, size) = (block.address(), block.bytes());
+        record.state = State::Live { bytes: request.bytes(), align: request.align() };
+        shard.cached_bytes -= size;
+        shard.counters.served(request, true);
         Some(RawAllocation::new(address, request.bytes(), request.align(), self.device(), tag(index, slot)))
     }
 
-    /// Carves `bytes` at an address aligned to `align` out of the smallest free piece
-    /// that holds it, splitting off the rest when another large request could use it.
-    fn take_piece(
-        &self,
-        shard: &mut Shard,
-        bytes: usize,
-        align: usize,
-        request: &AllocationRequest,
-    ) -> Option<(usize, DeviceAddress)> {
-        let (size, slot) = shard
-            .free_pieces
-            .range((bytes, 0)..)
-            .copied()
-            .find(|&(_, slot)| shard.piece_address(slot).is_some_and(|address| address.is_aligned_to(align)))?;
-        let address = shard.piece_address(slot)?;
-        shard.free_pieces.remove(&(size, slot));
-        let (segment, offset, _, _, next) = shard.piece(slot)?;
-        let rest = size - bytes;
-        let taken = if rest > self.config.max_class_bytes {
-            let split = shard.records.insert(Record {
-                state: State::Cached,
-                body: Body::Piece { segment, offset: offset + bytes, size: rest, prev: Some(slot), next },
-            });
-            if let Some(following) = next
-                && let Some((_, prev, _)) = shard.piece_mut(following)
-            {
-                *prev = Some(split);
-            }
-            if let Some((piece_size, _, piece_next)) = shard.piece_mut(slot) {
-                *piece_size = bytes;
-                *piece_next = Some(split);
-            }
-            shard.free_pieces.insert((rest, split));
-            bytes
-        } else {
-            size
-        };
-        shard.cached_bytes -= taken;
-        if let Some(record) = shard.records.get_mut(slot) {
-            record.state = State::Live { bytes: request.bytes(), align: request.align() };
-        }
-        if let Some(segment) = shard.segments.get_mut(segment) {
-            segment.live += 1;
-        }
-        Some((slot, address))
+    /// A piece of `slot` as the caller's block.
+    fn piece_block(&self, slot: usize, address: DeviceAddress, request: &AllocationRequest) -> RawAllocation {
+        RawAllocation::new(address, request.bytes(), request.align(), self.device(), tag(0, PIECE_TAG | slot))
     }
 
-    /// Takes wholly free segments of `shard` out of the cache, least recently idle first
-    /// and never `keep`, until `incoming` more bytes fit under the shard's cap. The
-    /// caller releases them with [`PooledAllocator::finish_evictions`] after unlocking.
-    fn make_room(&self, shard: &mut Shard, incoming: usize, keep: Option<usize>) -> Vec<Eviction> {
-        let mut evictions = Vec::new();
-        if shard.cached_bytes + incoming <= self.shard_cap {
-            return evictions;
+    /// Asks the inner allocator, trimming once and retrying on out-of-memory; the
+    /// error names the caller's request, not the rounded inner one.
+    fn allocate_inner(
+        &self,
+        inner: &AllocationRequest,
+        request: &AllocationRequest,
+    ) -> Result<RawAllocation, AllocError> {
+        let block = match self.inner.allocate(inner) {
+            Err(AllocError::OutOfMemory { .. }) if self.trim() > 0 => self.inner.allocate(inner),
+            other => other,
+        };
+        block.map_err(|error| match error {
+            AllocError::OutOfMemory { device, available, .. } => {
+                AllocError::OutOfMemory { device, requested: request.bytes(), align: request.align(), available }
+            }
+            other => other,
+        })
+    }
+
+    fn allocate_large(
+        &self,
+        (bytes, align): (usize, usize),
+        inner_request: &AllocationRequest,
+        request: &AllocationRequest,
+    ) -> Result<RawAllocation, AllocError> {
+        {
+            let mut large = self.segments();
+            if let Some((slot, address)) = large.take(bytes, align, self.config.max_class_bytes, request) {
+                large.counters.served(request, true);
+                return Ok(self.piece_block(slot, address, request));
+            }
         }
-        let mut idle: Vec<(u64, usize)> = shard
-            .segments
-            .iter()
-            .filter(|&(index, segment)| Some(index) != keep && segment.is_idle())
-            .map(|(index, segment)| (segment.idle_since, index))
-            .collect();
-        idle.sort_unstable();
-        for (_, segment) in idle {
-            if shard.cached_bytes + incoming <= self.shard_cap {
+        let block =
+            self.allocate_inner(inner_request, request).inspect_err(|_| self.segments().counters.failures += 1)?;
+        let address = block.address();
+        let mut large = self.segments();
+        let slot = large.insert(block, inner_request.bytes(), request);
+        large.counters.served(request, false);
+        Ok(self.piece_block(slot, address, request))
+    }
+
+    /// Takes wholly free segments out, least recently idle first and never `keep`,
+    /// until `incoming` more free bytes fit under the cap. The caller releases them
+    /// with [`PooledAllocator::finish_evictions`] after unlocking.
+    fn make_room(&self, large: &mut Segments, incoming: usize, keep: Option<usize>) -> Vec<Eviction> {
+        let cap = self.config.max_cached_bytes;
+        if large.cached_bytes + incoming <= cap {
+            return Vec::new();
+        }
+        let mut evictions = Vec::new();
+        for segment in large.idle_lru(keep) {
+            if large.cached_bytes + incoming <= cap {
                 break;
             }
-            evictions.extend(shard.take_idle(segment));
+            evictions.extend(large.take_out(segment));
         }
         evictions
     }
 
-    /// Releases segments taken out of shard `index` to the inner allocator. One the
-    /// inner allocator refuses is cached again; one it quarantines is held for the next
-    /// trim.
-    fn finish_evictions(&self, index: usize, evictions: Vec<Eviction>) {
+    /// Releases segments taken out of the cache to the inner allocator (eviction or
+    /// trim); returns the bytes released. One the inner allocator refuses is cached
+    /// again; one it quarantines is held for the next trim.
+    fn finish_evictions(&self, evictions: Vec<Eviction>, trimming: bool) -> usize {
+        let mut returned = 0;
         for Eviction { segment, block } in evictions {
-            let size = block.bytes();
             let outcome = self.inner.release(block);
-            let Some(mut guard) = self.shards.lock(index) else { continue };
-            let shard: &mut Shard = &mut guard;
+            let mut large = self.segments();
             match outcome {
                 ReleaseOutcome::Complete(_) => {
-                    if let Some(gone) = shard.segments.remove(segment) {
-                        shard.records.remove(gone.head);
-                        shard.counters.evicted_segments += 1;
-                        shard.counters.evicted_bytes += gone.size as u64;
+                    let Some(gone) = large.remove(segment) else { continue };
+                    returned += gone.size;
+                    if trimming {
+                        large.counters.trimmed_bytes += gone.size as u64;
+                    } else {
+                        large.counters.evicted_segments += 1;
+                        large.counters.evicted_bytes += gone.size as u64;
+                        tracing::debug!(bytes = gone.size, "pooled allocator evicted an idle segment");
                     }
-                    tracing::debug!(bytes = size, "pooled allocator evicted an idle segment");
                 }
                 ReleaseOutcome::Failed(failed) => {
                     let (block, error) = failed.into_parts();
-                    tracing::debug!(%error, "inner allocator refused an idle segment; it stays cached");
-                    if let Some(entry) = shard.segments.get_mut(segment) {
-                        let (head, size) = (entry.head, entry.size);
-                        entry.block = Some(block);
-                        shard.free_pieces.insert((size, head));
-                        shard.cached_bytes += size;
-                    }
+                    tracing::debug!(%error, "inner allocator refused a free segment; it stays cached");
+                    large.put_back(segment, block, false);
                 }
                 ReleaseOutcome::Quarantined(quarantine) => {
-                    tracing::warn!(error = %quarantine.error(), "eviction: inner allocator quarantined a segment");
+                    tracing::warn!(error = %quarantine.error(), "inner allocator quarantined a free segment");
                     let (block, _) = quarantine.into_parts();
-                    if let Some(entry) = shard.segments.get_mut(segment) {
-                        entry.block = Some(block);
-                        entry.quarantined = true;
-                    }
+                    large.put_back(segment, block, true);
                 }
             }
         }
+        returned
     }
 
     fn refuse(&self, allocation: RawAllocation) -> ReleaseOutcome {
@@ -604,63 +732,240 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         ReleaseOutcome::failed(allocation, error)
     }
 
-    /// Puts a block the inner allocator handed back into its record (or segment) again,
-    /// live for the caller's retry.
-    fn restore_live(&self, index: usize, slot: usize, block: RawAllocation, allocation: &RawAllocation) {
-        let Some(mut guard) = self.shards.lock(index) else { return };
-        let shard: &mut Shard = &mut guard;
-        let segment = shard.piece(slot).map(|(segment, ..)| segment);
+    /// Puts a block the inner allocator handed back into its record again.
+    fn restore(&self, index: usize, slot: usize, block: RawAllocation, state: State) {
+        let Some(mut shard) = self.shards.lock(index) else { return };
         if let Some(record) = shard.records.get_mut(slot) {
-            record.state = State::Live { bytes: allocation.bytes(), align: allocation.align() };
-            match (&mut record.body, segment.and_then(|segment| shard.segments.get_mut(segment))) {
-                (Body::Whole { block: slot_block, .. }, _) => *slot_block = Some(block),
-                (Body::Piece { .. }, Some(segment)) => segment.block = Some(block),
-                (Body::Piece { .. }, None) => {}
-            }
+            record.block = Some(block);
+            record.state = state;
         }
-        let counters = &mut shard.counters;
-        counters.live_bytes += allocation.bytes() as u64;
-        counters.live_blocks += 1;
-        counters.passed_through -= 1;
     }
 
-    /// Releases a block the cache does not keep; the inner outcome is the caller's.
-    /// `forget` removes the record (and segment) once the inner release completed.
-    fn pass_through(
-        &self,
-        index: usize,
-        slot: usize,
-        block: RawAllocation,
-        allocation: RawAllocation,
-        evictions: Vec<Eviction>,
-    ) -> ReleaseOutcome {
-        self.finish_evictions(index, evictions);
+    /// Counts a class block live again after its release failed.
+    fn undo_live(&self, index: usize, allocation: &RawAllocation) {
+        if let Some(mut shard) = self.shards.lock(index) {
+            shard.counters.live_bytes += allocation.bytes() as u64;
+            shard.counters.live_blocks += 1;
+            shard.counters.passed_through -= 1;
+        }
+    }
+
+    fn release_class(&self, index: usize, slot: usize, allocation: RawAllocation) -> ReleaseOutcome {
+        let Some(mut guard) = self.shards.lock(index) else { return self.refuse(allocation) };
+        let shard: &mut Shard = &mut guard;
+        let valid = shard.records.get(slot).is_some_and(|record| {
+            matches!(record.state, State::Live { bytes, align } if bytes == allocation.bytes() && align == allocation.align())
+                && record.block.as_ref().is_some_and(|block| block.address() == allocation.address())
+        });
+        if !valid {
+            drop(guard);
+            return self.refuse(allocation);
+        }
+        shard.counters.live_bytes -= allocation.bytes() as u64;
+        shard.counters.live_blocks -= 1;
+        let record = shard.records.get_mut(slot).expect("validated above");
+        let size = record.block.as_ref().map_or(0, RawAllocation::bytes);
+        if let Some(class) = record.class
+            && shard.cached_bytes + size <= self.shard_cap
+        {
+            record.state = State::Cached;
+            shard.cached_bytes += size;
+            shard.push(class, slot);
+            return ReleaseOutcome::complete(0);
+        }
+        // Not cacheable, or the shard's share of the cache is full: release for real.
+        record.state = State::Releasing;
+        let block = record.block.take().expect("a live record holds its block");
+        shard.counters.passed_through += 1;
+        drop(guard);
         match self.inner.release(block) {
             ReleaseOutcome::Complete(done) => {
-                if let Some(mut guard) = self.shards.lock(index) {
-                    let shard: &mut Shard = &mut guard;
-                    if let Some((segment, ..)) = shard.piece(slot) {
-                        shard.segments.remove(segment);
-                    }
+                if let Some(mut shard) = self.shards.lock(index) {
                     shard.records.remove(slot);
                 }
                 ReleaseOutcome::complete(done.unmapped_bytes())
             }
             ReleaseOutcome::Failed(failed) => {
                 let (block, error) = failed.into_parts();
-                self.restore_live(index, slot, block, &allocation);
+                let state = State::Live { bytes: allocation.bytes(), align: allocation.align() };
+                self.restore(index, slot, block, state);
+                self.undo_live(index, &allocation);
                 ReleaseOutcome::failed(allocation, error)
             }
             ReleaseOutcome::Quarantined(quarantine) => {
-                let residual = quarantine.residual_bytes().min(allocation.bytes());
-                let unmapped = quarantine.unmapped_bytes().min(allocation.bytes() - residual);
-                let (block, error) = quarantine.into_parts();
-                self.restore_live(index, slot, block, &allocation);
-                tracing::warn!(%error, unmapped, residual, "pooled release quarantined by the inner allocator");
+                let (block, error, unmapped, residual) = capped(quarantine, &allocation);
+                let state = State::Live { bytes: allocation.bytes(), align: allocation.align() };
+                self.restore(index, slot, block, state);
+                self.undo_live(index, &allocation);
                 ReleaseOutcome::quarantined(allocation, unmapped, residual, error)
             }
         }
     }
+
+    /// Releases a piece: back into its segment (merged with free neighbours), evicting
+    /// idle segments to stay under the cap. A piece that is its whole segment and alone
+    /// does not fit is released to the inner allocator, its outcome the caller's.
+    fn release_piece(&self, slot: usize, allocation: RawAllocation) -> ReleaseOutcome {
+        let mut guard = self.segments();
+        let large: &mut Segments = &mut guard;
+        let valid = large.pieces.get(slot).is_some_and(|piece| {
+            matches!(piece.state, PieceState::Live { bytes, align } if bytes == allocation.bytes() && align == allocation.align())
+        }) && large.address(slot) == Some(allocation.address());
+        if !valid {
+            drop(guard);
+            return self.refuse(allocation);
+        }
+        large.counters.live_bytes -= allocation.bytes() as u64;
+        large.counters.live_blocks -= 1;
+        let Piece { segment, size, prev, next, .. } = *large.pieces.get(slot).expect("validated above");
+        if large.segments.get(segment).is_some_and(|entry| entry.lost) {
+            // Another piece went with the device: nothing in the segment is reused or freed.
+            let forgotten = large.lose(slot);
+            drop(guard);
+            self.inner.forget_lost(forgotten.into_iter().collect());
+            return ReleaseOutcome::complete(0);
+        }
+        let whole = prev.is_none() && next.is_none();
+        let evictions = if whole {
+            let evictions = self.make_room(large, size, Some(segment));
+            if large.cached_bytes + size > self.config.max_cached_bytes {
+                return self.pass_piece_through(guard, slot, segment, allocation, evictions);
+            }
+            large.free_piece(slot);
+            evictions
+        } else {
+            large.free_piece(slot);
+            self.make_room(large, 0, None)
+        };
+        drop(guard);
+        self.finish_evictions(evictions, false);
+        ReleaseOutcome::complete(0)
+    }
+
+    /// Releases the whole segment of piece `slot` to the inner allocator for the caller.
+    fn pass_piece_through(
+        &self,
+        mut guard: MutexGuard<'_, Segments>,
+        slot: usize,
+        segment: usize,
+        allocation: RawAllocation,
+        evictions: Vec<Eviction>,
+    ) -> ReleaseOutcome {
+        let large: &mut Segments = &mut guard;
+        large.piece_mut(slot).state = PieceState::Releasing;
+        let entry = large.segments.get_mut(segment).expect("a piece has its segment");
+        let block = entry.block.take().expect("a segment with a live piece holds its block");
+        large.counters.passed_through += 1;
+        drop(guard);
+        self.finish_evictions(evictions, false);
+        let outcome = self.inner.release(block);
+        let mut large = self.segments();
+        let (block, result) = match outcome {
+            ReleaseOutcome::Complete(done) => {
+                large.remove(segment);
+                return ReleaseOutcome::complete(done.unmapped_bytes());
+            }
+            ReleaseOutcome::Failed(failed) => {
+                let (block, error) = failed.into_parts();
+                (block, Err(error))
+            }
+            ReleaseOutcome::Quarantined(quarantine) => {
+                let (block, error, unmapped, residual) = capped(quarantine, &allocation);
+                (block, Ok((error, unmapped, residual)))
+            }
+        };
+        // Live again: the caller may retry.
+        if let Some(entry) = large.segments.get_mut(segment) {
+            entry.block = Some(block);
+        }
+        large.piece_mut(slot).state = PieceState::Live { bytes: allocation.bytes(), align: allocation.align() };
+        large.counters.live_bytes += allocation.bytes() as u64;
+        large.counters.live_blocks += 1;
+        large.counters.passed_through -= 1;
+        drop(large);
+        match result {
+            Err(error) => ReleaseOutcome::failed(allocation, error),
+            Ok((error, unmapped, residual)) => ReleaseOutcome::quarantined(allocation, unmapped, residual, error),
+        }
+    }
+
+    fn trim_classes(&self, index: usize) -> usize {
+        let taken: Vec<(usize, RawAllocation)> = {
+            let Some(mut shard) = self.shards.lock(index) else { return 0 };
+            let mut taken = Vec::new();
+            for (slot, record) in shard.records.iter_mut() {
+                if matches!(record.state, State::Cached | State::Quarantined) {
+                    record.state = State::Releasing;
+                    taken.extend(record.block.take().map(|block| (slot, block)));
+                }
+            }
+            shard.classes.iter_mut().for_each(Vec::clear);
+            shard.cached_bytes = 0;
+            shard.counters.trims += u64::from(index == 0);
+            taken
+        };
+        let mut returned = 0;
+        for (slot, block) in taken {
+            let size = block.bytes();
+            match self.inner.release(block) {
+                ReleaseOutcome::Complete(_) => {
+                    returned += size;
+                    if let Some(mut shard) = self.shards.lock(index) {
+                        shard.records.remove(slot);
+                        shard.counters.trimmed_bytes += size as u64;
+                    }
+                }
+                ReleaseOutcome::Failed(failed) => {
+                    // Nothing happened: keep it cached.
+                    let (block, _) = failed.into_parts();
+                    if let Some(mut shard) = self.shards.lock(index)
+                        && let Some(record) = shard.records.get_mut(slot)
+                    {
+                        let class = record.class;
+                        record.block = Some(block);
+                        record.state = State::Cached;
+                        shard.cached_bytes += size;
+                        if let Some(class) = class {
+                            shard.push(class, slot);
+                        }
+                    }
+                }
+                ReleaseOutcome::Quarantined(quarantine) => {
+                    tracing::warn!(error = %quarantine.error(), "trim: inner allocator quarantined a cached block");
+                    let (block, _) = quarantine.into_parts();
+                    self.restore(index, slot, block, State::Quarantined);
+                }
+            }
+        }
+        returned
+    }
+
+    fn trim_segments(&self) -> usize {
+        let taken = {
+            let mut large = self.segments();
+            let candidates: Vec<usize> = large
+                .segments
+                .iter()
+                .filter(|(_, segment)| segment.is_idle() || (segment.quarantined && segment.live == 0))
+                .map(|(index, _)| index)
+                .collect();
+            candidates.into_iter().filter_map(|segment| large.take_out(segment)).collect()
+        };
+        self.finish_evictions(taken, true)
+    }
+}
+
+/// A quarantine's parts, its byte counts capped to the caller's block: the residual
+/// is kept whole (ownership errs on the safe side), the unmapped bytes are what is left.
+fn capped(
+    quarantine: memory_api::Quarantine,
+    allocation: &RawAllocation,
+) -> (RawAllocation, ReleaseError, usize, usize) {
+    let residual = quarantine.residual_bytes().min(allocation.bytes());
+    let unmapped = quarantine.unmapped_bytes().min(allocation.bytes() - residual);
+    let (block, error) = quarantine.into_parts();
+    tracing::warn!(%error, unmapped, residual, "pooled release quarantined by the inner allocator");
+    (block, error, unmapped, residual)
 }
 
 impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
@@ -674,81 +979,38 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
 
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
         let (key, inner_request) = self.key_for(request);
+        let class = match key {
+            Key::Large { bytes, align } => return self.allocate_large((bytes, align), &inner_request, request),
+            Key::Class(class) => Some(class),
+            Key::Direct => None,
+        };
         let home = self.shards.local();
-        if key != Key::Direct {
-            if let Some(mut shard) = self.shards.lock(home)
-                && let Some(block) = self.take_cached(&mut shard, home, key, request)
+        if let Some(class) = class {
+            if let Some(shard) = self.shards.lock(home)
+                && let Some(block) = self.take_cached(shard, home, class, request)
             {
                 return Ok(block);
             }
             for offset in 1..self.shards.len() {
                 let index = (home + offset) & (self.shards.len() - 1);
-                if let Some(mut shard) = self.shards.try_lock(index)
-                    && let Some(block) = self.take_cached(&mut shard, index, key, request)
+                if let Some(shard) = self.shards.try_lock(index)
+                    && let Some(block) = self.take_cached(shard, index, class, request)
                 {
                     return Ok(block);
                 }
             }
         }
-        let block = match self.inner.allocate(&inner_request) {
-            Err(AllocError::OutOfMemory { .. }) if self.trim() > 0 => self.inner.allocate(&inner_request),
-            other => other,
-        };
-        let block = match block {
-            Ok(block) => block,
-            Err(error) => {
-                if let Some(mut shard) = self.shards.lock(home) {
-                    shard.counters.failures += 1;
-                }
-                // Name the caller's request, not the rounded inner one.
-                return Err(match error {
-                    AllocError::OutOfMemory { device, available, .. } => AllocError::OutOfMemory {
-                        device,
-                        requested: request.bytes(),
-                        align: request.align(),
-                        available,
-                    },
-                    other => other,
-                });
+        let block = self.allocate_inner(&inner_request, request).inspect_err(|_| {
+            if let Some(mut shard) = self.shards.lock(home) {
+                shard.counters.failures += 1;
             }
-        };
+        })?;
         let address = block.address();
-        let Some(mut guard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
-        let shard: &mut Shard = &mut guard;
+        let Some(mut shard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
         let state = State::Live { bytes: request.bytes(), align: request.align() };
-        let slot = match key {
-            Key::Class(class) => {
-                shard.records.insert(Record { state, body: Body::Whole { block: Some(block), class: Some(class) } })
-            }
-            Key::Direct => {
-                shard.records.insert(Record { state, body: Body::Whole { block: Some(block), class: None } })
-            }
-            Key::Large { .. } => {
-                let size = inner_request.bytes();
-                let segment = shard.segments.insert(Segment {
-                    block: Some(block),
-                    size,
-                    head: usize::MAX,
-                    live: 1,
-                    idle_since: 0,
-                    lost: false,
-                    quarantined: false,
-                });
-                let slot = shard
-                    .records
-                    .insert(Record { state, body: Body::Piece { segment, offset: 0, size, prev: None, next: None } });
-                if let Some(segment) = shard.segments.get_mut(segment) {
-                    segment.head = slot;
-                }
-                slot
-            }
-        };
-        let counters = &mut shard.counters;
-        counters.misses += 1;
-        counters.requested_bytes += request.bytes() as u64;
-        counters.live_bytes += request.bytes() as u64;
-        counters.live_blocks += 1;
-        drop(guard);
+        let slot = shard.records.insert(Record { block: Some(block), class, state });
+        shard.counters.served(request, false);
+        drop(shard);
         Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device(), tag(home, slot)))
     }
 
@@ -756,31 +1018,9 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
         if allocation.device() != self.device() {
             return self.refuse(allocation);
         }
-        let (index, slot) = untag(allocation.provider_tag());
-        let Some(mut guard) = self.shards.lock(index) else { return self.refuse(allocation) };
-        let shard: &mut Shard = &mut guard;
-        let address = match shard.records.get(slot) {
-            Some(Record { state: State::Live { bytes, align }, body })
-                if *bytes == allocation.bytes() && *align == allocation.align() =>
-            {
-                match body {
-                    Body::Whole { block, .. } => block.as_ref().map(RawAllocation::address),
-                    Body::Piece { .. } => shard.piece_address(slot),
-                }
-            }
-            _ => None,
-        };
-        if address != Some(allocation.address()) {
-            drop(guard);
-            return self.refuse(allocation);
-        }
-        shard.counters.live_bytes -= allocation.bytes() as u64;
-        shard.counters.live_blocks -= 1;
-        match shard.piece(slot) {
-            None => self.release_whole(guard, index, slot, allocation),
-            Some((segment, _, size, prev, next)) => {
-                self.release_piece(guard, index, slot, (segment, size, prev.is_none() && next.is_none()), allocation)
-            }
+        match untag(allocation.provider_tag()) {
+            (0, slot) if slot & PIECE_TAG != 0 => self.release_piece(slot & !PIECE_TAG, allocation),
+            (index, slot) => self.release_class(index, slot, allocation),
         }
     }
 
@@ -797,249 +1037,40 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
     }
 
     fn trim(&self) -> usize {
-        let mut returned = 0;
-        for index in 0..self.shards.len() {
-            let (wholes, segments) = {
-                let Some(mut guard) = self.shards.lock(index) else { continue };
-                let shard: &mut Shard = &mut guard;
-                let mut wholes = Vec::new();
-                let mut uncached = 0;
-                for (slot, record) in shard.records.iter_mut() {
-                    if matches!(record.state, State::Cached | State::Quarantined)
-                        && let Body::Whole { block, .. } = &mut record.body
-                        && let Some(block) = block.take()
-                    {
-                        if matches!(record.state, State::Cached) {
-                            uncached += block.bytes();
-                        }
-                        record.state = State::Releasing;
-                        wholes.push((slot, block));
-                    }
-                }
-                shard.cached_bytes -= uncached;
-                shard.classes.iter_mut().for_each(Vec::clear);
-                let mut segments = Vec::new();
-                let candidates: Vec<usize> = shard
-                    .segments
-                    .iter()
-                    .filter(|(_, segment)| segment.is_idle() || (segment.quarantined && segment.live == 0))
-                    .map(|(segment, _)| segment)
-                    .collect();
-                for segment in candidates {
-                    if shard.segments.get(segment).is_some_and(|segment| segment.quarantined) {
-                        if let Some(entry) = shard.segments.get_mut(segment) {
-                            entry.quarantined = false;
-                            segments.extend(entry.block.take().map(|block| Eviction { segment, block }));
-                        }
-                    } else {
-                        segments.extend(shard.take_idle(segment));
-                    }
-                }
-                shard.counters.trims += u64::from(index == 0);
-                (wholes, segments)
-            };
-            for (slot, block) in wholes {
-                let size = block.bytes();
-                match self.inner.release(block) {
-                    ReleaseOutcome::Complete(_) => {
-                        returned += size;
-                        if let Some(mut shard) = self.shards.lock(index) {
-                            shard.records.remove(slot);
-                            shard.counters.trimmed_bytes += size as u64;
-                        }
-                    }
-                    ReleaseOutcome::Failed(failed) => {
-                        // Nothing happened: keep it cached.
-                        let (block, _) = failed.into_parts();
-                        if let Some(mut guard) = self.shards.lock(index) {
-                            let shard: &mut Shard = &mut guard;
-                            if let Some(record) = shard.records.get_mut(slot)
-                                && let Body::Whole { block: slot_block, class } = &mut record.body
-                            {
-                                *slot_block = Some(block);
-                                record.state = State::Cached;
-                                let class = *class;
-                                shard.cached_bytes += size;
-                                if let Some(class) = class {
-                                    shard.push_class(class, slot);
-                                }
-                            }
-                        }
-                    }
-                    ReleaseOutcome::Quarantined(quarantine) => {
-                        tracing::warn!(error = %quarantine.error(), "trim: inner allocator quarantined a cached block");
-                        let (block, _) = quarantine.into_parts();
-                        if let Some(mut shard) = self.shards.lock(index)
-                            && let Some(record) = shard.records.get_mut(slot)
-                            && let Body::Whole { block: slot_block, .. } = &mut record.body
-                        {
-                            *slot_block = Some(block);
-                            record.state = State::Quarantined;
-                        }
-                    }
-                }
-            }
-            for Eviction { segment, block } in segments {
-                let size = block.bytes();
-                let outcome = self.inner.release(block);
-                let Some(mut guard) = self.shards.lock(index) else { continue };
-                let shard: &mut Shard = &mut guard;
-                match outcome {
-                    ReleaseOutcome::Complete(_) => {
-                        returned += size;
-                        if let Some(gone) = shard.segments.remove(segment) {
-                            shard.records.remove(gone.head);
-                        }
-                        shard.counters.trimmed_bytes += size as u64;
-                    }
-                    ReleaseOutcome::Failed(failed) => {
-                        // Nothing happened: keep it cached.
-                        let (block, _) = failed.into_parts();
-                        if let Some(entry) = shard.segments.get_mut(segment) {
-                            let (head, size) = (entry.head, entry.size);
-                            entry.block = Some(block);
-                            shard.free_pieces.insert((size, head));
-                            shard.cached_bytes += size;
-                        }
-                    }
-                    ReleaseOutcome::Quarantined(quarantine) => {
-                        tracing::warn!(error = %quarantine.error(), "trim: inner allocator quarantined a free segment");
-                        let (block, _) = quarantine.into_parts();
-                        if let Some(entry) = shard.segments.get_mut(segment) {
-                            entry.block = Some(block);
-                            entry.quarantined = true;
-                        }
-                    }
-                }
-            }
-        }
-        returned
+        (0..self.shards.len()).map(|index| self.trim_classes(index)).sum::<usize>() + self.trim_segments()
     }
 
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
         let mut inner_blocks = Vec::with_capacity(lost.len());
         for allocation in lost {
-            let (index, slot) = untag(allocation.provider_tag());
-            let Some(mut guard) = self.shards.lock(index) else { continue };
-            let shard: &mut Shard = &mut guard;
-            let address = match shard.records.get(slot) {
-                Some(Record { state: State::Live { .. }, body: Body::Whole { block, .. } }) => {
-                    block.as_ref().map(RawAllocation::address)
-                }
-                Some(Record { state: State::Live { .. }, body: Body::Piece { .. } }) => shard.piece_address(slot),
-                _ => None,
-            };
-            if address != Some(allocation.address()) {
-                continue;
-            }
-            shard.counters.live_bytes -= allocation.bytes() as u64;
-            shard.counters.live_blocks -= 1;
-            match shard.piece(slot) {
-                None => {
-                    if let Some(Record { body: Body::Whole { block, .. }, .. }) = shard.records.remove(slot) {
-                        inner_blocks.extend(block);
+            match untag(allocation.provider_tag()) {
+                (0, slot) if slot & PIECE_TAG != 0 => {
+                    let slot = slot & !PIECE_TAG;
+                    let mut large = self.segments();
+                    let valid =
+                        large.pieces.get(slot).is_some_and(|piece| matches!(piece.state, PieceState::Live { .. }))
+                            && large.address(slot) == Some(allocation.address());
+                    if valid {
+                        large.counters.live_bytes -= allocation.bytes() as u64;
+                        large.counters.live_blocks -= 1;
+                        inner_blocks.extend(large.lose(slot));
                     }
                 }
-                Some((segment, ..)) => {
-                    if let Some(record) = shard.records.get_mut(slot) {
-                        record.state = State::Lost;
+                (index, slot) => {
+                    let Some(mut shard) = self.shards.lock(index) else { continue };
+                    let valid = shard.records.get(slot).is_some_and(|record| {
+                        matches!(record.state, State::Live { .. })
+                            && record.block.as_ref().is_some_and(|block| block.address() == allocation.address())
+                    });
+                    if valid && let Some(record) = shard.records.remove(slot) {
+                        shard.counters.live_bytes -= allocation.bytes() as u64;
+                        shard.counters.live_blocks -= 1;
+                        inner_blocks.extend(record.block);
                     }
-                    shard.lose_segment(segment);
-                    if let Some(entry) = shard.segments.get_mut(segment) {
-                        entry.live -= 1;
-                    }
-                    inner_blocks.extend(shard.drop_lost_segment(segment));
                 }
             }
         }
         self.inner.forget_lost(inner_blocks);
-    }
-}
-
-impl<A: DeviceAllocator> PooledAllocator<A> {
-    /// Releases a validated size-class or uncached block: cached if it fits under the
-    /// cap (after evicting idle segments), otherwise released to the inner allocator.
-    fn release_whole(
-        &self,
-        mut guard: std::sync::MutexGuard<'_, Shard>,
-        index: usize,
-        slot: usize,
-        allocation: RawAllocation,
-    ) -> ReleaseOutcome {
-        let shard: &mut Shard = &mut guard;
-        let Some(Record { body: Body::Whole { block, class }, .. }) = shard.records.get(slot) else {
-            unreachable!("validated as a whole block")
-        };
-        let (class, size) = (*class, block.as_ref().map_or(0, RawAllocation::bytes));
-        let evictions = if class.is_some() { self.make_room(shard, size, None) } else { Vec::new() };
-        if let Some(class) = class
-            && shard.cached_bytes + size <= self.shard_cap
-        {
-            if let Some(record) = shard.records.get_mut(slot) {
-                record.state = State::Cached;
-            }
-            shard.cached_bytes += size;
-            shard.push_class(class, slot);
-            drop(guard);
-            self.finish_evictions(index, evictions);
-            return ReleaseOutcome::complete(0);
-        }
-        // Not cacheable, or the shard's share of the cache is full: release for real.
-        let Some(record) = shard.records.get_mut(slot) else { unreachable!("validated above") };
-        record.state = State::Releasing;
-        let Body::Whole { block, .. } = &mut record.body else { unreachable!("validated as a whole block") };
-        let block = block.take().expect("a live record holds its block");
-        shard.counters.passed_through += 1;
-        drop(guard);
-        self.pass_through(index, slot, block, allocation, evictions)
-    }
-
-    /// Releases a validated piece of `segment` (`size` bytes; `whole` when it is the
-    /// entire segment): into the cache, merged with free neighbours, evicting idle
-    /// segments to stay under the cap. A whole segment that cannot fit is released to
-    /// the inner allocator, its outcome the caller's.
-    fn release_piece(
-        &self,
-        mut guard: std::sync::MutexGuard<'_, Shard>,
-        index: usize,
-        slot: usize,
-        (segment, size, whole): (usize, usize, bool),
-        allocation: RawAllocation,
-    ) -> ReleaseOutcome {
-        let shard: &mut Shard = &mut guard;
-        if shard.segments.get(segment).is_some_and(|entry| entry.lost) {
-            // The device went with another piece: nothing in the segment is reused or freed.
-            if let Some(record) = shard.records.get_mut(slot) {
-                record.state = State::Lost;
-            }
-            if let Some(entry) = shard.segments.get_mut(segment) {
-                entry.live -= 1;
-            }
-            let forgotten = shard.drop_lost_segment(segment);
-            drop(guard);
-            self.inner.forget_lost(forgotten.into_iter().collect());
-            return ReleaseOutcome::complete(0);
-        }
-        let evictions = if whole {
-            let evictions = self.make_room(shard, size, Some(segment));
-            if shard.cached_bytes + size > self.shard_cap {
-                let Some(record) = shard.records.get_mut(slot) else { unreachable!("validated above") };
-                record.state = State::Releasing;
-                let Some(entry) = shard.segments.get_mut(segment) else { unreachable!("a piece has its segment") };
-                let block = entry.block.take().expect("a segment with a live piece holds its block");
-                shard.counters.passed_through += 1;
-                drop(guard);
-                return self.pass_through(index, slot, block, allocation, evictions);
-            }
-            shard.free_piece(slot);
-            evictions
-        } else {
-            shard.free_piece(slot);
-            self.make_room(shard, 0, None)
-        };
-        drop(guard);
-        self.finish_evictions(index, evictions);
-        ReleaseOutcome::complete(0)
     }
 }
 
@@ -1069,43 +1100,47 @@ impl<A: DeviceAllocator> fmt::Debug for PooledAllocator<A> {
 
 #[cfg(test)]
 impl<A: DeviceAllocator> PooledAllocator<A> {
-    /// Panics unless every shard's books agree with its records: pieces tile their
-    /// segment in address order with consistent links, no two free pieces neighbour,
-    /// live counts match, the free index holds exactly the reusable free pieces, and
-    /// `cached_bytes` is their sum plus the cached class blocks.
+    /// Panics unless the books agree with the records: each shard's cached bytes are
+    /// its cached class blocks; pieces tile their segment in address order with
+    /// consistent links, no two free pieces neighbour, live counts match, the free
+    /// index holds exactly the reusable free pieces, and the segments' cached bytes
+    /// are their sum.
     fn assert_consistent(&self) {
         for index in 0..self.shards.len() {
             let shard = self.shards.lock(index).expect("shard");
-            let mut cached = 0;
-            let mut indexed = 0;
-            for (_, record) in shard.records.iter() {
-                if let (State::Cached, Body::Whole { block, .. }) = (&record.state, &record.body) {
-                    cached += block.as_ref().expect("a cached class block holds its block").bytes();
-                }
-            }
-            for (segment_index, segment) in shard.segments.iter() {
-                let (mut offset, mut live, mut previous, mut previous_free) = (0, 0, None, false);
-                for slot in shard.pieces_of(segment_index) {
-                    let (owner, at, size, prev, _) = shard.piece(slot).expect("a piece");
-                    let state = &shard.records.get(slot).expect("a record").state;
-                    assert_eq!((owner, at, prev), (segment_index, offset, previous), "piece {slot} out of place");
-                    let free = matches!(state, State::Cached);
-                    assert!(!(free && previous_free) || segment.lost, "two free pieces neighbour in {segment_index}");
-                    live += usize::from(matches!(state, State::Live { .. } | State::Releasing));
-                    let reusable = free && !segment.lost && !segment.quarantined && segment.block.is_some();
-                    assert_eq!(shard.free_pieces.contains(&(size, slot)), reusable, "free index at piece {slot}");
-                    if reusable {
-                        cached += size;
-                        indexed += 1;
-                    }
-                    (offset, previous, previous_free) = (offset + size, Some(slot), free);
-                }
-                assert_eq!(offset, segment.size, "pieces of segment {segment_index} do not tile it");
-                assert_eq!(live, segment.live, "live pieces of segment {segment_index}");
-            }
-            assert_eq!(indexed, shard.free_pieces.len(), "the free index holds stale entries");
+            let cached: usize = shard
+                .records
+                .iter()
+                .filter(|(_, record)| matches!(record.state, State::Cached))
+                .map(|(_, record)| record.block.as_ref().expect("a cached block").bytes())
+                .sum();
             assert_eq!(cached, shard.cached_bytes, "cached bytes of shard {index}");
         }
+        let large = self.segments();
+        let (mut cached, mut indexed, mut tiled) = (0, 0, 0);
+        for (index, segment) in large.segments.iter() {
+            let (mut offset, mut live, mut previous, mut previous_free) = (0, 0, None, false);
+            for slot in large.pieces_of(index) {
+                let piece = large.pieces.get(slot).expect("a piece");
+                assert_eq!((piece.segment, piece.offset, piece.prev), (index, offset, previous), "piece {slot}");
+                let free = piece.state == PieceState::Free;
+                assert!(!(free && previous_free), "two free pieces neighbour in segment {index}");
+                live += usize::from(matches!(piece.state, PieceState::Live { .. } | PieceState::Releasing));
+                let reusable = free && !segment.lost && !segment.quarantined && segment.block.is_some();
+                assert_eq!(large.free.contains(&(piece.size, slot)), reusable, "free index at piece {slot}");
+                if reusable {
+                    cached += piece.size;
+                    indexed += 1;
+                }
+                (offset, previous, previous_free) = (offset + piece.size, Some(slot), free);
+                tiled += 1;
+            }
+            assert_eq!(offset, segment.size, "pieces of segment {index} do not tile it");
+            assert_eq!(live, segment.live, "live pieces of segment {index}");
+        }
+        assert_eq!(tiled, large.pieces.len(), "pieces outside any segment");
+        assert_eq!(indexed, large.free.len(), "the free index holds stale entries");
+        assert_eq!(cached, large.cached_bytes, "cached bytes of the segments");
     }
 }
 
@@ -1412,6 +1447,25 @@ mod tests {
     }
 
     #[test]
+    fn a_large_block_up_to_the_whole_cap_stays_cached_whichever_thread_frees_it() {
+        // Default settings: the class caches split the cap across shards, but free
+        // segment memory is pool-wide, so a runtime's one large per-run buffer (larger
+        // than a shard's share) is reused, not handed back and faulted in every run.
+        let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+        assert!(pool.config().shards > 1);
+        let share = pool.config().max_cached_bytes / pool.config().shards;
+        let bytes = share + 8 * MIB;
+        let block = pool.allocate(&request(bytes, 64)).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| assert!(pool.release(block).is_complete()));
+        });
+        let again = std::thread::scope(|s| s.spawn(|| pool.allocate(&request(bytes, 64)).unwrap()).join().unwrap());
+        assert_eq!((pool.pool_stats().hits, pool.inner().calls(Callback::Allocate)), (1, 1));
+        assert!(pool.release(again).is_complete());
+        assert_eq!(pool.inner().calls(Callback::Release), 0);
+    }
+
+    #[test]
     fn pieces_honour_alignments_beyond_the_segment_granularity() {
         let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(256 * MIB));
         let big = pool.allocate(&request(16 * MIB, 64)).unwrap();
@@ -1420,7 +1474,7 @@ mod tests {
         let aligned = pool.allocate(&request(2 * MIB, 1 << 16)).unwrap();
         assert!(aligned.address().is_aligned_to(1 << 16), "{aligned:?}");
         let misaligned_rest = address_of(&first) + (2 * MIB + 4096) as u64;
-        if misaligned_rest % (1 << 16) != 0 {
+        if !misaligned_rest.is_multiple_of(1 << 16) {
             assert_eq!(pool.inner().calls(Callback::Allocate), 2, "a free piece at the wrong alignment is skipped");
         }
         for block in [first, aligned] {
@@ -1537,25 +1591,33 @@ mod tests {
             ]
         }
 
-        /// Writes `stamp` at both ends of `block` (host memory the test owns).
-        fn stamp(block: &RawAllocation, stamp: u64) {
-            let ends = [0, block.bytes().saturating_sub(8)];
-            for at in ends.into_iter().filter(|_| block.bytes() >= 8) {
-                // SAFETY: the block is live, at least 8 bytes long and host memory handed
-                // to this test alone; `at + 8 <= bytes`. Unaligned writes are used.
-                unsafe { block.address().as_host_ptr().add(at).cast::<u64>().write_unaligned(stamp) };
+        /// Where a stamp goes in a block: its first 8 bytes, and its last 8 when they do
+        /// not overlap the first.
+        fn stamp_offsets(block: &RawAllocation) -> Vec<usize> {
+            match block.bytes() {
+                0..8 => vec![],
+                8..16 => vec![0],
+                bytes => vec![0, bytes - 8],
             }
         }
 
-        fn stamped(block: &RawAllocation) -> Option<[u64; 2]> {
-            if block.bytes() < 8 {
-                return None;
+        /// Writes `stamp` at the ends of `block` (host memory the test owns).
+        fn stamp(block: &RawAllocation, stamp: u64) {
+            for at in stamp_offsets(block) {
+                let word = block.address().checked_add(at).expect("inside the block").as_host_ptr().cast::<u64>();
+                // SAFETY: the block is live host memory handed to this test alone, and
+                // `at + 8 <= bytes`; the write is unaligned-safe.
+                unsafe { word.write_unaligned(stamp) };
             }
-            let read = |at: usize| {
+        }
+
+        /// Whether the stamps of `block` all read `stamp`.
+        fn stamped(block: &RawAllocation, stamp: u64) -> bool {
+            stamp_offsets(block).into_iter().all(|at| {
+                let word = block.address().checked_add(at).expect("inside the block").as_host_ptr().cast::<u64>();
                 // SAFETY: as in `stamp`: a live host block of at least `at + 8` bytes.
-                unsafe { block.address().as_host_ptr().add(at).cast::<u64>().read_unaligned() }
-            };
-            Some([read(0), read(block.bytes() - 8)])
+                unsafe { word.read_unaligned() == stamp }
+            })
         }
 
         proptest! {
@@ -1590,9 +1652,7 @@ mod tests {
                         }
                         Op::Release(pick) if !live.is_empty() => {
                             let (block, id) = live.swap_remove(pick % live.len());
-                            if let Some(ends) = stamped(&block) {
-                                prop_assert_eq!(ends, [id, id], "{:?} was overwritten", block);
-                            }
+                            prop_assert!(stamped(&block, id), "{:?} was overwritten", block);
                             prop_assert!(pool.release(block).is_complete());
                         }
                         Op::Lose(pick) if !live.is_empty() => {
