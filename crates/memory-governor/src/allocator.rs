@@ -284,6 +284,17 @@ impl GovernedAllocator {
     }
 }
 
+/// The inner allocator answered a release with another block than the one it was
+/// given: nothing it says is believed. The block given stays wholly owned, as a
+/// quarantine that releasing again can retry.
+#[cold]
+fn about_another_block(sent: RawAllocation, claimed_unmapped: usize, claimed_residual: usize) -> ReleaseOutcome {
+    tracing::error!(block = ?sent, "inner allocator answered a release with another block; nothing refunded");
+    let bytes = sent.bytes();
+    let error = ReleaseError::DishonestOutcome { claimed_unmapped, claimed_residual, allocation_bytes: bytes };
+    ReleaseOutcome::quarantined(sent, 0, bytes, error)
+}
+
 /// A charge made for an allocation the inner allocator has not returned yet: dropped
 /// (on an error or an unwinding panic), it cancels the charge.
 struct PendingCharge<'a> {
@@ -351,8 +362,20 @@ impl DeviceAllocator for GovernedAllocator {
         };
         let charged = self.tables.charged(&allocation, tag);
         let inner = self.tables.inner_view(&allocation, tag);
+        // The registry's own copy, to check which block the answer is about.
+        let sent = self.tables.inner_view(&allocation, tag);
         let stats = self.account.role_stats(tag.role);
-        match self.forward.inner.release(inner) {
+        let outcome = match self.forward.inner.release(inner) {
+            ReleaseOutcome::Quarantined(q) if !q.allocation().same_block(&sent) => {
+                let (claimed_unmapped, claimed_residual) = (q.unmapped_bytes(), q.residual_bytes());
+                about_another_block(sent, claimed_unmapped, claimed_residual)
+            }
+            ReleaseOutcome::Failed(f) if !f.allocation().same_block(&sent) => {
+                about_another_block(sent, 0, allocation.bytes())
+            }
+            outcome => outcome,
+        };
+        match outcome {
             ReleaseOutcome::Complete(done) => {
                 self.tables.forget(&allocation, tag);
                 if tag.quarantined {
