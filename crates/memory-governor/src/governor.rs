@@ -15,7 +15,7 @@ use crate::error::{
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
 use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
 use crate::stats::{
-    AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
+    self, AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
 };
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, RwLock, lock, read, thread_local, write};
 use crate::timeline::{Timeline, TimelineEvent, TimelineEventKind};
@@ -396,7 +396,7 @@ impl AccountShared {
             for slot in slots.iter() {
                 let role = &mut roles[slot.role()];
                 let (opened, closed) = slot.counts();
-                role.cached_credit += slot.credit();
+                role.cached_credit = role.cached_credit.saturating_add(slot.credit());
                 role.allocations = role.allocations.wrapping_add(opened);
                 role.releases = role.releases.wrapping_add(closed);
             }
@@ -406,7 +406,9 @@ impl AccountShared {
             let stats = &self.roles[r];
             role.allocations = role.allocations.wrapping_add(stats.retired_opened.load(Ordering::Relaxed));
             role.releases = role.releases.wrapping_add(stats.retired_closed.load(Ordering::Relaxed));
-            role.live = role.allocations.wrapping_sub(role.releases);
+            // Counts are read slot by slot while threads may be counting: a release
+            // counted on one slot can be seen before its allocation on another.
+            role.live = role.allocations.saturating_sub(role.releases);
             role.current = counter.used().saturating_sub(role.cached_credit);
             role.peak = counter.peak();
             role.failures = stats.failures.load(Ordering::Relaxed);
@@ -418,10 +420,10 @@ impl AccountShared {
             authority: self.authority.to_string(),
             label: self.label.clone(),
             quota: limit_of(self.counters.budget.limit()),
-            current: roles.iter().map(|r| r.current).sum(),
+            current: stats::sum(roles.iter().map(|r| r.current)),
             used: self.counters.budget.used(),
             peak: self.counters.budget.peak(),
-            cached_credit: roles.iter().map(|r| r.cached_credit).sum(),
+            cached_credit: stats::sum(roles.iter().map(|r| r.cached_credit)),
             totals: Totals::of(&roles),
             roles,
         }
@@ -877,10 +879,10 @@ impl Governor {
                     tier: books.key.tier().name().to_owned(),
                     index: books.key.index(),
                     limit: limit_of(counters.budget.limit()),
-                    current: authorities.iter().map(|a| a.current).sum(),
+                    current: stats::sum(authorities.iter().map(|a| a.current)),
                     used: counters.budget.used(),
                     peak: counters.budget.peak(),
-                    cached_credit: authorities.iter().map(|a| a.cached_credit).sum(),
+                    cached_credit: stats::sum(authorities.iter().map(|a| a.cached_credit)),
                     policy: read(&books.policy).name().to_owned(),
                     reserves: MemoryRole::ALL
                         .iter()

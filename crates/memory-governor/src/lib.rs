@@ -41,7 +41,8 @@
 //! - No lock is held across a callback (policy, reclaim holder, inner allocator).
 //!   Lock order: a device's change lock (limit, quota and policy changes; cold) may be
 //!   held while a slot list is copied or the policy swapped; every other lock (slot
-//!   lists, policy, holders, account and device tables, timeline) is a leaf, held for a
+//!   lists, policy, holders, account and device tables, timeline, a governed allocator's
+//!   record shards) is a leaf, held for a
 //!   copy or an insert only. A panic poisons nothing into a permanent error.
 //! - Tests: concurrent admission hammering one limit and checking it after every step,
 //!   refund exactly once, reclaim order and a stingy holder, per-role reserves, limit

@@ -59,19 +59,25 @@ impl RoleSnapshot {
         RoleSnapshot { role: role.name().to_owned(), ..RoleSnapshot::default() }
     }
 
-    /// Adds `other`'s counts to these (peaks are summed: an upper bound).
+    /// Adds `other`'s counts to these (peaks are summed: an upper bound). Saturating:
+    /// a snapshot never panics, whatever the books hold.
     pub(crate) fn absorb(&mut self, other: &RoleSnapshot) {
-        self.current += other.current;
-        self.peak += other.peak;
-        self.cached_credit += other.cached_credit;
-        self.allocations += other.allocations;
-        self.releases += other.releases;
-        self.live += other.live;
-        self.failures += other.failures;
-        self.quarantined_bytes += other.quarantined_bytes;
-        self.lost_bytes += other.lost_bytes;
-        self.lost_allocations += other.lost_allocations;
+        self.current = self.current.saturating_add(other.current);
+        self.peak = self.peak.saturating_add(other.peak);
+        self.cached_credit = self.cached_credit.saturating_add(other.cached_credit);
+        self.allocations = self.allocations.saturating_add(other.allocations);
+        self.releases = self.releases.saturating_add(other.releases);
+        self.live = self.live.saturating_add(other.live);
+        self.failures = self.failures.saturating_add(other.failures);
+        self.quarantined_bytes = self.quarantined_bytes.saturating_add(other.quarantined_bytes);
+        self.lost_bytes = self.lost_bytes.saturating_add(other.lost_bytes);
+        self.lost_allocations = self.lost_allocations.saturating_add(other.lost_allocations);
     }
+}
+
+/// Sums `values`, saturating (snapshots never panic).
+pub(crate) fn sum(values: impl IntoIterator<Item = u64>) -> u64 {
+    values.into_iter().fold(0, u64::saturating_add)
 }
 
 /// Totals over roles.
@@ -96,17 +102,15 @@ pub struct Totals {
 
 impl Totals {
     pub(crate) fn of(roles: &[RoleSnapshot]) -> Totals {
-        let mut totals = Totals::default();
-        for role in roles {
-            totals.allocations += role.allocations;
-            totals.releases += role.releases;
-            totals.live += role.live;
-            totals.failures += role.failures;
-            totals.quarantined_bytes += role.quarantined_bytes;
-            totals.lost_bytes += role.lost_bytes;
-            totals.lost_allocations += role.lost_allocations;
+        Totals {
+            allocations: sum(roles.iter().map(|r| r.allocations)),
+            releases: sum(roles.iter().map(|r| r.releases)),
+            live: sum(roles.iter().map(|r| r.live)),
+            failures: sum(roles.iter().map(|r| r.failures)),
+            quarantined_bytes: sum(roles.iter().map(|r| r.quarantined_bytes)),
+            lost_bytes: sum(roles.iter().map(|r| r.lost_bytes)),
+            lost_allocations: sum(roles.iter().map(|r| r.lost_allocations)),
         }
-        totals
     }
 }
 

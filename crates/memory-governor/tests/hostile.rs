@@ -187,3 +187,182 @@ fn a_retried_release_answered_about_another_block_keeps_the_residual_charged() {
     assert_eq!(s.account.used(), 0);
     assert_eq!(liar.releases(), 3);
 }
+
+// Item 2: role, charge and quarantine state come from the governed allocator's own
+// records; a block it did not make, or a tag that disagrees with them, is refused.
+
+/// A governed allocator used directly (no registry), over a fresh liar.
+fn direct() -> (Governor, Account, Arc<Liar>, GovernedAllocator) {
+    let (governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let liar = Liar::new();
+    let governed = governor.govern(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, account.authority()).unwrap();
+    (governor, account, liar, governed)
+}
+
+fn forged(block: &RawAllocation, tag: u64) -> RawAllocation {
+    RawAllocation::new(block.address(), block.bytes(), block.align(), block.device(), tag)
+}
+
+/// Asserts `outcome` refuses `presented` as not owned and hands it back untouched.
+fn assert_refused(outcome: ReleaseOutcome, presented: &RawAllocation) {
+    let ReleaseOutcome::Failed(failed) = outcome else { panic!("a forged block was not refused: {outcome:?}") };
+    assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }), "{}", failed.error());
+    let (back, _) = failed.into_parts();
+    assert!(back.same_block(presented) && back.provider_tag() == presented.provider_tag(), "not handed back as given");
+}
+
+#[test]
+fn every_single_bit_forgery_of_a_tag_is_refused_before_the_inner_allocator_runs() {
+    let (governor, account, liar, governed) = direct();
+    let block = governed.allocate(&request(4096, MemoryRole::KvCache)).unwrap();
+    let tag = block.provider_tag();
+    for bit in 0..64 {
+        let fake = forged(&block, tag ^ (1 << bit));
+        assert_refused(governed.release(fake), &forged(&block, tag ^ (1 << bit)));
+    }
+    assert_eq!(liar.releases(), 0, "a forged block reached the inner allocator");
+    // Books untouched and readable (no role wrapped), then the real block refunds once.
+    let json = governor.snapshot().to_json();
+    assert!(json.contains("\"kv-cache\""));
+    assert_eq!(role_books(&account, MemoryRole::KvCache), (4096, 0, 1));
+    assert!(governed.release(block).is_complete());
+    for role in MemoryRole::ALL {
+        assert_eq!(role_books(&account, role), (0, 0, 0), "{role}");
+    }
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn a_block_whose_size_alignment_or_device_disagrees_with_the_records_is_refused() {
+    let (_governor, account, liar, governed) = direct();
+    let block = governed.allocate(&request(4096, MemoryRole::Weights)).unwrap();
+    let tag = block.provider_tag();
+    let variants = [
+        RawAllocation::new(block.address(), 4095, 64, DEV, tag),
+        RawAllocation::new(block.address(), 8192, 64, DEV, tag),
+        RawAllocation::new(block.address(), 4096, 128, DEV, tag),
+        RawAllocation::new(block.address(), 4096, 64, DeviceKey::host(12), tag),
+        RawAllocation::new(DeviceAddress::new(block.address().get() + 64).unwrap(), 4096, 64, DEV, tag),
+    ];
+    for fake in variants {
+        let copy = forged(&fake, tag);
+        assert_refused(governed.release(fake), &copy);
+    }
+    assert_eq!(liar.releases(), 0);
+    assert_eq!(role_books(&account, MemoryRole::Weights), (4096, 0, 1));
+    assert!(governed.release(block).is_complete());
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn a_block_of_another_governed_allocator_over_the_same_inner_is_refused() {
+    let (governor, first) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let second = governor.open_account(AccountConfig::new(DEV, authority()).label("second")).unwrap();
+    let liar = Liar::new();
+    let a = governor.govern(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, first.authority()).unwrap();
+    let b = governor.govern(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, second.authority()).unwrap();
+    let block = a.allocate(&request(1000, MemoryRole::Activations)).unwrap();
+    let copy = forged(&block, block.provider_tag());
+    let ReleaseOutcome::Failed(failed) = b.release(block) else { panic!("b released a's block") };
+    let (block, _) = failed.into_parts();
+    assert!(block.same_block(&copy));
+    assert_eq!(liar.releases(), 0);
+    assert_eq!((first.snapshot().current, second.snapshot().current), (1000, 0));
+    assert!(a.release(block).is_complete());
+    assert_eq!((first.used(), second.used()), (0, 0));
+}
+
+#[test]
+fn a_block_straight_from_the_inner_allocator_is_not_the_governors() {
+    let (_governor, account, liar, governed) = direct();
+    let raw = liar.allocate(&request(512, MemoryRole::Staging)).unwrap();
+    let copy = forged(&raw, raw.provider_tag());
+    assert_refused(governed.release(raw), &copy);
+    // Nor with any tag a governed block could carry.
+    let genuine = governed.allocate(&request(512, MemoryRole::Staging)).unwrap();
+    let fake = forged(&copy, genuine.provider_tag());
+    assert_refused(governed.release(fake), &forged(&copy, genuine.provider_tag()));
+    assert_eq!(liar.releases(), 0);
+    assert!(governed.release(genuine).is_complete());
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn forged_blocks_handed_to_forget_lost_refund_nothing_and_the_real_one_refunds_once() {
+    let (_governor, account, _liar, governed) = direct();
+    let block = governed.allocate(&request(3000, MemoryRole::KvCache)).unwrap();
+    let tag = block.provider_tag();
+    let fakes: Vec<RawAllocation> = (0..64).map(|bit| forged(&block, tag ^ (1 << bit))).collect();
+    governed.forget_lost(fakes);
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.lost_bytes, snapshot.totals.lost_allocations), (3000, 0, 0));
+    let duplicate = forged(&block, tag);
+    governed.forget_lost(vec![block]);
+    governed.forget_lost(vec![duplicate]);
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.lost_bytes, snapshot.totals.lost_allocations), (0, 3000, 1));
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn a_forged_block_is_refused_by_every_forwarded_capability() {
+    let (_governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let inner = Arc::new(allocator_cpu::VirtualHostAllocator::for_device(DEV));
+    let governed = GovernedAllocator::new(inner, account.clone()).unwrap();
+    let backing = governed.virtual_backing().expect("forwarded");
+    let granularity = backing.granularity();
+    let block = governed.allocate(&request(2 * granularity, MemoryRole::KvCache)).unwrap();
+    let fake = forged(&block, block.provider_tag() ^ (1 << 61));
+    let range = ByteRange::new(0, granularity);
+    assert!(matches!(backing.commit(&fake, range), Err(CapabilityError::NotOwned { .. })));
+    assert!(matches!(backing.decommit(&fake, range), Err(CapabilityError::NotOwned { .. })));
+    assert!(matches!(backing.committed_bytes(&fake), Err(CapabilityError::NotOwned { .. })));
+    assert_eq!(backing.committed_bytes(&block).unwrap(), 0, "nothing was committed through the forgery");
+    assert!(governed.release(block).is_complete());
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn a_duplicate_released_while_the_original_is_in_the_inner_allocator_is_refused() {
+    use memory_testkit::{Callback, RecordingAllocator};
+    let (_governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let recording = Arc::new(RecordingAllocator::on_device(DEV));
+    let governed = GovernedAllocator::new(Arc::clone(&recording) as Arc<dyn DeviceAllocator>, account.clone()).unwrap();
+    let block = governed.allocate(&request(4096, MemoryRole::KvCache)).unwrap();
+    let duplicate = forged(&block, block.provider_tag());
+    let gate = recording.gate(Callback::Release);
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| governed.release(block));
+        gate.wait_until_blocked(1);
+        let copy = forged(&duplicate, duplicate.provider_tag());
+        // On another thread, so that a duplicate let through to the (gated) inner
+        // allocator fails the test instead of hanging it.
+        let (sender, answer) = std::sync::mpsc::channel();
+        let governed = &governed;
+        scope.spawn(move || sender.send(governed.release(duplicate)));
+        let refused = answer.recv_timeout(std::time::Duration::from_secs(10));
+        gate.open();
+        assert_refused(refused.expect("the duplicate reached the inner allocator and waited there"), &copy);
+        assert!(first.join().unwrap().is_complete());
+    });
+    assert_eq!(recording.calls(Callback::Release), 1, "the duplicate reached the inner allocator");
+    assert_eq!(account.used(), 0);
+    assert_eq!(account.snapshot().totals.releases, 1);
+}
+
+#[test]
+fn a_panicking_inner_release_keeps_the_block_charged_as_quarantined_until_a_retry() {
+    use memory_testkit::{Callback, FaultyAllocator, HostHeap};
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = through_registry(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>);
+    let block = s.binding.allocate(request(1024, MemoryRole::Weights)).unwrap();
+    faulty.panic_on_nth(Callback::Release, 1);
+    let binding = s.binding.clone();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || binding.release(block)));
+    assert!(panicked.is_err(), "the injected panic propagates");
+    assert_eq!(role_books(&s.account, MemoryRole::Weights), (1024, 1024, 1));
+    let retry = s.registry.retry_quarantined(&s.mechanism).unwrap();
+    assert_eq!((retry.released, retry.still_quarantined), (1, 0));
+    assert_eq!(role_books(&s.account, MemoryRole::Weights), (0, 0, 0));
+    assert_eq!(s.account.used(), 0);
+}
