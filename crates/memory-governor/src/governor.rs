@@ -121,6 +121,12 @@ impl DeviceBooks {
         }
     }
 
+    /// The policy, copied out of its lock (so that it can be called with no lock held).
+    fn policy(&self) -> Arc<dyn AdmissionPolicy> {
+        Arc::clone(&*read(&self.policy))
+    }
+
+    /// The holders in reclaim order, copied out of their lock.
     fn holders(&self) -> Vec<(u32, Arc<dyn ReclaimHolder>)> {
         read(&self.holders).iter().map(|entry| (entry.order, Arc::clone(&entry.holder))).collect()
     }
@@ -339,7 +345,7 @@ impl AccountShared {
         if let Short::Overflow { used, limit } = short {
             return Err(AdmissionError::Overflow { role, requested: bytes, held: used, max: limit });
         }
-        let policy = Arc::clone(&*read(&self.device.policy));
+        let policy = self.device.policy();
         let (shortfall, _, _) = self.shortfall(role, bytes, short);
         let mut last = short;
         let reclaimed = match policy.on_shortfall(&shortfall) {
@@ -759,12 +765,13 @@ impl Governor {
         device: DeviceKey,
         policy: Arc<dyn AdmissionPolicy>,
     ) -> Result<Arc<dyn AdmissionPolicy>, PolicyError> {
+        // Asked before any lock: `reserve` may call back into the governor.
+        let new_targets: [u64; ROLES] = std::array::from_fn(|r| policy.reserve(MemoryRole::ALL[r]));
         let books = self.books(device);
-        let _changes = lock(&books.changes);
+        let changes = lock(&books.changes);
         // Reserves must fit what is charged, not what threads happen to cache.
         credit::return_credit(&books.counters.budget, &books.slots);
         let old_targets: [u64; ROLES] = std::array::from_fn(|r| books.counters.roles[r].target());
-        let new_targets: [u64; ROLES] = std::array::from_fn(|r| policy.reserve(MemoryRole::ALL[r]));
         let limit = books.counters.budget.limit();
         if new_targets.iter().try_fold(0u64, |sum, &t| sum.checked_add(t)).is_none_or(|sum| sum > limit) {
             let role = MemoryRole::ALL[(0..ROLES).max_by_key(|&r| new_targets[r]).unwrap_or(0)];
@@ -801,13 +808,14 @@ impl Governor {
             }
         }
         let old = std::mem::replace(&mut *write(&books.policy), Arc::clone(&policy));
+        drop(changes);
         tracing::info!(device = %device, old = old.name(), new = policy.name(), reserves = ?new_targets, "admission policy installed");
         Ok(old)
     }
 
     /// The name of `device`'s policy.
     pub fn policy_name(&self, device: DeviceKey) -> String {
-        read(&self.books(device).policy).name().to_owned()
+        self.books(device).policy().name().to_owned()
     }
 
     /// Registers a reclaim holder on `device`; holders are asked in ascending `order`
@@ -883,7 +891,7 @@ impl Governor {
                     used: counters.budget.used(),
                     peak: counters.budget.peak(),
                     cached_credit: stats::sum(authorities.iter().map(|a| a.cached_credit)),
-                    policy: read(&books.policy).name().to_owned(),
+                    policy: books.policy().name().to_owned(),
                     reserves: MemoryRole::ALL
                         .iter()
                         .filter(|role| counters.roles[role.ordinal()].target() > 0)
@@ -893,9 +901,10 @@ impl Governor {
                             held: counters.roles[role.ordinal()].held(),
                         })
                         .collect(),
-                    holders: read(&books.holders)
-                        .iter()
-                        .map(|entry| HolderSnapshot { name: entry.holder.name().to_owned(), order: entry.order })
+                    holders: books
+                        .holders()
+                        .into_iter()
+                        .map(|(order, holder)| HolderSnapshot { name: holder.name().to_owned(), order })
                         .collect(),
                     totals: Totals::of(&roles),
                     roles,

@@ -366,3 +366,140 @@ fn a_panicking_inner_release_keeps_the_block_charged_as_quarantined_until_a_retr
     assert_eq!(role_books(&s.account, MemoryRole::Weights), (0, 0, 0));
     assert_eq!(s.account.used(), 0);
 }
+
+// Item 5: no callback under a lock. Each re-entrant call runs on its own thread with a
+// deadline, so a deadlock fails the test instead of hanging it.
+
+/// Runs `f` on another thread; fails the test if it has not returned within a generous
+/// deadline (a deadlock guard, not a timing assumption).
+fn without_deadlock<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (sender, answer) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(f());
+    });
+    answer.recv_timeout(std::time::Duration::from_secs(20)).unwrap_or_else(|_| panic!("{what} deadlocked"))
+}
+
+/// A policy that calls back into the governor from `reserve` (on its first call) and
+/// from `name` (which, once, replaces the device's policy).
+struct Reentrant {
+    governor: Governor,
+    authority: AuthorityIdentity,
+    calls: AtomicU64,
+    renames: AtomicU64,
+}
+
+impl Reentrant {
+    fn new(governor: &Governor, authority: AuthorityIdentity, reserve_calls_back: bool) -> Arc<Reentrant> {
+        Arc::new(Reentrant {
+            governor: governor.clone(),
+            authority,
+            calls: AtomicU64::new(u64::from(!reserve_calls_back)),
+            renames: AtomicU64::new(0),
+        })
+    }
+
+    fn rename_once(&self) {
+        self.renames.store(1, Ordering::Relaxed);
+    }
+}
+
+impl AdmissionPolicy for Reentrant {
+    fn name(&self) -> &str {
+        if self.renames.swap(0, Ordering::Relaxed) == 1 {
+            self.governor.set_policy(DEV, Arc::new(HardLimit)).unwrap();
+        }
+        "reentrant"
+    }
+
+    fn reserve(&self, role: MemoryRole) -> u64 {
+        if role == MemoryRole::Weights && self.calls.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.governor.set_device_limit(DEV, 1 << 29).unwrap();
+            self.governor.set_quota(self.authority, 1 << 28).unwrap();
+            self.governor.set_policy(DEV, Arc::new(HardLimit)).unwrap();
+            let _ = self.governor.snapshot();
+            return 4096;
+        }
+        0
+    }
+
+    fn on_shortfall(&self, _: &Shortfall) -> ShortfallDecision {
+        ShortfallDecision::Fail
+    }
+}
+
+#[test]
+fn a_policy_whose_reserve_changes_limits_quotas_and_policies_does_not_deadlock() {
+    let (governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let policy = Reentrant::new(&governor, account.authority(), true);
+    let installed = {
+        let governor = governor.clone();
+        without_deadlock("set_policy with a re-entrant reserve()", move || governor.set_policy(DEV, policy))
+    };
+    assert_eq!(installed.expect("the reserve fits").name(), "hard-limit", "the policy reserve() installed");
+    assert_eq!(governor.device_limit(DEV), Some(1 << 29));
+    assert_eq!(account.quota(), Some(1 << 28));
+    let snapshot = governor.snapshot();
+    let device = snapshot.device(DEV).unwrap();
+    assert_eq!((device.policy.as_str(), device.used), ("reentrant", 4096), "the outer policy won, its reserve held");
+}
+
+#[test]
+fn a_policy_whose_name_installs_a_policy_does_not_deadlock_snapshots_or_policy_name() {
+    let (governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let policy = Reentrant::new(&governor, account.authority(), false);
+    governor.set_policy(DEV, Arc::clone(&policy) as Arc<dyn AdmissionPolicy>).unwrap();
+    policy.rename_once();
+    let g = governor.clone();
+    let json = without_deadlock("snapshot calling policy.name()", move || g.snapshot().to_json());
+    assert!(json.contains("\"reentrant\""), "{json}");
+    assert_eq!(governor.policy_name(DEV), "hard-limit", "name() installed hard-limit");
+    governor.set_policy(DEV, Arc::clone(&policy) as Arc<dyn AdmissionPolicy>).unwrap();
+    policy.rename_once();
+    let g = governor.clone();
+    assert_eq!(without_deadlock("policy_name calling policy.name()", move || g.policy_name(DEV)), "reentrant");
+    assert_eq!(governor.policy_name(DEV), "hard-limit");
+}
+
+/// A reclaim holder whose `name` registers another holder (once).
+struct Breeder {
+    governor: Governor,
+    bred: AtomicU64,
+}
+
+impl ReclaimHolder for Breeder {
+    fn name(&self) -> &str {
+        if self.bred.fetch_add(1, Ordering::Relaxed) == 0 {
+            let child = Breeder { governor: self.governor.clone(), bred: 1.into() };
+            self.governor.register_holder(DEV, 7, Arc::new(child));
+        }
+        "breeder"
+    }
+
+    fn reclaimable(&self, _: DeviceKey) -> u64 {
+        0
+    }
+
+    fn reclaim(&self, _: &ReclaimRequest) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn a_holder_whose_name_registers_a_holder_does_not_deadlock_a_snapshot() {
+    let (governor, _account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    // Registration itself asks the name (for its log line) before it locks anything.
+    governor.register_holder(DEV, 1, Arc::new(Breeder { governor: governor.clone(), bred: 1.into() }));
+    governor.register_holder(DEV, 2, Arc::new(Breeder { governor: governor.clone(), bred: 0.into() }));
+    let orders = |snapshot: GovernorSnapshot| -> Vec<u32> {
+        let device = snapshot.device(DEV).unwrap().clone();
+        assert!(device.holders.iter().all(|h| h.name == "breeder"));
+        device.holders.iter().map(|h| h.order).collect()
+    };
+    let g = governor.clone();
+    let snapshot = without_deadlock("snapshot calling holder.name()", move || g.snapshot());
+    // The snapshot lists the holders registered when it copied the list; the one
+    // registered from inside `name()` shows in the next.
+    assert_eq!(orders(snapshot), [1, 2]);
+    assert_eq!(orders(governor.snapshot()), [1, 2, 7]);
+}
