@@ -13,7 +13,7 @@ use crate::error::{
     LimitScope, PolicyError,
 };
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
-use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
+use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
 use crate::stats::{
     self, AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
 };
@@ -350,12 +350,18 @@ impl AccountShared {
         let mut last = short;
         let reclaimed = match policy.on_shortfall(&shortfall) {
             ShortfallDecision::Reclaim => {
+                // A holder asking for memory from inside its own reclaim: asking the
+                // holders again would recurse.
+                let Some(reclaiming) = Reclaiming::enter() else {
+                    return Err(self.refuse(role, bytes, last, None, &*policy, true));
+                };
                 let freed = self.device.reclaim(ReclaimRequest {
                     device: self.device.key,
                     bytes: shortfall.missing(),
                     role,
                     authority: self.authority,
                 });
+                drop(reclaiming);
                 match self.admit(r, bytes) {
                     Ok(()) => return Ok(()),
                     Err(short) => last = short,
@@ -364,7 +370,21 @@ impl AccountShared {
             }
             ShortfallDecision::Fail => None,
         };
-        self.roles[r].failures.fetch_add(1, Ordering::Relaxed);
+        Err(self.refuse(role, bytes, last, reclaimed, &*policy, false))
+    }
+
+    /// Counts, logs and explains a refused admission.
+    #[cold]
+    fn refuse(
+        &self,
+        role: MemoryRole,
+        bytes: u64,
+        last: Short,
+        reclaimed: Option<u64>,
+        policy: &dyn AdmissionPolicy,
+        reentered: bool,
+    ) -> AdmissionError {
+        self.roles[role.ordinal()].failures.fetch_add(1, Ordering::Relaxed);
         let (shortfall, used, limit) = self.shortfall(role, bytes, last);
         let exhaustion = Exhaustion {
             tier: self.device.key.tier(),
@@ -385,13 +405,17 @@ impl AccountShared {
             tier = %exhaustion.tier, device = %exhaustion.device, authority = %exhaustion.authority,
             account = %exhaustion.account, role = %role, requested = bytes, scope = %exhaustion.scope,
             used, limit, available = exhaustion.available, reclaimed = ?reclaimed,
-            largest_holder = ?exhaustion.largest_holder.as_ref().map(|h| &h.name),
+            largest_holder = ?exhaustion.largest_holder.as_ref().map(|h| &h.name), reentered,
             "admission refused"
         );
         if self.device.timeline.enabled() {
             self.device.timeline.record(TimelineEventKind::Refusal, self.device.key, self.authority, role, bytes);
         }
-        Err(AdmissionError::Exhausted(Box::new(exhaustion)))
+        if reentered {
+            AdmissionError::ReentrantReclaim(Box::new(exhaustion))
+        } else {
+            AdmissionError::Exhausted(Box::new(exhaustion))
+        }
     }
 
     fn snapshot(&self) -> AccountSnapshot {

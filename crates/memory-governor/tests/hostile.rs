@@ -503,3 +503,74 @@ fn a_holder_whose_name_registers_a_holder_does_not_deadlock_a_snapshot() {
     assert_eq!(orders(snapshot), [1, 2]);
     assert_eq!(orders(governor.snapshot()), [1, 2, 7]);
 }
+
+// Item 6: a reclaim holder that charges the still-short account does not recurse.
+
+/// Holds leases; asked to reclaim, it first asks the governor for the same bytes
+/// (on the same, still short, account), then frees what it holds.
+struct Greedy {
+    account: Account,
+    leases: Mutex<Vec<OwnedLease>>,
+    depth: AtomicU64,
+    deepest: AtomicU64,
+    nested: Mutex<Vec<Result<u64, AdmissionError>>>,
+}
+
+impl ReclaimHolder for Greedy {
+    fn name(&self) -> &str {
+        "greedy"
+    }
+
+    fn reclaimable(&self, _: DeviceKey) -> u64 {
+        self.leases.lock().unwrap().iter().map(|l| l.bytes()).sum()
+    }
+
+    fn reclaim(&self, request: &ReclaimRequest) -> u64 {
+        let depth = self.depth.fetch_add(1, Ordering::SeqCst) + 1;
+        self.deepest.fetch_max(depth, Ordering::SeqCst);
+        // Bounded here so that a governor that recurses fails this test instead of
+        // overflowing the stack.
+        if depth <= 8 {
+            let nested = self.account.lease_owned(request.role, request.bytes).map(|lease| lease.bytes());
+            self.nested.lock().unwrap().push(nested);
+        }
+        self.depth.fetch_sub(1, Ordering::SeqCst);
+        let freed: Vec<OwnedLease> = self.leases.lock().unwrap().drain(..).collect();
+        freed.iter().map(|l| l.bytes()).sum()
+    }
+}
+
+#[test]
+fn a_holder_that_charges_the_short_account_while_reclaiming_is_refused_without_recursion() {
+    let (governor, account) = one_account(DEV, 100, u64::MAX, 0);
+    governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+    let held = vec![account.lease_owned(MemoryRole::KvCache, 100).unwrap()];
+    let greedy = Arc::new(Greedy {
+        account: account.clone(),
+        leases: Mutex::new(held),
+        depth: 0.into(),
+        deepest: 0.into(),
+        nested: Mutex::new(Vec::new()),
+    });
+    governor.register_holder(DEV, 0, Arc::clone(&greedy) as Arc<dyn ReclaimHolder>);
+    let lease = account.lease(MemoryRole::Activations, 60).expect("the outer request is served after reclaim");
+    assert_eq!(greedy.deepest.load(Ordering::SeqCst), 1, "reclaim recursed");
+    let nested = greedy.nested.lock().unwrap().drain(..).collect::<Vec<_>>();
+    assert_eq!(nested.len(), 1);
+    let Err(AdmissionError::ReentrantReclaim(exhaustion)) = &nested[0] else {
+        panic!("the nested request was not refused as re-entrant: {:?}", nested[0])
+    };
+    assert_eq!((exhaustion.requested, exhaustion.reclaimed), (60, None));
+    let message = nested[0].as_ref().unwrap_err().to_string();
+    assert!(message.contains("already inside a reclaim"), "{message}");
+    assert_eq!(nested[0].as_ref().unwrap_err().exhaustion().map(|e| e.requested), Some(60));
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.failures), (60, 1));
+    drop(lease);
+    // Once the reclaim is over, the same thread reclaims again as usual.
+    greedy.leases.lock().unwrap().push(account.lease_owned(MemoryRole::KvCache, 100).unwrap());
+    let again = account.lease(MemoryRole::Weights, 100).expect("reclaimed again");
+    assert_eq!(again.bytes(), 100);
+    assert_eq!(greedy.deepest.load(Ordering::SeqCst), 1);
+    assert!(matches!(greedy.nested.lock().unwrap()[..], [Err(AdmissionError::ReentrantReclaim(_))]));
+}
