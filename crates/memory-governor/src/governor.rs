@@ -12,6 +12,7 @@ use crate::error::{
     AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
     LimitScope, PolicyError,
 };
+use crate::peaks::{Charges, PEAK_SLACK, Tally};
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
 use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
 use crate::stats::{
@@ -103,6 +104,8 @@ pub(crate) struct DeviceBooks {
     slots: Mutex<Vec<Arc<Slot>>>,
     policy: RwLock<Arc<dyn AdmissionPolicy>>,
     holders: RwLock<Vec<HolderEntry>>,
+    /// The peak of real charges on the device (over every authority).
+    charges: Arc<Charges>,
     /// Serialises limit, reserve and policy changes (never held with another lock).
     changes: Mutex<()>,
     pub(crate) timeline: Arc<Timeline>,
@@ -116,6 +119,7 @@ impl DeviceBooks {
             slots: Mutex::new(Vec::new()),
             policy: RwLock::new(Arc::new(HardLimit)),
             holders: RwLock::new(Vec::new()),
+            charges: Arc::new(Charges::new()),
             changes: Mutex::new(()),
             timeline,
         }
@@ -205,25 +209,60 @@ pub(crate) struct AccountShared {
     counters: Arc<AccountCounters>,
     slots: Mutex<Vec<Arc<Slot>>>,
     pub(crate) roles: [RoleStats; ROLES],
+    /// Peaks of real charges: per role, and of the account.
+    role_charges: [Arc<Charges>; ROLES],
+    charges: Arc<Charges>,
+    /// How far a thread's tally of charges may drift before it is published.
+    peak_slack: i64,
 }
 
-/// One thread's slot for one role of one account.
+/// One thread's slot for one role of one account, and its tallies of charges (the
+/// role's, the account's, the device's: indices into [`ThreadSlots::tallies`]).
 struct ThreadSlot {
     account: u64,
     role: usize,
     slot: Arc<Slot>,
+    tallies: [usize; 3],
 }
 
-/// The calling thread's slots. When the thread ends, each slot's credit goes back.
+/// The calling thread's slots and tallies. When the thread ends, each slot's credit
+/// goes back and each tally is published.
 #[derive(Default)]
 struct ThreadSlots {
     entries: Vec<ThreadSlot>,
+    tallies: Vec<Tally>,
 }
 
 impl Drop for ThreadSlots {
     fn drop(&mut self) {
+        for tally in &mut self.tallies {
+            tally.flush();
+        }
         for entry in self.entries.drain(..) {
             entry.slot.retire();
+        }
+    }
+}
+
+/// The calling thread's tallies of one slot's three levels.
+struct Tallies<'a> {
+    all: &'a mut [Tally],
+    index: [usize; 3],
+    slack: i64,
+}
+
+impl Tallies<'_> {
+    #[inline]
+    fn charge(&mut self, bytes: u64) {
+        for i in self.index {
+            self.all[i].charge(bytes as i64, self.slack);
+        }
+    }
+
+    #[inline]
+    fn refund(&mut self, bytes: u64) {
+        for i in self.index {
+            self.all[i].refund(bytes as i64, self.slack);
         }
     }
 }
@@ -270,23 +309,52 @@ impl AccountShared {
         slot
     }
 
-    /// Runs `f` on the calling thread's slot for `role`, creating it on first use.
-    /// `None` while the thread is being torn down (its slots are gone).
+    /// The three levels a charge of `role` counts in: the role's, the account's and
+    /// the device's charges.
+    fn levels(&self, role: usize) -> [&Arc<Charges>; 3] {
+        [&self.role_charges[role], &self.charges, &self.device.charges]
+    }
+
+    /// Runs `f` on the calling thread's slot for `role` and its tallies, creating them
+    /// on first use. `None` while the thread is being torn down (its slots are gone).
     #[inline]
-    fn with_slot<R>(&self, role: usize, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+    fn with_thread<R>(&self, role: usize, f: impl FnOnce(&Slot, Tallies<'_>) -> R) -> Option<R> {
         THREAD_SLOTS
             .try_with(|cell| {
                 let mut slots = cell.try_borrow_mut().ok()?;
-                if let Some(entry) = slots.entries.iter().find(|e| e.account == self.uid && e.role == role) {
-                    return Some(f(&entry.slot));
+                let ThreadSlots { entries, tallies } = &mut *slots;
+                let slack = self.peak_slack;
+                if let Some(entry) = entries.iter().find(|e| e.account == self.uid && e.role == role) {
+                    return Some(f(&entry.slot, Tallies { all: tallies, index: entry.tallies, slack }));
                 }
                 let slot = self.register_slot(role);
-                let result = f(&slot);
-                slots.entries.push(ThreadSlot { account: self.uid, role, slot });
+                let index = self.levels(role).map(|charges| {
+                    tallies.iter().position(|tally| tally.counts(charges)).unwrap_or_else(|| {
+                        tallies.push(Tally::new(Arc::clone(charges)));
+                        tallies.len() - 1
+                    })
+                });
+                let result = f(&slot, Tallies { all: tallies, index, slack });
+                entries.push(ThreadSlot { account: self.uid, role, slot, tallies: index });
                 Some(result)
             })
             .ok()
             .flatten()
+    }
+
+    /// Runs `f` on the calling thread's slot for `role` (see [`AccountShared::with_thread`]).
+    #[inline]
+    fn with_slot<R>(&self, role: usize, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+        self.with_thread(role, |slot, _| f(slot))
+    }
+
+    /// Counts a charge made on the slow path in the calling thread's tallies.
+    fn tally_charge(&self, role: usize, bytes: u64) {
+        if self.with_thread(role, |_, mut tallies| tallies.charge(bytes)).is_none() {
+            for charges in self.levels(role) {
+                charges.publish_now(bytes as i64);
+            }
+        }
     }
 
     /// One admission attempt: the thread's credit, then a chunk or an exact draw, then
@@ -440,7 +508,8 @@ impl AccountShared {
             // counted on one slot can be seen before its allocation on another.
             role.live = role.allocations.saturating_sub(role.releases);
             role.current = counter.used().saturating_sub(role.cached_credit);
-            role.peak = counter.peak();
+            role.peak = self.role_charges[r].peak();
+            role.peak_used = counter.peak();
             role.failures = stats.failures.load(Ordering::Relaxed);
             role.quarantined_bytes = stats.quarantined.load(Ordering::Relaxed);
             role.lost_bytes = stats.lost_bytes.load(Ordering::Relaxed);
@@ -452,7 +521,8 @@ impl AccountShared {
             quota: limit_of(self.counters.budget.limit()),
             current: stats::sum(roles.iter().map(|r| r.current)),
             used: self.counters.budget.used(),
-            peak: self.counters.budget.peak(),
+            peak: self.charges.peak(),
+            peak_used: self.counters.budget.peak(),
             cached_credit: stats::sum(roles.iter().map(|r| r.cached_credit)),
             totals: Totals::of(&roles),
             roles,
@@ -531,9 +601,20 @@ impl Account {
         }
         let shared = &*self.shared;
         let r = role.ordinal();
-        let fast = shared.with_slot(r, |slot| slot.admit_fast(bytes)).unwrap_or(false);
-        if !fast && let Err(short) = shared.admit(r, bytes) {
-            shared.admit_with_policy(role, bytes, short)?;
+        let fast = shared
+            .with_thread(r, |slot, mut tallies| {
+                let admitted = slot.admit_fast(bytes);
+                if admitted {
+                    tallies.charge(bytes);
+                }
+                admitted
+            })
+            .unwrap_or(false);
+        if !fast {
+            if let Err(short) = shared.admit(r, bytes) {
+                shared.admit_with_policy(role, bytes, short)?;
+            }
+            shared.tally_charge(r, bytes);
         }
         if shared.device.timeline.enabled() {
             shared.device.timeline.record(TimelineEventKind::Charge, shared.device.key, shared.authority, role, bytes);
@@ -565,10 +646,17 @@ impl Account {
         let shared = &*self.shared;
         let r = role.ordinal();
         let chunk = shared.chunk;
-        if shared.with_slot(r, |slot| slot.refund(bytes, chunk, close)).is_none() {
+        let refunded = shared.with_thread(r, |slot, mut tallies| {
+            slot.refund(bytes, chunk, close);
+            tallies.refund(bytes);
+        });
+        if refunded.is_none() {
             shared.path(r).give_back(bytes);
             if close {
                 shared.roles[r].retired_closed.fetch_add(1, Ordering::Relaxed);
+            }
+            for charges in shared.levels(r) {
+                charges.publish_now(-(bytes as i64));
             }
         }
         if shared.device.timeline.enabled() {
@@ -738,6 +826,9 @@ impl Governor {
                 counters: Arc::new(AccountCounters::new(config.quota)),
                 slots: Mutex::new(Vec::new()),
                 roles: std::array::from_fn(|_| RoleStats::new()),
+                role_charges: std::array::from_fn(|_| Arc::new(Charges::new())),
+                charges: Arc::new(Charges::new()),
+                peak_slack: self.inner.config.credit_chunk.min(PEAK_SLACK) as i64,
             }),
         };
         let mut accounts = write(&self.inner.accounts);
@@ -913,7 +1004,8 @@ impl Governor {
                     limit: limit_of(counters.budget.limit()),
                     current: stats::sum(authorities.iter().map(|a| a.current)),
                     used: counters.budget.used(),
-                    peak: counters.budget.peak(),
+                    peak: books.charges.peak(),
+                    peak_used: counters.budget.peak(),
                     cached_credit: stats::sum(authorities.iter().map(|a| a.cached_credit)),
                     policy: books.policy().name().to_owned(),
                     reserves: MemoryRole::ALL

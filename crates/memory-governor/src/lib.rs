@@ -95,6 +95,7 @@ pub mod credit;
 pub mod error;
 pub mod governor;
 pub mod lease;
+mod peaks;
 pub mod policy;
 pub mod reclaim;
 pub mod stats;

@@ -7,9 +7,13 @@
 //! - `used`: bytes drawn from the budget: `current`, plus credit threads cache
 //!   (`cached_credit`), plus for a device the reserves held aside. This is what the
 //!   limit bounds.
-//! - `peak`: the high-water mark of `used` (for a role: of its charges plus its cached
-//!   credit). An upper bound on the peak of `current`, exceeding it by at most the
-//!   credit cached at that moment (two credit chunks per thread and role).
+//! - `peak`: the high-water mark of `current`, the bytes really charged (cached credit
+//!   and reserves are not charges). Exact when a single thread charges the account,
+//!   role or device, and always with `credit_chunk(0)`; otherwise charges another
+//!   thread has not yet published (at most 64 KiB, or the credit chunk if smaller,
+//!   per thread) can make it off, either way (see `src/peaks.rs`). A device's
+//!   per-role peak is the sum of its authorities' (an upper bound).
+//! - `peak_used`: the high-water mark of `used` (what the limit bounded).
 //!
 //! Counts: `allocations` charges opened (leases, governed allocations), `releases`
 //! charges closed, `live` the difference, `failures` refused admissions. Memory the
@@ -34,8 +38,10 @@ pub struct RoleSnapshot {
     pub role: String,
     /// Bytes charged right now.
     pub current: u64,
-    /// High-water mark of charges plus cached credit.
+    /// High-water mark of the bytes charged (see the module docs for its precision).
     pub peak: u64,
+    /// High-water mark of charges plus cached credit (what the budgets bounded).
+    pub peak_used: u64,
     /// Credit cached by threads for this role.
     pub cached_credit: u64,
     /// Charges opened.
@@ -64,6 +70,7 @@ impl RoleSnapshot {
     pub(crate) fn absorb(&mut self, other: &RoleSnapshot) {
         self.current = self.current.saturating_add(other.current);
         self.peak = self.peak.saturating_add(other.peak);
+        self.peak_used = self.peak_used.saturating_add(other.peak_used);
         self.cached_credit = self.cached_credit.saturating_add(other.cached_credit);
         self.allocations = self.allocations.saturating_add(other.allocations);
         self.releases = self.releases.saturating_add(other.releases);
@@ -128,8 +135,10 @@ pub struct AccountSnapshot {
     pub current: u64,
     /// Bytes drawn from the quota (charges plus cached credit).
     pub used: u64,
-    /// High-water mark of `used`.
+    /// High-water mark of the bytes charged (see the module docs for its precision).
     pub peak: u64,
+    /// High-water mark of `used`.
+    pub peak_used: u64,
     /// Credit cached by threads.
     pub cached_credit: u64,
     /// Counts over roles.
@@ -176,8 +185,11 @@ pub struct DeviceSnapshot {
     pub current: u64,
     /// Bytes drawn from the budget (charges, cached credit, reserves held).
     pub used: u64,
-    /// High-water mark of `used`.
+    /// High-water mark of the bytes charged, over every authority (see the module
+    /// docs for its precision).
     pub peak: u64,
+    /// High-water mark of `used`.
+    pub peak_used: u64,
     /// Credit cached by threads.
     pub cached_credit: u64,
     /// The admission policy's name.
