@@ -2,6 +2,8 @@
 //! quota and reserve changes, applied to the governor and to a plain sequential model
 //! of the books; after every step both must agree on every admission and every
 //! figure, and at the end the books must be exactly empty.
+//!
+//! Cases: `PROPTEST_CASES` (default 256), each up to 60 operations.
 
 mod common;
 
@@ -220,7 +222,9 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // `ProptestConfig::default()` reads `PROPTEST_CASES` (and the `proptest!` macro
+    // applies the environment over any config given here, too).
+    #![proptest_config(ProptestConfig::default())]
 
     #[test]
     fn the_books_match_a_sequential_model(
