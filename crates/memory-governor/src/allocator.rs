@@ -697,6 +697,25 @@ mod tests {
     }
 
     #[test]
+    fn a_block_that_cannot_be_recorded_is_given_back_and_its_charge_cancelled() {
+        use memory_testkit::{Callback, RecordingAllocator};
+        let governor = crate::Governor::new();
+        let authority = memory_api::IdentityIssuer::new().unwrap().authority().unwrap();
+        let account = governor.open_account(crate::AccountConfig::new(DeviceKey::HOST, authority)).unwrap();
+        let recording = Arc::new(RecordingAllocator::on_device(DeviceKey::HOST));
+        let inner = Arc::clone(&recording) as Arc<dyn DeviceAllocator>;
+        let governed = GovernedAllocator::with_records(inner, account.clone(), Records::with_max_slots(0)).unwrap();
+        let request = AllocationRequest::new(4096, 64).unwrap();
+        let err = governed.allocate(&request).unwrap_err();
+        let AllocError::Backend { source, .. } = &err else { panic!("expected a backend error, got {err}") };
+        assert_eq!((source.backend, source.operation), ("governor", "record"));
+        assert!(err.to_string().contains("record shard is full"), "{err}");
+        assert_eq!(recording.calls(Callback::Release), 1, "the block went back to the inner allocator");
+        let snapshot = account.snapshot();
+        assert_eq!((snapshot.current, snapshot.totals.allocations, snapshot.totals.live), (0, 0, 0));
+    }
+
+    #[test]
     fn generations_tell_a_reused_slot_apart() {
         let records = Records::new();
         let address = DeviceAddress::new(0x4000).unwrap();

@@ -812,9 +812,6 @@ impl Governor {
     /// # Errors
     /// [`AccountError::AlreadyOpen`] when the authority has one.
     pub fn open_account(&self, config: AccountConfig) -> Result<Account, AccountError> {
-        if let Some(existing) = read(&self.inner.accounts).get(&config.authority) {
-            return Err(AccountError::AlreadyOpen { authority: config.authority, device: existing.device() });
-        }
         let books = self.books(config.device);
         let account = Account {
             shared: Arc::new(AccountShared {

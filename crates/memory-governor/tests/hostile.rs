@@ -21,6 +21,8 @@ enum Answer {
     QuarantineOther { unmapped: usize, residual: usize },
     /// A failure that hands back another block than the one given.
     FailOther,
+    /// An honest quarantine of the block given.
+    QuarantineSame { unmapped: usize, residual: usize },
 }
 
 /// A counter allocator (no memory behind it) that keeps honest records, answers
@@ -29,6 +31,8 @@ struct Liar {
     next: AtomicU64,
     live: Mutex<HashSet<u64>>,
     script: Mutex<VecDeque<Answer>>,
+    /// Sizes to hand out instead of the requested one, next first.
+    sizes: Mutex<VecDeque<usize>>,
     releases: AtomicU64,
 }
 
@@ -38,8 +42,13 @@ impl Liar {
             next: AtomicU64::new(1 << 20),
             live: Mutex::new(HashSet::new()),
             script: Mutex::new(VecDeque::new()),
+            sizes: Mutex::new(VecDeque::new()),
             releases: AtomicU64::new(0),
         })
+    }
+
+    fn hand_out_next(&self, bytes: usize) {
+        self.sizes.lock().unwrap().push_back(bytes);
     }
 
     fn answer_next_release(&self, answer: Answer) {
@@ -67,7 +76,8 @@ impl DeviceAllocator for Liar {
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
         let address = self.next.fetch_add(1 << 20, Ordering::Relaxed);
         self.live.lock().unwrap().insert(address);
-        Ok(RawAllocation::new(DeviceAddress::new(address).unwrap(), request.bytes(), request.align(), DEV, 0))
+        let bytes = self.sizes.lock().unwrap().pop_front().unwrap_or(request.bytes());
+        Ok(RawAllocation::new(DeviceAddress::new(address).unwrap(), bytes, request.align(), DEV, 0))
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
@@ -80,6 +90,9 @@ impl DeviceAllocator for Liar {
                 residual,
                 ReleaseError::Abandoned,
             ),
+            Some(Answer::QuarantineSame { unmapped, residual }) => {
+                ReleaseOutcome::quarantined(allocation, unmapped, residual, ReleaseError::Abandoned)
+            }
             Some(Answer::FailOther) => {
                 ReleaseOutcome::failed(Liar::other_block(allocation.bytes()), ReleaseError::Abandoned)
             }
@@ -573,4 +586,147 @@ fn a_holder_that_charges_the_short_account_while_reclaiming_is_refused_without_r
     assert_eq!(again.bytes(), 100);
     assert_eq!(greedy.deepest.load(Ordering::SeqCst), 1);
     assert!(matches!(greedy.nested.lock().unwrap()[..], [Err(AdmissionError::ReentrantReclaim(_))]));
+}
+
+// Blocks of another size than asked (the contract says "at least the request"; the
+// books count what the block really is).
+
+#[test]
+fn a_block_larger_than_asked_is_charged_its_real_size_and_refunded_exactly() {
+    let (_governor, account, liar, governed) = direct();
+    liar.hand_out_next(4096);
+    let block = governed.allocate(&request(1000, MemoryRole::KvCache)).unwrap();
+    assert_eq!(block.bytes(), 4096);
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.allocations, snapshot.totals.live), (4096, 1, 1));
+    assert!(governed.release(block).is_complete());
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.releases, snapshot.totals.live), (0, 1, 0));
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn a_block_larger_than_the_account_can_hold_is_given_back_and_refused() {
+    let (_governor, account) = one_account(DEV, 2000, u64::MAX, 0);
+    let liar = Liar::new();
+    let governed = GovernedAllocator::new(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, account.clone()).unwrap();
+    liar.hand_out_next(4096);
+    let err = governed.try_allocate(&request(1000, MemoryRole::KvCache)).unwrap_err();
+    let GovernedAllocError::Refused(refusal) = &err else { panic!("expected a refusal, got {err}") };
+    assert_eq!(refusal.exhaustion().map(|e| e.requested), Some(3096), "the extra bytes were refused");
+    assert_eq!(liar.releases(), 1, "the block went back to the inner allocator");
+    assert!(liar.live.lock().unwrap().is_empty());
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.allocations, snapshot.totals.live), (0, 0, 0));
+    assert_eq!((account.used(), snapshot.totals.failures), (0, 1));
+    // Through the DeviceAllocator interface it is a governor refusal.
+    liar.hand_out_next(4096);
+    let err = governed.allocate(&request(1000, MemoryRole::KvCache)).unwrap_err();
+    assert!(is_governor_refusal(&err), "{err}");
+}
+
+#[test]
+fn an_oversized_block_the_inner_allocator_cannot_take_back_stays_charged_as_quarantined() {
+    let (_governor, account) = one_account(DEV, 2000, u64::MAX, 0);
+    let liar = Liar::new();
+    let governed = GovernedAllocator::new(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, account.clone()).unwrap();
+    liar.hand_out_next(4096);
+    liar.answer_next_release(Answer::QuarantineSame { unmapped: 0, residual: 4096 });
+    assert!(governed.try_allocate(&request(1000, MemoryRole::Workspace)).is_err());
+    // The inner allocator still holds the memory: what was charged stays, visibly.
+    assert_eq!(role_books(&account, MemoryRole::Workspace), (1000, 1000, 1));
+}
+
+#[test]
+fn a_block_smaller_than_asked_is_charged_what_it_is() {
+    let (_governor, account, liar, governed) = direct();
+    liar.hand_out_next(1000);
+    let block = governed.allocate(&request(4096, MemoryRole::Staging)).unwrap();
+    assert_eq!(role_books(&account, MemoryRole::Staging), (1000, 0, 1));
+    assert!(governed.release(block).is_complete());
+    assert_eq!(role_books(&account, MemoryRole::Staging), (0, 0, 0));
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn the_registry_refuses_a_block_smaller_than_asked_and_its_release_refunds_it() {
+    let liar = Liar::new();
+    let s = through_registry(Arc::clone(&liar) as Arc<dyn DeviceAllocator>);
+    liar.hand_out_next(1000);
+    let err = s.binding.allocate(request(4096, MemoryRole::Staging)).unwrap_err();
+    assert!(matches!(err, AllocateError::InvalidBlock { .. }), "{err}");
+    assert_eq!(liar.releases(), 1);
+    let snapshot = s.account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.live), (0, 0));
+    assert_eq!(s.account.used(), 0);
+}
+
+#[test]
+fn an_honest_quarantine_refunds_what_was_let_go_and_a_retry_the_rest() {
+    let (_governor, account, liar, governed) = direct();
+    let block = governed.allocate(&request(4096, MemoryRole::KvCache)).unwrap();
+    liar.answer_next_release(Answer::QuarantineSame { unmapped: 3072, residual: 1024 });
+    let ReleaseOutcome::Quarantined(quarantine) = governed.release(block) else { panic!("expected a quarantine") };
+    assert_eq!((quarantine.unmapped_bytes(), quarantine.residual_bytes()), (3072, 1024));
+    assert_eq!(role_books(&account, MemoryRole::KvCache), (1024, 1024, 1));
+    // The block handed back is the governed block: releasing it again settles it.
+    let (block, _) = quarantine.into_parts();
+    assert!(governed.release(block).is_complete());
+    assert_eq!(role_books(&account, MemoryRole::KvCache), (0, 0, 0));
+    assert_eq!(account.used(), 0);
+}
+
+/// Reports capabilities when asked at wrapping time, then loses them.
+struct Fickle {
+    inner: allocator_cpu::SharedHostAllocator,
+    virtual_inner: allocator_cpu::VirtualHostAllocator,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl DeviceAllocator for Fickle {
+    fn device(&self) -> DeviceKey {
+        DEV
+    }
+    fn name(&self) -> &str {
+        "fickle"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.virtual_inner.allocate(request)
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.virtual_inner.release(allocation)
+    }
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        if self.lost.load(Ordering::Relaxed) { None } else { self.virtual_inner.virtual_backing() }
+    }
+    fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        if self.lost.load(Ordering::Relaxed) { None } else { self.inner.shared_mapping() }
+    }
+}
+
+#[test]
+fn a_capability_the_inner_allocator_lost_is_reported_unsupported() {
+    let (_governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let fickle = Arc::new(Fickle {
+        inner: allocator_cpu::SharedHostAllocator::for_device(DEV),
+        virtual_inner: allocator_cpu::VirtualHostAllocator::for_device(DEV),
+        lost: false.into(),
+    });
+    let governed = GovernedAllocator::new(Arc::clone(&fickle) as Arc<dyn DeviceAllocator>, account.clone()).unwrap();
+    let block = governed.allocate(&request(1 << 16, MemoryRole::KvCache)).unwrap();
+    fickle.lost.store(true, Ordering::Relaxed);
+    let backing = governed.virtual_backing().expect("the governed allocator still answers");
+    let mapping = governed.shared_mapping().expect("the governed allocator still answers");
+    assert_eq!((backing.granularity(), mapping.granularity()), (1, 1));
+    let range = ByteRange::new(0, 4096);
+    let unsupported = |result: Result<usize, CapabilityError>| {
+        assert!(matches!(result, Err(CapabilityError::Unsupported { .. })), "{result:?}");
+    };
+    unsupported(backing.commit(&block, range));
+    unsupported(backing.decommit(&block, range));
+    unsupported(backing.committed_bytes(&block));
+    unsupported(mapping.unmap(&block, range));
+    assert!(matches!(mapping.create_backing(4096), Err(CapabilityError::Unsupported { .. })));
+    assert!(governed.release(block).is_complete());
+    assert_eq!(account.used(), 0);
 }

@@ -208,3 +208,18 @@ fn the_timeline_keeps_the_latest_events_and_counts_the_dropped() {
     let trace = governor.chrome_trace();
     assert_eq!(trace["otherData"]["dropped_events"], 5);
 }
+
+#[test]
+fn timeline_events_serialise_and_a_smaller_capacity_keeps_the_latest() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    governor.enable_timeline(10);
+    for bytes in 1..=5 {
+        drop(account.lease(MemoryRole::Weights, bytes).unwrap());
+    }
+    governor.enable_timeline(2);
+    let (events, dropped) = governor.timeline_events();
+    assert_eq!((events.len(), dropped), (2, 8));
+    let json: Value = serde_json::to_value(&events[1]).unwrap();
+    assert_eq!((json["kind"].as_str(), json["bytes"].as_u64()), (Some("refund"), Some(5)), "{json}");
+    assert_eq!((json["device"].as_str(), json["role"].as_str()), (Some("device:2"), Some("weights")));
+}
