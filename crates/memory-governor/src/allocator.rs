@@ -605,10 +605,11 @@ impl DeviceAllocator for GovernedAllocator {
                 let block = Block::of(&block);
                 self.requarantine(&claim, Some(keep));
                 self.records.settle(claim.key, block, keep, true);
-                self.account.refund(role, claim.charged - keep, false);
+                let refunded = claim.charged - keep;
+                self.account.refund(role, refunded, false);
                 tracing::warn!(
                     allocator = %self.forward.name, authority = %self.account.authority(), role = %role,
-                    refunded = claim.charged - keep, still_charged = keep, "quarantined release: residual stays charged"
+                    refunded, still_charged = keep, "quarantined release: residual stays charged"
                 );
                 ReleaseOutcome::quarantined(block.governed(claim.key), unmapped, residual, error)
             }

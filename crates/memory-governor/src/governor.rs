@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
 
 use memory_api::{AuthorityIdentity, DeviceAllocator, DeviceKey, MemoryRole};
@@ -213,56 +214,53 @@ pub(crate) struct AccountShared {
     role_charges: [Arc<Charges>; ROLES],
     charges: Arc<Charges>,
     /// How far a thread's tally of charges may drift before it is published.
-    peak_slack: i64,
+    peak_slack: u64,
 }
 
-/// One thread's slot for one role of one account, and its tallies of charges (the
-/// role's, the account's, the device's: indices into [`ThreadSlots::tallies`]).
+/// One thread's slot for one role of one account, and its tallies of the charges of
+/// the role, the account and the device (the latter two shared with the thread's other
+/// slots on them).
 struct ThreadSlot {
     account: u64,
     role: usize,
     slot: Arc<Slot>,
-    tallies: [usize; 3],
+    tallies: [Rc<Tally>; 3],
 }
 
-/// The calling thread's slots and tallies. When the thread ends, each slot's credit
-/// goes back and each tally is published.
+impl ThreadSlot {
+    // Always inlined: on the fast path, a call costs as much as the three tallies.
+    #[inline(always)]
+    fn charged(&self, bytes: u64, slack: u64) {
+        let [role, account, device] = &self.tallies;
+        role.charge(bytes, slack);
+        account.charge(bytes, slack);
+        device.charge(bytes, slack);
+    }
+
+    #[inline(always)]
+    fn refunded(&self, bytes: u64, slack: u64) {
+        let [role, account, device] = &self.tallies;
+        role.refund(bytes, slack);
+        account.refund(bytes, slack);
+        device.refund(bytes, slack);
+    }
+}
+
+/// The calling thread's slots and tallies. When the thread ends, each tally is
+/// published and each slot's credit goes back.
 #[derive(Default)]
 struct ThreadSlots {
     entries: Vec<ThreadSlot>,
-    tallies: Vec<Tally>,
+    tallies: Vec<Rc<Tally>>,
 }
 
 impl Drop for ThreadSlots {
     fn drop(&mut self) {
-        for tally in &mut self.tallies {
+        for tally in &self.tallies {
             tally.flush();
         }
         for entry in self.entries.drain(..) {
             entry.slot.retire();
-        }
-    }
-}
-
-/// The calling thread's tallies of one slot's three levels.
-struct Tallies<'a> {
-    all: &'a mut [Tally],
-    index: [usize; 3],
-    slack: i64,
-}
-
-impl Tallies<'_> {
-    #[inline]
-    fn charge(&mut self, bytes: u64) {
-        for i in self.index {
-            self.all[i].charge(bytes as i64, self.slack);
-        }
-    }
-
-    #[inline]
-    fn refund(&mut self, bytes: u64) {
-        for i in self.index {
-            self.all[i].refund(bytes as i64, self.slack);
         }
     }
 }
@@ -318,24 +316,25 @@ impl AccountShared {
     /// Runs `f` on the calling thread's slot for `role` and its tallies, creating them
     /// on first use. `None` while the thread is being torn down (its slots are gone).
     #[inline]
-    fn with_thread<R>(&self, role: usize, f: impl FnOnce(&Slot, Tallies<'_>) -> R) -> Option<R> {
+    fn with_thread<R>(&self, role: usize, f: impl FnOnce(&ThreadSlot) -> R) -> Option<R> {
         THREAD_SLOTS
             .try_with(|cell| {
                 let mut slots = cell.try_borrow_mut().ok()?;
-                let ThreadSlots { entries, tallies } = &mut *slots;
-                let slack = self.peak_slack;
-                if let Some(entry) = entries.iter().find(|e| e.account == self.uid && e.role == role) {
-                    return Some(f(&entry.slot, Tallies { all: tallies, index: entry.tallies, slack }));
+                if let Some(entry) = slots.entries.iter().find(|e| e.account == self.uid && e.role == role) {
+                    return Some(f(entry));
                 }
                 let slot = self.register_slot(role);
-                let index = self.levels(role).map(|charges| {
-                    tallies.iter().position(|tally| tally.counts(charges)).unwrap_or_else(|| {
-                        tallies.push(Tally::new(Arc::clone(charges)));
-                        tallies.len() - 1
+                let tallies = self.levels(role).map(|charges| {
+                    let known = slots.tallies.iter().find(|tally| tally.counts(charges)).cloned();
+                    known.unwrap_or_else(|| {
+                        let tally = Rc::new(Tally::new(Arc::clone(charges)));
+                        slots.tallies.push(Rc::clone(&tally));
+                        tally
                     })
                 });
-                let result = f(&slot, Tallies { all: tallies, index, slack });
-                entries.push(ThreadSlot { account: self.uid, role, slot, tallies: index });
+                let entry = ThreadSlot { account: self.uid, role, slot, tallies };
+                let result = f(&entry);
+                slots.entries.push(entry);
                 Some(result)
             })
             .ok()
@@ -345,12 +344,12 @@ impl AccountShared {
     /// Runs `f` on the calling thread's slot for `role` (see [`AccountShared::with_thread`]).
     #[inline]
     fn with_slot<R>(&self, role: usize, f: impl FnOnce(&Slot) -> R) -> Option<R> {
-        self.with_thread(role, |slot, _| f(slot))
+        self.with_thread(role, |entry| f(&entry.slot))
     }
 
     /// Counts a charge made on the slow path in the calling thread's tallies.
     fn tally_charge(&self, role: usize, bytes: u64) {
-        if self.with_thread(role, |_, mut tallies| tallies.charge(bytes)).is_none() {
+        if self.with_thread(role, |entry| entry.charged(bytes, self.peak_slack)).is_none() {
             for charges in self.levels(role) {
                 charges.publish_now(bytes as i64);
             }
@@ -602,10 +601,10 @@ impl Account {
         let shared = &*self.shared;
         let r = role.ordinal();
         let fast = shared
-            .with_thread(r, |slot, mut tallies| {
-                let admitted = slot.admit_fast(bytes);
+            .with_thread(r, |entry| {
+                let admitted = entry.slot.admit_fast(bytes);
                 if admitted {
-                    tallies.charge(bytes);
+                    entry.charged(bytes, shared.peak_slack);
                 }
                 admitted
             })
@@ -646,9 +645,9 @@ impl Account {
         let shared = &*self.shared;
         let r = role.ordinal();
         let chunk = shared.chunk;
-        let refunded = shared.with_thread(r, |slot, mut tallies| {
-            slot.refund(bytes, chunk, close);
-            tallies.refund(bytes);
+        let refunded = shared.with_thread(r, |entry| {
+            entry.slot.refund(bytes, chunk, close);
+            entry.refunded(bytes, shared.peak_slack);
         });
         if refunded.is_none() {
             shared.path(r).give_back(bytes);
@@ -825,7 +824,7 @@ impl Governor {
                 roles: std::array::from_fn(|_| RoleStats::new()),
                 role_charges: std::array::from_fn(|_| Arc::new(Charges::new())),
                 charges: Arc::new(Charges::new()),
-                peak_slack: self.inner.config.credit_chunk.min(PEAK_SLACK) as i64,
+                peak_slack: self.inner.config.credit_chunk.min(PEAK_SLACK),
             }),
         };
         let mut accounts = write(&self.inner.accounts);

@@ -9,16 +9,21 @@
 //! So each level of the books (an account's role, an account, a device) keeps
 //! [`Charges`]: the charges threads have *published*, and the peak. Each thread keeps,
 //! per level it charges, a [`Tally`] of what it charged and refunded since it last
-//! published (its *drift*). A charge adds to the thread's drift and raises the peak to
-//! `published + drift` (two loads of lines that are rarely written, and a store only
-//! when the peak rises); a thread publishes its drift (one shared add) when it exceeds
-//! [`PEAK_SLACK`] or the credit chunk, whichever is smaller, and when it ends.
+//! published (its *drift*). A charge adds to the thread's drift; when the drift passes
+//! its highest value since the last publication, the charge raises the peak to
+//! `published + drift` (two loads of a line that is rarely written, and a store only
+//! when the peak rises). A thread publishes its drift (one shared add, which raises
+//! the peak to the new published total) when it exceeds [`PEAK_SLACK`] or the credit
+//! chunk, whichever is smaller, and when it ends. A steady lease-and-drop loop thus
+//! costs a few thread-local additions per level and touches no shared line.
 //!
 //! Hence the peak is exact when a single thread charges a level (and always with
 //! `credit_chunk(0)`, which publishes every charge). With several threads it is the
 //! highest total any of them saw, which can be off, either way, by the drift other
 //! threads had not yet published: at most [`PEAK_SLACK`] bytes (or the chunk) per
 //! other thread and level.
+
+use std::cell::Cell;
 
 use crate::credit::bump_peak;
 use crate::sync::{Arc, AtomicU64, Ordering};
@@ -48,6 +53,7 @@ impl Charges {
     }
 
     /// Raises the peak to the published charges plus `drift`, if that is higher.
+    #[inline]
     fn observe(&self, drift: i64) {
         let total = (self.published.load(Ordering::Relaxed) as i64).wrapping_add(drift);
         if total > 0 {
@@ -70,16 +76,22 @@ impl Charges {
     }
 }
 
-/// One thread's unpublished change of one level's charges.
+/// One thread's unpublished change of one level's charges. Thread-local: shared by
+/// the thread's slots that charge the level (so a thread charging two roles of one
+/// account sees both in the account's total), never by two threads.
 #[derive(Debug)]
 pub(crate) struct Tally {
     charges: Arc<Charges>,
-    drift: i64,
+    drift: Cell<i64>,
+    /// The highest drift observed since the last publication: the thread's own
+    /// charges cannot make a new peak until the drift passes it again (others'
+    /// publications can, by what they publish; they observe that themselves).
+    high: Cell<i64>,
 }
 
 impl Tally {
     pub(crate) fn new(charges: Arc<Charges>) -> Tally {
-        Tally { charges, drift: 0 }
+        Tally { charges, drift: Cell::new(0), high: Cell::new(0) }
     }
 
     /// Whether this tallies `charges`.
@@ -88,29 +100,47 @@ impl Tally {
     }
 
     /// A charge of `bytes`: raises the peak if the total is a new high.
-    #[inline]
-    pub(crate) fn charge(&mut self, bytes: i64, slack: i64) {
-        self.drift += bytes;
-        if self.drift.abs() > slack {
-            self.charges.publish_now(std::mem::take(&mut self.drift));
-        } else {
-            self.charges.observe(self.drift);
+    ///
+    /// The drift stays within `[-slack, slack]` between calls and the mark is at most
+    /// `slack`, so a charge can only leave that range upwards, past the mark: one
+    /// comparison on the common path.
+    #[inline(always)]
+    pub(crate) fn charge(&self, bytes: u64, slack: u64) {
+        let drift = self.drift.get().wrapping_add(bytes as i64);
+        self.drift.set(drift);
+        if drift > self.high.get() {
+            self.new_high(drift, slack);
         }
     }
 
-    /// A refund of `bytes`.
-    #[inline]
-    pub(crate) fn refund(&mut self, bytes: i64, slack: i64) {
-        self.drift -= bytes;
-        if self.drift.abs() > slack {
+    #[cold]
+    fn new_high(&self, drift: i64, slack: u64) {
+        if drift.unsigned_abs() > slack {
+            self.drift.set(0);
+            self.high.set(0);
+            self.charges.publish_now(drift);
+        } else {
+            self.high.set(drift);
+            self.charges.observe(drift);
+        }
+    }
+
+    /// A refund of `bytes` (it can only leave `[-slack, slack]` downwards).
+    #[inline(always)]
+    pub(crate) fn refund(&self, bytes: u64, slack: u64) {
+        let drift = self.drift.get().wrapping_sub(bytes as i64);
+        self.drift.set(drift);
+        if drift < (slack as i64).wrapping_neg() {
             self.flush();
         }
     }
 
-    /// Publishes the drift (also when the thread ends).
-    pub(crate) fn flush(&mut self) {
-        if self.drift != 0 {
-            self.charges.publish(std::mem::take(&mut self.drift));
+    /// Publishes the drift (when the thread ends).
+    pub(crate) fn flush(&self) {
+        let drift = self.drift.replace(0);
+        self.high.set(0);
+        if drift != 0 {
+            self.charges.publish(drift);
         }
     }
 }
@@ -122,7 +152,7 @@ mod tests {
     #[test]
     fn one_thread_sees_its_own_unpublished_charges() {
         let charges = Arc::new(Charges::new());
-        let mut tally = Tally::new(Arc::clone(&charges));
+        let tally = Tally::new(Arc::clone(&charges));
         tally.charge(100, 1000);
         tally.charge(50, 1000);
         assert_eq!((charges.peak(), charges.published.load(Ordering::Relaxed)), (150, 0), "nothing published yet");
@@ -131,13 +161,17 @@ mod tests {
         assert_eq!(charges.peak(), 150, "a lower total leaves the peak");
         tally.charge(2000, 1000);
         assert_eq!(charges.peak(), 2050);
-        assert_eq!((tally.drift, charges.published.load(Ordering::Relaxed)), (0, 2050), "past the slack: published");
+        assert_eq!(
+            (tally.drift.get(), charges.published.load(Ordering::Relaxed)),
+            (0, 2050),
+            "past the slack: published"
+        );
     }
 
     #[test]
     fn a_refund_published_before_its_charge_leaves_no_false_peak() {
         let charges = Arc::new(Charges::new());
-        let (mut a, mut b) = (Tally::new(Arc::clone(&charges)), Tally::new(Arc::clone(&charges)));
+        let (a, b) = (Tally::new(Arc::clone(&charges)), Tally::new(Arc::clone(&charges)));
         a.charge(500, 1000);
         b.refund(500, 0);
         assert_eq!(charges.published.load(Ordering::Relaxed) as i64, -500);
