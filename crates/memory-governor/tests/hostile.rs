@@ -21,9 +21,13 @@ enum Answer {
     QuarantineOther { unmapped: usize, residual: usize },
     /// A failure that hands back another block than the one given.
     FailOther,
-    /// An honest quarantine of the block given.
+    /// An honest quarantine of the block given (with a new tag of the inner
+    /// allocator's own, as a real backend may record what is left to do).
     QuarantineSame { unmapped: usize, residual: usize },
 }
+
+/// The tag the liar puts on a block it quarantined.
+const RETRY_TAG: u64 = 77;
 
 /// A counter allocator (no memory behind it) that keeps honest records, answers
 /// releases from a script when one is queued, and counts its callbacks.
@@ -34,6 +38,8 @@ struct Liar {
     /// Sizes to hand out instead of the requested one, next first.
     sizes: Mutex<VecDeque<usize>>,
     releases: AtomicU64,
+    /// The provider tag of every block presented to release.
+    released_tags: Mutex<Vec<u64>>,
 }
 
 impl Liar {
@@ -44,6 +50,7 @@ impl Liar {
             script: Mutex::new(VecDeque::new()),
             sizes: Mutex::new(VecDeque::new()),
             releases: AtomicU64::new(0),
+            released_tags: Mutex::new(Vec::new()),
         })
     }
 
@@ -82,6 +89,7 @@ impl DeviceAllocator for Liar {
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
         self.releases.fetch_add(1, Ordering::Relaxed);
+        self.released_tags.lock().unwrap().push(allocation.provider_tag());
         let scripted = self.script.lock().unwrap().pop_front();
         match scripted {
             Some(Answer::QuarantineOther { unmapped, residual }) => ReleaseOutcome::quarantined(
@@ -91,7 +99,9 @@ impl DeviceAllocator for Liar {
                 ReleaseError::Abandoned,
             ),
             Some(Answer::QuarantineSame { unmapped, residual }) => {
-                ReleaseOutcome::quarantined(allocation, unmapped, residual, ReleaseError::Abandoned)
+                let (address, bytes, align) = (allocation.address(), allocation.bytes(), allocation.align());
+                let retagged = RawAllocation::new(address, bytes, align, DEV, RETRY_TAG);
+                ReleaseOutcome::quarantined(retagged, unmapped, residual, ReleaseError::Abandoned)
             }
             Some(Answer::FailOther) => {
                 ReleaseOutcome::failed(Liar::other_block(allocation.bytes()), ReleaseError::Abandoned)
@@ -310,7 +320,9 @@ fn forged_blocks_handed_to_forget_lost_refund_nothing_and_the_real_one_refunds_o
     let snapshot = account.snapshot();
     assert_eq!((snapshot.current, snapshot.totals.lost_bytes, snapshot.totals.lost_allocations), (3000, 0, 0));
     let duplicate = forged(&block, tag);
+    assert_eq!(governed.live_blocks(), 1);
     governed.forget_lost(vec![block]);
+    assert_eq!(governed.live_blocks(), 0);
     governed.forget_lost(vec![duplicate]);
     let snapshot = account.snapshot();
     assert_eq!((snapshot.current, snapshot.totals.lost_bytes, snapshot.totals.lost_allocations), (0, 3000, 1));
@@ -669,11 +681,31 @@ fn an_honest_quarantine_refunds_what_was_let_go_and_a_retry_the_rest() {
     let ReleaseOutcome::Quarantined(quarantine) = governed.release(block) else { panic!("expected a quarantine") };
     assert_eq!((quarantine.unmapped_bytes(), quarantine.residual_bytes()), (3072, 1024));
     assert_eq!(role_books(&account, MemoryRole::KvCache), (1024, 1024, 1));
-    // The block handed back is the governed block: releasing it again settles it.
+    assert_eq!(governed.live_blocks(), 1, "a quarantined block keeps its record");
+    // The block handed back is the governed block: releasing it again settles it, and
+    // the inner allocator sees the tag it put on the quarantined block.
     let (block, _) = quarantine.into_parts();
     assert!(governed.release(block).is_complete());
+    assert_eq!(*liar.released_tags.lock().unwrap(), [0, RETRY_TAG]);
     assert_eq!(role_books(&account, MemoryRole::KvCache), (0, 0, 0));
-    assert_eq!(account.used(), 0);
+    assert_eq!((account.used(), governed.live_blocks()), (0, 0));
+}
+
+#[test]
+fn a_released_block_leaves_no_record_behind() {
+    let (governor, account, _liar, governed) = direct();
+    governor.enable_timeline(16);
+    let blocks: Vec<_> = (0..3).map(|_| governed.allocate(&request(4096, MemoryRole::KvCache)).unwrap()).collect();
+    assert_eq!(governed.live_blocks(), 3);
+    for block in blocks {
+        assert!(governed.release(block).is_complete());
+    }
+    assert_eq!((governed.live_blocks(), account.used()), (0, 0));
+    // An allocation of exactly the size asked is one charge and one refund.
+    let kinds: Vec<_> = governor.timeline_events().0.iter().map(|e| (e.kind, e.bytes)).collect();
+    let charge = (TimelineEventKind::Charge, 4096);
+    let refund = (TimelineEventKind::Refund, 4096);
+    assert_eq!(kinds, [charge, charge, charge, refund, refund, refund]);
 }
 
 /// Reports capabilities when asked at wrapping time, then loses them.
