@@ -13,7 +13,7 @@ use crate::error::{
     AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
     LimitScope, PolicyError,
 };
-use crate::peaks::{Charges, PEAK_SLACK, Tally};
+use crate::peaks::{Bound, Charges, PEAK_SLACK, Tally};
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
 use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
 use crate::stats::{
@@ -114,13 +114,14 @@ pub(crate) struct DeviceBooks {
 
 impl DeviceBooks {
     fn new(key: DeviceKey, timeline: Arc<Timeline>) -> DeviceBooks {
+        let counters = Arc::new(DeviceCounters::new(UNLIMITED));
         DeviceBooks {
             key,
-            counters: Arc::new(DeviceCounters::new(UNLIMITED)),
+            counters: Arc::clone(&counters),
             slots: Mutex::new(Vec::new()),
             policy: RwLock::new(Arc::new(HardLimit)),
             holders: RwLock::new(Vec::new()),
-            charges: Arc::new(Charges::new()),
+            charges: Arc::new(Charges::new(Bound::Device(Arc::clone(&counters)))),
             changes: Mutex::new(()),
             timeline,
         }
@@ -812,6 +813,7 @@ impl Governor {
     /// [`AccountError::AlreadyOpen`] when the authority has one.
     pub fn open_account(&self, config: AccountConfig) -> Result<Account, AccountError> {
         let books = self.books(config.device);
+        let counters = Arc::new(AccountCounters::new(config.quota));
         let account = Account {
             shared: Arc::new(AccountShared {
                 uid: NEXT_ACCOUNT.fetch_add(1, StdOrdering::Relaxed),
@@ -819,11 +821,13 @@ impl Governor {
                 label: config.label.unwrap_or_else(|| config.authority.to_string()),
                 chunk: self.inner.config.credit_chunk,
                 device: books,
-                counters: Arc::new(AccountCounters::new(config.quota)),
+                counters: Arc::clone(&counters),
                 slots: Mutex::new(Vec::new()),
                 roles: std::array::from_fn(|_| RoleStats::new()),
-                role_charges: std::array::from_fn(|_| Arc::new(Charges::new())),
-                charges: Arc::new(Charges::new()),
+                role_charges: std::array::from_fn(|r| {
+                    Arc::new(Charges::new(Bound::AccountRole(Arc::clone(&counters), r)))
+                }),
+                charges: Arc::new(Charges::new(Bound::Account(Arc::clone(&counters)))),
                 peak_slack: self.inner.config.credit_chunk.min(PEAK_SLACK),
             }),
         };

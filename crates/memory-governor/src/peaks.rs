@@ -19,17 +19,41 @@
 //!
 //! Hence the peak is exact when a single thread charges a level (and always with
 //! `credit_chunk(0)`, which publishes every charge). With several threads it is the
-//! highest total any of them saw, which can be off, either way, by the drift other
-//! threads had not yet published: at most [`PEAK_SLACK`] bytes (or the chunk) per
-//! other thread and level.
+//! highest total any of them saw, which can be off by the drift other threads had not
+//! yet published: at most [`PEAK_SLACK`] bytes (or the chunk) per other thread and
+//! level. Unpublished refunds could make it too high, so every raise is capped at what
+//! the level's budget holds at that moment (its `used`, which never is below its
+//! charges): the peak never exceeds `peak_used`, hence never a limit.
 
 use std::cell::Cell;
 
-use crate::credit::bump_peak;
+use crate::credit::{AccountCounters, DeviceCounters, bump_peak};
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 /// The most a thread's drift may reach before it is published.
 pub(crate) const PEAK_SLACK: u64 = 64 << 10;
+
+/// What a level's charges can never exceed at any instant: the bytes drawn from its
+/// budget (charges plus cached credit, plus the reserves held, for a device).
+#[derive(Debug)]
+pub(crate) enum Bound {
+    /// A device's budget.
+    Device(Arc<DeviceCounters>),
+    /// An account's quota.
+    Account(Arc<AccountCounters>),
+    /// One role of an account.
+    AccountRole(Arc<AccountCounters>, usize),
+}
+
+impl Bound {
+    fn used(&self) -> u64 {
+        match self {
+            Bound::Device(counters) => counters.budget.used(),
+            Bound::Account(counters) => counters.budget.used(),
+            Bound::AccountRole(counters, role) => counters.roles[*role].used(),
+        }
+    }
+}
 
 /// One level's published charges and the peak of its charges (on its own cache line:
 /// rarely written, read by every charge of the level).
@@ -40,11 +64,12 @@ pub(crate) struct Charges {
     /// published on one thread can precede the charge still unpublished on another).
     published: AtomicU64,
     peak: AtomicU64,
+    bound: Bound,
 }
 
 impl Charges {
-    pub(crate) fn new() -> Charges {
-        Charges { published: AtomicU64::new(0), peak: AtomicU64::new(0) }
+    pub(crate) fn new(bound: Bound) -> Charges {
+        Charges { published: AtomicU64::new(0), peak: AtomicU64::new(0), bound }
     }
 
     /// The highest total of charges seen.
@@ -55,9 +80,16 @@ impl Charges {
     /// Raises the peak to the published charges plus `drift`, if that is higher.
     #[inline]
     fn observe(&self, drift: i64) {
-        let total = (self.published.load(Ordering::Relaxed) as i64).wrapping_add(drift);
+        self.raise(self.published.load(Ordering::Relaxed) as i64, drift);
+    }
+
+    /// Raises the peak to `published + drift`, never above what the budget holds now:
+    /// another thread's unpublished refunds can make the sum overstate the charges,
+    /// the budget never does.
+    fn raise(&self, published: i64, drift: i64) {
+        let total = published.wrapping_add(drift);
         if total > 0 {
-            bump_peak(&self.peak, total as u64);
+            bump_peak(&self.peak, (total as u64).min(self.bound.used()));
         }
     }
 
@@ -70,8 +102,8 @@ impl Charges {
     /// A change made with no thread tally (during thread teardown): published at once.
     pub(crate) fn publish_now(&self, change: i64) {
         let total = self.publish(change);
-        if change > 0 && total > 0 {
-            bump_peak(&self.peak, total as u64);
+        if change > 0 {
+            self.raise(total, 0);
         }
     }
 }
@@ -149,9 +181,17 @@ impl Tally {
 mod tests {
     use super::*;
 
+    /// Charges bounded by an unlimited account whose budget shows `used` bytes.
+    fn charges(used: u64) -> Arc<Charges> {
+        let counters = Arc::new(AccountCounters::new(u64::MAX));
+        let device = crate::credit::DeviceCounters::new(u64::MAX);
+        crate::credit::Path { account: &counters, device: &device, role: 0 }.draw(used, 0).unwrap();
+        Arc::new(Charges::new(Bound::Account(counters)))
+    }
+
     #[test]
     fn one_thread_sees_its_own_unpublished_charges() {
-        let charges = Arc::new(Charges::new());
+        let charges = charges(u64::MAX >> 8);
         let tally = Tally::new(Arc::clone(&charges));
         tally.charge(100, 1000);
         tally.charge(50, 1000);
@@ -170,7 +210,7 @@ mod tests {
 
     #[test]
     fn a_refund_published_before_its_charge_leaves_no_false_peak() {
-        let charges = Arc::new(Charges::new());
+        let charges = charges(u64::MAX >> 8);
         let (a, b) = (Tally::new(Arc::clone(&charges)), Tally::new(Arc::clone(&charges)));
         a.charge(500, 1000);
         b.refund(500, 0);
@@ -181,5 +221,17 @@ mod tests {
         assert_eq!(charges.peak(), 500);
         charges.publish_now(300);
         assert_eq!(charges.peak(), 600);
+    }
+
+    #[test]
+    fn the_peak_never_exceeds_what_the_budget_holds() {
+        let charges = charges(1000);
+        let (a, b) = (Tally::new(Arc::clone(&charges)), Tally::new(Arc::clone(&charges)));
+        // Another thread refunded 800 it has not published; this one charges 900.
+        a.charge(800, 10_000);
+        a.flush();
+        b.refund(800, 10_000);
+        a.charge(900, 10_000);
+        assert_eq!(charges.peak(), 1000, "1700 seen, but the budget never held more than 1000");
     }
 }

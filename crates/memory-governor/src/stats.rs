@@ -11,8 +11,9 @@
 //!   and reserves are not charges). Exact when a single thread charges the account,
 //!   role or device, and always with `credit_chunk(0)`; otherwise charges another
 //!   thread has not yet published (at most 64 KiB, or the credit chunk if smaller,
-//!   per thread) can make it off, either way (see `src/peaks.rs`). A device's
-//!   per-role peak is the sum of its authorities' (an upper bound).
+//!   per thread) can make it off, either way, but never above `peak_used` (see
+//!   `src/peaks.rs`). A device's per-role peak is the sum of its authorities' (an
+//!   upper bound).
 //! - `peak_used`: the high-water mark of `used` (what the limit bounded).
 //!
 //! Counts: `allocations` charges opened (leases, governed allocations), `releases`
