@@ -730,6 +730,23 @@ mod tests {
     }
 
     #[test]
+    fn threads_record_in_different_shards() {
+        let records = Arc::new(Records::new());
+        let shard_of_a_new_thread = |address: u64| {
+            let records = Arc::clone(&records);
+            std::thread::spawn(move || {
+                let block = RawAllocation::new(DeviceAddress::new(address).unwrap(), 64, 8, DeviceKey::HOST, 0);
+                Key::decode(records.insert(block, MemoryRole::Weights, 64).unwrap().provider_tag()).shard
+            })
+            .join()
+            .unwrap()
+        };
+        let (first, second) = (shard_of_a_new_thread(0x1000), shard_of_a_new_thread(0x2000));
+        assert_ne!(first, second, "two threads share a record shard (and its cache line)");
+        assert_eq!(records.len(), 2);
+    }
+
+    #[test]
     fn generations_tell_a_reused_slot_apart() {
         let records = Records::new();
         let address = DeviceAddress::new(0x4000).unwrap();
