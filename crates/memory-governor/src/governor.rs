@@ -1067,12 +1067,9 @@ impl Governor {
         self.inner.timeline.events()
     }
 
-    /// The timeline in the Chrome trace-event format (see [`Governor::enable_timeline`]).
-    pub fn chrome_trace(&self) -> serde_json::Value {
-        self.inner.timeline.chrome_trace()
-    }
-
-    /// [`Governor::chrome_trace`] as a JSON string, ready to save as `trace.json`.
+    /// The timeline in the Chrome trace-event format (see [`Governor::enable_timeline`])
+    /// as a JSON string, ready to save as `trace.json` and open in a trace viewer. (A
+    /// string, so no JSON library's type appears in this crate's API.)
     pub fn chrome_trace_json(&self) -> String {
         self.inner.timeline.chrome_trace().to_string()
     }

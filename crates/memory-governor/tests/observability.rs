@@ -205,7 +205,7 @@ fn the_timeline_keeps_the_latest_events_and_counts_the_dropped() {
     }
     let (events, dropped) = governor.timeline_events();
     assert_eq!((events.len(), dropped), (3, 5));
-    let trace = governor.chrome_trace();
+    let trace: serde_json::Value = serde_json::from_str(&governor.chrome_trace_json()).unwrap();
     assert_eq!(trace["otherData"]["dropped_events"], 5);
 }
 
