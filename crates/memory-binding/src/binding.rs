@@ -2,31 +2,37 @@
 //!
 //! Every operation checks, before any callback, that the handle belongs to this
 //! registry, mechanism and binding and that its generation still validates, then
-//! enters the mechanism's lifecycle (see [`crate::lifecycle`]). No registry-wide lock
-//! is taken here; the only lock is the calling thread's pin, and it is never held
-//! across a callback.
+//! enters the mechanism's lifecycle (see [`crate::lifecycle`]). No lock is taken here:
+//! an allocation is recorded in the calling thread's pin (whichever thread made the
+//! binding), and a release, from any thread, marks the record in transit, calls the
+//! allocator, and frees the record back to its owner (see [`crate::entry::Pin`]).
 
 use std::fmt;
 use std::num::NonZeroU64;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
 use memory_api::{
-    AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingId, BindingIdentity,
+    AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingIdentity,
     DeferredReleaseQueue, DeviceAddress, DeviceAllocator, DeviceKey, Identity, PreparedRelease, QueueRefusalReason,
     RawAllocation, ReleaseError, ReleaseOutcome,
 };
 
-use crate::entry::{DropPolicy, MechanismCore, Pin, QuarantinedAllocation};
+use crate::entry::{Anchor, DropPolicy, MechanismCore, Pin, QuarantinedAllocation, Record};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
 use crate::lifecycle::{Admit, MechanismState};
 use crate::sync::Arc;
 
 /// A binding: the right to allocate through one mechanism, pinned to its allocator,
 /// provider context and authority. Cheap to clone; a clone is the same binding.
+///
+/// Share it however the runtime likes: by reference across a thread pool, or cloned
+/// into workers. Each thread that allocates through it records its allocations in its
+/// own per-thread pin of the mechanism, so threads share no written cache line.
 #[derive(Clone)]
 pub struct MemoryBinding {
-    pub(crate) pin: Arc<Pin>,
-    pub(crate) binding: BindingId,
+    pub(crate) anchor: Arc<Anchor>,
+    /// The binding id's serial (the issuer's, so it is recognised back).
+    pub(crate) binding: NonZeroU64,
     pub(crate) generation: BindingGeneration,
 }
 
@@ -50,11 +56,22 @@ pub enum ReleaseReport {
 }
 
 impl MemoryBinding {
+    #[inline]
+    pub(crate) fn core(&self) -> &MechanismCore {
+        &self.anchor.table.core
+    }
+
+    /// The calling thread's pin of this binding's mechanism.
+    #[inline]
+    pub(crate) fn local_pin(&self) -> &Arc<Pin> {
+        self.anchor.table.pin()
+    }
+
     /// Everything that identifies this binding.
     pub fn identity(&self) -> BindingIdentity {
-        let core = &self.pin.core;
+        let core = self.core();
         BindingIdentity::new(
-            self.binding,
+            recognise(&core.issuer, self.binding),
             self.generation,
             core.device,
             core.identity,
@@ -65,44 +82,46 @@ impl MemoryBinding {
 
     /// The device this binding allocates on.
     pub fn device(&self) -> DeviceKey {
-        self.pin.core.device
+        self.core().device
     }
 
     /// The state of the binding's mechanism now.
     pub fn state(&self) -> MechanismState {
-        self.pin.core.lifecycle.state()
+        self.core().lifecycle.state()
     }
 
     /// The provider-context resource this binding pins (for example the owner of a
     /// CUDA context), for the runtime to downcast.
     pub fn context_resource(&self) -> &crate::Resource {
-        &self.pin.core.context.resource
+        &self.core().context.resource
     }
 
     /// The authority resource this binding pins (for example a tenant account).
     pub fn authority_resource(&self) -> &crate::Resource {
-        &self.pin.core.authority.resource
+        &self.core().authority.resource
     }
 
     /// The allocator this binding is pinned to (for stats and trim).
     pub fn allocator(&self) -> &dyn DeviceAllocator {
-        &*self.pin.core.allocator
+        &*self.core().allocator
     }
 
-    /// Allocates through the pinned allocator.
+    /// Allocates through the pinned allocator. The allocation is recorded in the
+    /// calling thread's pin, so threads allocating through one binding (shared by
+    /// reference or cloned) do not contend.
     ///
     /// # Errors
     /// [`AllocateError::Inactive`] or [`AllocateError::DeviceLost`] before any
     /// callback when the mechanism takes no new allocations; the allocator's own
     /// [`AllocError`](memory_api::AllocError) otherwise. Nothing is leaked on error.
+    #[inline]
     pub fn allocate(&self, request: AllocationRequest) -> Result<BoundAllocation, AllocateError> {
-        let core = &self.pin.core;
-        let _in_flight = core.lifecycle.begin(self.pin.slot, Admit::ActiveOnly).map_err(|state| match state {
-            MechanismState::DeviceLost | MechanismState::Terminated => {
-                AllocateError::DeviceLost { device: core.device, reason: core.lost_reason() }
-            }
-            state => AllocateError::Inactive { mechanism: core.identity, state },
-        })?;
+        let pin = self.local_pin();
+        let core = &*pin.core;
+        let in_flight = match core.lifecycle.begin(&pin.in_flight, Admit::ActiveOnly) {
+            Ok(guard) => guard,
+            Err(state) => return Err(refused_allocation(core, state)),
+        };
         let raw = core.allocator.allocate(&request)?;
         let (address, bytes, align, tag) = (raw.address(), raw.bytes(), raw.align(), raw.provider_tag());
         // The registry validates what an allocator reports before it trusts it.
@@ -113,38 +132,34 @@ impl MemoryBinding {
         {
             return Err(reject_block(core, &request, raw));
         }
-        match self.pin.insert(raw) {
+        let align_log2 = align.trailing_zeros() as u8;
+        match pin.insert(address, bytes, align_log2, tag) {
             Ok((slot, generation)) => {
+                drop(in_flight);
                 tracing::trace!(mechanism = %core.identity, bytes, "allocate");
                 Ok(BoundAllocation {
-                    pin: Some(Arc::clone(&self.pin)),
+                    pin: Some(Arc::clone(pin)),
                     address,
                     bytes,
                     provider_tag: tag,
                     generation,
-                    binding: self.binding.serial(),
+                    binding: self.binding,
                     binding_generation: self.generation.serial(),
                     slot,
-                    align_log2: align.trailing_zeros() as u8,
+                    align_log2,
                 })
             }
-            Err((raw, error)) => {
-                // Could not record it: give it straight back rather than leak it.
-                let outcome = core.allocator.release(raw);
-                if !outcome.is_complete() {
-                    tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unrecordable allocation could not be released");
-                }
-                Err(AllocateError::Identity(error))
-            }
+            Err(error) => Err(unrecordable(core, raw, error)),
         }
     }
 
-    /// Releases `allocation` through the allocator that made it.
+    /// Releases `allocation` through the allocator that made it, from any thread.
     ///
     /// # Errors
     /// A [`Rejected`] handing the allocation back when it belongs to another
     /// registry or binding, its generation is stale, its device was lost (no
     /// callback runs then), or the allocator refused without mutating anything.
+    #[inline]
     pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
         if let Err(reason) = self.check_owns(&allocation) {
             return Err(Rejected { handle: allocation, reason });
@@ -185,8 +200,8 @@ impl MemoryBinding {
         // classified off the hot path.
         match allocation.pin.as_ref() {
             Some(pin)
-                if Arc::ptr_eq(&self.pin.core, &pin.core)
-                    && allocation.binding == self.binding.serial()
+                if Arc::ptr_eq(&self.anchor.table.core, &pin.core)
+                    && allocation.binding == self.binding
                     && allocation.binding_generation == self.generation.serial() =>
             {
                 Ok(())
@@ -198,7 +213,7 @@ impl MemoryBinding {
     #[cold]
     fn ownership_error(&self, allocation: &BoundAllocation) -> HandleError {
         let Some(pin) = allocation.pin.as_ref() else { return HandleError::StaleAllocation };
-        let (expected, found) = (self.pin.core.issuer.registry(), pin.core.issuer.registry());
+        let (expected, found) = (self.core().issuer.registry(), pin.core.issuer.registry());
         if expected != found {
             return HandleError::ForeignRegistry { expected, found };
         }
@@ -216,7 +231,7 @@ impl fmt::Debug for MemoryBinding {
 }
 
 /// One live allocation, pinned to the binding, mechanism, allocator, context and
-/// authority it came from.
+/// authority it came from. It may be released, dropped or sent to any thread.
 ///
 /// Dropping a live allocation follows its mechanism's [`DropPolicy`]: immediate
 /// release for host memory, a deferred queue where one is registered, otherwise
@@ -224,6 +239,7 @@ impl fmt::Debug for MemoryBinding {
 /// dropping does nothing; the block is retired when the context is confirmed
 /// terminated.
 pub struct BoundAllocation {
+    /// The pin of the thread that allocated it (where its record lives).
     pin: Option<Arc<Pin>>,
     address: DeviceAddress,
     bytes: usize,
@@ -324,28 +340,14 @@ impl BoundAllocation {
         RawAllocation::new(self.address, self.bytes, self.align(), device, self.provider_tag)
     }
 
-    pub(crate) fn record_key(&self) -> (u32, NonZeroU64) {
-        (self.slot, self.generation)
+    /// Whether its record is still live under its generation.
+    pub(crate) fn is_recorded(&self, pin: &Pin) -> bool {
+        pin.holds(self.slot, self.generation)
     }
 
     pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Arc<Pin>, HandleError> {
         binding.check_owns(self)?;
         self.check_usable()
-    }
-
-    /// Rebuilds a handle for a block put back into the registry.
-    fn rebuilt(parts: &HandleParts, pin: Arc<Pin>, slot: u32) -> BoundAllocation {
-        BoundAllocation {
-            pin: Some(pin),
-            address: parts.address,
-            bytes: parts.bytes,
-            provider_tag: parts.provider_tag,
-            generation: parts.generation,
-            binding: parts.binding,
-            binding_generation: parts.binding_generation,
-            slot,
-            align_log2: parts.align_log2,
-        }
     }
 
     fn parts(&self) -> HandleParts {
@@ -372,10 +374,10 @@ impl fmt::Debug for BoundAllocation {
 }
 
 impl Drop for BoundAllocation {
+    #[inline]
     fn drop(&mut self) {
         let Some(pin) = self.pin.take() else { return };
-        let parts = self.parts();
-        drop_release(pin, parts, self.slot);
+        drop_release(pin, self.parts(), self.slot);
     }
 }
 
@@ -412,24 +414,6 @@ impl AllocationView<'_> {
     /// The allocation viewed.
     pub fn allocation(&self) -> &BoundAllocation {
         self.allocation
-    }
-}
-
-/// Anything that can produce a handle's plain-data parts (the handle itself on the
-/// explicit path, a copy of its parts on drop and deferred paths).
-trait AsParts {
-    fn as_parts(&self) -> HandleParts;
-}
-
-impl AsParts for BoundAllocation {
-    fn as_parts(&self) -> HandleParts {
-        self.parts()
-    }
-}
-
-impl AsParts for HandleParts {
-    fn as_parts(&self) -> HandleParts {
-        *self
     }
 }
 
@@ -502,59 +486,100 @@ fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAlloc
     }
 }
 
-/// Explicit release: validate, take the record exactly once, call the allocator.
-/// Borrows the core through the handle's pin: no shared refcount is touched.
+/// An allocation refused by the lifecycle, before any callback.
+#[cold]
+fn refused_allocation(core: &MechanismCore, state: MechanismState) -> AllocateError {
+    match state {
+        MechanismState::DeviceLost | MechanismState::Terminated => {
+            AllocateError::DeviceLost { device: core.device, reason: core.lost_reason() }
+        }
+        state => AllocateError::Inactive { mechanism: core.identity, state },
+    }
+}
+
+/// A block that could not be recorded: give it straight back rather than leak it.
+#[cold]
+fn unrecordable(core: &MechanismCore, raw: RawAllocation, error: memory_api::IdentityError) -> AllocateError {
+    let outcome = core.allocator.release(raw);
+    if !outcome.is_complete() {
+        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unrecordable allocation could not be released");
+    }
+    AllocateError::Identity(error)
+}
+
+/// Takes the record at `slot` for a release: refuses on the state first (as before
+/// any record is touched), then announces the release by marking the record in
+/// transit, passes the Dekker point, and withdraws if the state changed meanwhile.
+/// A `remove` that is only counting is waited out.
+#[inline]
+fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, HandleError> {
+    let lifecycle = &pin.core.lifecycle;
+    let admit = Admit::ActiveOrRetired;
+    loop {
+        if let Err(state) = lifecycle.check(admit) {
+            lifecycle.refused(state, admit).map_err(|state| refusal_for(&pin.core, state))?;
+            continue;
+        }
+        let record = pin.announce(slot, generation).ok_or(HandleError::StaleAllocation)?;
+        match lifecycle.admit_announced(admit) {
+            Ok(()) => return Ok(record),
+            Err(state) => {
+                record.restore(generation);
+                lifecycle.refused(state, admit).map_err(|state| refusal_for(&pin.core, state))?;
+            }
+        }
+    }
+}
+
+/// Explicit release: take the record, call the allocator, settle. The handle's pin is
+/// the allocating thread's: its core is read through it, no shared refcount is touched.
 #[inline]
 fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
     let Some(pin) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
-    let settled = {
-        let core = &pin.core;
-        match core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) {
-            Err(state) => Err(refusal_for(core, state)),
-            Ok(in_flight) => match pin.take(allocation.slot, allocation.generation) {
-                None => Err(HandleError::StaleAllocation),
-                Some(raw) => {
-                    let settled = match call_release(core, &allocation, raw) {
-                        // The common answer needs no bookkeeping beyond the record
-                        // already taken.
-                        ReleaseOutcome::Complete(done) => {
-                            tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
-                            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
-                        }
-                        outcome => settle(core, &pin, &allocation.parts(), outcome),
-                    };
-                    drop(in_flight);
-                    Ok(settled)
-                }
-            },
-        }
-    };
-    match settled {
+    let slot = allocation.slot;
+    let record = match take(&pin, slot, allocation.generation) {
+        Ok(record) => record,
         // Refused before anything was taken: the handle goes back as it was.
         Err(reason) => {
             allocation.pin = Some(pin);
-            Err(Rejected { handle: allocation, reason })
+            return Err(Rejected { handle: allocation, reason });
         }
-        Ok(Settled::Done(report)) => Ok(report),
-        Ok(Settled::Refused { slot, error }) => Err(Rejected {
-            handle: BoundAllocation::rebuilt(&allocation.parts(), pin, slot),
-            reason: HandleError::ReleaseFailed(*error),
-        }),
+    };
+    let parts = allocation.parts();
+    let core = &*pin.core;
+    match call_release(&pin, slot, record, &parts) {
+        // The common answer needs no bookkeeping beyond freeing the record.
+        ReleaseOutcome::Complete(done) => {
+            pin.free(slot, record);
+            tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
+            Ok(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+        }
+        outcome => match settle(&pin, slot, record, &parts, outcome) {
+            Settled::Done(report) => Ok(report),
+            Settled::Refused(error) => {
+                // Nothing was released: the record is live again, the handle goes back.
+                record.restore(parts.generation);
+                allocation.pin = Some(pin);
+                Err(Rejected { handle: allocation, reason: HandleError::ReleaseFailed(*error) })
+            }
+        },
     }
 }
 
-/// Calls the allocator's release; a panic quarantines the whole block, then unwinds.
+/// Calls the allocator's release of the block `parts` describes; a panic quarantines
+/// the whole block (then frees its record), then unwinds.
 #[inline]
-fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> ReleaseOutcome {
-    match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
+fn call_release(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts) -> ReleaseOutcome {
+    let core = &*pin.core;
+    match catch_unwind(AssertUnwindSafe(|| core.allocator.release(parts.raw(core.device)))) {
         Ok(outcome) => outcome,
         Err(panic) => {
-            let parts = handle.as_parts();
             let raw = parts.raw(core.device);
             let bytes = raw.bytes();
             core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
+            pin.free(slot, record);
             resume_unwind(panic)
         }
     }
@@ -562,22 +587,21 @@ fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation)
 
 enum Settled {
     Done(ReleaseReport),
-    /// Nothing was released; the block is back in the pin at `slot`.
-    Refused {
-        slot: u32,
-        // Boxed: refusals are rare, and a small `Settled` keeps the common path in
-        // registers.
-        error: Box<ReleaseError>,
-    },
+    /// Nothing was released; the record is still in transit, for the caller to put
+    /// back (a handle returns) or to quarantine (nobody holds a handle).
+    // Boxed: refusals are rare, and a small `Settled` keeps the common path in
+    // registers.
+    Refused(Box<ReleaseError>),
 }
 
-/// Books an outcome: complete is done, quarantine goes to the registry's list, and a
-/// refusal puts the record back. An outcome about another block than the one given
-/// is not believed: the block given stays quarantined as wholly owned.
-#[inline]
-fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: ReleaseOutcome) -> Settled {
+/// Books an outcome: complete frees the record, quarantine moves the block to the
+/// registry's list first (so it is never in neither place), a refusal leaves the
+/// record in transit for the caller. An outcome about another block than the one
+/// given is not believed: the block given stays quarantined as wholly owned.
+fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: ReleaseOutcome) -> Settled {
+    let core = &*pin.core;
     let expected = parts.raw(core.device);
-    match outcome {
+    let settled = match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
             Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
@@ -599,25 +623,31 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
         }
         ReleaseOutcome::Failed(failed) => {
             let (raw, error) = failed.into_parts();
-            if !raw.same_block(&expected) {
-                let entry = mismatched(core, parts, expected, 0, parts.bytes);
-                let report = ReleaseReport::Quarantined {
-                    unmapped_bytes: entry.unmapped_bytes,
-                    residual_bytes: entry.residual_bytes,
-                };
-                core.quarantine(entry);
-                return Settled::Done(report);
+            if raw.same_block(&expected) {
+                return Settled::Refused(Box::new(error));
             }
-            match pin.reinsert(raw, parts.generation) {
-                Ok(slot) => Settled::Refused { slot, error: Box::new(error) },
-                Err(raw) => {
-                    let bytes = raw.bytes();
-                    core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
-                    Settled::Done(ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: bytes })
-                }
-            }
+            let entry = mismatched(core, parts, expected, 0, parts.bytes);
+            let report = ReleaseReport::Quarantined {
+                unmapped_bytes: entry.unmapped_bytes,
+                residual_bytes: entry.residual_bytes,
+            };
+            core.quarantine(entry);
+            Settled::Done(report)
         }
-    }
+    };
+    pin.free(slot, record);
+    settled
+}
+
+/// A refused release nobody holds a handle for (a drop, a queued release): the block
+/// is quarantined, then its record freed.
+#[cold]
+fn quarantine_in_transit(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, error: ReleaseError) {
+    let core = &*pin.core;
+    let raw = parts.raw(core.device);
+    let bytes = raw.bytes();
+    core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
+    pin.free(slot, record);
 }
 
 fn mismatched(
@@ -638,7 +668,8 @@ fn mismatched(
     )
 }
 
-/// Deferred release: take the record, count it in flight until the queue runs it.
+/// Deferred release: take the record and hand the release to the queue. The record
+/// stays in transit (counted in flight) until the queue runs or drops the release.
 fn release_deferred(
     mut allocation: BoundAllocation,
     queue: &dyn DeferredReleaseQueue,
@@ -646,50 +677,34 @@ fn release_deferred(
     let Some(pin) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
-    let parts = allocation.parts();
-    let taken = match pin.core.lifecycle.begin_detached(pin.slot, Admit::ActiveOrRetired) {
-        // `begin_detached` leaves no count behind when it refuses.
-        Err(state) => Err(refusal_for(&pin.core, state)),
-        Ok(()) => pin.take(allocation.slot, parts.generation).ok_or_else(|| {
-            pin.core.lifecycle.end_detached(pin.slot);
-            HandleError::StaleAllocation
-        }),
-    };
-    let raw = match taken {
-        Ok(raw) => raw,
+    let (slot, parts) = (allocation.slot, allocation.parts());
+    let record = match take(&pin, slot, parts.generation) {
+        Ok(record) => record,
         Err(reason) => {
             allocation.pin = Some(pin);
             return Err(Rejected { handle: allocation, reason });
         }
     };
-    match enqueue(&pin, &parts, raw, queue) {
+    match enqueue(&pin, slot, &parts, queue) {
         Ok(()) => Ok(()),
-        Err((raw, reason)) => {
-            let result = match pin.reinsert(raw, parts.generation) {
-                Ok(slot) => Err((slot, reason)),
-                Err(raw) => {
-                    let bytes = raw.bytes();
-                    pin.core.quarantine(parts.quarantined(&pin.core, raw, 0, bytes, ReleaseError::Abandoned));
-                    Ok(())
-                }
-            };
-            pin.core.lifecycle.end_detached(pin.slot);
-            result.map_err(|(slot, reason)| Rejected {
-                handle: BoundAllocation::rebuilt(&parts, pin, slot),
-                reason: HandleError::QueueRefused(reason),
-            })
+        Err(reason) => {
+            // Refused: the record is live again and the handle goes back.
+            record.restore(parts.generation);
+            allocation.pin = Some(pin);
+            Err(Rejected { handle: allocation, reason: HandleError::QueueRefused(reason) })
         }
     }
 }
 
-/// Builds the prepared release and offers it; on refusal ends the in-flight count and
-/// returns the block.
+/// Builds the prepared release and offers it. The completion settles the record (on
+/// whatever thread the queue runs it); a refusal hands the reason back with the
+/// record still in transit.
 fn enqueue(
     pin: &Arc<Pin>,
+    slot: u32,
     parts: &HandleParts,
-    raw: RawAllocation,
     queue: &dyn DeferredReleaseQueue,
-) -> Result<(), (RawAllocation, QueueRefusalReason)> {
+) -> Result<(), QueueRefusalReason> {
     let core = &pin.core;
     let identity = AllocationIdentity::new(
         BindingIdentity::new(
@@ -706,29 +721,26 @@ fn enqueue(
     let completion_pin = Arc::clone(pin);
     let completion_parts = *parts;
     let completion = Box::new(move |outcome: ReleaseOutcome| {
-        let core = &completion_pin.core;
+        let pin = &*completion_pin;
+        let Some(record) = pin.record(slot) else { return };
         let lost =
             matches!(&outcome, ReleaseOutcome::Failed(f) if matches!(f.error(), ReleaseError::DeviceLost { .. }));
-        match settle(core, &completion_pin, &completion_parts, outcome) {
-            Settled::Done(report) => tracing::trace!(mechanism = %core.identity, ?report, "deferred release ran"),
+        match settle(pin, slot, record, &completion_parts, outcome) {
+            Settled::Done(report) => tracing::trace!(mechanism = %pin.core.identity, ?report, "deferred release ran"),
             // Nobody holds a handle any more: a lost block stays recorded (retired at
             // termination); any other refusal becomes a quarantine.
-            Settled::Refused { slot, error } if !lost => {
-                if let Some(raw) = completion_pin.take(slot, completion_parts.generation) {
-                    let bytes = raw.bytes();
-                    core.quarantine(completion_parts.quarantined(core, raw, 0, bytes, *error));
-                }
-            }
-            Settled::Refused { .. } => {}
+            Settled::Refused(_) if lost => record.restore(completion_parts.generation),
+            Settled::Refused(error) => quarantine_in_transit(pin, slot, record, &completion_parts, *error),
         }
-        core.lifecycle.end_detached(completion_pin.slot);
     });
-    let prepared = PreparedRelease::new(identity, releaser, raw, completion);
+    let prepared = PreparedRelease::new(identity, releaser, parts.raw(core.device), completion);
     match queue.enqueue(prepared) {
         Ok(()) => Ok(()),
-        // The caller re-records or quarantines the block, then ends the count: ending
-        // it first would let termination or removal run while the block is nowhere.
-        Err(refusal) => Err((refusal.release.cancel(), refusal.reason)),
+        // `cancel` drops the completion unrun; the caller puts the record back.
+        Err(refusal) => {
+            let _block = refusal.release.cancel();
+            Err(refusal.reason)
+        }
     }
 }
 
@@ -767,52 +779,37 @@ impl DeviceAllocator for LifecycleCheckedRelease {
     }
 }
 
-/// Drop policy: see [`BoundAllocation`].
+/// Drop policy: see [`BoundAllocation`]. The host case (`Release`) runs the same
+/// inlined path as an explicit release.
+#[inline]
 fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
-    let core = &pin.core;
-    match &core.drop_policy {
-        DropPolicy::Release => {
-            let Ok(in_flight) = core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) else {
-                return; // Lost or terminated: no callback; termination retires the record.
-            };
-            let Some(raw) = pin.take(slot, parts.generation) else { return };
-            let outcome = call_release(core, &parts, raw);
-            // Nobody holds a handle any more: a refused drop-time release is quarantined.
-            if let Settled::Refused { slot, error } = settle(core, &pin, &parts, outcome)
-                && let Some(raw) = pin.take(slot, parts.generation)
-            {
-                let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, *error));
+    // Lost, terminated or stale: no callback; termination retires the record.
+    let Ok(record) = take(&pin, slot, parts.generation) else { return };
+    match &pin.core.drop_policy {
+        DropPolicy::Release => match call_release(&pin, slot, record, &parts) {
+            ReleaseOutcome::Complete(_) => {
+                pin.free(slot, record);
+                tracing::trace!(mechanism = %pin.core.identity, bytes = parts.bytes, "release on drop");
             }
-            drop(in_flight);
-        }
-        DropPolicy::Defer(queue) => {
-            if core.lifecycle.begin_detached(pin.slot, Admit::ActiveOrRetired).is_err() {
-                return;
+            outcome => {
+                // Nobody holds a handle any more: a refused drop-time release is
+                // quarantined.
+                if let Settled::Refused(error) = settle(&pin, slot, record, &parts, outcome) {
+                    quarantine_in_transit(&pin, slot, record, &parts, *error);
+                }
             }
-            let Some(raw) = pin.take(slot, parts.generation) else {
-                core.lifecycle.end_detached(pin.slot);
-                return;
-            };
-            if let Err((raw, reason)) = enqueue(&pin, &parts, raw, &**queue) {
-                tracing::warn!(mechanism = %core.identity, %reason, "drop-time deferred release refused");
-                let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
-                core.lifecycle.end_detached(pin.slot);
-            }
-        }
-        DropPolicy::Quarantine => {
-            // Counted in flight while the block moves from its record to quarantine,
-            // so termination and removal never run with the block in neither place.
-            let Ok(in_flight) = core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) else {
-                return; // Lost or terminated: termination retires the record.
-            };
-            if let Some(raw) = pin.take(slot, parts.generation) {
-                let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
-            }
-            drop(in_flight);
-        }
+        },
+        DropPolicy::Defer(queue) => drop_deferred(&pin, slot, record, &parts, &**queue),
+        // The device may still use the memory: nothing is freed.
+        DropPolicy::Quarantine => quarantine_in_transit(&pin, slot, record, &parts, ReleaseError::Abandoned),
+    }
+}
+
+#[cold]
+fn drop_deferred(pin: &Arc<Pin>, slot: u32, record: &Record, parts: &HandleParts, queue: &dyn DeferredReleaseQueue) {
+    if let Err(reason) = enqueue(pin, slot, parts, queue) {
+        tracing::warn!(mechanism = %pin.core.identity, %reason, "drop-time deferred release refused");
+        quarantine_in_transit(pin, slot, record, parts, ReleaseError::Abandoned);
     }
 }
 

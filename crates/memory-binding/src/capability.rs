@@ -22,8 +22,8 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn virtual_backing(&self) -> Result<BoundVirtualBacking, BoundCapabilityError> {
-        if self.pin.core.allocator.virtual_backing().is_none() {
-            return Err(BoundCapabilityError::Unsupported { mechanism: self.pin.core.identity, capability: VIRTUAL });
+        if self.core().allocator.virtual_backing().is_none() {
+            return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: VIRTUAL });
         }
         Ok(BoundVirtualBacking { binding: self.clone() })
     }
@@ -33,8 +33,8 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn shared_mapping(&self) -> Result<BoundSharedMapping, BoundCapabilityError> {
-        if self.pin.core.allocator.shared_mapping().is_none() {
-            return Err(BoundCapabilityError::Unsupported { mechanism: self.pin.core.identity, capability: SHARED });
+        if self.core().allocator.shared_mapping().is_none() {
+            return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: SHARED });
         }
         Ok(BoundSharedMapping { binding: self.clone() })
     }
@@ -56,12 +56,12 @@ impl MemoryBinding {
             range.check_within(allocation.bytes())?;
         }
         let core = &pin.core;
-        let _in_flight = core.lifecycle.begin(self.pin.slot, admit).map_err(|state| match state {
+        let _in_flight = core.lifecycle.begin(&self.local_pin().in_flight, admit).map_err(|state| match state {
             MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
             MechanismState::Terminated => HandleError::StaleAllocation,
             state => HandleError::Inactive { mechanism: core.identity, state },
         })?;
-        if !pin.holds_generation(allocation) {
+        if !allocation.is_recorded(pin) {
             return Err(HandleError::StaleAllocation.into());
         }
         if let Some(range) = range {
@@ -81,7 +81,7 @@ pub struct BoundVirtualBacking {
 
 impl BoundVirtualBacking {
     fn capability(binding: &MemoryBinding) -> Option<&dyn VirtualBacking> {
-        binding.pin.core.allocator.virtual_backing()
+        binding.core().allocator.virtual_backing()
     }
 
     /// Commit granularity in bytes.
@@ -157,7 +157,7 @@ pub struct BoundSharedMapping {
 
 impl BoundSharedMapping {
     fn capability(binding: &MemoryBinding) -> Option<&dyn SharedMapping> {
-        binding.pin.core.allocator.shared_mapping()
+        binding.core().allocator.shared_mapping()
     }
 
     /// Mapping granularity in bytes.
@@ -171,10 +171,10 @@ impl BoundSharedMapping {
     /// An inactive or lost mechanism, a size off the granularity, or the
     /// capability's own error.
     pub fn create_backing(&self, bytes: usize) -> Result<SharedBacking, BoundCapabilityError> {
-        let core = &self.binding.pin.core;
+        let core = self.binding.core();
         ByteRange::new(0, bytes).check_aligned(self.granularity())?;
         let _in_flight =
-            core.lifecycle.begin(self.binding.pin.slot, Admit::ActiveOnly).map_err(|state| match state {
+            core.lifecycle.begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly).map_err(|state| match state {
                 MechanismState::DeviceLost => {
                     HandleError::DeviceLost { device: core.device, reason: core.lost_reason() }
                 }

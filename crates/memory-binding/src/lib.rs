@@ -77,6 +77,7 @@ pub mod capability;
 pub mod entry;
 pub mod error;
 pub mod lifecycle;
+pub(crate) mod per_thread;
 pub mod registry;
 pub mod snapshot;
 pub(crate) mod sync;

@@ -8,8 +8,12 @@
 //! destructor runs under any of them: values are moved out, locks released, then the
 //! callback runs or the value drops.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasher, Hasher};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Weak;
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -17,13 +21,15 @@ use memory_api::{
     AllocationIdentity, AuthorityIdentity, BindingGeneration, DeviceAllocator, DeviceKey, Identity, IdentityIssuer,
     MechanismIdentity, ProviderContextIdentity, RawAllocation, RegistryId, ReleaseOutcome,
 };
+use thread_local::ThreadLocal;
 
 use crate::binding::MemoryBinding;
-use crate::entry::{AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
+use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
+use crate::per_thread::thread_index;
 use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
-use crate::sync::{Arc, Mutex, lock};
+use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
 
 /// The registry: sole issuer of identities, owner of every lifecycle.
 ///
@@ -34,20 +40,31 @@ pub struct BindingRegistry {
 }
 
 /// One selected mechanism per device.
+#[derive(Clone)]
 struct Selected {
-    device: DeviceKey,
     generation: BindingGeneration,
     mechanism: Arc<Mechanism>,
 }
+
+/// The selection: a copy-on-write map from device to its selected mechanism.
+type Selection = HashMap<DeviceKey, Selected>;
 
 pub(crate) struct RegistryInner {
     pub(crate) issuer: Arc<IdentityIssuer>,
     pub(crate) contexts: DashMap<ProviderContextIdentity, Arc<ContextEntry>>,
     pub(crate) authorities: DashMap<AuthorityIdentity, Arc<AuthorityEntry>>,
     pub(crate) mechanisms: DashMap<MechanismIdentity, Arc<Mechanism>>,
-    /// Copy-on-write selection table: `bind` reads it through an arc-swap guard, so
-    /// concurrent binds share no refcount line.
-    selection: ArcSwap<Vec<Selected>>,
+    /// Copy-on-write selection table, read through an arc-swap guard (no shared
+    /// refcount) when a thread's bind cache misses.
+    selection: ArcSwap<Selection>,
+    /// Bumped after every change of `selection`: a bind cache entry filled under an
+    /// older epoch is not used.
+    selection_epoch: AtomicU64,
+    /// Per thread: device → (epoch, generation, that thread's anchor of the selected
+    /// mechanism). `bind` reads only its own thread's entry and the epoch word, so
+    /// it writes nothing another thread reads, and it does not depend on how many
+    /// devices are registered.
+    bind_cache: ThreadLocal<RefCell<BindCache>>,
     cold: Mutex<()>,
 }
 
@@ -87,7 +104,9 @@ impl BindingRegistry {
                 contexts: DashMap::new(),
                 authorities: DashMap::new(),
                 mechanisms: DashMap::new(),
-                selection: ArcSwap::from_pointee(Vec::new()),
+                selection: ArcSwap::from_pointee(Selection::new()),
+                selection_epoch: AtomicU64::new(0),
+                bind_cache: ThreadLocal::new(),
                 cold: Mutex::new(()),
             }),
         }
@@ -225,7 +244,7 @@ impl BindingRegistry {
         );
         let mechanism = Arc::new(Mechanism::new(core));
         self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
-        let selected = self.inner.selection.load().iter().any(|s| s.device == device);
+        let selected = self.inner.selection.load().contains_key(&device);
         if !selected {
             self.store_selection(device, Some((generation, mechanism)));
         }
@@ -262,17 +281,16 @@ impl BindingRegistry {
     }
 
     fn store_selection(&self, device: DeviceKey, selected: Option<(BindingGeneration, Arc<Mechanism>)>) {
-        let current = self.inner.selection.load();
-        let mut table: Vec<Selected> = current
-            .iter()
-            .filter(|s| s.device != device)
-            .map(|s| Selected { device: s.device, generation: s.generation, mechanism: Arc::clone(&s.mechanism) })
-            .collect();
-        if let Some((generation, mechanism)) = selected {
-            table.push(Selected { device, generation, mechanism });
-        }
-        // Only called under `cold`, so load-modify-store cannot lose an update.
+        let mut table = Selection::clone(&self.inner.selection.load());
+        match selected {
+            Some((generation, mechanism)) => table.insert(device, Selected { generation, mechanism }),
+            None => table.remove(&device),
+        };
+        // Only called under `cold`, so load-modify-store cannot lose an update. The
+        // epoch moves after the table: a bind that reads the new epoch finds at
+        // least this table.
         self.inner.selection.store(Arc::new(table));
+        self.inner.selection_epoch.fetch_add(1, Ordering::Release);
     }
 
     /// Makes `mechanism` the one future `bind(device)` calls use. Existing bindings,
@@ -301,7 +319,7 @@ impl BindingRegistry {
 
     /// The mechanism selected for `device`, if any.
     pub fn selected(&self, device: DeviceKey) -> Option<MechanismIdentity> {
-        self.inner.selection.load().iter().find(|s| s.device == device).map(|s| s.mechanism.core.identity)
+        self.inner.selection.load().get(&device).map(|s| s.mechanism.core.identity)
     }
 
     /// Binds the mechanism selected for `device`.
@@ -309,12 +327,34 @@ impl BindingRegistry {
     /// # Errors
     /// [`BindError::NoSelection`], or [`BindError::Inactive`] when the selected
     /// mechanism was retired or lost concurrently.
+    #[inline]
     pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
-        let selection = self.inner.selection.load();
-        let Some(selected) = selection.iter().find(|s| s.device == device) else {
-            return Err(BindError::NoSelection { device });
+        let epoch = self.inner.selection_epoch.load(Ordering::Acquire);
+        let cached = self.inner.bind_cache.get().and_then(|cache| cache.try_borrow().ok()?.hit(device, epoch));
+        match cached {
+            // The anchor must be the calling thread's own (its binding-id block is
+            // single-writer); a recycled thread index means a refill.
+            Some((anchor, generation)) if anchor.owner == thread_index() => bind_anchor(anchor, generation),
+            _ => self.bind_uncached(device, epoch),
+        }
+    }
+
+    /// `bind` when this thread's cache has no current entry for `device`: read the
+    /// selection, fill the cache, bind.
+    #[cold]
+    fn bind_uncached(&self, device: DeviceKey, epoch: u64) -> Result<MemoryBinding, BindError> {
+        let (anchor, generation) = {
+            let selection = self.inner.selection.load();
+            let Some(selected) = selection.get(&device) else {
+                return Err(BindError::NoSelection { device });
+            };
+            (Arc::clone(selected.mechanism.anchor()), selected.generation)
         };
-        bind_mechanism(&selected.mechanism, selected.generation)
+        let cache = self.inner.bind_cache.get_or_default();
+        if let Ok(mut cache) = cache.try_borrow_mut() {
+            cache.put(CachedSelection { device, epoch, generation, anchor: Arc::downgrade(&anchor) });
+        }
+        bind_anchor(anchor, generation)
     }
 
     /// Binds a specific registered mechanism, selected or not.
@@ -324,7 +364,7 @@ impl BindingRegistry {
     pub fn bind_registered(&self, mechanism: &MechanismIdentity) -> Result<MemoryBinding, BindError> {
         let entry = self.mechanism(mechanism)?;
         let generation = entry.core.registered_generation;
-        bind_mechanism(&entry, generation)
+        bind_anchor(Arc::clone(entry.anchor()), generation)
     }
 
     /// One-call adapter for code that still holds a bare allocator: registers an
@@ -416,7 +456,7 @@ impl BindingRegistry {
         }
         let mechanisms: Vec<_> =
             self.all_mechanisms().into_iter().filter(|m| m.core.context.identity == *context).collect();
-        let in_flight: usize = mechanisms.iter().map(|m| m.core.lifecycle.in_flight()).sum();
+        let in_flight: usize = mechanisms.iter().map(|m| m.in_flight()).sum();
         if in_flight > 0 {
             return Err(RegistryError::ContextNotQuiescent { context: *context, in_flight });
         }
@@ -464,8 +504,8 @@ impl BindingRegistry {
     pub fn retry_quarantined(&self, mechanism: &MechanismIdentity) -> Result<RetryReport, RegistryError> {
         let entry = self.mechanism(mechanism)?;
         let core = &entry.core;
-        let slot = entry.pin().slot;
-        let Ok(in_flight) = core.lifecycle.begin(slot, Admit::ActiveOrRetired) else {
+        let pin = entry.table.pin();
+        let Ok(in_flight) = core.lifecycle.begin(&pin.in_flight, Admit::ActiveOrRetired) else {
             return Err(RegistryError::InvalidState {
                 mechanism: *mechanism,
                 state: core.lifecycle.state(),
@@ -558,8 +598,8 @@ impl BindingRegistry {
         // nothing already. The in-flight sum then covers everything that began before.
         let closed = state == MechanismState::Retired
             && lifecycle.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
-        let in_flight = lifecycle.in_flight();
-        let live: usize = entry.pins().map(|pin| pin.live_count()).sum();
+        let in_flight = entry.in_flight();
+        let (live, _) = entry.live();
         let quarantined = entry.core.quarantined_count();
         if live + quarantined + in_flight > 0 {
             if closed {
@@ -660,15 +700,128 @@ impl BindingRegistry {
     }
 }
 
-fn bind_mechanism(mechanism: &Mechanism, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
-    let state = mechanism.core.lifecycle.state();
+/// Mints a binding through `anchor` (the calling thread's anchor of the mechanism).
+#[inline]
+fn bind_anchor(anchor: Arc<Anchor>, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
+    let core = &anchor.table.core;
+    let state = core.lifecycle.state();
     if state != MechanismState::Active {
-        return Err(BindError::Inactive { mechanism: mechanism.core.identity, state });
+        return Err(BindError::Inactive { mechanism: core.identity, state });
     }
-    let pin = mechanism.pin();
-    let binding = pin.next_binding_id().map_err(RegistryError::from)?;
-    tracing::trace!(mechanism = %mechanism.core.identity, "bind");
-    Ok(MemoryBinding { pin: Arc::clone(pin), binding, generation })
+    let binding = anchor.next_binding_id().map_err(RegistryError::from)?;
+    tracing::trace!(mechanism = %core.identity, "bind");
+    Ok(MemoryBinding { anchor, binding, generation })
+}
+
+/// One thread's cached selection for one device.
+struct CachedSelection {
+    device: DeviceKey,
+    epoch: u64,
+    generation: BindingGeneration,
+    /// Weak: a cache entry never keeps a retired or removed mechanism alive.
+    anchor: Weak<Anchor>,
+}
+
+/// A thread's bind cache: an open-addressed table keyed by device (linear probing,
+/// at most half full), so a hit costs one hash and usually one probe whatever the
+/// number of devices.
+#[derive(Default)]
+struct BindCache {
+    entries: Vec<Option<CachedSelection>>,
+    len: usize,
+}
+
+impl BindCache {
+    #[inline]
+    fn position(&self, device: DeviceKey) -> Option<usize> {
+        let mask = self.entries.len().checked_sub(1)?;
+        let mut at = DeviceHash.hash_one(device) as usize & mask;
+        loop {
+            match &self.entries[at] {
+                Some(entry) if entry.device == device => return Some(at),
+                Some(_) => at = (at + 1) & mask,
+                None => return None,
+            }
+        }
+    }
+
+    /// The cached anchor and generation for `device`, if filled under `epoch` and the
+    /// mechanism is still alive.
+    #[inline]
+    fn hit(&self, device: DeviceKey, epoch: u64) -> Option<(Arc<Anchor>, BindingGeneration)> {
+        let entry = self.entries[self.position(device)?].as_ref()?;
+        if entry.epoch != epoch {
+            return None;
+        }
+        Some((entry.anchor.upgrade()?, entry.generation))
+    }
+
+    fn put(&mut self, entry: CachedSelection) {
+        if let Some(at) = self.position(entry.device) {
+            self.entries[at] = Some(entry);
+            return;
+        }
+        if (self.len + 1) * 2 > self.entries.len() {
+            let grown = (self.entries.len() * 2).max(8);
+            let old = std::mem::replace(&mut self.entries, (0..grown).map(|_| None).collect());
+            self.len = 0;
+            for entry in old.into_iter().flatten() {
+                self.insert_new(entry);
+            }
+        }
+        self.insert_new(entry);
+    }
+
+    fn insert_new(&mut self, entry: CachedSelection) {
+        let mask = self.entries.len() - 1;
+        let mut at = DeviceHash.hash_one(entry.device) as usize & mask;
+        while self.entries[at].is_some() {
+            at = (at + 1) & mask;
+        }
+        self.entries[at] = Some(entry);
+        self.len += 1;
+    }
+}
+
+/// A multiplicative hash for device keys (a few integers): cheaper than SipHash, and
+/// the keys are the registry's own, not attacker-chosen strings.
+#[derive(Copy, Clone, Default)]
+struct DeviceHash;
+
+impl BuildHasher for DeviceHash {
+    type Hasher = DeviceHasher;
+    fn build_hasher(&self) -> DeviceHasher {
+        DeviceHasher(0)
+    }
+}
+
+struct DeviceHasher(u64);
+
+impl Hasher for DeviceHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.write_u64(u64::from(byte));
+        }
+    }
+    fn write_u8(&mut self, value: u8) {
+        self.write_u64(u64::from(value));
+    }
+    fn write_u32(&mut self, value: u32) {
+        self.write_u64(u64::from(value));
+    }
+    fn write_isize(&mut self, value: isize) {
+        self.write_u64(value as u64);
+    }
+    fn write_usize(&mut self, value: usize) {
+        self.write_u64(value as u64);
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn finish(&self) -> u64 {
+        // The high bits are the well-mixed ones.
+        self.0 >> 32 ^ self.0
+    }
 }
 
 impl fmt::Debug for BindingRegistry {

@@ -181,7 +181,7 @@ impl BindingRegistry {
             selected: self.selected(core.device) == Some(core.identity),
             live_allocations,
             live_bytes,
-            in_flight: core.lifecycle.in_flight(),
+            in_flight: entry.in_flight(),
             quarantined,
             lost_reason: matches!(state, MechanismState::DeviceLost | MechanismState::Terminated)
                 .then(|| core.lost_reason()),
