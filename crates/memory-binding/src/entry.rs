@@ -573,7 +573,8 @@ impl Pin {
         }
     }
 
-    /// Whether the record at `slot` is live under `generation`.
+    /// Whether the record at `slot` is live under `generation` (the caller checks the
+    /// mechanism is not terminated).
     pub(crate) fn holds(&self, slot: u32, generation: NonZeroU64) -> bool {
         self.record(slot).is_some_and(|record| record.holds(generation))
     }
@@ -583,9 +584,10 @@ impl Pin {
         self.segments.iter().filter_map(OnceLock::get).flat_map(|segment| segment.iter())
     }
 
-    /// Whether any record is live under `generation` (cold path: a scan).
+    /// Whether any record is live under `generation` (cold path: a scan; none once
+    /// terminated).
     pub(crate) fn find(&self, generation: NonZeroU64) -> bool {
-        self.records().any(|record| record.holds(generation))
+        !self.retired() && self.records().any(|record| record.holds(generation))
     }
 
     /// Records in transit now (cold path, after the Dekker barrier).
@@ -593,10 +595,13 @@ impl Pin {
         self.records().filter(|record| record.state.load(Ordering::Acquire) & IN_TRANSIT != 0).count()
     }
 
-    /// Live records and their bytes (cold path: a scan). A record reused while it is
-    /// read is skipped, as if read a moment later.
+    /// Live records and their bytes (cold path: a scan; none once terminated). A
+    /// record reused while it is read is skipped, as if read a moment later.
     pub(crate) fn live(&self) -> (usize, usize) {
         let mut live = (0, 0);
+        if self.retired() {
+            return live;
+        }
         for record in self.records() {
             let state = record.state.load(Ordering::Acquire);
             if state == FREE || state & IN_TRANSIT != 0 {
@@ -611,28 +616,23 @@ impl Pin {
         live
     }
 
-    /// Removes every live record (the termination sweep: the mechanism admits nothing
-    /// any more). A record momentarily in transit belongs to a release that is being
-    /// refused; the sweep waits the few instructions until it is put back.
-    pub(crate) fn drain(&self) -> Vec<RawAllocation> {
-        let mut lost = Vec::new();
-        for record in self.records() {
-            loop {
-                let state = record.state.load(Ordering::Acquire);
-                if state == FREE {
-                    break;
-                }
-                if state & IN_TRANSIT != 0 {
-                    crate::sync::yield_now();
-                    continue;
-                }
-                if record.state.compare_exchange(state, FREE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                    lost.extend(record.block(self.core.device));
-                    break;
-                }
-            }
-        }
-        lost
+    /// The blocks of every live record (the termination sweep; the mechanism is
+    /// `Terminated`, so it admits nothing and no record will be used again).
+    ///
+    /// The sweep reads and does not write: a release refused by the termination may
+    /// still be withdrawing (its announcement and its withdrawal are plain stores), so
+    /// a record in transit here is one being put back, and counts as live. Once the
+    /// mechanism is terminated every record reads as retired (`live`, `find`).
+    pub(crate) fn collect_lost(&self) -> Vec<RawAllocation> {
+        self.records()
+            .filter(|record| record.state.load(Ordering::Acquire) != FREE)
+            .filter_map(|record| record.block(self.core.device))
+            .collect()
+    }
+
+    /// Whether the mechanism's records are retired (terminated).
+    fn retired(&self) -> bool {
+        self.core.lifecycle.state() == crate::lifecycle::MechanismState::Terminated
     }
 }
 
@@ -757,8 +757,8 @@ mod loom_records {
     }
 
     /// A release racing invalidation and the termination sweep: the block is released
-    /// by exactly one of them, and no release callback runs once termination is
-    /// confirmed.
+    /// by exactly one of them, no release callback runs once termination is
+    /// confirmed, and a release refused meanwhile never brings a swept record back.
     #[test]
     fn loom_release_racing_termination_sweep_is_exactly_once() {
         loom::model(|| {
@@ -785,20 +785,23 @@ mod loom_records {
             };
             let life = &pin.core.lifecycle;
             life.transition(&[MechanismState::Active], MechanismState::DeviceLost).unwrap();
-            life.quiesce_barrier();
-            let swept = if pin.in_transit() == 0 && pin.in_flight.load() == 0 {
+            // `confirm_context_terminated`: barrier, count, terminate and sweep at zero.
+            let confirm = || {
+                life.quiesce_barrier();
+                if pin.in_transit() > 0 || pin.in_flight.load() > 0 {
+                    return None;
+                }
                 life.transition(&[MechanismState::DeviceLost], MechanismState::Terminated).unwrap();
                 terminated.store(true, Ordering::SeqCst);
-                Some(pin.drain().len())
-            } else {
-                None
+                Some(pin.collect_lost().len())
             };
+            let first = confirm();
             let released = releaser.join().unwrap();
-            // A refused release puts the record back; a sweep that could not run yet
-            // (the caller polls) runs now.
-            let swept = swept.unwrap_or_else(|| pin.drain().len());
+            // The caller polls: once the release is done, confirmation succeeds.
+            let swept = first.unwrap_or_else(|| confirm().expect("quiescent once the release is done"));
             assert_eq!(usize::from(released) + swept, 1, "released {released}, swept {swept}");
             assert_eq!(pin.live(), (0, 0));
+            assert!(!pin.find(generation));
         });
     }
 }

@@ -473,7 +473,7 @@ impl BindingRegistry {
         // panicking `forget_lost` must not leave another mechanism undrained.
         let mut handoffs = Vec::with_capacity(mechanisms.len());
         for mechanism in &mechanisms {
-            let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.drain()).collect();
+            let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.collect_lost()).collect();
             report.lost_allocations += lost.len();
             report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
             let quarantine = mechanism.core.take_quarantine();
