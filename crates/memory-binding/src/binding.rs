@@ -122,13 +122,17 @@ impl MemoryBinding {
             Ok(guard) => guard,
             Err(state) => return Err(refused_allocation(core, state)),
         };
-        let raw = core.allocator.allocate(&request)?;
+        // Through `&dyn` directly (not the `Arc` forwarding impl): the result is
+        // written once.
+        let allocator: &dyn DeviceAllocator = &*core.allocator;
+        let raw = allocator.allocate(&request)?;
         let (address, bytes, align, tag) = (raw.address(), raw.bytes(), raw.align(), raw.provider_tag());
         // The registry validates what an allocator reports before it trusts it.
         if raw.device() != core.device
             || bytes < request.bytes()
             || !align.is_power_of_two()
-            || !address.is_aligned_to(request.align())
+            // `request.align()` is a power of two: a mask, not a division.
+            || address.get() & (request.align() as u64 - 1) != 0
         {
             return Err(reject_block(core, &request, raw));
         }
@@ -507,27 +511,48 @@ fn unrecordable(core: &MechanismCore, raw: RawAllocation, error: memory_api::Ide
     AllocateError::Identity(error)
 }
 
-/// Takes the record at `slot` for a release: refuses on the state first (as before
-/// any record is touched), then announces the release by marking the record in
-/// transit, passes the Dekker point, and withdraws if the state changed meanwhile.
-/// A `remove` that is only counting is waited out.
+/// Why [`take`] gave no record: small and `Copy`, so the common path carries no
+/// drop glue; the caller turns it into a [`HandleError`] off the hot path.
+#[derive(Copy, Clone)]
+enum Refusal {
+    Stale,
+    State(MechanismState),
+}
+
+impl Refusal {
+    #[cold]
+    fn reason(self, core: &MechanismCore) -> HandleError {
+        match self {
+            Refusal::Stale => HandleError::StaleAllocation,
+            Refusal::State(state) => refusal_for(core, state),
+        }
+    }
+}
+
+/// Takes the record at `slot` for a release: announces the release by marking the
+/// record in transit, passes the Dekker point, and withdraws if the state refuses.
+/// A `remove` that is only counting is waited out. A stale key is reported as such
+/// only when the state admits releases (a lost device is reported first, as before
+/// any record is touched).
 #[inline]
-fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, HandleError> {
+fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, Refusal> {
     let lifecycle = &pin.core.lifecycle;
     let admit = Admit::ActiveOrRetired;
     loop {
-        if let Err(state) = lifecycle.check(admit) {
-            lifecycle.refused(state, admit).map_err(|state| refusal_for(&pin.core, state))?;
-            continue;
-        }
-        let record = pin.announce(slot, generation).ok_or(HandleError::StaleAllocation)?;
-        match lifecycle.admit_announced(admit) {
-            Ok(()) => return Ok(record),
-            Err(state) => {
-                record.restore(generation);
-                lifecycle.refused(state, admit).map_err(|state| refusal_for(&pin.core, state))?;
-            }
-        }
+        let refused = match pin.announce(slot, generation) {
+            Some(record) => match lifecycle.admit_announced(admit) {
+                Ok(()) => return Ok(record),
+                Err(state) => {
+                    record.restore(generation);
+                    state
+                }
+            },
+            None => match lifecycle.check(admit) {
+                Ok(()) => return Err(Refusal::Stale),
+                Err(state) => state,
+            },
+        };
+        lifecycle.refused(refused, admit).map_err(Refusal::State)?;
     }
 }
 
@@ -542,7 +567,8 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
     let record = match take(&pin, slot, allocation.generation) {
         Ok(record) => record,
         // Refused before anything was taken: the handle goes back as it was.
-        Err(reason) => {
+        Err(refusal) => {
+            let reason = refusal.reason(&pin.core);
             allocation.pin = Some(pin);
             return Err(Rejected { handle: allocation, reason });
         }
@@ -554,10 +580,15 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
         ReleaseOutcome::Complete(done) => {
             pin.free(slot, record);
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
+            // Its pin is taken: nothing is left for `Drop` to do.
+            std::mem::forget(allocation);
             Ok(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
         }
         outcome => match settle(&pin, slot, record, &parts, outcome) {
-            Settled::Done(report) => Ok(report),
+            Settled::Done(report) => {
+                std::mem::forget(allocation);
+                Ok(report)
+            }
             Settled::Refused(error) => {
                 // Nothing was released: the record is live again, the handle goes back.
                 record.restore(parts.generation);
@@ -573,7 +604,8 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
 #[inline]
 fn call_release(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts) -> ReleaseOutcome {
     let core = &*pin.core;
-    match catch_unwind(AssertUnwindSafe(|| core.allocator.release(parts.raw(core.device)))) {
+    let allocator: &dyn DeviceAllocator = &*core.allocator;
+    match catch_unwind(AssertUnwindSafe(|| allocator.release(parts.raw(core.device)))) {
         Ok(outcome) => outcome,
         Err(panic) => {
             let raw = parts.raw(core.device);
@@ -680,7 +712,8 @@ fn release_deferred(
     let (slot, parts) = (allocation.slot, allocation.parts());
     let record = match take(&pin, slot, parts.generation) {
         Ok(record) => record,
-        Err(reason) => {
+        Err(refusal) => {
+            let reason = refusal.reason(&pin.core);
             allocation.pin = Some(pin);
             return Err(Rejected { handle: allocation, reason });
         }

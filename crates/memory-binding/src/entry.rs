@@ -390,7 +390,7 @@ impl Record {
 const FIRST_SEGMENT: u32 = 32;
 #[cfg(memory_loom)]
 const FIRST_SEGMENT: u32 = 2;
-/// Enough segments for every `u32` slot below [`NO_SLOT`].
+/// Enough segments for every `u32` slot below [`NO_SLOT`] (the first is inline).
 const SEGMENTS: usize = 33 - FIRST_SEGMENT.trailing_zeros() as usize;
 
 /// A slot's segment and its offset in it.
@@ -399,6 +399,11 @@ fn segment_of(slot: u32) -> (usize, usize) {
     let shifted = u64::from(slot) + u64::from(FIRST_SEGMENT);
     let segment = shifted.ilog2() - FIRST_SEGMENT.ilog2();
     (segment as usize, (shifted - (u64::from(FIRST_SEGMENT) << segment)) as usize)
+}
+
+/// Records of a new segment.
+fn new_records(count: u32) -> Box<[Record]> {
+    (0..count).map(|_| Record::new()).collect()
 }
 
 /// The owner thread's part of a pin: written by the owner alone, on its own line.
@@ -429,6 +434,8 @@ struct OwnerState {
 #[repr(align(128))]
 pub(crate) struct Pin {
     pub(crate) core: Arc<MechanismCore>,
+    /// Segment 0, made with the pin; the rest on demand.
+    first: Box<[Record]>,
     segments: [OnceLock<Box<[Record]>>; SEGMENTS],
     /// The thread index that owns this pin (fixed: a recycled index inherits the pin).
     owner: usize,
@@ -440,27 +447,36 @@ pub(crate) struct Pin {
 
 impl Pin {
     pub(crate) fn new(core: Arc<MechanismCore>, owner: usize) -> Pin {
-        let pin = Pin {
+        Pin {
             core,
+            first: new_records(FIRST_SEGMENT),
             segments: std::array::from_fn(|_| OnceLock::new()),
             owner,
             in_flight: InFlightSlot::default(),
             local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
             generations: CachePadded::new(OwnerBlock::new()),
             remote_free: CachePadded::new(AtomicU32::new(NO_SLOT)),
-        };
-        pin.segment(0);
-        pin
+        }
     }
 
     /// Segment `k`, created if needed (owner only).
     fn segment(&self, k: usize) -> &[Record] {
-        self.segments[k].get_or_init(|| (0..FIRST_SEGMENT << k).map(|_| Record::new()).collect())
+        match k {
+            0 => &self.first,
+            k => self.segments[k].get_or_init(|| new_records(FIRST_SEGMENT << k)),
+        }
     }
 
     /// The record at `slot`, if its segment exists.
     #[inline]
     pub(crate) fn record(&self, slot: u32) -> Option<&Record> {
+        match self.first.get(slot as usize) {
+            Some(record) => Some(record),
+            None => self.record_beyond_first(slot),
+        }
+    }
+
+    fn record_beyond_first(&self, slot: u32) -> Option<&Record> {
         let (segment, offset) = segment_of(slot);
         self.segments.get(segment)?.get()?.get(offset)
     }
@@ -581,7 +597,8 @@ impl Pin {
 
     /// Every record that exists (cold path).
     fn records(&self) -> impl Iterator<Item = &Record> {
-        self.segments.iter().filter_map(OnceLock::get).flat_map(|segment| segment.iter())
+        let rest = self.segments.iter().skip(1).filter_map(OnceLock::get).flat_map(|segment| segment.iter());
+        self.first.iter().chain(rest)
     }
 
     /// Whether any record is live under `generation` (cold path: a scan; none once

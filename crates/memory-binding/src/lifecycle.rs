@@ -95,12 +95,12 @@ pub(crate) enum Admit {
 }
 
 impl Admit {
+    /// On the encoded word, so the hot path decodes only a refusal.
     #[inline]
-    fn allows(self, state: MechanismState) -> bool {
-        match self {
-            Admit::ActiveOnly => state == MechanismState::Active,
-            Admit::ActiveOrRetired => matches!(state, MechanismState::Active | MechanismState::Retired),
-        }
+    fn allows_raw(self, raw: u8) -> bool {
+        const ACTIVE: u8 = MechanismState::Active.encode();
+        const RETIRED: u8 = MechanismState::Retired.encode();
+        raw == ACTIVE || (self == Admit::ActiveOrRetired && raw == RETIRED)
     }
 }
 
@@ -148,8 +148,8 @@ impl Lifecycle {
     /// The state that refuses it.
     #[inline]
     pub(crate) fn check(&self, admit: Admit) -> Result<(), MechanismState> {
-        let state = self.state();
-        if admit.allows(state) { Ok(()) } else { Err(state) }
+        let raw = self.state.load(Ordering::Acquire);
+        if admit.allows_raw(raw) { Ok(()) } else { Err(MechanismState::decode(raw)) }
     }
 
     /// Starts an operation counted on `slot` (the calling thread's own) if the state
@@ -183,8 +183,8 @@ impl Lifecycle {
     #[inline]
     pub(crate) fn admit_announced(&self, admit: Admit) -> Result<(), MechanismState> {
         light_barrier(self.barrier);
-        let state = MechanismState::decode(self.state.load(Ordering::Relaxed));
-        if admit.allows(state) { Ok(()) } else { Err(state) }
+        let raw = self.state.load(Ordering::Relaxed);
+        if admit.allows_raw(raw) { Ok(()) } else { Err(MechanismState::decode(raw)) }
     }
 
     /// After a withdrawn announcement: `Ok` to try again (`remove` was only

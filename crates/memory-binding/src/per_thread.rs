@@ -12,26 +12,33 @@
 
 use std::sync::OnceLock;
 
-/// Entries in the first bucket (a power of two); bucket `b` holds `FIRST << b`.
-const FIRST: usize = 8;
-/// Enough buckets to index every `usize`.
+/// Thread indices served from the inline first table, without an indirection.
+const INLINE: usize = 64;
+/// Entries in the first spill bucket (a power of two); bucket `b` holds `FIRST << b`.
+const FIRST: usize = 64;
+/// Enough buckets to index every `usize` past the inline table.
 const BUCKETS: usize = usize::BITS as usize - FIRST.trailing_zeros() as usize;
 
 /// One value of `T` per thread index, created on first use and kept until the table
 /// drops (a recycled index finds the previous thread's value, which is the point:
 /// tables do not grow with thread churn).
 pub(crate) struct PerThread<T> {
+    inline: [OnceLock<T>; INLINE],
     buckets: [OnceLock<Box<[OnceLock<T>]>>; BUCKETS],
 }
 
 impl<T> PerThread<T> {
     pub(crate) fn new() -> PerThread<T> {
-        PerThread { buckets: std::array::from_fn(|_| OnceLock::new()) }
+        PerThread {
+            inline: std::array::from_fn(|_| OnceLock::new()),
+            buckets: std::array::from_fn(|_| OnceLock::new()),
+        }
     }
 
+    /// The spill bucket and offset of an index past the inline table.
     #[inline]
     fn position(index: usize) -> (usize, usize) {
-        let shifted = index + FIRST;
+        let shifted = index - INLINE + FIRST;
         let bucket = (shifted.ilog2() - FIRST.ilog2()) as usize;
         (bucket, shifted - (FIRST << bucket))
     }
@@ -39,6 +46,14 @@ impl<T> PerThread<T> {
     /// The value of thread `index`, if it was created.
     #[inline]
     pub(crate) fn get(&self, index: usize) -> Option<&T> {
+        match self.inline.get(index) {
+            Some(entry) => entry.get(),
+            None => self.get_spilled(index),
+        }
+    }
+
+    #[cold]
+    fn get_spilled(&self, index: usize) -> Option<&T> {
         let (bucket, offset) = Self::position(index);
         self.buckets[bucket].get()?[offset].get()
     }
@@ -55,6 +70,9 @@ impl<T> PerThread<T> {
 
     #[cold]
     fn create(&self, index: usize, init: impl FnOnce() -> T) -> &T {
+        if let Some(entry) = self.inline.get(index) {
+            return entry.get_or_init(init);
+        }
         let (bucket, offset) = Self::position(index);
         let entries = self.buckets[bucket].get_or_init(|| (0..FIRST << bucket).map(|_| OnceLock::new()).collect());
         entries[offset].get_or_init(init)
@@ -62,7 +80,8 @@ impl<T> PerThread<T> {
 
     /// Every value created so far (cold path: sweeps, counts).
     pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
-        self.buckets.iter().filter_map(OnceLock::get).flat_map(|entries| entries.iter().filter_map(OnceLock::get))
+        let spilled = self.buckets.iter().filter_map(OnceLock::get).flat_map(|entries| entries.iter());
+        self.inline.iter().chain(spilled).filter_map(OnceLock::get)
     }
 }
 
@@ -164,16 +183,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn positions_cover_every_index_once_in_growing_buckets() {
+    fn positions_cover_every_spilled_index_once_in_growing_buckets() {
         let mut seen = std::collections::HashSet::new();
-        for index in 0..10_000 {
+        for index in INLINE..INLINE + 10_000 {
             let (bucket, offset) = PerThread::<()>::position(index);
             assert!(offset < FIRST << bucket, "{index}: offset {offset} outside bucket {bucket}");
             assert!(seen.insert((bucket, offset)), "{index} collides");
         }
-        assert_eq!(PerThread::<()>::position(0), (0, 0));
-        assert_eq!(PerThread::<()>::position(FIRST), (1, 0));
-        assert!(PerThread::<()>::position(usize::MAX - FIRST).0 < BUCKETS);
+        assert_eq!(PerThread::<()>::position(INLINE), (0, 0));
+        assert_eq!(PerThread::<()>::position(INLINE + FIRST), (1, 0));
+        assert!(PerThread::<()>::position(usize::MAX).0 < BUCKETS);
     }
 
     #[test]
@@ -183,9 +202,11 @@ mod tests {
         assert_eq!(*table.get_or(3, || 30), 30);
         assert_eq!(*table.get_or(3, || 31), 30, "created once");
         assert_eq!(*table.get_or(100, || 1000), 1000);
+        assert_eq!(*table.get_or(5000, || 5), 5);
+        assert_eq!(table.get(100), Some(&1000));
         let mut all: Vec<_> = table.iter().copied().collect();
         all.sort_unstable();
-        assert_eq!(all, [30, 1000]);
+        assert_eq!(all, [5, 30, 1000]);
     }
 
     #[test]

@@ -21,7 +21,6 @@ use memory_api::{
     AllocationIdentity, AuthorityIdentity, BindingGeneration, DeviceAllocator, DeviceKey, Identity, IdentityIssuer,
     MechanismIdentity, ProviderContextIdentity, RawAllocation, RegistryId, ReleaseOutcome,
 };
-use thread_local::ThreadLocal;
 
 use crate::binding::MemoryBinding;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
@@ -57,14 +56,9 @@ pub(crate) struct RegistryInner {
     /// Copy-on-write selection table, read through an arc-swap guard (no shared
     /// refcount) when a thread's bind cache misses.
     selection: ArcSwap<Selection>,
-    /// Bumped after every change of `selection`: a bind cache entry filled under an
-    /// older epoch is not used.
+    /// Bumped after every change of `selection`: a thread's bind cache entry filled
+    /// under an older epoch is not used (see [`BIND_CACHE`]).
     selection_epoch: AtomicU64,
-    /// Per thread: device → (epoch, generation, that thread's anchor of the selected
-    /// mechanism). `bind` reads only its own thread's entry and the epoch word, so
-    /// it writes nothing another thread reads, and it does not depend on how many
-    /// devices are registered.
-    bind_cache: ThreadLocal<RefCell<BindCache>>,
     cold: Mutex<()>,
 }
 
@@ -106,7 +100,6 @@ impl BindingRegistry {
                 mechanisms: DashMap::new(),
                 selection: ArcSwap::from_pointee(Selection::new()),
                 selection_epoch: AtomicU64::new(0),
-                bind_cache: ThreadLocal::new(),
                 cold: Mutex::new(()),
             }),
         }
@@ -330,7 +323,11 @@ impl BindingRegistry {
     #[inline]
     pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
         let epoch = self.inner.selection_epoch.load(Ordering::Acquire);
-        let cached = self.inner.bind_cache.get().and_then(|cache| cache.try_borrow().ok()?.hit(device, epoch));
+        let registry = self.id();
+        let cached = BIND_CACHE
+            .try_with(|cache| cache.try_borrow().ok()?.hit(registry, device, epoch))
+            .ok()
+            .flatten();
         match cached {
             // The anchor must be the calling thread's own (its binding-id block is
             // single-writer); a recycled thread index means a refill.
@@ -350,10 +347,13 @@ impl BindingRegistry {
             };
             (Arc::clone(selected.mechanism.anchor()), selected.generation)
         };
-        let cache = self.inner.bind_cache.get_or_default();
-        if let Ok(mut cache) = cache.try_borrow_mut() {
-            cache.put(CachedSelection { device, epoch, generation, anchor: Arc::downgrade(&anchor) });
-        }
+        let entry = CachedSelection { registry: self.id(), device, epoch, generation, anchor: Arc::downgrade(&anchor) };
+        // A thread in its TLS destructors may find the cache gone: it binds uncached.
+        let _ = BIND_CACHE.try_with(|cache| {
+            if let Ok(mut cache) = cache.try_borrow_mut() {
+                cache.put(entry);
+            }
+        });
         bind_anchor(anchor, generation)
     }
 
@@ -713,8 +713,22 @@ fn bind_anchor(anchor: Arc<Anchor>, generation: BindingGeneration) -> Result<Mem
     Ok(MemoryBinding { anchor, binding, generation })
 }
 
-/// One thread's cached selection for one device.
+/// Entries of a thread's bind cache (direct-mapped: a colliding device replaces the
+/// entry, and a miss costs one read of the selection).
+const BIND_CACHE_ENTRIES: usize = 64;
+
+std::thread_local! {
+    /// Per thread, for every registry: (registry, device) → the selection epoch, the
+    /// binding generation and this thread's anchor of the selected mechanism. `bind`
+    /// reads its own thread's entry and the registry's epoch word: it writes nothing
+    /// another thread reads, and it costs the same however many devices are
+    /// registered.
+    static BIND_CACHE: RefCell<BindCache> = const { RefCell::new(BindCache { entries: [const { None }; BIND_CACHE_ENTRIES] }) };
+}
+
+/// One thread's cached selection for one device of one registry.
 struct CachedSelection {
+    registry: RegistryId,
     device: DeviceKey,
     epoch: u64,
     generation: BindingGeneration,
@@ -722,64 +736,30 @@ struct CachedSelection {
     anchor: Weak<Anchor>,
 }
 
-/// A thread's bind cache: an open-addressed table keyed by device (linear probing,
-/// at most half full), so a hit costs one hash and usually one probe whatever the
-/// number of devices.
-#[derive(Default)]
 struct BindCache {
-    entries: Vec<Option<CachedSelection>>,
-    len: usize,
+    entries: [Option<CachedSelection>; BIND_CACHE_ENTRIES],
 }
 
 impl BindCache {
     #[inline]
-    fn position(&self, device: DeviceKey) -> Option<usize> {
-        let mask = self.entries.len().checked_sub(1)?;
-        let mut at = DeviceHash.hash_one(device) as usize & mask;
-        loop {
-            match &self.entries[at] {
-                Some(entry) if entry.device == device => return Some(at),
-                Some(_) => at = (at + 1) & mask,
-                None => return None,
-            }
-        }
+    fn slot(registry: RegistryId, device: DeviceKey) -> usize {
+        DeviceHash.hash_one((registry, device)) as usize % BIND_CACHE_ENTRIES
     }
 
-    /// The cached anchor and generation for `device`, if filled under `epoch` and the
-    /// mechanism is still alive.
+    /// The cached anchor and generation for `device` of `registry`, if filled under
+    /// `epoch` and the mechanism is still alive.
     #[inline]
-    fn hit(&self, device: DeviceKey, epoch: u64) -> Option<(Arc<Anchor>, BindingGeneration)> {
-        let entry = self.entries[self.position(device)?].as_ref()?;
-        if entry.epoch != epoch {
+    fn hit(&self, registry: RegistryId, device: DeviceKey, epoch: u64) -> Option<(Arc<Anchor>, BindingGeneration)> {
+        let entry = self.entries[Self::slot(registry, device)].as_ref()?;
+        if entry.epoch != epoch || entry.device != device || entry.registry != registry {
             return None;
         }
         Some((entry.anchor.upgrade()?, entry.generation))
     }
 
     fn put(&mut self, entry: CachedSelection) {
-        if let Some(at) = self.position(entry.device) {
-            self.entries[at] = Some(entry);
-            return;
-        }
-        if (self.len + 1) * 2 > self.entries.len() {
-            let grown = (self.entries.len() * 2).max(8);
-            let old = std::mem::replace(&mut self.entries, (0..grown).map(|_| None).collect());
-            self.len = 0;
-            for entry in old.into_iter().flatten() {
-                self.insert_new(entry);
-            }
-        }
-        self.insert_new(entry);
-    }
-
-    fn insert_new(&mut self, entry: CachedSelection) {
-        let mask = self.entries.len() - 1;
-        let mut at = DeviceHash.hash_one(entry.device) as usize & mask;
-        while self.entries[at].is_some() {
-            at = (at + 1) & mask;
-        }
-        self.entries[at] = Some(entry);
-        self.len += 1;
+        let slot = Self::slot(entry.registry, entry.device);
+        self.entries[slot] = Some(entry);
     }
 }
 
