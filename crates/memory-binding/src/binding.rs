@@ -19,6 +19,7 @@ use memory_api::{
 
 use crate::entry::{Anchor, DropPolicy, MechanismCore, Pin, QuarantinedAllocation, Record};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
+use crate::handle_ref::PinRef;
 use crate::lifecycle::{Admit, MechanismState};
 use crate::sync::Arc;
 
@@ -142,7 +143,7 @@ impl MemoryBinding {
                 drop(in_flight);
                 tracing::trace!(mechanism = %core.identity, bytes, "allocate");
                 Ok(BoundAllocation {
-                    pin: Some(Arc::clone(pin)),
+                    pin: Some(PinRef::new(pin)),
                     address,
                     bytes,
                     provider_tag: tag,
@@ -202,7 +203,7 @@ impl MemoryBinding {
         // Fast path: the same core (hence the same registry, mechanism, authority,
         // context and device) and the same binding. Everything else is an error,
         // classified off the hot path.
-        match allocation.pin.as_ref() {
+        match allocation.pin.as_ref().map(PinRef::get) {
             Some(pin)
                 if Arc::ptr_eq(&self.anchor.table.core, &pin.core)
                     && allocation.binding == self.binding
@@ -216,7 +217,7 @@ impl MemoryBinding {
 
     #[cold]
     fn ownership_error(&self, allocation: &BoundAllocation) -> HandleError {
-        let Some(pin) = allocation.pin.as_ref() else { return HandleError::StaleAllocation };
+        let Some(pin) = allocation.pin.as_ref().map(PinRef::get) else { return HandleError::StaleAllocation };
         let (expected, found) = (self.core().issuer.registry(), pin.core.issuer.registry());
         if expected != found {
             return HandleError::ForeignRegistry { expected, found };
@@ -244,7 +245,7 @@ impl fmt::Debug for MemoryBinding {
 /// terminated.
 pub struct BoundAllocation {
     /// The pin of the thread that allocated it (where its record lives).
-    pin: Option<Arc<Pin>>,
+    pin: Option<PinRef>,
     address: DeviceAddress,
     bytes: usize,
     provider_tag: u64,
@@ -275,20 +276,25 @@ impl BoundAllocation {
 
     /// The device the memory lives on.
     pub fn device(&self) -> Option<DeviceKey> {
-        self.pin.as_ref().map(|pin| pin.core.device)
+        self.pin().map(|pin| pin.core.device)
+    }
+
+    #[inline]
+    fn pin(&self) -> Option<&Pin> {
+        self.pin.as_ref().map(PinRef::get)
     }
 
     /// Everything that identifies this allocation (`None` only for a handle whose
     /// release is already under way, which safe code cannot observe).
     pub fn identity(&self) -> Option<AllocationIdentity> {
         let binding = self.binding_identity()?;
-        let issuer = &self.pin.as_ref()?.core.issuer;
+        let issuer = &self.pin()?.core.issuer;
         let generation: AllocationGeneration = issuer.recognise(self.generation)?;
         Some(AllocationIdentity::new(binding, generation))
     }
 
     fn binding_identity(&self) -> Option<BindingIdentity> {
-        let core = &self.pin.as_ref()?.core;
+        let core = &self.pin()?.core;
         Some(BindingIdentity::new(
             core.issuer.recognise(self.binding)?,
             core.issuer.recognise(self.binding_generation)?,
@@ -301,7 +307,7 @@ impl BoundAllocation {
 
     /// Whether the registry still holds this allocation's record under its generation.
     pub fn is_valid(&self) -> bool {
-        self.pin.as_ref().is_some_and(|pin| {
+        self.pin().is_some_and(|pin| {
             !matches!(pin.core.lifecycle.state(), MechanismState::Terminated) && pin.holds(self.slot, self.generation)
         })
     }
@@ -327,8 +333,8 @@ impl BoundAllocation {
     }
 
     /// Checks the allocation can still be used (device not lost, metadata not retired).
-    pub(crate) fn check_usable(&self) -> Result<&Arc<Pin>, HandleError> {
-        let pin = self.pin.as_ref().ok_or(HandleError::StaleAllocation)?;
+    pub(crate) fn check_usable(&self) -> Result<&Pin, HandleError> {
+        let pin = self.pin().ok_or(HandleError::StaleAllocation)?;
         match pin.core.lifecycle.state() {
             MechanismState::DeviceLost => {
                 Err(HandleError::DeviceLost { device: pin.core.device, reason: pin.core.lost_reason() })
@@ -349,7 +355,7 @@ impl BoundAllocation {
         pin.holds(self.slot, self.generation)
     }
 
-    pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Arc<Pin>, HandleError> {
+    pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Pin, HandleError> {
         binding.check_owns(self)?;
         self.check_usable()
     }
@@ -380,8 +386,8 @@ impl fmt::Debug for BoundAllocation {
 impl Drop for BoundAllocation {
     #[inline]
     fn drop(&mut self) {
-        let Some(pin) = self.pin.take() else { return };
-        drop_release(pin, self.parts(), self.slot);
+        let Some(held) = self.pin.take() else { return };
+        drop_release(&held, self.parts(), self.slot);
     }
 }
 
@@ -560,22 +566,23 @@ fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, Refusal
 /// the allocating thread's: its core is read through it, no shared refcount is touched.
 #[inline]
 fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
-    let Some(pin) = allocation.pin.take() else {
+    let Some(held) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
+    let pin = held.get();
     let slot = allocation.slot;
-    let record = match take(&pin, slot, allocation.generation) {
+    let record = match take(pin, slot, allocation.generation) {
         Ok(record) => record,
         // Refused before anything was taken: the handle goes back as it was.
         Err(refusal) => {
             let reason = refusal.reason(&pin.core);
-            allocation.pin = Some(pin);
+            allocation.pin = Some(held);
             return Err(Rejected { handle: allocation, reason });
         }
     };
     let parts = allocation.parts();
     let core = &*pin.core;
-    match call_release(&pin, slot, record, &parts) {
+    match call_release(pin, slot, record, &parts) {
         // The common answer needs no bookkeeping beyond freeing the record.
         ReleaseOutcome::Complete(done) => {
             pin.free(slot, record);
@@ -584,7 +591,7 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
             std::mem::forget(allocation);
             Ok(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
         }
-        outcome => match settle(&pin, slot, record, &parts, outcome) {
+        outcome => match settle(pin, slot, record, &parts, outcome) {
             Settled::Done(report) => {
                 std::mem::forget(allocation);
                 Ok(report)
@@ -592,7 +599,7 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
             Settled::Refused(error) => {
                 // Nothing was released: the record is live again, the handle goes back.
                 record.restore(parts.generation);
-                allocation.pin = Some(pin);
+                allocation.pin = Some(held);
                 Err(Rejected { handle: allocation, reason: HandleError::ReleaseFailed(*error) })
             }
         },
@@ -706,24 +713,26 @@ fn release_deferred(
     mut allocation: BoundAllocation,
     queue: &dyn DeferredReleaseQueue,
 ) -> Result<(), Rejected<BoundAllocation>> {
-    let Some(pin) = allocation.pin.take() else {
+    let Some(held) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
+    let pin = held.get();
     let (slot, parts) = (allocation.slot, allocation.parts());
-    let record = match take(&pin, slot, parts.generation) {
+    let record = match take(pin, slot, parts.generation) {
         Ok(record) => record,
         Err(refusal) => {
             let reason = refusal.reason(&pin.core);
-            allocation.pin = Some(pin);
+            allocation.pin = Some(held);
             return Err(Rejected { handle: allocation, reason });
         }
     };
-    match enqueue(&pin, slot, &parts, queue) {
+    // The queued release holds its own strong reference to the pin.
+    match enqueue(&held.to_arc(), slot, &parts, queue) {
         Ok(()) => Ok(()),
         Err(reason) => {
             // Refused: the record is live again and the handle goes back.
             record.restore(parts.generation);
-            allocation.pin = Some(pin);
+            allocation.pin = Some(held);
             Err(Rejected { handle: allocation, reason: HandleError::QueueRefused(reason) })
         }
     }
@@ -815,11 +824,12 @@ impl DeviceAllocator for LifecycleCheckedRelease {
 /// Drop policy: see [`BoundAllocation`]. The host case (`Release`) runs the same
 /// inlined path as an explicit release.
 #[inline]
-fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
+fn drop_release(held: &PinRef, parts: HandleParts, slot: u32) {
+    let pin = held.get();
     // Lost, terminated or stale: no callback; termination retires the record.
-    let Ok(record) = take(&pin, slot, parts.generation) else { return };
+    let Ok(record) = take(pin, slot, parts.generation) else { return };
     match &pin.core.drop_policy {
-        DropPolicy::Release => match call_release(&pin, slot, record, &parts) {
+        DropPolicy::Release => match call_release(pin, slot, record, &parts) {
             ReleaseOutcome::Complete(_) => {
                 pin.free(slot, record);
                 tracing::trace!(mechanism = %pin.core.identity, bytes = parts.bytes, "release on drop");
@@ -827,14 +837,14 @@ fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
             outcome => {
                 // Nobody holds a handle any more: a refused drop-time release is
                 // quarantined.
-                if let Settled::Refused(error) = settle(&pin, slot, record, &parts, outcome) {
-                    quarantine_in_transit(&pin, slot, record, &parts, *error);
+                if let Settled::Refused(error) = settle(pin, slot, record, &parts, outcome) {
+                    quarantine_in_transit(pin, slot, record, &parts, *error);
                 }
             }
         },
-        DropPolicy::Defer(queue) => drop_deferred(&pin, slot, record, &parts, &**queue),
+        DropPolicy::Defer(queue) => drop_deferred(&held.to_arc(), slot, record, &parts, &**queue),
         // The device may still use the memory: nothing is freed.
-        DropPolicy::Quarantine => quarantine_in_transit(&pin, slot, record, &parts, ReleaseError::Abandoned),
+        DropPolicy::Quarantine => quarantine_in_transit(pin, slot, record, &parts, ReleaseError::Abandoned),
     }
 }
 

@@ -26,6 +26,7 @@ use memory_api::{
 };
 
 use crate::error::ContextState;
+use crate::handle_ref::{Units, orphan, take_handle_share};
 use crate::lifecycle::{InFlightSlot, Lifecycle};
 use crate::per_thread::{PerThread, thread_index};
 use crate::sync::{Arc, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, CachePadded, Mutex, Ordering, lock};
@@ -235,17 +236,27 @@ impl Mechanism {
         self.table.pins.iter()
     }
 
-    /// Live allocations and their bytes across all pins (cold path: a scan).
-    pub(crate) fn live(&self) -> (usize, usize) {
-        self.pins().map(|pin| pin.live()).fold((0, 0), |(n, b), (pn, pb)| (n + pn, b + pb))
+    /// Live allocations, their bytes, and operations in flight (counted in slots,
+    /// and releases whose record is in transit), from one pass over every record
+    /// after the cold side of the Dekker barrier. One pass matters: a release that
+    /// keeps being refused moves its record between live and in transit, and two
+    /// separate scans could each see it as the other.
+    pub(crate) fn census(&self) -> Census {
+        let slots = self.core.lifecycle.in_flight(self.pins().map(|pin| &pin.in_flight));
+        let mut census = Census { in_flight: slots, ..Census::default() };
+        for pin in self.pins() {
+            pin.count_into(&mut census);
+        }
+        census
     }
+}
 
-    /// Operations in flight: counted in slots, and releases whose record is in transit.
-    /// Runs the cold side of the Dekker barrier first.
-    pub(crate) fn in_flight(&self) -> usize {
-        let counted = self.core.lifecycle.in_flight(self.pins().map(|pin| &pin.in_flight));
-        counted + self.pins().map(|pin| pin.in_transit()).sum::<usize>()
-    }
+/// What [`Mechanism::census`] counted.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Census {
+    pub(crate) live: usize,
+    pub(crate) live_bytes: usize,
+    pub(crate) in_flight: usize,
 }
 
 /// The per-thread pins of one mechanism. Bindings reach it through their anchor and
@@ -265,7 +276,21 @@ impl PinTable {
     #[inline]
     pub(crate) fn pin(&self) -> &Arc<Pin> {
         let index = thread_index();
-        self.pins.get_or(index, || Arc::new(Pin::new(Arc::clone(&self.core), index)))
+        self.pins.get_or(index, || {
+            let pin = Arc::new(Pin::new(Arc::clone(&self.core), index));
+            take_handle_share(&pin);
+            pin
+        })
+    }
+}
+
+impl Drop for PinTable {
+    /// Nobody can allocate on these pins any more: from now on their handles keep
+    /// them alive, and the last one frees each (see `handle_ref`).
+    fn drop(&mut self) {
+        for pin in self.pins.iter() {
+            orphan(pin);
+        }
     }
 }
 
@@ -439,6 +464,8 @@ pub(crate) struct Pin {
     segments: [OnceLock<Box<[Record]>>; SEGMENTS],
     /// The thread index that owns this pin (fixed: a recycled index inherits the pin).
     owner: usize,
+    /// What keeps the pin alive for its handles once its table is gone.
+    pub(crate) units: Units,
     pub(crate) in_flight: InFlightSlot,
     local: CachePadded<OwnerState>,
     generations: CachePadded<OwnerBlock>,
@@ -452,6 +479,7 @@ impl Pin {
             first: new_records(FIRST_SEGMENT),
             segments: std::array::from_fn(|_| OnceLock::new()),
             owner,
+            units: Units::new(),
             in_flight: InFlightSlot::default(),
             local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
             generations: CachePadded::new(OwnerBlock::new()),
@@ -483,7 +511,7 @@ impl Pin {
 
     /// Whether the calling thread owns this pin.
     #[inline]
-    fn owned_here(&self) -> bool {
+    pub(crate) fn owned_here(&self) -> bool {
         self.owner == thread_index()
     }
 
@@ -607,30 +635,47 @@ impl Pin {
         !self.retired() && self.records().any(|record| record.holds(generation))
     }
 
-    /// Records in transit now (cold path, after the Dekker barrier).
-    pub(crate) fn in_transit(&self) -> usize {
-        self.records().filter(|record| record.state.load(Ordering::Acquire) & IN_TRANSIT != 0).count()
-    }
-
-    /// Live records and their bytes (cold path: a scan; none once terminated). A
-    /// record reused while it is read is skipped, as if read a moment later.
-    pub(crate) fn live(&self) -> (usize, usize) {
-        let mut live = (0, 0);
-        if self.retired() {
-            return live;
-        }
+    /// Adds this pin's live records, their bytes and its records in transit to
+    /// `census`, reading each record's state once (cold path). Once terminated, no
+    /// record is live. A record reused while its bytes are read counts as read a
+    /// moment later.
+    fn count_into(&self, census: &mut Census) {
+        let retired = self.retired();
         for record in self.records() {
             let state = record.state.load(Ordering::Acquire);
-            if state == FREE || state & IN_TRANSIT != 0 {
+            if state == FREE {
+                continue;
+            }
+            if state & IN_TRANSIT != 0 {
+                census.in_flight += 1;
+                continue;
+            }
+            if retired {
                 continue;
             }
             let bytes = record.bytes.load(Ordering::Relaxed);
             crate::sync::fence(Ordering::Acquire);
             if record.state.load(Ordering::Relaxed) == state {
-                live = (live.0 + 1, live.1 + bytes);
+                census.live += 1;
+                census.live_bytes += bytes;
             }
         }
-        live
+    }
+
+    /// Live records and their bytes (none once terminated).
+    #[cfg(all(test, memory_loom))]
+    fn live(&self) -> (usize, usize) {
+        let mut census = Census::default();
+        self.count_into(&mut census);
+        (census.live, census.live_bytes)
+    }
+
+    /// Records in transit now (cold path, after the Dekker barrier).
+    #[cfg(all(test, memory_loom))]
+    fn in_transit(&self) -> usize {
+        let mut census = Census::default();
+        self.count_into(&mut census);
+        census.in_flight
     }
 
     /// The blocks of every live record (the termination sweep; the mechanism is
@@ -819,6 +864,40 @@ mod loom_records {
             assert_eq!(usize::from(released) + swept, 1, "released {released}, swept {swept}");
             assert_eq!(pin.live(), (0, 0));
             assert!(!pin.find(generation));
+        });
+    }
+
+    /// `remove` racing a release that the allocator keeps refusing (the record goes
+    /// live → in transit → live, twice): the census after closing the mechanism always
+    /// sees the record, as live or as in flight, so removal never succeeds under it.
+    #[test]
+    fn loom_remove_census_never_misses_a_record_flipping_in_transit() {
+        loom::model(|| {
+            let pin = pin();
+            let life = &pin.core.lifecycle;
+            life.transition(&[MechanismState::Active], MechanismState::Retired).unwrap();
+            let (slot, generation) = insert(&pin);
+            let releaser = {
+                let pin = Arc::clone(&pin);
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        let record = pin.announce(slot, generation).expect("the record stays live");
+                        // Admitted or not (`remove` is counting), the allocator refuses:
+                        // the record is put back either way.
+                        let _ = pin.core.lifecycle.admit_announced(Admit::ActiveOrRetired);
+                        record.restore(generation);
+                    }
+                })
+            };
+            let closed = life.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
+            life.quiesce_barrier();
+            let mut census = Census::default();
+            pin.count_into(&mut census);
+            assert!(census.live + census.in_flight > 0, "remove would succeed under a live record");
+            if closed {
+                life.transition(&[MechanismState::Removing], MechanismState::Retired).unwrap();
+            }
+            releaser.join().unwrap();
         });
     }
 }

@@ -76,6 +76,7 @@ pub mod binding;
 pub mod capability;
 pub mod entry;
 pub mod error;
+pub(crate) mod handle_ref;
 pub mod lifecycle;
 pub(crate) mod per_thread;
 pub mod registry;

@@ -136,6 +136,12 @@ impl Lifecycle {
         Lifecycle { state: AtomicU8::new(MechanismState::Active.encode()), barrier }
     }
 
+    /// How this mechanism's Dekker points are fenced.
+    #[inline]
+    pub(crate) fn barrier(&self) -> BarrierMode {
+        self.barrier
+    }
+
     /// The current state (a plain read of the mostly-read word).
     #[inline]
     pub(crate) fn state(&self) -> MechanismState {

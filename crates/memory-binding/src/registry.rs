@@ -456,7 +456,7 @@ impl BindingRegistry {
         }
         let mechanisms: Vec<_> =
             self.all_mechanisms().into_iter().filter(|m| m.core.context.identity == *context).collect();
-        let in_flight: usize = mechanisms.iter().map(|m| m.in_flight()).sum();
+        let in_flight: usize = mechanisms.iter().map(|m| m.census().in_flight).sum();
         if in_flight > 0 {
             return Err(RegistryError::ContextNotQuiescent { context: *context, in_flight });
         }
@@ -598,8 +598,8 @@ impl BindingRegistry {
         // nothing already. The in-flight sum then covers everything that began before.
         let closed = state == MechanismState::Retired
             && lifecycle.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
-        let in_flight = entry.in_flight();
-        let (live, _) = entry.live();
+        let census = entry.census();
+        let (live, in_flight) = (census.live, census.in_flight);
         let quarantined = entry.core.quarantined_count();
         if live + quarantined + in_flight > 0 {
             if closed {

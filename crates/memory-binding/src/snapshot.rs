@@ -157,7 +157,8 @@ impl BindingRegistry {
     pub fn snapshot(&self, mechanism: &MechanismIdentity) -> Result<MechanismSnapshot, RegistryError> {
         let entry = self.mechanism(mechanism)?;
         let core = &entry.core;
-        let (live_allocations, live_bytes) = entry.live();
+        let census = entry.census();
+        let (live_allocations, live_bytes) = (census.live, census.live_bytes);
         let quarantined = core.with_quarantine(|list| {
             list.iter()
                 .map(|q| QuarantineSnapshot {
@@ -181,7 +182,7 @@ impl BindingRegistry {
             selected: self.selected(core.device) == Some(core.identity),
             live_allocations,
             live_bytes,
-            in_flight: entry.in_flight(),
+            in_flight: census.in_flight,
             quarantined,
             lost_reason: matches!(state, MechanismState::DeviceLost | MechanismState::Terminated)
                 .then(|| core.lost_reason()),

@@ -31,7 +31,7 @@
 #[cfg(not(memory_loom))]
 pub(crate) use std::sync::{
     Arc, Mutex, MutexGuard, PoisonError,
-    atomic::{AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence},
+    atomic::{AtomicBool, AtomicIsize, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence},
 };
 
 // `Arc` stays std under loom: public signatures carry `Arc<dyn DeviceAllocator>` and
@@ -40,7 +40,7 @@ pub(crate) use std::sync::{
 #[cfg(memory_loom)]
 pub(crate) use loom::sync::{
     Mutex, MutexGuard,
-    atomic::{AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence},
+    atomic::{AtomicBool, AtomicIsize, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence},
 };
 #[cfg(memory_loom)]
 pub(crate) use std::sync::Arc;
