@@ -151,7 +151,10 @@ impl PinRef {
     pub(crate) fn new(pin: &Arc<Pin>) -> PinRef {
         debug_assert!(pin.owned_here(), "units are handed out by the pin's owner only");
         pin.units.hand_out();
-        PinRef { pin: NonNull::from(&**pin) }
+        // From `Arc::as_ptr`, not from `&Pin`: the pointer must carry the provenance of
+        // the whole allocation, counts included (`to_arc`, the share's drop).
+        let pin = NonNull::new(Arc::as_ptr(pin).cast_mut()).unwrap_or_else(|| unreachable!("an Arc is never null"));
+        PinRef { pin }
     }
 
     /// The pin.
