@@ -122,10 +122,11 @@ fn cpu_times() -> Option<(f64, f64)> {
     // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
     let busy = fields.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
     let own = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the parenthesised command: utime and stime are the 12th and 13th.
-    let after = own.rsplit_once(')')?.1;
-    let parts: Vec<f64> = after.split_whitespace().filter_map(|f| f.parse().ok()).collect();
-    Some((busy, parts.get(11)? + parts.get(12)?))
+    // After the parenthesised command, fields count from the state (field 3): utime and
+    // stime are fields 14 and 15.
+    let after: Vec<&str> = own.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |field: usize| after.get(field - 3)?.parse::<f64>().ok();
+    Some((busy, ticks(14)? + ticks(15)?))
 }
 
 /// The 1-minute load average now.
@@ -146,7 +147,9 @@ fn bench_with_load(group: &mut BenchmarkGroup<'_, WallTime>, id: &str, mut body:
         _ => None,
     };
     let line = match other {
-        Some(other) => format!("{other:.2} cores (loadavg {})", loadavg().map_or("?".to_owned(), |l| format!("{l:.2}"))),
+        Some(other) => {
+            format!("{other:.2} cores (loadavg {})", loadavg().map_or("?".to_owned(), |l| format!("{l:.2}")))
+        }
         None => "unknown".to_owned(),
     };
     println!("threads/{id}: other load while it ran: {line}");

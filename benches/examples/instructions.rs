@@ -49,7 +49,9 @@ fn main() {
         }),
         "drop" => (0..n).for_each(|_| drop(black_box(binding.allocate(black_box(request)).expect("allocate")))),
         "bind" => (0..n).for_each(|_| drop(black_box(registry.bind(black_box(DeviceKey::host(1))).expect("bind")))),
-        "bind64" => (0..n).for_each(|_| drop(black_box(registry.bind(black_box(DeviceKey::device(63))).expect("bind")))),
+        "bind64" => {
+            (0..n).for_each(|_| drop(black_box(registry.bind(black_box(DeviceKey::device(63))).expect("bind"))))
+        }
         "remote" => {
             let (send, receive) = std::sync::mpsc::sync_channel(1024);
             std::thread::scope(|scope| {

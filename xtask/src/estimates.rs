@@ -137,8 +137,7 @@ pub(crate) fn parse_median(text: &str) -> Result<f64, String> {
 /// [`ResultError::Stale`] instead of used. A missing directory yields no results (every
 /// bench will then be reported missing by name).
 pub(crate) fn read_results(criterion_home: &Path, since: Option<SystemTime>) -> Results {
-    let mut results = Results::default();
-    results.loads = read_loads(&criterion_home.join("load"), since);
+    let mut results = Results { loads: read_loads(&criterion_home.join("load"), since), ..Results::default() };
     let mut pending = vec![criterion_home.to_path_buf()];
     while let Some(dir) = pending.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };

@@ -173,13 +173,14 @@ impl BoundSharedMapping {
     pub fn create_backing(&self, bytes: usize) -> Result<SharedBacking, BoundCapabilityError> {
         let core = self.binding.core();
         ByteRange::new(0, bytes).check_aligned(self.granularity())?;
-        let _in_flight =
-            core.lifecycle.begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly).map_err(|state| match state {
+        let _in_flight = core.lifecycle.begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly).map_err(
+            |state| match state {
                 MechanismState::DeviceLost => {
                     HandleError::DeviceLost { device: core.device, reason: core.lost_reason() }
                 }
                 state => HandleError::Inactive { mechanism: core.identity, state },
-            })?;
+            },
+        )?;
         let capability = Self::capability(&self.binding)
             .ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability: SHARED })?;
         Ok(capability.create_backing(bytes)?)

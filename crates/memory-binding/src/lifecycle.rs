@@ -405,7 +405,8 @@ mod loom_lifecycle {
             let release = {
                 let (life, slot, live) = (Arc::clone(&life), Arc::clone(&slot), Arc::clone(&live));
                 loom::thread::spawn(move || {
-                    let guard = life.begin(&slot, Admit::ActiveOrRetired).expect("a release is never refused by remove");
+                    let guard =
+                        life.begin(&slot, Admit::ActiveOrRetired).expect("a release is never refused by remove");
                     live.store(false, Ordering::SeqCst); // take the record
                     live.store(true, Ordering::SeqCst); // refused: put it back
                     drop(guard);

@@ -50,6 +50,9 @@ type Selection = HashMap<DeviceKey, Selected>;
 
 pub(crate) struct RegistryInner {
     pub(crate) issuer: Arc<IdentityIssuer>,
+    /// The issuer's registry id, and its hash for the bind cache (read by every bind).
+    registry: RegistryId,
+    bind_salt: u64,
     pub(crate) contexts: DashMap<ProviderContextIdentity, Arc<ContextEntry>>,
     pub(crate) authorities: DashMap<AuthorityIdentity, Arc<AuthorityEntry>>,
     pub(crate) mechanisms: DashMap<MechanismIdentity, Arc<Mechanism>>,
@@ -92,8 +95,11 @@ impl BindingRegistry {
 
     /// A registry minting from `issuer` (for example one with a serial limit).
     pub fn with_issuer(issuer: IdentityIssuer) -> BindingRegistry {
+        let registry = issuer.registry();
         BindingRegistry {
             inner: Arc::new(RegistryInner {
+                registry,
+                bind_salt: DeviceHash.hash_one(registry),
                 issuer: Arc::new(issuer),
                 contexts: DashMap::new(),
                 authorities: DashMap::new(),
@@ -322,10 +328,11 @@ impl BindingRegistry {
     /// mechanism was retired or lost concurrently.
     #[inline]
     pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
-        let epoch = self.inner.selection_epoch.load(Ordering::Acquire);
-        let registry = self.id();
+        let inner = &*self.inner;
+        let epoch = inner.selection_epoch.load(Ordering::Acquire);
+        let slot = BindCache::slot(inner.bind_salt, device);
         let cached = BIND_CACHE
-            .try_with(|cache| cache.try_borrow().ok()?.hit(registry, device, epoch))
+            .try_with(|cache| cache.try_borrow().ok()?.hit(slot, inner.registry, device, epoch))
             .ok()
             .flatten();
         match cached {
@@ -348,10 +355,11 @@ impl BindingRegistry {
             (Arc::clone(selected.mechanism.anchor()), selected.generation)
         };
         let entry = CachedSelection { registry: self.id(), device, epoch, generation, anchor: Arc::downgrade(&anchor) };
+        let slot = BindCache::slot(self.inner.bind_salt, device);
         // A thread in its TLS destructors may find the cache gone: it binds uncached.
         let _ = BIND_CACHE.try_with(|cache| {
             if let Ok(mut cache) = cache.try_borrow_mut() {
-                cache.put(entry);
+                cache.entries[slot] = Some(entry);
             }
         });
         bind_anchor(anchor, generation)
@@ -741,25 +749,35 @@ struct BindCache {
 }
 
 impl BindCache {
+    /// The entry of `device` of the registry whose hash is `salt`: an add and a mask,
+    /// so consecutive device indices of one tier never collide and the entry's load
+    /// does not wait on a multiply.
     #[inline]
-    fn slot(registry: RegistryId, device: DeviceKey) -> usize {
-        DeviceHash.hash_one((registry, device)) as usize % BIND_CACHE_ENTRIES
+    fn slot(salt: u64, device: DeviceKey) -> usize {
+        let tier: u64 = match device.tier() {
+            memory_api::Tier::Device => 0,
+            memory_api::Tier::Host => 21,
+            memory_api::Tier::Disk => 42,
+            _ => 13,
+        };
+        (salt.wrapping_add(u64::from(device.index())).wrapping_add(tier) as usize) % BIND_CACHE_ENTRIES
     }
 
-    /// The cached anchor and generation for `device` of `registry`, if filled under
-    /// `epoch` and the mechanism is still alive.
+    /// The cached anchor and generation at `slot`, if it is `device`'s of `registry`,
+    /// filled under `epoch`, and the mechanism is still alive.
     #[inline]
-    fn hit(&self, registry: RegistryId, device: DeviceKey, epoch: u64) -> Option<(Arc<Anchor>, BindingGeneration)> {
-        let entry = self.entries[Self::slot(registry, device)].as_ref()?;
+    fn hit(
+        &self,
+        slot: usize,
+        registry: RegistryId,
+        device: DeviceKey,
+        epoch: u64,
+    ) -> Option<(Arc<Anchor>, BindingGeneration)> {
+        let entry = self.entries[slot].as_ref()?;
         if entry.epoch != epoch || entry.device != device || entry.registry != registry {
             return None;
         }
         Some((entry.anchor.upgrade()?, entry.generation))
-    }
-
-    fn put(&mut self, entry: CachedSelection) {
-        let slot = Self::slot(entry.registry, entry.device);
-        self.entries[slot] = Some(entry);
     }
 }
 

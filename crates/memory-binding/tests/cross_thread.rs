@@ -139,20 +139,13 @@ fn a_refused_release_on_another_thread_hands_the_block_back_and_it_stays_releasa
         fn name(&self) -> &str {
             "refuses-once"
         }
-        fn allocate(
-            &self,
-            request: &AllocationRequest,
-        ) -> Result<memory_api::RawAllocation, memory_api::AllocError> {
+        fn allocate(&self, request: &AllocationRequest) -> Result<memory_api::RawAllocation, memory_api::AllocError> {
             self.0.allocate(request)
         }
         fn release(&self, allocation: memory_api::RawAllocation) -> memory_api::ReleaseOutcome {
             if self.1.fetch_add(1, Ordering::SeqCst) == 0 {
-                let busy = memory_api::BackendError {
-                    backend: "test",
-                    operation: "release",
-                    code: 1,
-                    detail: "busy".into(),
-                };
+                let busy =
+                    memory_api::BackendError { backend: "test", operation: "release", code: 1, detail: "busy".into() };
                 return memory_api::ReleaseOutcome::failed(allocation, memory_api::ReleaseError::Backend(busy));
             }
             self.0.release(allocation)
@@ -211,7 +204,8 @@ fn a_thread_that_exits_leaves_its_allocations_valid_and_its_pin_to_the_next_thre
         // one may receive its thread index, and with it the pin.
         let blocks = std::thread::scope(|scope| {
             let binding = &binding;
-            scope.spawn(move || (0..10).map(|_| binding.allocate(request(64)).unwrap()).collect::<Vec<_>>())
+            scope
+                .spawn(move || (0..10).map(|_| binding.allocate(request(64)).unwrap()).collect::<Vec<_>>())
                 .join()
                 .unwrap()
         });
@@ -344,9 +338,7 @@ fn removal_after_cross_thread_use_drops_the_allocator_once_bindings_are_gone() {
     let binding = registry.bind_registered(&mechanism).unwrap();
     let blocks: Vec<_> = std::thread::scope(|scope| {
         let binding = &binding;
-        scope.spawn(move || (0..10).map(|_| binding.allocate(request(64)).unwrap()).collect::<Vec<_>>())
-            .join()
-            .unwrap()
+        scope.spawn(move || (0..10).map(|_| binding.allocate(request(64)).unwrap()).collect::<Vec<_>>()).join().unwrap()
     });
     // Bind on other threads too (their anchors and bind caches).
     std::thread::scope(|scope| {
