@@ -39,94 +39,88 @@ impl Default for Config {
     }
 }
 
-/// `memory-demo --help`.
-pub const USAGE: &str = "\
-memory-demo: an LLM server's memory, simulated over the registry and the governor
-
-USAGE:
-    cargo xtask demo [FLAGS]        (or: cargo run --release -p memory-demo -- [FLAGS])
-
-FLAGS:
-    --requests N      requests to serve (default 3000)
-    --secs S          stop issuing requests after S seconds (default: no limit)
-    --seed N          seed for request shapes, tenants and devices (default 42)
-    --threads N       worker threads (default 4)
-    --gpu             run on CUDA devices (needs a driver and a device)
-    --trace PATH      write the governor timeline as a Chrome trace (open in a trace viewer)
-    --snapshot PATH   write the final snapshot as JSON
-    --no-progress     do not draw the progress bar
-    -h, --help        print this text
-";
-
-/// Why the command line was rejected.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum FlagError {
-    /// `--help` was asked for.
-    #[error("help requested")]
-    Help,
-    /// A flag the demo does not know.
-    #[error("unknown flag `{0}`; see --help")]
-    Unknown(String),
-    /// A flag that needs a value came last.
-    #[error("`{0}` needs a value; see --help")]
-    MissingValue(String),
-    /// A value that does not parse.
-    #[error("`{flag}` expects {expected}, got `{value}`")]
-    BadValue {
-        /// The flag.
-        flag: String,
-        /// What it expects.
-        expected: &'static str,
-        /// What was given.
-        value: String,
+/// What the command line asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Invocation {
+    /// The simulation (the default).
+    Simulate(Config),
+    /// `--ort`: real models through ONNX Runtime, `requests` per tenant and model.
+    RealModels {
+        /// Requests per tenant and model.
+        requests: usize,
     },
 }
+
+/// memory-demo: an LLM server's memory, simulated over the registry and the governor
+/// (`cargo xtask demo [FLAGS]`, or `cargo run --release -p memory-demo -- [FLAGS]`).
+#[derive(Debug, clap::Parser)]
+#[command(name = "memory-demo", disable_version_flag = true)]
+struct Cli {
+    /// Requests to serve (default 3000; with --ort, per tenant and model, default 40).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    requests: Option<u64>,
+    /// Stop issuing requests after S seconds (default: no limit).
+    #[arg(long, value_name = "S", value_parser = positive_seconds, conflicts_with = "ort")]
+    secs: Option<Duration>,
+    /// Seed for request shapes, tenants and devices.
+    #[arg(long, value_name = "N", default_value_t = 42, conflicts_with = "ort")]
+    seed: u64,
+    /// Worker threads (1 to 64).
+    #[arg(long, value_name = "N", default_value_t = 4, conflicts_with = "ort",
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    threads: u64,
+    /// Run on CUDA devices (needs a driver, a device and the `cuda` feature).
+    #[arg(long, conflicts_with = "ort")]
+    gpu: bool,
+    /// Write the governor timeline as a Chrome trace (open in a trace viewer).
+    #[arg(long, value_name = "PATH", conflicts_with = "ort")]
+    trace: Option<PathBuf>,
+    /// Write the final snapshot as JSON.
+    #[arg(long, value_name = "PATH", conflicts_with = "ort")]
+    snapshot: Option<PathBuf>,
+    /// Do not draw the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Serve real models instead: Silero VAD streams and PP-OCRv4 detection for two
+    /// tenants through governed ONNX Runtime allocators (the runtime and models come from
+    /// target/ort-cache; `cargo xtask demo --ort` fetches them).
+    #[arg(long)]
+    ort: bool,
+}
+
+/// Why the command line was not run: a usage error or a request for help, already
+/// formatted by clap (`error.exit()` prints it the way clap would).
+pub type FlagError = clap::Error;
 
 /// Parses the arguments after the program name.
 ///
 /// # Errors
-/// A [`FlagError`] naming the offending flag.
-pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Config, FlagError> {
-    let mut config = Config::default();
-    let mut args = args.into_iter();
-    while let Some(flag) = args.next() {
-        let mut value = |expected: &'static str| -> Result<String, FlagError> {
-            args.next().ok_or_else(|| FlagError::MissingValue(flag.clone())).map(|v| (v, expected).0)
-        };
-        match flag.as_str() {
-            "--requests" => config.requests = number(&flag, &value("a whole number")?)?,
-            "--seed" => config.seed = number(&flag, &value("a whole number")?)?,
-            "--threads" => {
-                let threads: u64 = number(&flag, &value("a whole number")?)?;
-                config.threads = usize::try_from(threads.clamp(1, 64)).unwrap_or(4);
-            }
-            "--secs" => {
-                let raw = value("seconds")?;
-                let secs: f64 =
-                    raw.parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).ok_or(FlagError::BadValue {
-                        flag: flag.clone(),
-                        expected: "a positive number of seconds",
-                        value: raw,
-                    })?;
-                config.duration = Some(Duration::from_secs_f64(secs));
-            }
-            "--trace" => config.trace = Some(PathBuf::from(value("a path")?)),
-            "--snapshot" => config.snapshot = Some(PathBuf::from(value("a path")?)),
-            "--gpu" => config.gpu = true,
-            "--no-progress" => config.progress = false,
-            "-h" | "--help" => return Err(FlagError::Help),
-            _ => return Err(FlagError::Unknown(flag)),
-        }
+/// A [`FlagError`] naming the offending flag, or carrying the help text.
+pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Invocation, FlagError> {
+    let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("memory-demo".to_owned()).chain(args))?;
+    if cli.ort {
+        let requests = cli.requests.map_or(40, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        return Ok(Invocation::RealModels { requests });
     }
-    Ok(config)
+    Ok(Invocation::Simulate(Config {
+        requests: cli.requests.unwrap_or(Config::default().requests),
+        duration: cli.secs,
+        seed: cli.seed,
+        threads: usize::try_from(cli.threads).unwrap_or(4),
+        gpu: cli.gpu,
+        trace: cli.trace,
+        snapshot: cli.snapshot,
+        progress: !cli.no_progress,
+    }))
 }
 
-fn number(flag: &str, value: &str) -> Result<u64, FlagError> {
-    value.parse().map_err(|_| FlagError::BadValue {
-        flag: flag.to_owned(),
-        expected: "a whole number",
-        value: value.to_owned(),
-    })
+fn positive_seconds(value: &str) -> Result<Duration, String> {
+    value
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| "expects a positive number of seconds, such as 1.5".to_owned())
 }
 
 #[cfg(test)]
@@ -137,26 +131,46 @@ mod tests {
         line.split_whitespace().map(String::from).collect()
     }
 
+    fn simulate(line: &str) -> Config {
+        match parse(args(line)).unwrap() {
+            Invocation::Simulate(config) => config,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn flags_parse_into_the_config() {
-        let config = parse(args(
+        let config = simulate(
             "--requests 10 --secs 1.5 --seed 7 --threads 2 --gpu --trace t.json --snapshot s.json --no-progress",
-        ))
-        .unwrap();
+        );
         assert_eq!(config.requests, 10);
         assert_eq!(config.duration, Some(Duration::from_millis(1500)));
         assert_eq!((config.seed, config.threads, config.gpu, config.progress), (7, 2, true, false));
         assert_eq!(config.trace, Some(PathBuf::from("t.json")));
         assert_eq!(config.snapshot, Some(PathBuf::from("s.json")));
-        assert_eq!(parse(Vec::new()).unwrap(), Config::default());
+        assert_eq!(simulate(""), Config::default());
     }
 
     #[test]
-    fn bad_flags_are_typed_errors() {
-        assert_eq!(parse(args("--bogus")), Err(FlagError::Unknown("--bogus".into())));
-        assert_eq!(parse(args("--requests")), Err(FlagError::MissingValue("--requests".into())));
-        assert!(matches!(parse(args("--requests ten")), Err(FlagError::BadValue { .. })));
-        assert!(matches!(parse(args("--secs -1")), Err(FlagError::BadValue { .. })));
-        assert_eq!(parse(args("--help")), Err(FlagError::Help));
+    fn ort_mode_takes_requests_per_tenant_and_model() {
+        assert_eq!(parse(args("--ort")).unwrap(), Invocation::RealModels { requests: 40 });
+        assert_eq!(parse(args("--ort --requests 5")).unwrap(), Invocation::RealModels { requests: 5 });
+        assert!(parse(args("--ort --gpu")).unwrap_err().to_string().contains("--gpu"));
+    }
+
+    #[test]
+    fn bad_flags_are_errors_naming_the_flag() {
+        use clap::error::ErrorKind;
+        assert_eq!(parse(args("--bogus")).unwrap_err().kind(), ErrorKind::UnknownArgument);
+        assert!(parse(args("--requests")).unwrap_err().to_string().contains("--requests"));
+        assert!(parse(args("--requests ten")).unwrap_err().to_string().contains("ten"));
+        assert!(parse(args("--secs=-1")).unwrap_err().to_string().contains("positive number of seconds"));
+        assert!(parse(args("--threads 0")).unwrap_err().to_string().contains("--threads"));
+        assert_eq!(parse(args("--help")).unwrap_err().kind(), ErrorKind::DisplayHelp);
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        <Cli as clap::CommandFactory>::command().debug_assert();
     }
 }

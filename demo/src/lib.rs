@@ -12,9 +12,10 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod real_models;
 pub mod report;
 mod sim;
 
-pub use config::{Config, FlagError, USAGE, parse};
+pub use config::{Config, FlagError, Invocation, parse};
 pub use report::{Check, Report};
 pub use sim::{SimError, run};

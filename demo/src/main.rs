@@ -3,19 +3,25 @@
 
 use std::process::ExitCode;
 
-use memory_demo::{FlagError, USAGE, parse, run};
+use memory_demo::{Invocation, parse, run};
 
 fn main() -> ExitCode {
     let config = match parse(std::env::args().skip(1)) {
-        Ok(config) => config,
-        Err(FlagError::Help) => {
-            print!("{USAGE}");
-            return ExitCode::SUCCESS;
+        Ok(Invocation::Simulate(config)) => config,
+        Ok(Invocation::RealModels { requests }) => {
+            return match memory_demo::real_models::run(requests) {
+                Ok((report, passed)) => {
+                    print!("{report}");
+                    if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+                }
+                Err(error) => {
+                    eprintln!("memory-demo --ort: {error}");
+                    ExitCode::FAILURE
+                }
+            };
         }
-        Err(error) => {
-            eprintln!("memory-demo: {error}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
+        // Help goes to stdout with success, a usage error to stderr with status 2.
+        Err(error) => error.exit(),
     };
     let report = match run(&config) {
         Ok(report) => report,

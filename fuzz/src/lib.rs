@@ -851,6 +851,11 @@ impl World {
         let expect_ok = ctx_entry.is_some_and(|c| {
             c.state == ContextState::Live && auth_ok && auth_device == Some(c.device) && c.device == device.key()
         });
+        if expect_ok {
+            // Admitted registrations ask once for each capability (the safe path checks
+            // that they are part of the allocator); refused ones make no callback.
+            self.allowed = Allowed::Only(&[Callback::VirtualBacking, Callback::SharedMapping]);
+        }
         let result = self.registry.register_allocator_with(
             &ctx_id,
             &auth_id,
@@ -948,6 +953,7 @@ impl World {
 
     fn with_memory(&mut self, dev: Dev) {
         let ledger = Arc::new(Ledger::new(dev.key()));
+        self.allowed = Allowed::Only(&[Callback::VirtualBacking, Callback::SharedMapping]);
         let result = self.registry.with_memory(Arc::clone(&ledger) as Arc<dyn DeviceAllocator>);
         // Pick up whatever was registered (all of it on success; a prefix when
         // identities ran out).

@@ -11,8 +11,6 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use serde_json::Value;
-
 /// How much older than the run's start a result may look and still count as written
 /// by the run (file systems that round modification times down).
 const CLOCK_SLACK: Duration = Duration::from_secs(2);
@@ -91,27 +89,45 @@ pub(crate) struct BenchmarkId {
     pub(crate) elements: Option<u64>,
 }
 
+/// The part of criterion's `benchmark.json` the table needs.
+#[derive(serde::Deserialize)]
+struct BenchmarkJson {
+    full_id: String,
+    #[serde(default)]
+    throughput: Option<ThroughputJson>,
+}
+
+/// Criterion's `Throughput`, externally tagged (`{"Elements": 64}`). Other variants
+/// (bytes or bits per iteration) leave `elements` empty: the time per iteration is what
+/// is compared then.
+#[derive(serde::Deserialize)]
+struct ThroughputJson {
+    #[serde(rename = "Elements")]
+    elements: Option<u64>,
+}
+
+/// The part of criterion's `estimates.json` the table needs.
+#[derive(serde::Deserialize)]
+struct EstimatesJson {
+    median: PointEstimate,
+}
+
+#[derive(serde::Deserialize)]
+struct PointEstimate {
+    point_estimate: f64,
+}
+
 /// Reads criterion's `benchmark.json`: the `full_id` and any `Elements` throughput.
 ///
 /// # Errors
 /// A message saying what is missing or malformed.
 pub(crate) fn parse_benchmark(text: &str) -> Result<BenchmarkId, String> {
-    let json: Value = serde_json::from_str(text).map_err(|err| format!("invalid JSON ({err})"))?;
-    let full_id = json
-        .get("full_id")
-        .and_then(Value::as_str)
-        .filter(|id| !id.is_empty())
-        .ok_or("no `full_id` string")?
-        .to_owned();
-    let elements = match json.get("throughput") {
-        None | Some(Value::Null) => None,
-        Some(throughput) => match throughput.get("Elements") {
-            Some(count) => Some(count.as_u64().ok_or("`throughput.Elements` is not a whole number")?),
-            // Bytes or bits per iteration: the time per iteration is what is compared.
-            None => None,
-        },
-    };
-    Ok(BenchmarkId { full_id, elements })
+    let json: BenchmarkJson =
+        serde_json::from_str(text).map_err(|err| json_error(&err, "`full_id` and `throughput.Elements`"))?;
+    if json.full_id.is_empty() {
+        return Err("an empty `full_id`".into());
+    }
+    Ok(BenchmarkId { full_id: json.full_id, elements: json.throughput.and_then(|t| t.elements) })
 }
 
 /// Reads criterion's `estimates.json`: `median.point_estimate`, in nanoseconds.
@@ -119,16 +135,22 @@ pub(crate) fn parse_benchmark(text: &str) -> Result<BenchmarkId, String> {
 /// # Errors
 /// A message saying what is missing, or that the value is negative or not finite.
 pub(crate) fn parse_median(text: &str) -> Result<f64, String> {
-    let json: Value = serde_json::from_str(text).map_err(|err| format!("invalid JSON ({err})"))?;
-    let median = json
-        .get("median")
-        .and_then(|median| median.get("point_estimate"))
-        .and_then(Value::as_f64)
-        .ok_or("no number at `median.point_estimate`")?;
+    let json: EstimatesJson =
+        serde_json::from_str(text).map_err(|err| json_error(&err, "a number at `median.point_estimate`"))?;
+    let median = json.median.point_estimate;
     if median.is_finite() && median >= 0.0 {
         Ok(median)
     } else {
         Err(format!("`median.point_estimate` is {median}, not a time"))
+    }
+}
+
+/// Says whether the text was not JSON at all, or JSON without what criterion writes.
+fn json_error(err: &serde_json::Error, expected: &str) -> String {
+    if err.is_syntax() || err.is_eof() {
+        format!("invalid JSON ({err})")
+    } else {
+        format!("expected {expected} ({err})")
     }
 }
 

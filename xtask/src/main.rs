@@ -6,11 +6,13 @@
 //!   device is present or no GPU test ran.
 //! - `cargo xtask loom [--preemptions N]`: the loom models, in `target/loom`.
 //! - `cargo xtask bench [--compare REV]`: the criterion benches, then one table of the
-//!   ratios measured in that run against the issues' targets; with `--compare`, the
+//!   ratios measured in that run against the performance targets; with `--compare`, the
 //!   per-bench change between REV and the working tree, measured alternately on this
 //!   machine, as markdown.
 //! - `cargo xtask stress [--secs N]`: the bounded stress tests, run for longer.
-//! - `cargo xtask demo [ARGS]`: the demo binary.
+//! - `cargo xtask mutants [--file F]`: mutation testing of the core crates (weekly).
+//! - `cargo xtask demo [ARGS]`: the demo binary; `demo --ort` fetches ONNX Runtime and
+//!   the real models first ([`mod@ort`]).
 //!
 //! Layout: [`flags`] parses the command line into types, [`tasks`] turns each command
 //! into a list of steps, [`step`] runs and judges them, [`libtest`] reads test output.
@@ -24,6 +26,7 @@ mod compare;
 mod estimates;
 mod flags;
 mod libtest;
+mod ort;
 mod ratios;
 mod step;
 mod table;
@@ -36,23 +39,19 @@ use flags::Command;
 fn main() -> ExitCode {
     let command = match flags::parse(std::env::args_os().skip(1)) {
         Ok(command) => command,
-        Err(err) => {
-            eprintln!("xtask: {err}\n\n{}", flags::HELP);
-            return ExitCode::from(2);
-        }
+        // Help goes to stdout with success, a usage error to stderr with status 2.
+        Err(err) => err.exit(),
     };
     let root = tasks::project_root();
     let result = match command {
-        Command::Help => {
-            print!("{}", flags::HELP);
-            return ExitCode::SUCCESS;
-        }
         Command::Demo(demo) => return run_demo(&demo, &root),
         Command::Test(test) => step::run_steps("xtask test", &root, &tasks::test_steps(&test)),
         Command::Loom(loom) => step::run_steps("xtask loom", &root, &tasks::loom_steps(&loom)),
         Command::Stress(stress) => step::run_steps("xtask stress", &root, &tasks::stress_steps(&stress)),
         Command::Miri => step::run_steps("xtask miri", &root, &tasks::miri_steps()),
         Command::Fuzz(fuzz) => step::run_steps("xtask fuzz", &root, &tasks::fuzz_steps(&fuzz)),
+        Command::Mutants(mutants) => step::run_steps("xtask mutants", &root, &tasks::mutants_steps(&mutants)),
+        Command::Bench(bench) if bench.ort => step::run_steps("xtask bench --ort", &root, &ort::bench_steps(&bench)),
         Command::Bench(bench) => {
             return match bench::run(&bench, &root) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -74,7 +73,13 @@ fn main() -> ExitCode {
 
 /// Hands the terminal to the demo and passes its exit code on.
 fn run_demo(demo: &flags::Demo, root: &std::path::Path) -> ExitCode {
-    let cmd = tasks::demo_cmd(demo);
+    let mut cmd = tasks::demo_cmd(demo);
+    if ort::is_demo_ort(demo) {
+        if step::run_steps("xtask demo --ort", root, &[ort::fetch_step()]).is_err() {
+            return ExitCode::FAILURE;
+        }
+        cmd = ort::with_assets(cmd);
+    }
     match cmd.status(root) {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {

@@ -29,14 +29,27 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         );
     }
     steps.push(Step::new("fmt", Cmd::cargo(["fmt", "--all", "--check"])));
+    // memory-ort's real-model tests need ONNX Runtime and the models: fetched (once)
+    // into target/ort-cache, and required by the tests step below.
+    steps.push(crate::ort::fetch_step());
     // The architecture tidy test also runs inside `cargo test --workspace`; running it
     // first on its own reports a layering mistake in seconds rather than minutes.
     steps.push(Step::new("tidy", Cmd::cargo(["test", "--locked", "-p", "xtask", "--test", "tidy"])));
     steps.push(Step::new(
         "clippy",
-        Cmd::cargo(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]),
+        Cmd::cargo(["clippy", "--workspace", "--all-targets", "--all-features", "--locked", "--", "-D", "warnings"]),
     ));
-    steps.push(Step::new("tests", Cmd::cargo(["test", "--workspace", "--locked"])).check(Check::Tests));
+    steps.push(
+        Step::new("tests", crate::ort::with_assets(Cmd::cargo(["test", "--workspace", "--locked"])))
+            .check(Check::Tests),
+    );
+    // The optional features (serde, metrics) change what compiles and add tests of
+    // their own: run the crates that have them with every feature on.
+    let mut features = vec!["test", "--locked", "--all-features"];
+    for krate in FEATURE_CRATES {
+        features.extend(["-p", krate]);
+    }
+    steps.push(Step::new("features", Cmd::cargo(features)).check(Check::Tests));
     // The loom models with a low preemption bound (seconds per model); `cargo xtask
     // loom` explores deeper.
     steps.push(loom_step(LOOM_PREEMPTIONS_IN_TEST, &loom_target_dir()));
@@ -45,13 +58,47 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         Cmd::cargo(["doc", "--workspace", "--no-deps", "--locked"])
             .env("RUSTDOCFLAGS", extend_flags(std::env::var("RUSTDOCFLAGS").ok(), "-D warnings")),
     ));
+    steps.push(package_step());
     if flags.gpu {
         steps.push(
-            Step::new("gpu-tests", Cmd::cargo(["test", "-p", "allocator-cuda", "--locked", "--", "--ignored", "gpu_"]))
-                .check(Check::GpuTests),
+            Step::new(
+                "gpu-tests",
+                crate::ort::with_assets(Cmd::cargo([
+                    "test",
+                    "-p",
+                    "allocator-cuda",
+                    "-p",
+                    "memory-ort",
+                    "--locked",
+                    "--",
+                    "--ignored",
+                    "gpu_",
+                ])),
+            )
+            .check(Check::GpuTests),
         );
     }
     steps
+}
+
+/// The crates with optional features (`serde`, `metrics`) whose tests the `features`
+/// step runs with every feature on.
+pub(crate) const FEATURE_CRATES: [&str; 2] = ["memory-api", "memory-governor"];
+
+/// The crates published to the registry, in dependency order.
+pub(crate) const PUBLISHED_CRATES: [&str; 5] =
+    ["memory-api", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda"];
+
+/// `cargo package` of every published crate together: cargo verifies each against the
+/// others packaged into a local registry, so a missing version, a file left out of a
+/// package or a dependency only the workspace provides fails here, not at release time.
+/// `--allow-dirty` lets a developer run it before committing; CI runs on a clean clone.
+pub(crate) fn package_step() -> Step {
+    let mut args = vec!["package", "--locked", "--allow-dirty"];
+    for krate in PUBLISHED_CRATES {
+        args.extend(["-p", krate]);
+    }
+    Step::new("package", Cmd::cargo(args))
 }
 
 /// The loom step: the `--lib` tests of [`LOOM_CRATES`] whose names contain `loom`, in
@@ -162,9 +209,35 @@ pub(crate) fn fuzz_steps(flags: &flags::Fuzz) -> Vec<Step> {
     vec![Step::new("fuzz", Cmd::new("cargo", ["+nightly", "fuzz", "run", "registry_ops", "--", time.as_str()]))]
 }
 
+/// The crates `cargo xtask mutants` mutates: the registry and the governor, whose
+/// tests must catch at least 90% of viable mutants per file.
+pub(crate) const MUTATED_CRATES: [&str; 2] = ["memory-binding", "memory-governor"];
+
+/// `cargo xtask mutants [--file F]`: cargo-mutants over [`MUTATED_CRATES`] (or one
+/// file), testing each mutant with the mutated crate's own tests. Slow (minutes per
+/// file): a weekly workflow runs it, not CI. The stress and property tests are shortened
+/// so a mutant that hangs a protocol times out rather than running for the full budget.
+pub(crate) fn mutants_steps(flags: &flags::Mutants) -> Vec<Step> {
+    let mut args =
+        vec!["mutants".to_owned(), "--no-shuffle".to_owned(), "--timeout-multiplier".to_owned(), "3".to_owned()];
+    for krate in MUTATED_CRATES {
+        args.extend(["--package".to_owned(), krate.to_owned()]);
+    }
+    if let Some(file) = &flags.file {
+        args.extend(["--file".to_owned(), file.display().to_string()]);
+    }
+    let cmd = Cmd::cargo(args).env("MEMORY_STRESS_SECS", "1").env("PROPTEST_CASES", "32");
+    vec![Step::new("mutants", cmd)]
+}
+
 /// The command `cargo xtask demo ARGS` runs.
 pub(crate) fn demo_cmd(flags: &flags::Demo) -> Cmd {
-    let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo", "--"].map(String::from).to_vec();
+    let mut args: Vec<String> = ["run", "--release", "-q", "-p", "memory-demo"].map(String::from).to_vec();
+    // CUDA is an optional feature of the demo: enable it only when asked to use it.
+    if flags.args.iter().any(|arg| arg == "--gpu") {
+        args.extend(["--features".to_owned(), "cuda".to_owned()]);
+    }
+    args.push("--".to_owned());
     args.extend(flags.args.iter().cloned());
     Cmd::cargo(args)
 }
@@ -216,30 +289,60 @@ mod tests {
     #[test]
     fn test_runs_fmt_tidy_clippy_tests_docs_in_that_order() {
         let steps = test_steps(&flags::Test { gpu: false });
-        assert_eq!(names(&steps), ["fmt", "tidy", "clippy", "tests", "loom", "docs"]);
+        assert_eq!(
+            names(&steps),
+            ["fmt", "ort-fetch", "tidy", "clippy", "tests", "features", "loom", "docs", "package"]
+        );
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
             checks,
-            [Check::Success, Check::Success, Check::Success, Check::Tests, Check::LoomModels, Check::Success]
+            [
+                Check::Success,
+                Check::Success,
+                Check::Success,
+                Check::Success,
+                Check::Tests,
+                Check::Tests,
+                Check::LoomModels,
+                Check::Success,
+                Check::Success
+            ]
         );
-        let loom = &steps[4];
+        assert_eq!(steps[4].cmd.env_value(crate::ort::REQUIRED_ENV), Some("1"), "real-model tests never skip");
+        let loom = &steps[6];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
     #[test]
     fn gpu_probes_first_and_runs_the_gpu_tests_last() {
         let steps = test_steps(&flags::Test { gpu: true });
-        assert_eq!(names(&steps), ["cuda-probe", "fmt", "tidy", "clippy", "tests", "loom", "docs", "gpu-tests"]);
+        assert_eq!(
+            names(&steps),
+            [
+                "cuda-probe",
+                "fmt",
+                "ort-fetch",
+                "tidy",
+                "clippy",
+                "tests",
+                "features",
+                "loom",
+                "docs",
+                "package",
+                "gpu-tests"
+            ]
+        );
         assert_eq!(steps[0].check, Check::CudaDevice);
         let gpu = steps.last().unwrap();
         assert_eq!(gpu.check, Check::GpuTests);
         assert!(gpu.cmd.arg_list().ends_with(&["--".into(), "--ignored".into(), "gpu_".into()]));
+        assert!(gpu.cmd.to_string().contains("-p memory-ort"), "{}", gpu.cmd);
     }
 
     #[test]
     fn building_steps_are_locked_and_clippy_denies_warnings() {
         for step in test_steps(&flags::Test { gpu: true }) {
-            if step.name != "fmt" {
+            if step.name != "fmt" && step.name != "ort-fetch" {
                 assert!(step.cmd.arg_list().contains(&"--locked".to_owned()), "{} is not --locked", step.name);
             }
         }
@@ -317,6 +420,26 @@ mod tests {
         assert_eq!(miri[0].cmd.to_string(), "bash scripts/miri.sh");
         let fuzz = fuzz_steps(&flags::Fuzz { secs: 90 });
         assert_eq!(fuzz[0].cmd.to_string(), "cargo +nightly fuzz run registry_ops -- -max_total_time=90");
+    }
+
+    #[test]
+    fn mutants_covers_both_core_crates_or_one_file() {
+        let all = mutants_steps(&flags::Mutants { file: None });
+        let cmd = all[0].cmd.to_string();
+        assert!(cmd.contains("--package memory-binding --package memory-governor"), "{cmd}");
+        assert!(!cmd.contains("--file"), "{cmd}");
+        let file = "crates/memory-governor/src/allocator.rs";
+        let one = mutants_steps(&flags::Mutants { file: Some(file.into()) });
+        assert!(one[0].cmd.to_string().ends_with(&format!("--file {file}")), "{}", one[0].cmd);
+        assert_eq!(one[0].cmd.env_value("MEMORY_STRESS_SECS"), Some("1"));
+    }
+
+    #[test]
+    fn demo_enables_cuda_only_for_gpu_runs() {
+        let cmd = demo_cmd(&flags::Demo { args: vec!["--gpu".into()] });
+        assert!(cmd.to_string().ends_with("-p memory-demo --features cuda -- --gpu"), "{cmd}");
+        let cmd = demo_cmd(&flags::Demo { args: vec!["--seed".into(), "3".into()] });
+        assert!(!cmd.to_string().contains("cuda"), "{cmd}");
     }
 
     #[test]

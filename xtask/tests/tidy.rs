@@ -15,14 +15,29 @@ use std::sync::OnceLock;
 use serde_json::{Value, json};
 
 /// Crates that may contain `unsafe` code; every other library must `#![forbid(unsafe_code)]`.
-const UNSAFE_ALLOWED: [&str; 3] = ["allocator-cpu", "allocator-cuda", "memory-binding"];
+const UNSAFE_ALLOWED: [&str; 6] =
+    ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-ort", "memory-plugin", "memory-capi"];
 
 /// Tooling crates outside the layering (binaries and benches), exempt from the unsafe check.
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 6] =
-    ["memory-api", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda", "memory-testkit"];
+const NAMED_CRATES: [&str; 10] = [
+    "memory-api",
+    "memory-binding",
+    "memory-governor",
+    "allocator-cpu",
+    "allocator-cuda",
+    "memory-testkit",
+    "memory-ort",
+    "memory-plugin-abi",
+    "memory-plugin",
+    "memory-capi",
+];
+
+/// Adapter crates: they consume the core (the governor and the providers); nothing but
+/// tooling depends on them.
+const ADAPTERS: [&str; 2] = ["memory-ort", "memory-capi"];
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
@@ -69,15 +84,27 @@ enum Rule {
     BindingKnowsNoConcreteAllocator,
     GovernorNamesNoCuda,
     OnlyAllocatorCudaNamesCudarc,
+    OnlyMemoryOrtNamesOrt,
+    AdaptersSitOnTheCore,
+    OnlyToolingDependsOnAdapters,
+    PluginAbiStandsAlone,
+    PluginIsAProvider,
+    CapiComposesThroughTheGovernor,
 }
 
 impl Rule {
-    const ALL: [Rule; 5] = [
+    const ALL: [Rule; 11] = [
         Rule::MemoryApiIsALeaf,
         Rule::AllocatorsDependOnMemoryApiOnly,
         Rule::BindingKnowsNoConcreteAllocator,
         Rule::GovernorNamesNoCuda,
         Rule::OnlyAllocatorCudaNamesCudarc,
+        Rule::OnlyMemoryOrtNamesOrt,
+        Rule::AdaptersSitOnTheCore,
+        Rule::OnlyToolingDependsOnAdapters,
+        Rule::PluginAbiStandsAlone,
+        Rule::PluginIsAProvider,
+        Rule::CapiComposesThroughTheGovernor,
     ];
 
     /// The invariant, as docs/ARCHITECTURE.md states it.
@@ -95,6 +122,23 @@ impl Rule {
             }
             Rule::GovernorNamesNoCuda => "memory-governor has no normal dependency on allocator-cuda or cudarc",
             Rule::OnlyAllocatorCudaNamesCudarc => "only allocator-cuda depends on cudarc",
+            Rule::OnlyMemoryOrtNamesOrt => "only memory-ort depends on ort (or ort-sys)",
+            Rule::AdaptersSitOnTheCore => {
+                "memory-ort depends (normally) on memory-governor and the allocator crates only, of the workspace"
+            }
+            Rule::OnlyToolingDependsOnAdapters => {
+                "no core, provider or test-kit crate depends on an adapter (memory-ort, memory-capi); only \
+                 tooling (memory-demo, memory-benches, xtask) may"
+            }
+            Rule::PluginAbiStandsAlone => "memory-plugin-abi has no normal or build dependency at all",
+            Rule::PluginIsAProvider => {
+                "memory-plugin depends on memory-api and memory-plugin-abi only, never on the registry or the \
+                 governor (its tests may add memory-testkit and memory-binding)"
+            }
+            Rule::CapiComposesThroughTheGovernor => {
+                "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
+                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin and memory-plugin-abi only"
+            }
         }
     }
 
@@ -119,6 +163,34 @@ impl Rule {
                 edge.from == "memory-governor" && shipped && matches!(to, "allocator-cuda" | "cudarc")
             }
             Rule::OnlyAllocatorCudaNamesCudarc => to == "cudarc" && edge.from != "allocator-cuda",
+            Rule::OnlyMemoryOrtNamesOrt => matches!(to, "ort" | "ort-sys") && edge.from != "memory-ort",
+            Rule::AdaptersSitOnTheCore => {
+                edge.from == "memory-ort"
+                    && edge.kind == DepKind::Normal
+                    && edge.internal
+                    && !matches!(to, "memory-governor" | "allocator-cpu" | "allocator-cuda")
+            }
+            Rule::OnlyToolingDependsOnAdapters => {
+                ADAPTERS.contains(&to)
+                    && !TOOLING.contains(&edge.from.as_str())
+                    && !ADAPTERS.contains(&edge.from.as_str())
+            }
+            Rule::PluginAbiStandsAlone => edge.from == "memory-plugin-abi" && shipped,
+            Rule::PluginIsAProvider => {
+                edge.from == "memory-plugin"
+                    && edge.internal
+                    && !matches!(to, "memory-api" | "memory-plugin-abi")
+                    && !(edge.kind == DepKind::Dev && matches!(to, "memory-testkit" | "memory-binding"))
+            }
+            Rule::CapiComposesThroughTheGovernor => {
+                edge.from == "memory-capi"
+                    && edge.internal
+                    && shipped
+                    && !matches!(
+                        to,
+                        "memory-governor" | "allocator-cpu" | "allocator-cuda" | "memory-plugin" | "memory-plugin-abi"
+                    )
+            }
         }
     }
 }
@@ -289,6 +361,32 @@ fn only_allocator_cuda_names_cudarc() {
 }
 
 #[test]
+fn only_memory_ort_names_ort() {
+    assert_clean(Rule::OnlyMemoryOrtNamesOrt);
+}
+
+#[test]
+fn adapters_sit_on_the_core_and_only_tooling_depends_on_them() {
+    assert_clean(Rule::AdaptersSitOnTheCore);
+    assert_clean(Rule::OnlyToolingDependsOnAdapters);
+}
+
+#[test]
+fn memory_plugin_abi_stands_alone() {
+    assert_clean(Rule::PluginAbiStandsAlone);
+}
+
+#[test]
+fn memory_plugin_is_a_provider() {
+    assert_clean(Rule::PluginIsAProvider);
+}
+
+#[test]
+fn memory_capi_composes_through_the_governor() {
+    assert_clean(Rule::CapiComposesThroughTheGovernor);
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -332,7 +430,34 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
         ("allocator-cpu", vec![("memory-api", None), ("memory-testkit", Some("dev"))]),
         ("allocator-cuda", vec![("memory-api", None), ("cudarc", None), ("memory-testkit", Some("dev"))]),
         ("memory-testkit", vec![("memory-api", None)]),
-        ("memory-demo", vec![("memory-governor", None), ("allocator-cpu", None)]),
+        (
+            "memory-ort",
+            vec![("memory-governor", None), ("allocator-cuda", None), ("ort", None), ("allocator-cpu", Some("dev"))],
+        ),
+        ("memory-demo", vec![("memory-governor", None), ("allocator-cpu", None), ("memory-ort", None)]),
+        ("memory-plugin-abi", vec![]),
+        (
+            "memory-plugin",
+            vec![
+                ("memory-api", None),
+                ("memory-plugin-abi", None),
+                ("libloading", None),
+                ("memory-binding", Some("dev")),
+                ("memory-testkit", Some("dev")),
+            ],
+        ),
+        (
+            "memory-capi",
+            vec![
+                ("memory-governor", None),
+                ("allocator-cpu", None),
+                ("allocator-cuda", None),
+                ("memory-plugin", None),
+                ("memory-plugin-abi", None),
+                ("cbindgen", Some("dev")),
+            ],
+        ),
+        ("memory-benches", vec![("memory-capi", Some("dev")), ("memory-plugin", Some("dev"))]),
     ];
     for (name, deps) in &mut layout {
         if *name == extra_from {
@@ -356,7 +481,33 @@ fn synthetic_design_layout_is_clean() {
 
 #[test]
 fn synthetic_bad_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 9] = [
+    let cases: [(&str, Dep, Rule, &str); 15] = [
+        ("memory-plugin-abi", ("libc", None), Rule::PluginAbiStandsAlone, "memory-plugin-abi -> libc (normal"),
+        ("memory-plugin", ("memory-binding", None), Rule::PluginIsAProvider, "memory-plugin -> memory-binding (normal"),
+        (
+            "memory-plugin",
+            ("memory-governor", Some("dev")),
+            Rule::PluginIsAProvider,
+            "memory-plugin -> memory-governor (dev",
+        ),
+        (
+            "memory-capi",
+            ("memory-binding", None),
+            Rule::CapiComposesThroughTheGovernor,
+            "memory-capi -> memory-binding",
+        ),
+        (
+            "memory-governor",
+            ("memory-capi", None),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-governor -> memory-capi",
+        ),
+        (
+            "memory-plugin",
+            ("memory-capi", Some("build")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-plugin -> memory-capi (build",
+        ),
         ("memory-api", ("memory-binding", None), Rule::MemoryApiIsALeaf, "memory-api -> memory-binding (normal"),
         ("memory-api", ("memory-testkit", Some("dev")), Rule::MemoryApiIsALeaf, "memory-api -> memory-testkit (dev"),
         (
@@ -403,6 +554,26 @@ fn synthetic_bad_edges_are_reported_by_name() {
         assert_eq!(found.len(), 1, "{from} -> {edge:?} should break {rule:?} once, found {found:?}");
         assert!(found[0].contains(expected), "{:?} does not name {expected:?}", found[0]);
         assert!(found[0].contains(rule.invariant()), "{:?} does not state the invariant", found[0]);
+    }
+}
+
+#[test]
+fn synthetic_adapter_edges_are_reported_by_name() {
+    let cases: [(&str, Dep, Rule, &str); 4] = [
+        ("memory-governor", ("ort", None), Rule::OnlyMemoryOrtNamesOrt, "memory-governor -> ort (normal"),
+        ("memory-demo", ("ort-sys", None), Rule::OnlyMemoryOrtNamesOrt, "memory-demo -> ort-sys"),
+        ("memory-ort", ("memory-testkit", None), Rule::AdaptersSitOnTheCore, "memory-ort -> memory-testkit (normal"),
+        (
+            "memory-governor",
+            ("memory-ort", Some("dev")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-governor -> memory-ort (dev",
+        ),
+    ];
+    for (from, edge, rule, expected) in cases {
+        let found = violations(&synthetic(from, &[edge]), rule);
+        assert_eq!(found.len(), 1, "{from} -> {edge:?} should break {rule:?} once, found {found:?}");
+        assert!(found[0].contains(expected), "{:?} does not name {expected:?}", found[0]);
     }
 }
 
@@ -455,8 +626,9 @@ fn synthetic_library_without_forbid_unsafe_is_reported_unless_allowed() {
     };
     let found = unsafe_violations(&packages, &read);
     let named: Vec<&str> = found.iter().map(|line| line.split(' ').next().unwrap()).collect();
-    // memory-binding and allocator-* may use unsafe; memory-demo is tooling.
-    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit"], "{found:?}");
+    // memory-binding, allocator-*, memory-plugin and memory-capi may use unsafe;
+    // memory-demo and memory-benches are tooling.
+    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit", "memory-plugin-abi"], "{found:?}");
     let read = |_: &Path| -> Result<String, String> { Ok("//! A crate.\n#![forbid(unsafe_code)]\n".to_owned()) };
     assert!(unsafe_violations(&packages, &read).is_empty());
 }

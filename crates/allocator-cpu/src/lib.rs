@@ -7,6 +7,10 @@
 //! | [`VirtualHostAllocator`] | reserve address space, commit pages on demand (the CPU twin of CUDA VMM) | [`VirtualBacking`](memory_api::VirtualBacking) |
 //! | [`SharedHostAllocator`] | one memfd mapped into several reservations (the CPU twin of a shared KV prefix) | [`SharedMapping`](memory_api::SharedMapping) |
 //!
+//! Platforms: [`SystemAllocator`] and [`PooledAllocator`] build and run everywhere;
+//! [`VirtualHostAllocator`], [`SharedHostAllocator`] and [`probe`] need `mmap` and
+//! exist on unix only (Linux and macOS). On Windows they are absent at compile time.
+//!
 //! [`probe`] reads and writes host memory that may be protected without crashing.
 //! This crate depends on `memory-api` alone (never on the registry or the governor):
 //! it is a provider.
@@ -67,17 +71,29 @@
 //! ```
 
 mod pooled;
-pub mod probe;
-mod ranges;
-mod region;
-mod shared_host;
-mod sys;
 mod system;
 mod table;
+
+// Address-space reservation and shared mappings need `mmap`: Linux and macOS.
+#[cfg(unix)]
+pub mod probe;
+#[cfg(unix)]
+mod ranges;
+#[cfg(unix)]
+mod region;
+#[cfg(unix)]
+mod shared_host;
+#[cfg(unix)]
+mod sys;
+#[cfg(unix)]
 mod virtual_host;
 
 // The public interface.
 pub use pooled::{PoolConfig, PoolStats, PooledAllocator};
-pub use shared_host::{HostBacking, SharedHostAllocator};
 pub use system::SystemAllocator;
+// Unix only (Linux and macOS). On other platforms these names do not exist, so a use
+// of them fails at compile time rather than at run time.
+#[cfg(unix)]
+pub use shared_host::{HostBacking, SharedHostAllocator};
+#[cfg(unix)]
 pub use virtual_host::VirtualHostAllocator;

@@ -9,7 +9,7 @@
 
 use std::ffi::c_void;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use memory_api::DeviceAddress;
 
@@ -17,15 +17,17 @@ use memory_api::DeviceAddress;
 const CHUNK: usize = 32 * 1024;
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0; 2];
-    // SAFETY: `fds` is a valid, writable array of two file descriptors, as pipe2 needs.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: pipe2 succeeded, so both descriptors are open and owned by nobody else.
-    let read = unsafe { OwnedFd::from_raw_fd(fds[0]) };
-    // SAFETY: as above, for the write end.
-    let write = unsafe { OwnedFd::from_raw_fd(fds[1]) };
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    // No pipe2 on macOS: set close-on-exec right after (a fork in between is harmless
+    // for a probe, which never execs).
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let (read, write) = {
+        let (read, write) = rustix::pipe::pipe()?;
+        rustix::io::fcntl_setfd(&read, rustix::io::FdFlags::CLOEXEC)?;
+        rustix::io::fcntl_setfd(&write, rustix::io::FdFlags::CLOEXEC)?;
+        (read, write)
+    };
     Ok((read, write))
 }
 

@@ -3,6 +3,9 @@
 //! `usize` values whose provenance was exposed when the mapping was created; a pointer
 //! is rebuilt with `with_exposed_provenance_mut` only to pass it to the kernel.
 //!
+//! Linux and macOS (any unix with `mmap`): where the two differ (memory files, dropping
+//! pages, placing a mapping only where nothing is mapped) each function says how.
+//!
 //! Under `cfg(test)` a thread-local plan can make the n-th call of an operation fail
 //! with a chosen errno before the system call is made, so tests drive every error path.
 
@@ -11,8 +14,7 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 
 use memory_api::BackendError;
-use rustix::fs::MemfdFlags;
-use rustix::mm::{Advice, MapFlags, MprotectFlags, ProtFlags};
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 /// The operations, for fault injection and error messages.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -136,19 +138,41 @@ pub(crate) unsafe fn protect(addr: usize, len: usize, writable: bool) -> SysResu
 /// As for [`protect`]: our own reservation, no Rust reference into it.
 pub(crate) unsafe fn discard(addr: usize, len: usize) -> SysResult<()> {
     inject::check(Op::Discard)?;
-    // SAFETY: the caller guarantees the range is ours and unreferenced.
-    wrap(Op::Discard, unsafe { rustix::mm::madvise(ptr(addr), len, Advice::LinuxDontNeed) })
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        // SAFETY: the caller guarantees the range is ours and unreferenced.
+        wrap(Op::Discard, unsafe { rustix::mm::madvise(ptr(addr), len, rustix::mm::Advice::LinuxDontNeed) })
+    }
+    // Elsewhere `MADV_DONTNEED` may keep the old contents; replacing the range with a
+    // fresh anonymous mapping drops the pages and makes them read as zero everywhere.
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let flags = MapFlags::PRIVATE | MapFlags::FIXED;
+        // SAFETY: MAP_FIXED replaces only the caller's own, unreferenced range.
+        let mapped = unsafe { rustix::mm::mmap_anonymous(ptr(addr), len, ProtFlags::empty(), flags) };
+        wrap(Op::Discard, mapped).map(drop)
+    }
 }
 
-/// Faults in physical pages for `[addr, addr + len)` now (Linux 5.14+).
+/// Faults in physical pages for `[addr, addr + len)` now (Linux 5.14+; `EINVAL` on
+/// kernels and systems without `MADV_POPULATE_WRITE`, which callers treat as "not
+/// available").
 ///
 /// # Safety
 /// The range must be committed (read-write) memory of our own reservation.
 pub(crate) unsafe fn populate(addr: usize, len: usize) -> SysResult<()> {
     inject::check(Op::Populate)?;
-    // SAFETY: the caller guarantees the range is ours and writable; populating writes
-    // nothing visible (pages read as zero either way).
-    wrap(Op::Populate, unsafe { rustix::mm::madvise(ptr(addr), len, Advice::LinuxPopulateWrite) })
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        // SAFETY: the caller guarantees the range is ours and writable; populating
+        // writes nothing visible (pages read as zero either way).
+        wrap(Op::Populate, unsafe { rustix::mm::madvise(ptr(addr), len, rustix::mm::Advice::LinuxPopulateWrite) })
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let _ = (addr, len);
+        Err(SysError { op: Op::Populate, errno: rustix::io::Errno::INVAL })
+    }
 }
 
 /// Unmaps `[addr, addr + len)`.
@@ -194,14 +218,20 @@ pub(crate) unsafe fn reserve_fixed(addr: usize, len: usize) -> SysResult<()> {
 /// `EEXIST` means something is still mapped in the range.
 pub(crate) fn reserve_no_replace(addr: usize, len: usize) -> SysResult<()> {
     inject::check(Op::ReserveNoReplace)?;
+    // Without MAP_FIXED_NOREPLACE (before Linux 4.17, and on macOS) the address is a
+    // hint the kernel follows only when the range is free: the check below covers both.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
     let flags = MapFlags::PRIVATE | MapFlags::FIXED_NOREPLACE;
-    // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping (it fails with
-    // EEXIST instead), so no memory anyone uses can be affected.
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let flags = MapFlags::PRIVATE;
+    // SAFETY: neither MAP_FIXED_NOREPLACE nor a plain hint ever replaces an existing
+    // mapping (the first fails with EEXIST, the second maps elsewhere), so no memory
+    // anyone uses can be affected.
     let mapped = unsafe { rustix::mm::mmap_anonymous(ptr(addr), len, ProtFlags::empty(), flags) };
     let mapped = wrap(Op::ReserveNoReplace, mapped)?.expose_provenance();
     if mapped != addr {
-        // A kernel older than 4.17 treats the flag as a hint and maps elsewhere, which
-        // only happens when the range is occupied: give that mapping back.
+        // A hint (an old kernel, or no MAP_FIXED_NOREPLACE) maps elsewhere only when the
+        // range is occupied: give that mapping back.
         // SAFETY: the mapping was created just above and nothing refers to it.
         let _ = unsafe { rustix::mm::munmap(ptr(mapped), len) };
         return Err(SysError { op: Op::ReserveNoReplace, errno: rustix::io::Errno::EXIST });
@@ -209,12 +239,30 @@ pub(crate) fn reserve_no_replace(addr: usize, len: usize) -> SysResult<()> {
     Ok(())
 }
 
-/// Creates an anonymous memory file of `len` bytes.
+/// Creates an anonymous memory file of `len` bytes: a memfd on Linux; elsewhere a POSIX
+/// shared-memory object unlinked at once, so only the descriptor names it.
 pub(crate) fn memfd(len: usize) -> SysResult<OwnedFd> {
     inject::check(Op::Memfd)?;
-    let fd = wrap(Op::Memfd, rustix::fs::memfd_create("allocator-cpu-shared", MemfdFlags::CLOEXEC))?;
+    let fd = wrap(Op::Memfd, anonymous_file())?;
     inject::check(Op::Truncate)?;
     wrap(Op::Truncate, rustix::fs::ftruncate(&fd, len as u64))?;
+    Ok(fd)
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn anonymous_file() -> rustix::io::Result<OwnedFd> {
+    rustix::fs::memfd_create("allocator-cpu-shared", rustix::fs::MemfdFlags::CLOEXEC)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn anonymous_file() -> rustix::io::Result<OwnedFd> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // macOS limits shared-memory names to 31 bytes: "/acpu-<pid>-<n>" fits.
+    let name = format!("/acpu-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let flags = rustix::shm::OFlags::CREATE | rustix::shm::OFlags::EXCL | rustix::shm::OFlags::RDWR;
+    let fd = rustix::shm::open(name.as_str(), flags, rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR)?;
+    rustix::shm::unlink(name.as_str())?;
     Ok(fd)
 }
 

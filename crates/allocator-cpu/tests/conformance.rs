@@ -1,7 +1,9 @@
 //! Every CPU allocator passes the `memory-testkit` conformance suite, with memory
 //! checks done through fault-safe probes.
 
-use allocator_cpu::{PoolConfig, PooledAllocator, SharedHostAllocator, SystemAllocator, VirtualHostAllocator, probe};
+use allocator_cpu::{PoolConfig, PooledAllocator, SystemAllocator};
+#[cfg(unix)]
+use allocator_cpu::{SharedHostAllocator, VirtualHostAllocator, probe};
 use memory_api::{DeviceAddress, DeviceKey};
 use memory_testkit::conformance::{CHECKS, Report, Suite};
 use memory_testkit::{AccessError, FaultyAllocator, MemoryAccess, RecordingAllocator};
@@ -10,6 +12,7 @@ use memory_testkit::{AccessError, FaultyAllocator, MemoryAccess, RecordingAlloca
 /// an error rather than a crash.
 struct HostProbe;
 
+#[cfg(unix)]
 impl MemoryAccess for HostProbe {
     fn write(&self, address: DeviceAddress, data: &[u8]) -> Result<(), AccessError> {
         // SAFETY: the suite only passes ranges of blocks it allocated from the allocator
@@ -24,6 +27,27 @@ impl MemoryAccess for HostProbe {
     fn read(&self, address: DeviceAddress, len: usize) -> Result<Vec<u8>, AccessError> {
         // SAFETY: as above; no thread writes the range while the suite reads it.
         unsafe { probe::read(address, len) }.map_err(|e| AccessError { address, len, reason: e.to_string() })
+    }
+}
+
+/// Without `probe` (no unix), only the system and pooled allocators run, whose blocks
+/// are ordinary heap memory that is always readable and writable.
+#[cfg(not(unix))]
+impl MemoryAccess for HostProbe {
+    fn write(&self, address: DeviceAddress, data: &[u8]) -> Result<(), AccessError> {
+        let target = std::ptr::with_exposed_provenance_mut::<u8>(address.get() as usize);
+        // SAFETY: the suite only passes ranges of live heap blocks it allocated and
+        // still holds, with no Rust reference into them.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), target, data.len()) };
+        Ok(())
+    }
+
+    fn read(&self, address: DeviceAddress, len: usize) -> Result<Vec<u8>, AccessError> {
+        let source = std::ptr::with_exposed_provenance::<u8>(address.get() as usize);
+        let mut out = vec![0; len];
+        // SAFETY: as above; no thread writes the range while the suite reads it.
+        unsafe { std::ptr::copy_nonoverlapping(source, out.as_mut_ptr(), len) };
+        Ok(out)
     }
 }
 
@@ -91,6 +115,7 @@ fn pooled_allocator_over_wrappers_conforms() {
 }
 
 #[test]
+#[cfg(unix)]
 #[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn virtual_host_allocator_conforms() {
     let report = run(Suite::new(VirtualHostAllocator::new));
@@ -99,6 +124,7 @@ fn virtual_host_allocator_conforms() {
 }
 
 #[test]
+#[cfg(unix)]
 #[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn populating_virtual_host_allocator_conforms() {
     let report = run(Suite::new(|| VirtualHostAllocator::new().populating()));
@@ -106,6 +132,7 @@ fn populating_virtual_host_allocator_conforms() {
 }
 
 #[test]
+#[cfg(unix)]
 #[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn shared_host_allocator_conforms() {
     let report = run(Suite::new(SharedHostAllocator::new));
@@ -114,6 +141,7 @@ fn shared_host_allocator_conforms() {
 }
 
 #[test]
+#[cfg(unix)]
 #[cfg_attr(miri, ignore = "mmap/memfd system calls and the full suite, which Miri cannot run")]
 fn recording_wrapper_over_capability_allocators_conforms() {
     let report = run(Suite::new(|| RecordingAllocator::new(VirtualHostAllocator::new())));

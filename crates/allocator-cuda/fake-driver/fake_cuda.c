@@ -8,10 +8,15 @@
  *   - VMM reservations are PROT_NONE mappings, physical handles are memfds, cuMemMap
  *     maps the memfd into the reservation (so one handle mapped twice really shares
  *     its bytes) and cuMemSetAccess is mprotect;
- *   - streams run everything immediately; events complete at once unless held.
+ *   - streams run everything immediately; events complete at once unless held;
+ *   - like CUDA, a pool keeps freed memory until a synchronisation (cuStreamSynchronize,
+ *     cuEventSynchronize): only then does it give back what lies above its release
+ *     threshold; cuMemFreeAsync only returns the block to the pool's cache.
  * It checks what the real driver checks where allocator-cuda relies on it: a current
  * context for memory calls, exact frees, whole-mapping unmaps, no address free while
- * mapped, copies only into live memory with the right access.
+ * mapped, copies only into live memory with the right access. Handles are validated
+ * by lookup, never by reading freed memory; a free, release or destroy of a handle
+ * that is not live (a double free) fails and is counted (fake_cuda_invalid_frees).
  *
  * Error injection (controlled from the test process through exported functions, or
  * from the environment before the first call):
@@ -21,12 +26,21 @@
  *   FAKE_CUDA_NO_VMM=1, FAKE_CUDA_NO_POOLS=1   report the feature unsupported
  *   FAKE_CUDA_INJECT="fn:skip:count:code;..."  as fake_cuda_inject below
  *   fake_cuda_inject(fn, skip, count, code): after `skip` more calls of `fn` succeed
- *       normally, the next `count` calls (-1: all) return `code` and do nothing.
+ *       normally, the next `count` calls (-1: all) return `code` and do nothing. Every
+ *       exported driver entry point honours it (each starts with GUARD or SYNC_GUARD);
+ *       fake_cuda_injected(fn) counts the injected failures actually returned.
  *   fake_cuda_set_sticky(code): every later call returns `code` (a destroyed context).
+ *   fake_cuda_fault(code): an asynchronous fault (a kernel hit an illegal address):
+ *       calls keep working until the next synchronising call (stream or event
+ *       synchronise, event query, cuMemFree, cuMemFreeHost, synchronous copies), which
+ *       reports `code`; from then on it is sticky, as real drivers usually behave.
  *   fake_cuda_hold_events(1): recorded events stay pending until
  *       fake_cuda_complete_events() (cuEventSynchronize completes the event it waits on).
- *   fake_cuda_calls(fn), fake_cuda_used_bytes(), fake_cuda_live_handles(),
- *   fake_cuda_live_pools(), fake_cuda_context_depth(), fake_cuda_live_events(): counters.
+ *   fake_cuda_calls(fn), fake_cuda_injected(fn), fake_cuda_used_bytes(),
+ *   fake_cuda_live_handles(), fake_cuda_live_pools(), fake_cuda_live_streams(),
+ *   fake_cuda_live_events(), fake_cuda_live_reservations(), fake_cuda_live_mappings(),
+ *   fake_cuda_live_host_blocks(), fake_cuda_invalid_frees(), fake_cuda_context_depth():
+ *   counters.
  *
  * Every code returned is a valid CUresult of CUDA 12.8: cudarc declares the return
  * type as a Rust enum, so any other value would be undefined behaviour there.
@@ -100,9 +114,11 @@ static size_t granularity = 2u << 20;
 static int no_vmm = 0, no_pools = 0;
 static int initialised = 0;
 static int sticky = 0;
+static int pending_fault = 0;
 static int hold_events = 0;
+static unsigned long long invalid_frees = 0;
 
-struct counter { char name[64]; unsigned long long calls; };
+struct counter { char name[64]; unsigned long long calls, injected; };
 static struct counter counters[128];
 static int counter_count = 0;
 
@@ -157,10 +173,10 @@ struct mapping {
 };
 static struct mapping *mappings = NULL;
 
-struct stream { int magic; };
-struct event { int magic; int complete; struct event *next; };
+struct stream { struct stream *next; };
+static struct stream *streams = NULL;
+struct event { int complete; struct event *next; };
 static struct event *events = NULL;
-#define MAGIC 0x5eed
 
 static unsigned long long env_number(const char *name, unsigned long long fallback) {
     const char *value = getenv(name);
@@ -197,24 +213,26 @@ static void configure(void) {
     }
 }
 
-static void count_call(const char *name) {
-    for (int i = 0; i < counter_count; i++) {
-        if (strcmp(counters[i].name, name) == 0) {
-            counters[i].calls++;
-            return;
-        }
-    }
-    if (counter_count < 128) {
-        snprintf(counters[counter_count].name, sizeof counters[0].name, "%s", name);
-        counters[counter_count++].calls = 1;
-    }
+static struct counter *counter_for(const char *name) {
+    for (int i = 0; i < counter_count; i++)
+        if (strcmp(counters[i].name, name) == 0) return &counters[i];
+    if (counter_count == 128) return NULL;
+    struct counter *c = &counters[counter_count++];
+    snprintf(c->name, sizeof c->name, "%s", name);
+    return c;
 }
 
-/* Counts the call and applies sticky errors and injections; 0 means "go ahead". */
-static int enter(const char *name) {
+/* Counts the call and applies sticky errors, a pending fault (at a synchronising
+ * call) and injections; 0 means "go ahead". */
+static int enter(const char *name, int synchronising) {
     pthread_once(&once, configure);
     pthread_mutex_lock(&lock);
-    count_call(name);
+    struct counter *counter = counter_for(name);
+    if (counter) counter->calls++;
+    if (!sticky && pending_fault && synchronising) {
+        sticky = pending_fault;
+        pending_fault = 0;
+    }
     int code = sticky;
     for (int i = 0; !code && i < rule_count; i++) {
         struct rule *r = &rules[i];
@@ -225,16 +243,27 @@ static int enter(const char *name) {
         }
         if (r->count > 0) r->count--;
         code = r->code;
+        if (counter) counter->injected++;
     }
     pthread_mutex_unlock(&lock);
     return code;
 }
 
-#define GUARD(name)                      \
-    do {                                 \
-        int injected_ = enter(name);     \
-        if (injected_) return injected_; \
+#define GUARD_AS(name, synchronising)                   \
+    do {                                                \
+        int injected_ = enter(name, synchronising);     \
+        if (injected_) return injected_;                \
     } while (0)
+/* An entry point that only queues work or touches host-side state. */
+#define GUARD(name) GUARD_AS(name, 0)
+/* An entry point that waits for the device, so it reports an asynchronous fault. */
+#define SYNC_GUARD(name) GUARD_AS(name, 1)
+
+/* A free, release or destroy of something that is not live. Lock held. */
+static CUresult invalid_free(CUresult code) {
+    invalid_frees++;
+    return code;
+}
 
 /* Memory calls need a current context and an initialised driver. */
 #define NEED_CONTEXT()                                   \
@@ -288,6 +317,13 @@ EXPORT void fake_cuda_set_sticky(int code) {
     pthread_mutex_unlock(&lock);
 }
 
+EXPORT void fake_cuda_fault(int code) {
+    pthread_once(&once, configure);
+    pthread_mutex_lock(&lock);
+    pending_fault = code;
+    pthread_mutex_unlock(&lock);
+}
+
 EXPORT void fake_cuda_hold_events(int hold) {
     pthread_mutex_lock(&lock);
     hold_events = hold;
@@ -307,6 +343,22 @@ EXPORT unsigned long long fake_cuda_calls(const char *name) {
         if (strcmp(counters[i].name, name) == 0) calls = counters[i].calls;
     pthread_mutex_unlock(&lock);
     return calls;
+}
+
+EXPORT unsigned long long fake_cuda_injected(const char *name) {
+    unsigned long long injected = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < counter_count; i++)
+        if (strcmp(counters[i].name, name) == 0) injected = counters[i].injected;
+    pthread_mutex_unlock(&lock);
+    return injected;
+}
+
+EXPORT unsigned long long fake_cuda_invalid_frees(void) {
+    pthread_mutex_lock(&lock);
+    unsigned long long count = invalid_frees;
+    pthread_mutex_unlock(&lock);
+    return count;
 }
 
 EXPORT unsigned long long fake_cuda_used_bytes(void) {
@@ -336,6 +388,38 @@ EXPORT int fake_cuda_live_events(void) {
     int live = 0;
     pthread_mutex_lock(&lock);
     for (struct event *e = events; e; e = e->next) live++;
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+EXPORT int fake_cuda_live_streams(void) {
+    int live = 0;
+    pthread_mutex_lock(&lock);
+    for (struct stream *s = streams; s; s = s->next) live++;
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+EXPORT int fake_cuda_live_reservations(void) {
+    int live = 0;
+    pthread_mutex_lock(&lock);
+    for (struct reservation *r = reservations; r; r = r->next) live++;
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+EXPORT int fake_cuda_live_mappings(void) {
+    int live = 0;
+    pthread_mutex_lock(&lock);
+    for (struct mapping *m = mappings; m; m = m->next) live++;
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+EXPORT int fake_cuda_live_host_blocks(void) {
+    int live = 0;
+    pthread_mutex_lock(&lock);
+    for (struct block *b = blocks; b; b = b->next) live += b->kind == KIND_HOST;
     pthread_mutex_unlock(&lock);
     return live;
 }
@@ -412,10 +496,11 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     GUARD("cuDevicePrimaryCtxRelease_v2");
     if (device < 0 || device >= devices || device >= 16) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&lock);
-    int ok = contexts[device].retained > 0;
-    if (ok) contexts[device].retained--;
+    CUresult result = CUDA_SUCCESS;
+    if (contexts[device].retained > 0) contexts[device].retained--;
+    else result = invalid_free(CUDA_ERROR_INVALID_CONTEXT);
     pthread_mutex_unlock(&lock);
-    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    return result;
 }
 
 EXPORT CUresult cuCtxPushCurrent_v2(struct context *context) {
@@ -498,13 +583,14 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
-    GUARD("cuMemFree_v2");
+    SYNC_GUARD("cuMemFree_v2");
     NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct block *b = find_block((uintptr_t)dptr);
     if (!b || b->kind != KIND_DEVICE) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_VALUE);
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     unlink_block(b);
     used_memory -= b->size;
@@ -527,13 +613,14 @@ EXPORT CUresult cuMemHostAlloc(void **pointer, size_t bytes, unsigned int flags)
 }
 
 EXPORT CUresult cuMemFreeHost(void *pointer) {
-    GUARD("cuMemFreeHost");
+    SYNC_GUARD("cuMemFreeHost");
     NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct block *b = find_block((uintptr_t)pointer);
     if (!b || b->kind != KIND_HOST) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_VALUE);
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     unlink_block(b);
     pthread_mutex_unlock(&lock);
@@ -561,7 +648,7 @@ static int accessible(uintptr_t addr, size_t len, int prot) {
 }
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) {
-    GUARD("cuMemcpyHtoD_v2");
+    SYNC_GUARD("cuMemcpyHtoD_v2");
     NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     int ok = accessible((uintptr_t)dst, bytes, PROT_READ | PROT_WRITE) && (src || bytes == 0);
@@ -572,7 +659,7 @@ EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) 
 }
 
 EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t bytes) {
-    GUARD("cuMemcpyDtoH_v2");
+    SYNC_GUARD("cuMemcpyDtoH_v2");
     NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     int ok = accessible((uintptr_t)src, bytes, PROT_READ) && (dst || bytes == 0);
@@ -582,7 +669,29 @@ EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t bytes) {
     return CUDA_SUCCESS;
 }
 
-static int valid_stream(struct stream *stream) { return stream == NULL || stream->magic == MAGIC; }
+/* Whether `stream` is live (NULL is the legacy default stream). Lock held. */
+static int live_stream(struct stream *stream) {
+    if (!stream) return 1;
+    for (struct stream *s = streams; s; s = s->next)
+        if (s == stream) return 1;
+    return 0;
+}
+
+static int valid_stream(struct stream *stream) {
+    pthread_mutex_lock(&lock);
+    int live = live_stream(stream);
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+/* Whether `event` is live. Lock held. */
+static int live_event(struct event *event) {
+    for (struct event *e = events; e; e = e->next)
+        if (e == event) return 1;
+    return 0;
+}
+
+static void release_pools_above_threshold(void);
 
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, struct stream *stream) {
     GUARD("cuMemsetD8Async");
@@ -603,7 +712,10 @@ EXPORT CUresult cuStreamCreate(struct stream **stream, unsigned int flags) {
     NEED_CONTEXT();
     if (!stream || flags > 1) return CUDA_ERROR_INVALID_VALUE;
     struct stream *s = calloc(1, sizeof *s);
-    s->magic = MAGIC;
+    pthread_mutex_lock(&lock);
+    s->next = streams;
+    streams = s;
+    pthread_mutex_unlock(&lock);
     *stream = s;
     return CUDA_SUCCESS;
 }
@@ -611,16 +723,25 @@ EXPORT CUresult cuStreamCreate(struct stream **stream, unsigned int flags) {
 EXPORT CUresult cuStreamDestroy_v2(struct stream *stream) {
     GUARD("cuStreamDestroy_v2");
     NEED_CONTEXT();
-    if (!stream || stream->magic != MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    stream->magic = 0;
+    pthread_mutex_lock(&lock);
+    struct stream **link = &streams;
+    while (*link && *link != stream) link = &(*link)->next;
+    if (!stream || !*link) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_HANDLE);
+        pthread_mutex_unlock(&lock);
+        return result;
+    }
+    *link = stream->next;
+    pthread_mutex_unlock(&lock);
     free(stream);
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuStreamSynchronize(struct stream *stream) {
-    GUARD("cuStreamSynchronize");
+    SYNC_GUARD("cuStreamSynchronize");
     NEED_CONTEXT();
     if (!valid_stream(stream)) return CUDA_ERROR_INVALID_HANDLE;
+    release_pools_above_threshold();
     return CUDA_SUCCESS;
 }
 
@@ -629,7 +750,6 @@ EXPORT CUresult cuEventCreate(struct event **event, unsigned int flags) {
     NEED_CONTEXT();
     if (!event || flags > 0xF) return CUDA_ERROR_INVALID_VALUE;
     struct event *e = calloc(1, sizeof *e);
-    e->magic = MAGIC;
     e->complete = 1;
     pthread_mutex_lock(&lock);
     e->next = events;
@@ -642,46 +762,49 @@ EXPORT CUresult cuEventCreate(struct event **event, unsigned int flags) {
 EXPORT CUresult cuEventRecord(struct event *event, struct stream *stream) {
     GUARD("cuEventRecord");
     NEED_CONTEXT();
-    if (!event || event->magic != MAGIC || !valid_stream(stream)) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
-    event->complete = !hold_events;
+    CUresult result = CUDA_SUCCESS;
+    if (!live_event(event) || !live_stream(stream)) result = CUDA_ERROR_INVALID_HANDLE;
+    else event->complete = !hold_events;
     pthread_mutex_unlock(&lock);
-    return CUDA_SUCCESS;
+    return result;
 }
 
 EXPORT CUresult cuEventQuery(struct event *event) {
-    GUARD("cuEventQuery");
+    SYNC_GUARD("cuEventQuery");
     NEED_CONTEXT();
-    if (!event || event->magic != MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
-    int complete = event->complete;
+    CUresult result = CUDA_ERROR_INVALID_HANDLE;
+    if (live_event(event)) result = event->complete ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&lock);
-    return complete ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    return result;
 }
 
 EXPORT CUresult cuEventSynchronize(struct event *event) {
-    GUARD("cuEventSynchronize");
+    SYNC_GUARD("cuEventSynchronize");
     NEED_CONTEXT();
-    if (!event || event->magic != MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
-    event->complete = 1; /* waiting lets the (simulated) device finish */
+    int live = live_event(event);
+    if (live) event->complete = 1; /* waiting lets the (simulated) device finish */
     pthread_mutex_unlock(&lock);
+    if (!live) return CUDA_ERROR_INVALID_HANDLE;
+    release_pools_above_threshold();
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventDestroy_v2(struct event *event) {
     GUARD("cuEventDestroy_v2");
     NEED_CONTEXT();
-    if (!event || event->magic != MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
-    for (struct event **e = &events; *e; e = &(*e)->next) {
-        if (*e == event) {
-            *e = event->next;
-            break;
-        }
+    struct event **link = &events;
+    while (*link && *link != event) link = &(*link)->next;
+    if (!event || !*link) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_HANDLE);
+        pthread_mutex_unlock(&lock);
+        return result;
     }
+    *link = event->next;
     pthread_mutex_unlock(&lock);
-    event->magic = 0;
     free(event);
     return CUDA_SUCCESS;
 }
@@ -711,6 +834,14 @@ static void shrink_pool(struct pool *pool, unsigned long long keep) {
     }
 }
 
+/* A synchronisation: every pool gives back the cached memory above its release
+ * threshold (the fake's streams have already run everything queued). */
+static void release_pools_above_threshold(void) {
+    pthread_mutex_lock(&lock);
+    for (struct pool *p = pools; p; p = p->next) shrink_pool(p, p->threshold);
+    pthread_mutex_unlock(&lock);
+}
+
 EXPORT CUresult cuMemPoolCreate(struct pool **pool, const CUmemPoolProps *props) {
     GUARD("cuMemPoolCreate");
     NEED_CONTEXT();
@@ -732,8 +863,9 @@ EXPORT CUresult cuMemPoolDestroy(struct pool *pool) {
     NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     if (!valid_pool(pool)) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_VALUE);
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     shrink_pool(pool, 0);
     for (struct pool **p = &pools; *p; p = &(*p)->next) {
@@ -840,14 +972,14 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, struct stream *stream) {
     pthread_mutex_lock(&lock);
     struct block *b = find_block((uintptr_t)dptr);
     if (!b || b->kind != KIND_POOL || !b->in_use || !b->pool) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_VALUE);
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     b->in_use = 0;
     b->pool->used -= b->size;
-    /* The stream runs at once, so this is also the synchronisation point at which the
-     * pool gives memory above its release threshold back. */
-    shrink_pool(b->pool, b->pool->threshold);
+    /* The block goes back to the pool's cache; memory above the release threshold
+     * leaves the pool only at the next synchronisation, as with CUDA. */
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
@@ -899,8 +1031,9 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     for (struct mapping *m = mappings; m; m = m->next)
         if (m->addr >= ptr && m->addr < ptr + size) mapped = 1;
     if (!*link || mapped) {
+        CUresult result = !*link ? invalid_free(CUDA_ERROR_INVALID_VALUE) : CUDA_ERROR_INVALID_VALUE;
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     struct reservation *r = *link;
     *link = r->next;
@@ -968,8 +1101,9 @@ EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle id) {
     pthread_mutex_lock(&lock);
     struct handle *h = find_handle(id);
     if (!h || h->released) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_VALUE);
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     h->released = 1;
     maybe_free_handle(h);
@@ -1063,8 +1197,9 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     pthread_mutex_lock(&lock);
     int n = tile((uintptr_t)ptr, size, found, 1 << 16);
     if (n == 0) {
+        CUresult result = invalid_free(CUDA_ERROR_INVALID_VALUE);
         pthread_mutex_unlock(&lock);
-        return CUDA_ERROR_INVALID_VALUE;
+        return result;
     }
     mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     for (int i = 0; i < n; i++) {

@@ -206,6 +206,28 @@ impl DeviceInner {
         Ok(CurrentContext { device: self, _not_send: PhantomData })
     }
 
+    /// Makes this device's context current so that a destructor can destroy `what`;
+    /// `None` when it cannot. A destructor has no caller to tell, so this reports the
+    /// outcome: after device loss the resource went with the context (debug); any other
+    /// failure leaks it until the context is destroyed (error, naming the resource).
+    pub(crate) fn enter_to_destroy(&self, operation: &'static str, what: &str) -> Option<CurrentContext<'_>> {
+        match self.enter(operation) {
+            Ok(current) => Some(current),
+            Err(error) if error.is_device_lost() => {
+                tracing::debug!(ordinal = self.ordinal, "the {what} went with the lost CUDA context: {error}");
+                None
+            }
+            Err(error) => {
+                tracing::error!(
+                    ordinal = self.ordinal,
+                    "could not make the CUDA context current to destroy a {what}, so the {what} leaks until the \
+                     context is destroyed: {error}"
+                );
+                None
+            }
+        }
+    }
+
     /// Reads a device attribute (`cuDeviceGetAttribute`).
     pub(crate) fn attribute(&self, attribute: sys::CUdevice_attribute) -> Result<i32, CudaError> {
         let mut value = 0i32;
@@ -241,7 +263,10 @@ impl Drop for CurrentContext<'_> {
         // `Send`, so the pop happens on the same thread and removes that push.
         let result = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
         if let Err(code) = check(result) {
-            tracing::warn!(ordinal = self.device.ordinal, code = code.0, "popping the CUDA context failed: {code}");
+            // The call made under this context stands; a sticky code still means the
+            // context is gone, so record it like any other call's.
+            let error = self.device.fail("cuCtxPopCurrent_v2", code);
+            tracing::warn!(ordinal = self.device.ordinal, code = code.0, "popping the CUDA context failed: {error}");
         }
     }
 }

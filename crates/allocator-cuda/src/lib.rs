@@ -36,11 +36,20 @@
 //!   `undocumented_unsafe_blocks` at `deny`. Driver handles are wrapped in private
 //!   newtypes whose `Send`/`Sync` impls state why sharing them is sound. No cudarc type
 //!   appears in the public API.
+//! - **Destructors report what they cannot return.** Dropping a stream, event, pool or
+//!   shared backing whose destroy the driver refuses logs a warning; one that cannot
+//!   even make its context current logs an error naming the leaked resource, unless
+//!   the device is lost (the resource went with the context).
 //! - **Tested without a GPU.** `tests/fake_driver.rs` builds a small C driver
 //!   (`fake-driver/fake_cuda.c`) backed by host memory, with error injection, and runs
 //!   every allocator through the real cudarc call paths against it (each test re-runs
-//!   its own binary with `LD_LIBRARY_PATH` pointing at it). `tests/gpu.rs` holds the
-//!   `gpu_*` tests for a real device, run by `cargo xtask test --gpu`.
+//!   its own binary with `LD_LIBRARY_PATH` pointing at it). The fake behaves like CUDA
+//!   where it matters here: pools release memory above their threshold at
+//!   synchronisation, and asynchronous faults surface at the next synchronising call.
+//!   `tests/driver_failures.rs` fails every entry point in [`REQUIRED_SYMBOLS`] and
+//!   checks the typed error, quarantine or device loss, and that nothing leaks or is
+//!   freed twice. `tests/gpu.rs` holds the `gpu_*` tests for a real device, run by
+//!   `cargo xtask test --gpu`.
 //!
 //! # Quickstart
 //! Probing is safe on any machine; on one without a GPU it is a typed error:

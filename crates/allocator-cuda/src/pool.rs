@@ -142,13 +142,15 @@ impl CudaPoolAllocator {
 
     /// Waits for the stream (so that queued frees have reached the pool), then returns
     /// cached memory to the device until the pool holds at most `keep_bytes`; the bytes
-    /// returned.
+    /// returned, counting what the synchronisation itself gave back (the pool releases
+    /// memory above its release threshold at every synchronisation).
     ///
     /// # Errors
     /// The driver's failure; a sticky error marks the device lost.
     pub fn trim_to(&self, keep_bytes: usize) -> Result<usize, CudaError> {
-        self.stream.synchronize()?;
+        // Read before synchronising: the synchronisation may already shrink the pool.
         let before = self.get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        self.stream.synchronize()?;
         let device = self.stream.device_inner();
         {
             let _current = device.enter("cuMemPoolTrimTo")?;
@@ -259,7 +261,7 @@ impl Drop for CudaPoolAllocator {
         if let Err(error) = self.stream.synchronize() {
             tracing::warn!(device = %self.book.key(), "synchronising before destroying the pool failed: {error}");
         }
-        let Ok(_current) = device.enter("cuMemPoolDestroy") else {
+        let Some(_current) = device.enter_to_destroy("cuMemPoolDestroy", "pool") else {
             return;
         };
         // SAFETY: the pool was created by `new` and is destroyed only here. Blocks still

@@ -3,7 +3,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use memory_api::{DeferredReleaseQueue, DeviceKey, PreparedRelease, QueueRefusal, QueueRefusalReason};
 
@@ -19,19 +20,25 @@ use crate::stream::{CudaStream, Event, EventState};
 /// a completion never re-enters its caller.
 ///
 /// A release the queue cannot take (full, closed, another device) is handed back
-/// exactly as offered. If recording the event fails the queue closes itself (the
-/// refusal says `Closed`, and the caller releases synchronously); a sticky error also
-/// marks the device lost.
+/// exactly as offered. If creating or recording the event fails, the refusal carries
+/// the driver's error (`QueueRefusalReason::Backend`; [`crate::CudaError::from_backend`]
+/// recovers it) and the queue closes itself, so later releases are refused as `Closed`
+/// and the caller releases synchronously; a sticky error also marks the device lost.
 ///
 /// Dropping the queue runs the releases whose events have completed; the rest are
 /// dropped unexecuted, which reports them to their owners as quarantined
 /// (`ReleaseError::Abandoned`) rather than freeing memory the device may still use.
+/// A release that panics there does not stop the others; the panic is raised again
+/// once the queue is gone (unless the thread is already unwinding).
 pub struct CudaReleaseQueue {
     stream: CudaStream,
     capacity: usize,
     state: Mutex<QueueState>,
     /// Held while running releases, so they run in enqueue order. Taken with
     /// `try_lock`: a completion that polls again returns at once instead of deadlocking.
+    /// A release that panics poisons it on the way out; the next runner recovers it
+    /// (the entry that panicked was already taken out of the state, so nothing is
+    /// half-done).
     running: Mutex<()>,
 }
 
@@ -94,6 +101,11 @@ impl CudaReleaseQueue {
     /// # Errors
     /// The driver's failure to query an event (a sticky one marks the device lost);
     /// releases not yet run stay queued.
+    ///
+    /// # Panics
+    /// When a release's allocator panics, the panic continues to the caller after the
+    /// release's owner was told (a quarantine, by [`PreparedRelease::execute`]). The
+    /// queue stays usable: the next `poll` or `drain` runs the releases behind it.
     pub fn poll(&self) -> Result<usize, CudaError> {
         self.run(false)
     }
@@ -102,13 +114,25 @@ impl CudaReleaseQueue {
     ///
     /// # Errors
     /// As [`CudaReleaseQueue::poll`].
+    ///
+    /// # Panics
+    /// As [`CudaReleaseQueue::poll`].
     pub fn drain(&self) -> Result<usize, CudaError> {
         self.run(true)
     }
 
     fn run(&self, wait: bool) -> Result<usize, CudaError> {
-        let Ok(_running) = self.running.try_lock() else {
-            return Ok(0);
+        let _running = match self.running.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::WouldBlock) => return Ok(0),
+            Err(TryLockError::Poisoned(poisoned)) => {
+                // An earlier release panicked while running (its owner was told, by
+                // `PreparedRelease::execute`). The lock guards no data, so recover and
+                // clear the flag instead of refusing to run anything ever again.
+                self.running.clear_poison();
+                tracing::warn!(device = %self.device(), "a queued release panicked earlier; running the rest");
+                poisoned.into_inner()
+            }
         };
         let mut ran = 0;
         loop {
@@ -176,7 +200,7 @@ impl DeferredReleaseQueue for CudaReleaseQueue {
                 state.closed = true;
                 drop(state);
                 tracing::error!(%device, "recording a release event failed; the queue is closed: {error}");
-                Self::refuse(release, QueueRefusalReason::Closed)
+                Self::refuse(release, QueueRefusalReason::Backend(error.to_backend()))
             }
         }
     }
@@ -184,8 +208,23 @@ impl DeferredReleaseQueue for CudaReleaseQueue {
 
 impl Drop for CudaReleaseQueue {
     fn drop(&mut self) {
-        if let Err(error) = self.poll() {
-            tracing::warn!(device = %self.device(), "polling the release queue on drop failed: {error}");
+        // Run what is due. A release that panics is reported to its owner by
+        // `execute`; keep running the others (each panic consumes one entry, so this
+        // ends), then re-raise the first panic unless the thread is already unwinding
+        // (a second panic there would abort the process).
+        let mut first_panic = None;
+        loop {
+            match catch_unwind(AssertUnwindSafe(|| self.poll())) {
+                Ok(Ok(_)) => break,
+                Ok(Err(error)) => {
+                    tracing::warn!(device = %self.device(), "polling the release queue on drop failed: {error}");
+                    break;
+                }
+                Err(panic) => {
+                    tracing::error!(device = %self.device(), "a queued release panicked while the queue was dropped");
+                    first_panic.get_or_insert(panic);
+                }
+            }
         }
         let abandoned = std::mem::take(&mut self.state().pending);
         if !abandoned.is_empty() {
@@ -197,6 +236,11 @@ impl Drop for CudaReleaseQueue {
         }
         // Each PreparedRelease reports itself as abandoned (quarantined) when dropped.
         drop(abandoned);
+        if let Some(panic) = first_panic
+            && !std::thread::panicking()
+        {
+            resume_unwind(panic);
+        }
     }
 }
 

@@ -108,8 +108,7 @@ impl fmt::Debug for CudaStream {
 impl Drop for StreamInner {
     fn drop(&mut self) {
         let device = self.device.inner();
-        let Ok(_current) = device.enter("cuStreamDestroy_v2") else {
-            // The context is gone, and the stream with it.
+        let Some(_current) = device.enter_to_destroy("cuStreamDestroy_v2", "stream") else {
             return;
         };
         // SAFETY: the stream was created by `CudaStream::new` and this is the last
@@ -188,7 +187,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         let device = self.stream.device_inner();
-        let Ok(_current) = device.enter("cuEventDestroy_v2") else {
+        let Some(_current) = device.enter_to_destroy("cuEventDestroy_v2", "event") else {
             return;
         };
         // SAFETY: the event was created by `Event::new` and is destroyed only here.

@@ -657,8 +657,7 @@ impl CudaPhysicalBacking {
 impl Drop for CudaPhysicalBacking {
     fn drop(&mut self) {
         let device = self.device.inner();
-        let Ok(_current) = device.enter("cuMemRelease") else {
-            // The context is gone, and the physical memory with it.
+        let Some(_current) = device.enter_to_destroy("cuMemRelease", "shared backing") else {
             return;
         };
         // SAFETY: the handle came from cuMemCreate in `create_backing` and this is its

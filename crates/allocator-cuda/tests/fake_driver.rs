@@ -6,30 +6,8 @@
 //! state in its own process. Runs under plain `cargo test`; needs only a C compiler.
 #![cfg(target_os = "linux")]
 
+#[macro_use]
 mod common;
-
-/// A test whose body runs in a child process against the fake driver, with the given
-/// `FAKE_CUDA_*` environment.
-macro_rules! fake_test {
-    ($(#[$meta:meta])* fn $name:ident() $body:block) => {
-        fake_test!(env [] $(#[$meta])* fn $name() $body);
-    };
-    (env [$($key:literal = $value:literal),* $(,)?] $(#[$meta:meta])* fn $name:ident() $body:block) => {
-        $(#[$meta])*
-        #[test]
-        fn $name() {
-            if crate::common::fake::in_child() {
-                $body
-            } else {
-                crate::common::fake::run_in_child(
-                    concat!(module_path!(), "::", stringify!($name)),
-                    &[$(($key, $value)),*],
-                    crate::common::fake::Variant::Current,
-                );
-            }
-        }
-    };
-}
 
 const MIB: usize = 1 << 20;
 
@@ -451,7 +429,49 @@ mod pool {
             let (_device, pool) = setup(PoolConfig { release_threshold: 0 });
             let block = pool.allocate(&request(MIB, 256)).unwrap();
             complete(pool.release(block));
-            assert_eq!(pool.usage().unwrap().reserved_bytes, 0);
+            assert_eq!(pool.usage().unwrap().reserved_bytes, MIB as u64, "a stream-ordered free only caches");
+            assert_eq!(pool.stats().unwrap().cached_bytes, MIB as u64);
+            pool.stream().synchronize().unwrap();
+            assert_eq!(pool.usage().unwrap().reserved_bytes, 0, "the synchronisation released it");
+            assert_eq!(control::used_bytes(), 0);
+        }
+    }
+
+    fake_test! {
+        fn an_event_synchronisation_also_hands_memory_above_the_threshold_back() {
+            let (device, pool) = setup(PoolConfig { release_threshold: MIB as u64 });
+            let blocks: Vec<_> = (0..3).map(|_| pool.allocate(&request(MIB, 256)).unwrap()).collect();
+            for block in blocks {
+                complete(pool.release(block));
+            }
+            assert_eq!(pool.usage().unwrap().reserved_bytes, 3 * MIB as u64);
+            let eager = std::sync::Arc::new(allocator_cuda::CudaAllocator::new(&device));
+            let queue = allocator_cuda::CudaReleaseQueue::new(pool.stream(), 1);
+            let block = eager.allocate(&request(64, 8)).unwrap();
+            let release = memory_api::PreparedRelease::new(
+                crate::common::identity(memory_api::DeviceKey::device(0)),
+                eager,
+                block,
+                Box::new(|_| {}),
+            );
+            memory_api::DeferredReleaseQueue::enqueue(&queue, release).unwrap();
+            assert_eq!(queue.drain(), Ok(1));
+            assert_eq!(control::calls("cuEventSynchronize"), 1);
+            assert_eq!(pool.usage().unwrap().reserved_bytes, MIB as u64, "the pool kept its threshold's worth");
+        }
+    }
+
+    fake_test! {
+        fn trim_counts_the_cached_memory_its_own_synchronisation_hands_back() {
+            // The stream-ordered frees reach the pool when trim synchronises, and with a
+            // zero threshold that synchronisation already returns them: trim must count
+            // them, or it reports 0 while the pool shrank by a mebibyte.
+            let (_device, pool) = setup(PoolConfig { release_threshold: 0 });
+            let block = pool.allocate(&request(MIB, 256)).unwrap();
+            complete(pool.release(block));
+            assert_eq!(pool.stats().unwrap().cached_bytes, MIB as u64);
+            assert_eq!(pool.trim(), MIB);
+            assert_eq!(pool.stats().unwrap().cached_bytes, 0);
             assert_eq!(control::used_bytes(), 0);
         }
     }
@@ -1036,8 +1056,14 @@ mod queue {
             let s = setup(4);
             control::inject("cuEventRecord", 0, 1, CudaErrorCode::ERROR_INVALID_VALUE);
             let refusal = s.queue.enqueue(s.prepared(0)).unwrap_err();
-            assert_eq!(refusal.reason, QueueRefusalReason::Closed);
+            let QueueRefusalReason::Backend(source) = &refusal.reason else {
+                panic!("expected the driver's error, got {:?}", refusal.reason)
+            };
+            assert_eq!((source.operation, source.code), ("cuEventRecord", 1));
             assert!(s.queue.is_closed());
+            let again = s.queue.enqueue(s.prepared(1)).unwrap_err();
+            assert_eq!(again.reason, QueueRefusalReason::Closed, "later releases meet a closed queue");
+            assert!(matches!(s.eager.release(again.release.cancel()), ReleaseOutcome::Complete(_)));
             assert!(matches!(s.eager.release(refusal.release.cancel()), ReleaseOutcome::Complete(_)));
         }
     }
@@ -1086,6 +1112,92 @@ mod queue {
             }
             assert_eq!(control::calls("cuEventCreate"), 1);
             assert_eq!(control::calls("cuEventRecord"), 10);
+        }
+    }
+
+    /// An allocator whose every release panics (a hostile or buggy inner allocator).
+    struct PanicsOnRelease;
+
+    impl DeviceAllocator for PanicsOnRelease {
+        fn device(&self) -> DeviceKey {
+            DeviceKey::device(0)
+        }
+        fn name(&self) -> &str {
+            "panics-on-release"
+        }
+        fn allocate(
+            &self,
+            request: &memory_api::AllocationRequest,
+        ) -> Result<memory_api::RawAllocation, memory_api::AllocError> {
+            let address = memory_api::DeviceAddress::new(0x10_0000).expect("non-zero");
+            Ok(memory_api::RawAllocation::new(address, request.bytes(), request.align(), DeviceKey::device(0), 0))
+        }
+        fn release(&self, _allocation: memory_api::RawAllocation) -> ReleaseOutcome {
+            panic!("a queued release panicked (on purpose)");
+        }
+    }
+
+    fake_test! {
+        fn a_queued_release_that_panics_does_not_stop_later_polls_and_drains() {
+            let s = setup(8);
+            let hostile: Arc<dyn DeviceAllocator> = Arc::new(PanicsOnRelease);
+            let panicked = Arc::new(Mutex::new(Vec::new()));
+            let prepared_panicking = || {
+                let seen = Arc::clone(&panicked);
+                PreparedRelease::new(
+                    identity(DeviceKey::device(0)),
+                    Arc::clone(&hostile),
+                    hostile.allocate(&request(64, 8)).unwrap(),
+                    Box::new(move |outcome: ReleaseOutcome| seen.lock().unwrap().push(outcome.summary())),
+                )
+            };
+            for release in [prepared_panicking(), s.prepared(1), s.prepared(2)] {
+                s.queue.enqueue(release).unwrap();
+            }
+            let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.queue.poll()));
+            assert!(first.is_err(), "the panic reaches the caller of poll");
+            assert_eq!(panicked.lock().unwrap().len(), 1, "the panicking release's owner was told (quarantined)");
+            assert_eq!(s.queue.len(), 2, "nothing else was lost with the panic");
+            // Before the fix the panic poisoned the runner lock and every later poll
+            // answered Ok(0) without running anything.
+            assert_eq!(s.queue.poll(), Ok(2), "the next poll runs the releases behind it");
+            assert_eq!(s.ran(), vec![1, 2]);
+
+            control::hold_events(true);
+            for release in [prepared_panicking(), s.prepared(3)] {
+                s.queue.enqueue(release).unwrap();
+            }
+            let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.queue.drain()));
+            assert!(second.is_err());
+            assert_eq!(s.queue.drain(), Ok(1), "drain recovers as well");
+            assert_eq!(s.ran(), vec![1, 2, 3]);
+            assert!(s.queue.is_empty());
+            assert_eq!(s.eager.stats().unwrap().live_allocations, 0, "every real block was freed");
+            assert_eq!(panicked.lock().unwrap().len(), 2);
+        }
+    }
+
+    fake_test! {
+        fn dropping_a_queue_whose_due_release_panics_runs_the_others_then_re_raises() {
+            let s = setup(8);
+            let hostile: Arc<dyn DeviceAllocator> = Arc::new(PanicsOnRelease);
+            let block = hostile.allocate(&request(64, 8)).unwrap();
+            let panicking = PreparedRelease::new(identity(DeviceKey::device(0)), hostile, block, Box::new(|_| {}));
+            s.queue.enqueue(panicking).unwrap();
+            s.queue.enqueue(s.prepared(1)).unwrap();
+            let Setup { eager, queue, log } = s;
+            let queue = Arc::into_inner(queue).expect("the only handle");
+            let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(queue)));
+            assert!(dropped.is_err(), "the release's panic is not swallowed");
+            let log = log.lock().unwrap();
+            assert_eq!(log.len(), 1);
+            assert!(
+                matches!(log[0], (1, ReleaseSummary::Complete { .. }, false)),
+                "the due release behind the panicking one ran instead of being abandoned: {:?}",
+                log[0]
+            );
+            assert_eq!(eager.stats().unwrap().live_allocations, 0);
+            assert_eq!(control::live_events(), 0, "the queue's events were destroyed");
         }
     }
 

@@ -114,6 +114,27 @@ fn gpu_pool_sets_its_threshold_trims_and_reports_cached_bytes() {
 
 #[test]
 #[ignore = "gpu: needs a CUDA device; run cargo xtask test --gpu"]
+fn gpu_pool_with_a_zero_threshold_keeps_freed_memory_until_a_synchronisation() {
+    // The behaviour the fake driver models (tests/driver_failures.rs relies on it):
+    // cuMemFreeAsync only returns a block to its pool; memory above the release
+    // threshold leaves the pool at the next synchronisation, and trim counts what its
+    // own synchronisation hands back.
+    let device = device();
+    let stream = CudaStream::new(&device).unwrap();
+    let pool = CudaPoolAllocator::new(&stream, PoolConfig { release_threshold: 0 }).unwrap();
+    complete(pool.release(pool.allocate(&request(64 * MIB, 256)).unwrap()));
+    let before = pool.usage().unwrap();
+    assert!(before.reserved_bytes >= 64 * MIB as u64, "a stream-ordered free only caches: {before:?}");
+    stream.synchronize().unwrap();
+    assert_eq!(pool.usage().unwrap().reserved_bytes, 0, "the synchronisation released it");
+    complete(pool.release(pool.allocate(&request(64 * MIB, 256)).unwrap()));
+    let trimmed = pool.trim();
+    assert!(trimmed >= 64 * MIB, "trim returned {trimmed} bytes");
+    assert_eq!(pool.usage().unwrap().reserved_bytes, 0);
+}
+
+#[test]
+#[ignore = "gpu: needs a CUDA device; run cargo xtask test --gpu"]
 fn gpu_pool_release_is_ordered_after_a_memset_on_its_stream() {
     let device = device();
     let stream = CudaStream::new(&device).unwrap();

@@ -148,6 +148,7 @@ impl fmt::Debug for RawAllocation {
 
 /// Counters an allocator may report. Fields it does not track stay zero.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct AllocatorStats {
     /// Bytes currently handed out to callers.
     pub live_bytes: u64,

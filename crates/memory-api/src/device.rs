@@ -4,6 +4,7 @@ use std::fmt;
 
 /// The storage tier a device key names.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum Tier {
     /// Accelerator memory (a GPU's HBM, for example).
@@ -37,6 +38,7 @@ impl fmt::Display for Tier {
 /// Device keys are plain values chosen by the runtime (they name hardware, not
 /// registry state), so they have public constructors; identities do not.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct DeviceKey {
     tier: Tier,
     index: u32,
@@ -85,6 +87,7 @@ impl fmt::Display for DeviceKey {
 
 /// What a piece of memory is for; the governor accounts and reserves per role.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum MemoryRole {
     /// Model weights: loaded once, long lived.

@@ -28,6 +28,14 @@ impl RegistryId {
     }
 }
 
+/// Serialised as its display form; there is no `Deserialize` (ids are minted, never read).
+#[cfg(feature = "serde")]
+impl serde::Serialize for RegistryId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
 impl fmt::Display for RegistryId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "r{}", self.0)
@@ -49,6 +57,7 @@ fn checked_reserve(counter: &AtomicU64, count: u64, limit: u64) -> Option<NonZer
 
 /// The kinds of identity an issuer mints; each has its own counter.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub enum IdentityKind {
     /// [`ProviderContextIdentity`].
@@ -161,6 +170,15 @@ macro_rules! identity_type {
             }
         }
 
+        /// Serialised as its display form (`mech:1.5`): identities go out, never in,
+        /// so there is no `Deserialize`.
+        #[cfg(feature = "serde")]
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_str(self)
+            }
+        }
+
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 fmt::Display::fmt(self, f)
@@ -256,64 +274,15 @@ impl IdentityIssuer {
         })
     }
 
-    /// Mints a provider-context identity.
+    /// Mints one identity of kind `I` (the named minters such as
+    /// [`IdentityIssuer::mechanism`] are this, spelled out).
     ///
     /// # Errors
     /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
     #[inline]
-    pub fn provider_context(&self) -> Result<ProviderContextIdentity, IdentityError> {
-        let serial = self.reserve(IdentityKind::ProviderContext, 1)?;
-        Ok(ProviderContextIdentity { registry: self.registry, serial })
-    }
-
-    /// Mints an authority identity.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn authority(&self) -> Result<AuthorityIdentity, IdentityError> {
-        let serial = self.reserve(IdentityKind::Authority, 1)?;
-        Ok(AuthorityIdentity { registry: self.registry, serial })
-    }
-
-    /// Mints a mechanism identity.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn mechanism(&self) -> Result<MechanismIdentity, IdentityError> {
-        let serial = self.reserve(IdentityKind::Mechanism, 1)?;
-        Ok(MechanismIdentity { registry: self.registry, serial })
-    }
-
-    /// Mints a binding id.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn binding(&self) -> Result<BindingId, IdentityError> {
-        let serial = self.reserve(IdentityKind::Binding, 1)?;
-        Ok(BindingId { registry: self.registry, serial })
-    }
-
-    /// Mints a binding generation.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn binding_generation(&self) -> Result<BindingGeneration, IdentityError> {
-        let serial = self.reserve(IdentityKind::BindingGeneration, 1)?;
-        Ok(BindingGeneration { registry: self.registry, serial })
-    }
-
-    /// Mints one allocation generation.
-    ///
-    /// # Errors
-    /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
-    #[inline]
-    pub fn allocation_generation(&self) -> Result<AllocationGeneration, IdentityError> {
-        let serial = self.reserve(IdentityKind::AllocationGeneration, 1)?;
-        Ok(AllocationGeneration { registry: self.registry, serial })
+    pub fn mint<I: Identity>(&self) -> Result<I, IdentityError> {
+        let serial = self.reserve(I::KIND, 1)?;
+        Ok(I::from_parts(self.registry, serial))
     }
 
     /// Reserves a block of `count` identities of kind `I` in one counter update, so a
@@ -343,6 +312,40 @@ impl IdentityIssuer {
         let next = self.counters[I::KIND.slot()].load(Ordering::Relaxed);
         (serial.get() < next).then(|| I::from_parts(self.registry, serial))
     }
+}
+
+/// The named minters: [`IdentityIssuer::mint`] for each kind, spelled out for callers
+/// that read better with a name than with a turbofish.
+macro_rules! named_minters {
+    ($($(#[$doc:meta])* $method:ident -> $kind:ty;)*) => {
+        impl IdentityIssuer {
+            $(
+                $(#[$doc])*
+                ///
+                /// # Errors
+                /// [`IdentityError::Exhausted`] when the serial space of this kind is used up.
+                #[inline]
+                pub fn $method(&self) -> Result<$kind, IdentityError> {
+                    self.mint()
+                }
+            )*
+        }
+    };
+}
+
+named_minters! {
+    /// Mints a provider-context identity.
+    provider_context -> ProviderContextIdentity;
+    /// Mints an authority identity.
+    authority -> AuthorityIdentity;
+    /// Mints a mechanism identity.
+    mechanism -> MechanismIdentity;
+    /// Mints a binding id.
+    binding -> BindingId;
+    /// Mints a binding generation.
+    binding_generation -> BindingGeneration;
+    /// Mints one allocation generation.
+    allocation_generation -> AllocationGeneration;
 }
 
 /// A run of identities reserved from an [`IdentityIssuer`] for one thread.
@@ -384,6 +387,7 @@ impl<I: Identity> IdentityBlock<I> {
 /// Everything that identifies one binding: which binding, which generation of it, and
 /// the device, mechanism, provider context and authority it is pinned to.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct BindingIdentity {
     binding: BindingId,
     generation: BindingGeneration,
@@ -462,6 +466,7 @@ impl fmt::Display for BindingIdentity {
 
 /// A binding identity plus the generation of one allocation made through it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct AllocationIdentity {
     binding: BindingIdentity,
     generation: AllocationGeneration,

@@ -19,7 +19,7 @@
 //!   ([`ReleaseOutcome::Failed`], [`ReleaseOutcome::Quarantined`],
 //!   [`QueueRefusal`]) hands it back.
 //! - Release outcomes can only be built through constructors that enforce the
-//!   honesty rules (see [`release`]).
+//!   honesty rules (see [`ReleaseOutcome`]).
 //!
 //! # Quickstart
 //! A minimal allocator over host memory, checked by its contract:
@@ -62,26 +62,37 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub mod address;
-pub mod allocator;
-pub mod capability;
-pub mod device;
-pub mod error;
-pub mod identity;
-pub mod queue;
-pub mod release;
+mod address;
+mod allocator;
+mod capability;
+mod device;
+mod error;
+mod identity;
+mod queue;
+mod release;
 
-// The public interface, flat.
+// The public interface. Modules are private: every name is here, grouped by what it is
+// for, so this list is the whole API.
+
+// Where memory lives and what it is for.
 pub use address::DeviceAddress;
-pub use allocator::{AllocationRequest, AllocatorStats, DeviceAllocator, RawAllocation};
-pub use capability::{
-    ByteRange, MappingAccess, SharedBacking, SharedBackingResource, SharedMapping, SharedPlacement, VirtualBacking,
-};
 pub use device::{DeviceKey, MemoryRole, Tier};
-pub use error::{AllocError, BackendError, CapabilityError, IdentityError, LayoutError, MaybeBytes, ReleaseError};
+
+// Registry-issued identities.
 pub use identity::{
     AllocationGeneration, AllocationIdentity, AuthorityIdentity, BindingGeneration, BindingId, BindingIdentity,
     Identity, IdentityBlock, IdentityIssuer, IdentityKind, MechanismIdentity, ProviderContextIdentity, RegistryId,
 };
+
+// The allocator contract and its optional capabilities.
+pub use allocator::{AllocationRequest, AllocatorStats, DeviceAllocator, RawAllocation};
+pub use capability::{
+    ByteRange, MappingAccess, SharedBacking, SharedBackingResource, SharedMapping, SharedPlacement, VirtualBacking,
+};
+
+// Releasing: honest outcomes, and deferred release queues.
 pub use queue::{DeferredReleaseQueue, PreparedRelease, QueueRefusal, QueueRefusalReason, ReleaseCompletion};
 pub use release::{Completion, FailedRelease, Quarantine, ReleaseOutcome, ReleaseSummary};
+
+// Errors, one enum per operation family.
+pub use error::{AllocError, BackendError, CapabilityError, IdentityError, LayoutError, MaybeBytes, ReleaseError};

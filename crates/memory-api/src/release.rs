@@ -18,7 +18,18 @@ use std::fmt;
 use crate::allocator::RawAllocation;
 use crate::error::ReleaseError;
 
-/// What a release did. See the [module docs](self) for the rules.
+/// What a release did, honest by construction.
+///
+/// | outcome       | what happened                                  | ownership afterwards          |
+/// |---------------|------------------------------------------------|-------------------------------|
+/// | `Complete`    | everything was released                        | none (zero unmapped is fine)  |
+/// | `Quarantined` | something was mutated, something is still held | the block, handed back        |
+/// | `Failed`      | nothing was mutated                            | the block, handed back intact |
+///
+/// The payloads have private fields: outcomes are built only through the constructors,
+/// which refuse dishonest claims (a quarantine claiming to have unmapped or still own
+/// more than the block is recorded as [`ReleaseError::DishonestOutcome`] and the whole
+/// block is treated as owned).
 #[must_use = "a release outcome says whether memory is still owned"]
 #[derive(Debug)]
 pub enum ReleaseOutcome {
@@ -37,10 +48,12 @@ pub struct Completion {
 }
 
 impl Completion {
-    /// Bytes of physical memory the release unmapped or freed at the layer below
-    /// (zero is a valid answer, for a reservation that had nothing committed or a
-    /// zero-size block). It may exceed the block's size when the backend padded it for
-    /// alignment; accounting layers refund their own charge, not this figure.
+    /// Bytes of the block the release unmapped or freed at the layer below (zero is a
+    /// valid answer, for a reservation that had nothing committed or a zero-size
+    /// block). It cannot exceed the block's size: padding a backend added for alignment
+    /// is its own business, not part of the block. The registry treats a larger claim
+    /// as dishonest (it reports the block's size, counts the outcome and traces an
+    /// error); accounting layers refund their own charge, not this figure.
     #[inline]
     pub fn unmapped_bytes(&self) -> usize {
         self.unmapped_bytes

@@ -21,7 +21,7 @@ use crate::entry::{Anchor, DropPolicy, MechanismCore, Pin, QuarantinedAllocation
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
 use crate::handle_ref::PinRef;
 use crate::lifecycle::{Admit, MechanismState};
-use crate::sync::Arc;
+use crate::sync::{Arc, AtomicU8, Ordering};
 
 /// A binding: the right to allocate through one mechanism, pinned to its allocator,
 /// provider context and authority. Cheap to clone; a clone is the same binding.
@@ -154,7 +154,11 @@ impl MemoryBinding {
                     align_log2,
                 })
             }
-            Err(error) => Err(unrecordable(core, raw, error)),
+            Err(error) => {
+                // Could not record it: give it straight back rather than leak it.
+                give_back(core, raw, "an allocation that cannot be recorded");
+                Err(AllocateError::Identity(error))
+            }
         }
     }
 
@@ -176,9 +180,13 @@ impl MemoryBinding {
     /// stream's pending work"). The queued release counts as in flight, so its
     /// context cannot be confirmed terminated until the queue has run or dropped it.
     ///
+    /// A queue that refuses with another release than the one offered has lost the one
+    /// offered: this returns `Ok`, and its block stays quarantined (error event).
+    ///
     /// # Errors
     /// A [`Rejected`] handing the allocation back on a foreign, cross-binding, stale or
-    /// device-lost handle, a queue for another device, or a queue that refused.
+    /// device-lost handle, a queue for another device, or a queue that refused, handing
+    /// back the exact release offered.
     pub fn release_deferred(
         &self,
         allocation: BoundAllocation,
@@ -305,7 +313,8 @@ impl BoundAllocation {
         ))
     }
 
-    /// Whether the registry still holds this allocation's record under its generation.
+    /// Whether the registry still holds this allocation's record under its generation
+    /// (termination retires every record of its mechanisms).
     pub fn is_valid(&self) -> bool {
         self.pin().is_some_and(|pin| {
             !matches!(pin.core.lifecycle.state(), MechanismState::Terminated) && pin.holds(self.slot, self.generation)
@@ -350,11 +359,6 @@ impl BoundAllocation {
         RawAllocation::new(self.address, self.bytes, self.align(), device, self.provider_tag)
     }
 
-    /// Whether its record is still live under its generation.
-    pub(crate) fn is_recorded(&self, pin: &Pin) -> bool {
-        pin.holds(self.slot, self.generation)
-    }
-
     pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Pin, HandleError> {
         binding.check_owns(self)?;
         self.check_usable()
@@ -387,7 +391,16 @@ impl Drop for BoundAllocation {
     #[inline]
     fn drop(&mut self) {
         let Some(held) = self.pin.take() else { return };
-        drop_release(&held, self.parts(), self.slot);
+        let (parts, slot) = (self.parts(), self.slot);
+        if std::thread::panicking() {
+            // A callback panicking here (a queue's enqueue) would abort the process: the
+            // drop policy has booked the block already, so the panic is only logged.
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop_release(&held, parts, slot))) {
+                reraise_unless_unwinding(panic, "a drop-time release");
+            }
+            return;
+        }
+        drop_release(&held, parts, slot);
     }
 }
 
@@ -469,7 +482,8 @@ fn recognise<I: Identity>(issuer: &memory_api::IdentityIssuer, serial: NonZeroU6
     issuer.recognise(serial).expect("handle serials are minted by the mechanism's own issuer")
 }
 
-fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
+/// Why an operation on an existing allocation was refused in `state`.
+pub(crate) fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
     match state {
         MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
         MechanismState::Terminated => HandleError::StaleAllocation,
@@ -483,16 +497,31 @@ fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
 fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAllocation) -> AllocateError {
     let found = format!("{raw:?}");
     tracing::error!(mechanism = %core.identity, block = %found, "allocator returned a block that does not fit the request");
-    let outcome = core.allocator.release(raw);
-    if !outcome.is_complete() {
-        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unfit block could not be released");
-    }
+    give_back(core, raw, "an unfit block");
     AllocateError::InvalidBlock {
-        allocator: core.allocator.name().to_owned(),
+        allocator: core.allocator_name.clone(),
         requested: request.bytes(),
         align: request.align(),
         device: core.device,
         found,
+    }
+}
+
+/// Gives a block the registry will not record back to the allocator inside `allocate`
+/// (still counted in flight, so termination cannot run meanwhile). If the device was
+/// lost while the allocator ran, no callback may run any more: the block is kept for
+/// `forget_lost` at termination instead. (A loss that lands between this check and the
+/// release is the same race as one that lands during the allocator's own call.)
+#[cold]
+fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
+    if matches!(core.lifecycle.state(), MechanismState::DeviceLost | MechanismState::Terminated) {
+        tracing::error!(mechanism = %core.identity, block = ?raw, "device lost during allocate: {what} is kept for forget_lost at termination");
+        core.keep_unrecorded_lost(raw);
+        return;
+    }
+    let outcome = core.allocator.release(raw);
+    if !outcome.is_complete() {
+        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "{what} could not be given back");
     }
 }
 
@@ -505,16 +534,6 @@ fn refused_allocation(core: &MechanismCore, state: MechanismState) -> AllocateEr
         }
         state => AllocateError::Inactive { mechanism: core.identity, state },
     }
-}
-
-/// A block that could not be recorded: give it straight back rather than leak it.
-#[cold]
-fn unrecordable(core: &MechanismCore, raw: RawAllocation, error: memory_api::IdentityError) -> AllocateError {
-    let outcome = core.allocator.release(raw);
-    if !outcome.is_complete() {
-        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "unrecordable allocation could not be released");
-    }
-    AllocateError::Identity(error)
 }
 
 /// Why [`take`] gave no record: small and `Copy`, so the common path carries no
@@ -584,14 +603,19 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
     let core = &*pin.core;
     match call_release(pin, slot, record, &parts) {
         // The common answer needs no bookkeeping beyond freeing the record.
-        ReleaseOutcome::Complete(done) => {
+        Some(ReleaseOutcome::Complete(done)) => {
             pin.free(slot, record);
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
             // Its pin is taken: nothing is left for `Drop` to do.
             std::mem::forget(allocation);
-            Ok(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+            Ok(ReleaseReport::Complete { unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()) })
         }
-        outcome => match settle(pin, slot, record, &parts, outcome) {
+        // It panicked while this thread unwinds: quarantined, not re-raised.
+        None => {
+            std::mem::forget(allocation);
+            Ok(ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes })
+        }
+        Some(outcome) => match settle(pin, slot, record, &parts, outcome) {
             Settled::Done(report) => {
                 std::mem::forget(allocation);
                 Ok(report)
@@ -607,21 +631,44 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
 }
 
 /// Calls the allocator's release of the block `parts` describes; a panic quarantines
-/// the whole block (then frees its record), then unwinds.
+/// the whole block (then frees its record), then unwinds, unless this thread is
+/// unwinding already (then `None`: see [`reraise_unless_unwinding`]).
 #[inline]
-fn call_release(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts) -> ReleaseOutcome {
+fn call_release(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts) -> Option<ReleaseOutcome> {
     let core = &*pin.core;
     let allocator: &dyn DeviceAllocator = &*core.allocator;
     match catch_unwind(AssertUnwindSafe(|| allocator.release(parts.raw(core.device)))) {
-        Ok(outcome) => outcome,
+        Ok(outcome) => Some(outcome),
         Err(panic) => {
             let raw = parts.raw(core.device);
             let bytes = raw.bytes();
             core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
             pin.free(slot, record);
-            resume_unwind(panic)
+            reraise_unless_unwinding(panic, "a release");
+            None
         }
     }
+}
+
+/// Re-raises a callback's panic, unless this thread is already unwinding: a panic
+/// escaping a destructor then aborts the process, so the panic is logged and dropped
+/// instead. The caller has already booked what the callback left (a quarantine).
+#[cold]
+pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, callback: &str) {
+    if !std::thread::panicking() {
+        resume_unwind(panic);
+    }
+    let message = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string payload");
+    tracing::error!(
+        panic = message,
+        "{callback} panicked while the thread was unwinding; not re-raised (it would abort)"
+    );
+    // The payload's own destructor could panic too: leak it rather than risk that.
+    std::mem::forget(panic);
 }
 
 enum Settled {
@@ -643,7 +690,9 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
     let settled = match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
-            Settled::Done(ReleaseReport::Complete { unmapped_bytes: done.unmapped_bytes() })
+            Settled::Done(ReleaseReport::Complete {
+                unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
+            })
         }
         ReleaseOutcome::Quarantined(q) => {
             let (unmapped, residual) = (q.unmapped_bytes(), q.residual_bytes());
@@ -738,9 +787,15 @@ fn release_deferred(
     }
 }
 
-/// Builds the prepared release and offers it. The completion settles the record (on
-/// whatever thread the queue runs it); a refusal hands the reason back with the
-/// record still in transit.
+/// Builds the prepared release and offers it. The record stays in transit (counted in
+/// flight) until the release is settled.
+///
+/// `Ok` when the queue took it (its completion settles the record, on whatever thread
+/// the queue runs it), or when it refused with another release than the one offered:
+/// then the offered release counts as lost by the queue (its block is quarantined and
+/// its record freed exactly once, whoever gets there first). `Err` on an honest
+/// refusal, with the record still in transit: the caller puts it back or quarantines
+/// it.
 fn enqueue(
     pin: &Arc<Pin>,
     slot: u32,
@@ -759,10 +814,16 @@ fn enqueue(
         ),
         recognise(&core.issuer, parts.generation),
     );
-    let releaser: Arc<dyn DeviceAllocator> = Arc::new(LifecycleCheckedRelease { core: Arc::clone(core) });
+    let queued = Arc::new(QueuedRelease { core: Arc::clone(core), claim: AtomicU8::new(QUEUED) });
+    let withdrawn = WithdrawOnDrop(Arc::clone(&queued));
     let completion_pin = Arc::clone(pin);
     let completion_parts = *parts;
     let completion = Box::new(move |outcome: ReleaseOutcome| {
+        // The registry may have disowned this release (its queue refused with another
+        // one): then the books were settled already.
+        if !withdrawn.0.claimed_by_completion() {
+            return;
+        }
         let pin = &*completion_pin;
         let Some(record) = pin.record(slot) else { return };
         let lost =
@@ -775,30 +836,98 @@ fn enqueue(
             Settled::Refused(error) => quarantine_in_transit(pin, slot, record, &completion_parts, *error),
         }
     });
+    let releaser: Arc<dyn DeviceAllocator> = Arc::clone(&queued) as Arc<dyn DeviceAllocator>;
     let prepared = PreparedRelease::new(identity, releaser, parts.raw(core.device), completion);
-    match queue.enqueue(prepared) {
-        Ok(()) => Ok(()),
-        // `cancel` drops the completion unrun; the caller puts the record back.
-        Err(refusal) => {
-            let _block = refusal.release.cancel();
-            Err(refusal.reason)
-        }
+    let refusal = match queue.enqueue(prepared) {
+        Ok(()) => return Ok(()),
+        Err(refusal) => refusal,
+    };
+    // A refusal must hand back the very release offered. Withdrawing whatever came back
+    // drops its completion uncalled: if it was ours, the claim now says so.
+    let same_identity = *refusal.release.identity() == identity;
+    let reason = refusal.reason;
+    let block = refusal.release.cancel();
+    if queued.claim.load(Ordering::SeqCst) == WITHDRAWN && same_identity && block.same_block(&parts.raw(core.device)) {
+        // The caller puts the record back or quarantines it; the record stays in
+        // transit until then, so termination and removal never run with the block in
+        // neither place.
+        return Err(reason);
+    }
+    refused_with_another_release(pin, slot, parts, &queued, &reason);
+    Ok(())
+}
+
+/// A queue refused with another release than the one offered: the offered one counts
+/// as lost by the queue. Whoever claims it first settles its books (a completion that
+/// already ran, or one that runs later, finds the claim taken and does nothing).
+#[cold]
+fn refused_with_another_release(
+    pin: &Pin,
+    slot: u32,
+    parts: &HandleParts,
+    queued: &QueuedRelease,
+    reason: &QueueRefusalReason,
+) {
+    tracing::error!(
+        mechanism = %pin.core.identity,
+        %reason,
+        "deferred-release queue refused with another release than the one offered; the offered block counts as lost by the queue"
+    );
+    let withdrawn = queued.claim.load(Ordering::SeqCst) == WITHDRAWN;
+    if (withdrawn || queued.claim.compare_exchange(QUEUED, DISOWNED, Ordering::SeqCst, Ordering::SeqCst).is_ok())
+        && let Some(record) = pin.record(slot)
+    {
+        quarantine_in_transit(pin, slot, record, parts, ReleaseError::Abandoned);
     }
 }
 
-/// The allocator a queued release runs through: it re-checks the lifecycle when the
-/// queue finally runs it, so a release that comes due after device loss makes no
-/// allocator callback.
-struct LifecycleCheckedRelease {
+/// Claim states of a queued release: the first of its completion, its withdrawal and
+/// its disowning by the registry settles the books.
+const QUEUED: u8 = 0;
+/// The queue runs it: the allocator is (being) called, the completion books the outcome.
+const RUNNING: u8 = 1;
+/// The queue dropped it unrun: the completion books the abandoned block.
+const COMPLETED: u8 = 2;
+/// Withdrawn by `cancel`: the completion never runs; the refusal's receiver books it.
+const WITHDRAWN: u8 = 3;
+/// Its queue refused with another release: the registry booked it as lost by the
+/// queue; running it later makes no allocator call.
+const DISOWNED: u8 = 4;
+
+/// The allocator a queued release runs through: it claims the release (so a release
+/// the registry disowned makes no allocator call) and re-checks the lifecycle when the
+/// queue finally runs it (so a release that comes due after device loss makes no
+/// allocator callback either).
+struct QueuedRelease {
     core: Arc<MechanismCore>,
+    claim: AtomicU8,
 }
 
-impl DeviceAllocator for LifecycleCheckedRelease {
+impl QueuedRelease {
+    /// Whether the completion settles the books: it was run (the allocator claimed it)
+    /// or it claims it now (dropped unrun).
+    fn claimed_by_completion(&self) -> bool {
+        self.claim.load(Ordering::SeqCst) == RUNNING
+            || self.claim.compare_exchange(QUEUED, COMPLETED, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+}
+
+/// Held by a queued release's completion: dropped uncalled (the release was withdrawn),
+/// it marks the claim so the refusal's receiver knows the completion will never run.
+struct WithdrawOnDrop(Arc<QueuedRelease>);
+
+impl Drop for WithdrawOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.claim.compare_exchange(QUEUED, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+impl DeviceAllocator for QueuedRelease {
     fn device(&self) -> DeviceKey {
         self.core.device
     }
     fn name(&self) -> &str {
-        self.core.allocator.name()
+        &self.core.allocator_name
     }
     fn allocate(&self, _request: &AllocationRequest) -> Result<RawAllocation, memory_api::AllocError> {
         Err(memory_api::AllocError::Unsupported {
@@ -808,6 +937,10 @@ impl DeviceAllocator for LifecycleCheckedRelease {
         })
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        if self.claim.compare_exchange(QUEUED, RUNNING, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            // Disowned: the block is quarantined already; the completion ignores this.
+            return ReleaseOutcome::failed(allocation, ReleaseError::Abandoned);
+        }
         match self.core.lifecycle.state() {
             MechanismState::DeviceLost | MechanismState::Terminated => ReleaseOutcome::failed(
                 allocation,
@@ -830,11 +963,13 @@ fn drop_release(held: &PinRef, parts: HandleParts, slot: u32) {
     let Ok(record) = take(pin, slot, parts.generation) else { return };
     match &pin.core.drop_policy {
         DropPolicy::Release => match call_release(pin, slot, record, &parts) {
-            ReleaseOutcome::Complete(_) => {
+            Some(ReleaseOutcome::Complete(_)) => {
                 pin.free(slot, record);
                 tracing::trace!(mechanism = %pin.core.identity, bytes = parts.bytes, "release on drop");
             }
-            outcome => {
+            // Panicked while unwinding: quarantined and freed already.
+            None => {}
+            Some(outcome) => {
                 // Nobody holds a handle any more: a refused drop-time release is
                 // quarantined.
                 if let Settled::Refused(error) = settle(pin, slot, record, &parts, outcome) {

@@ -6,15 +6,52 @@
 use std::fmt;
 
 use memory_api::{
-    ByteRange, CapabilityError, MappingAccess, SharedBacking, SharedMapping, SharedPlacement, VirtualBacking,
+    ByteRange, CapabilityError, DeviceAllocator, MappingAccess, SharedBacking, SharedMapping, SharedPlacement,
+    VirtualBacking,
 };
 
-use crate::binding::{BoundAllocation, MemoryBinding};
+use crate::binding::{BoundAllocation, MemoryBinding, refusal_for};
+use crate::entry::MechanismCore;
 use crate::error::{BoundCapabilityError, HandleError};
 use crate::lifecycle::{Admit, MechanismState};
 
 const VIRTUAL: &str = "virtual backing";
 const SHARED: &str = "shared mapping";
+
+/// Whether `capability` lies inside the allocator's own value: the allocator itself or
+/// one of its fields, which the allocator's contract covers. (Addresses only: nothing
+/// is dereferenced.)
+fn part_of<C: ?Sized>(allocator: &dyn DeviceAllocator, capability: &C) -> bool {
+    let start = std::ptr::from_ref(allocator).cast::<u8>().addr();
+    let end = start + std::mem::size_of_val(allocator);
+    let at = std::ptr::from_ref(capability).cast::<u8>().addr();
+    start <= at && at + std::mem::size_of_val(capability) <= end
+}
+
+/// The first capability `allocator` exposes that is not part of its own value, if any:
+/// such an allocator is a composite, which only the trusted registration path accepts.
+pub(crate) fn split_capability(allocator: &dyn DeviceAllocator) -> Option<&'static str> {
+    if allocator.virtual_backing().is_some_and(|c| !part_of(allocator, c)) {
+        return Some(VIRTUAL);
+    }
+    allocator.shared_mapping().is_some_and(|c| !part_of(allocator, c)).then_some(SHARED)
+}
+
+impl MechanismCore {
+    /// The allocator's reserve/commit capability, if it has one the registration path
+    /// admits (one that moved out of the allocator's value since a safe registration
+    /// is treated as absent).
+    pub(crate) fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        let allocator = &*self.allocator;
+        allocator.virtual_backing().filter(|c| self.trusted_composite || part_of(allocator, *c))
+    }
+
+    /// The allocator's shared-mapping capability, as for [`MechanismCore::virtual_backing`].
+    pub(crate) fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        let allocator = &*self.allocator;
+        allocator.shared_mapping().filter(|c| self.trusted_composite || part_of(allocator, *c))
+    }
+}
 
 impl MemoryBinding {
     /// The reserve/commit capability of this binding's allocator.
@@ -22,7 +59,7 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn virtual_backing(&self) -> Result<BoundVirtualBacking, BoundCapabilityError> {
-        if self.core().allocator.virtual_backing().is_none() {
+        if self.core().virtual_backing().is_none() {
             return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: VIRTUAL });
         }
         Ok(BoundVirtualBacking { binding: self.clone() })
@@ -33,7 +70,7 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn shared_mapping(&self) -> Result<BoundSharedMapping, BoundCapabilityError> {
-        if self.core().allocator.shared_mapping().is_none() {
+        if self.core().shared_mapping().is_none() {
             return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: SHARED });
         }
         Ok(BoundSharedMapping { binding: self.clone() })
@@ -46,7 +83,7 @@ impl MemoryBinding {
         admit: Admit,
         range: Option<ByteRange>,
         capability: &'static str,
-        granularity: impl FnOnce() -> usize,
+        granularity: impl FnOnce() -> Option<usize>,
         call: impl FnOnce(&memory_api::RawAllocation) -> Option<Result<R, CapabilityError>>,
     ) -> Result<R, BoundCapabilityError> {
         // Handle and bounds first: a refused call must not reach the allocator, not
@@ -56,16 +93,15 @@ impl MemoryBinding {
             range.check_within(allocation.bytes())?;
         }
         let core = &pin.core;
-        let _in_flight = core.lifecycle.begin(&self.local_pin().in_flight, admit).map_err(|state| match state {
-            MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
-            MechanismState::Terminated => HandleError::StaleAllocation,
-            state => HandleError::Inactive { mechanism: core.identity, state },
-        })?;
-        if !allocation.is_recorded(pin) {
-            return Err(HandleError::StaleAllocation.into());
-        }
+        let _in_flight =
+            core.lifecycle.begin(&self.local_pin().in_flight, admit).map_err(|state| refusal_for(core, state))?;
+        // The record exists: the allocation is borrowed, so nothing releases it during
+        // this call, and the in-flight count above keeps termination (the only other
+        // path that retires records) from running until the call is over.
         if let Some(range) = range {
-            range.check_aligned(granularity())?;
+            let granularity =
+                granularity().ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability })?;
+            range.check_aligned(granularity)?;
         }
         let result = call(&allocation.raw_view(core.device))
             .ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability })?;
@@ -81,7 +117,7 @@ pub struct BoundVirtualBacking {
 
 impl BoundVirtualBacking {
     fn capability(binding: &MemoryBinding) -> Option<&dyn VirtualBacking> {
-        binding.core().allocator.virtual_backing()
+        binding.core().virtual_backing()
     }
 
     /// Commit granularity in bytes.
@@ -101,7 +137,7 @@ impl BoundVirtualBacking {
             Admit::ActiveOnly,
             Some(range),
             VIRTUAL,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.commit(raw, range)),
         )
     }
@@ -117,7 +153,7 @@ impl BoundVirtualBacking {
             Admit::ActiveOrRetired,
             Some(range),
             VIRTUAL,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.decommit(raw, range)),
         )
     }
@@ -132,7 +168,7 @@ impl BoundVirtualBacking {
             Admit::ActiveOrRetired,
             None,
             VIRTUAL,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.committed_bytes(raw)),
         )
     }
@@ -157,7 +193,7 @@ pub struct BoundSharedMapping {
 
 impl BoundSharedMapping {
     fn capability(binding: &MemoryBinding) -> Option<&dyn SharedMapping> {
-        binding.core().allocator.shared_mapping()
+        binding.core().shared_mapping()
     }
 
     /// Mapping granularity in bytes.
@@ -209,16 +245,19 @@ impl BoundSharedMapping {
             }
             .into());
         }
-        let granularity = self.granularity();
         let source = ByteRange::new(placement.backing_offset, placement.target.len());
         source.check_within(backing.bytes())?;
+        let mechanism = self.binding.core().identity;
+        let granularity = Self::capability(&self.binding)
+            .map(|c| c.granularity())
+            .ok_or(BoundCapabilityError::Unsupported { mechanism, capability: SHARED })?;
         source.check_aligned(granularity)?;
         self.binding.capability_call(
             allocation,
             Admit::ActiveOnly,
             Some(placement.target),
             SHARED,
-            || granularity,
+            || Some(granularity),
             |raw| Self::capability(&self.binding).map(|c| c.map(backing, raw, placement, access)),
         )
     }
@@ -234,7 +273,7 @@ impl BoundSharedMapping {
             Admit::ActiveOrRetired,
             Some(range),
             SHARED,
-            || self.granularity(),
+            || Self::capability(&self.binding).map(|c| c.granularity()),
             |raw| Self::capability(&self.binding).map(|c| c.unmap(raw, range)),
         )
     }
@@ -248,5 +287,48 @@ impl BoundSharedMapping {
 impl fmt::Debug for BoundSharedMapping {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("BoundSharedMapping").field(&self.binding.identity()).finish()
+    }
+}
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+    use memory_api::{AllocError, AllocationRequest, DeviceKey, RawAllocation, ReleaseOutcome};
+
+    /// An allocator with a little state, so that it has a size.
+    struct Sized8(#[allow(dead_code)] u64);
+
+    impl DeviceAllocator for Sized8 {
+        fn device(&self) -> DeviceKey {
+            DeviceKey::HOST
+        }
+        fn name(&self) -> &str {
+            "sized"
+        }
+        fn allocate(&self, _: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            Err(AllocError::Unsupported { allocator: "sized".into(), device: DeviceKey::HOST, what: "allocation" })
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            ReleaseOutcome::complete(allocation.bytes())
+        }
+    }
+
+    /// An allocator and, right behind it in memory, an object that is not part of it.
+    #[repr(C)]
+    struct Neighbours {
+        allocator: Sized8,
+        after: [u64; 4],
+    }
+
+    #[test]
+    fn only_objects_wholly_inside_the_allocator_value_are_part_of_it() {
+        let pair = Neighbours { allocator: Sized8(7), after: [0; 4] };
+        let allocator: &dyn DeviceAllocator = &pair.allocator;
+        assert!(part_of(allocator, &pair.allocator), "the allocator itself");
+        assert!(part_of(allocator, &pair.allocator.0), "its field");
+        assert!(!part_of(allocator, &pair.after), "the object right behind it");
+        assert!(!part_of(allocator, &pair.after[0]), "the first word behind it");
+        let unrelated = [0u64; 2];
+        assert!(!part_of(allocator, &unrelated), "an unrelated object");
     }
 }

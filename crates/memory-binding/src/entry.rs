@@ -57,12 +57,8 @@ impl ContextEntry {
     }
 
     pub(crate) fn set_state(&self, state: ContextState) {
-        let raw = match state {
-            ContextState::Live => 0,
-            ContextState::Lost => 1,
-            ContextState::Terminated => 2,
-        };
-        self.state.store(raw, Ordering::SeqCst);
+        // Declaration order: live 0, lost 1, terminated 2, as `state` decodes.
+        self.state.store(state as u8, Ordering::SeqCst);
     }
 }
 
@@ -132,8 +128,20 @@ pub(crate) struct MechanismCore {
     pub(crate) lifecycle: Lifecycle,
     pub(crate) lost_reason: OnceLock<String>,
     pub(crate) drop_policy: DropPolicy,
+    /// The allocator's name, read once at registration: messages and snapshots need it
+    /// also after the device is lost, when no allocator callback may run.
+    pub(crate) allocator_name: String,
+    /// Registered through `register_trusted_composite`: its capability objects may live
+    /// outside the allocator's value.
+    pub(crate) trusted_composite: bool,
     quarantine: Mutex<Vec<QuarantinedAllocation>>,
+    /// Blocks an allocator answered after its device was lost that could not be
+    /// recorded (unfit, or no identity left): no callback may give them back, so they
+    /// wait here for `forget_lost` at termination.
+    unrecorded_lost: Mutex<Vec<RawAllocation>>,
     quarantined: AtomicUsize,
+    /// Release answers the registry did not believe (corrected and traced).
+    dishonest_outcomes: AtomicUsize,
 }
 
 impl MechanismCore {
@@ -146,6 +154,8 @@ impl MechanismCore {
         registered_generation: BindingGeneration,
         issuer: Arc<IdentityIssuer>,
         drop_policy: DropPolicy,
+        allocator_name: String,
+        trusted_composite: bool,
     ) -> MechanismCore {
         MechanismCore {
             device: context.device,
@@ -158,8 +168,12 @@ impl MechanismCore {
             lifecycle: Lifecycle::new(),
             lost_reason: OnceLock::new(),
             drop_policy,
+            allocator_name,
+            trusted_composite,
             quarantine: Mutex::new(Vec::new()),
+            unrecorded_lost: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
+            dishonest_outcomes: AtomicUsize::new(0),
         }
     }
 
@@ -179,6 +193,7 @@ impl MechanismCore {
             "allocation quarantined"
         );
         if matches!(entry.error, ReleaseError::DishonestOutcome { .. }) {
+            self.count_dishonest_outcome();
             tracing::error!(mechanism = %self.identity, error = %entry.error, "allocator reported an impossible release outcome");
         }
         let mut list = lock(&self.quarantine);
@@ -200,8 +215,54 @@ impl MechanismCore {
         self.quarantined.store(list.len(), Ordering::SeqCst);
     }
 
+    /// Counts a release answer the registry corrected (shown in snapshots).
+    pub(crate) fn count_dishonest_outcome(&self) {
+        self.dishonest_outcomes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn dishonest_outcomes(&self) -> usize {
+        self.dishonest_outcomes.load(Ordering::Relaxed)
+    }
+
+    /// What a `Complete` release of a `bytes`-byte block reports: the unmapped bytes
+    /// the allocator claims, unless it claims more than the block, which is dishonest
+    /// (traced, counted, and reported as the block's size).
+    #[inline]
+    pub(crate) fn completed(&self, bytes: usize, claimed_unmapped: usize) -> usize {
+        if claimed_unmapped <= bytes { claimed_unmapped } else { self.overclaimed(bytes, claimed_unmapped) }
+    }
+
+    #[cold]
+    fn overclaimed(&self, bytes: usize, claimed_unmapped: usize) -> usize {
+        self.count_dishonest_outcome();
+        tracing::error!(
+            mechanism = %self.identity,
+            claimed_unmapped,
+            allocation_bytes = bytes,
+            "allocator reported a complete release unmapping more than the block; counting the block's size"
+        );
+        bytes
+    }
+
     pub(crate) fn quarantined_count(&self) -> usize {
         self.quarantined.load(Ordering::SeqCst)
+    }
+
+    /// Keeps a block answered after device loss that has no record (see
+    /// `unrecorded_lost`).
+    pub(crate) fn keep_unrecorded_lost(&self, block: RawAllocation) {
+        lock(&self.unrecorded_lost).push(block);
+    }
+
+    /// Takes the unrecorded lost blocks out (termination hands them to `forget_lost`).
+    pub(crate) fn take_unrecorded_lost(&self) -> Vec<RawAllocation> {
+        std::mem::take(&mut *lock(&self.unrecorded_lost))
+    }
+
+    /// Unrecorded lost blocks and their bytes.
+    pub(crate) fn unrecorded_lost(&self) -> (usize, usize) {
+        let blocks = lock(&self.unrecorded_lost);
+        (blocks.len(), blocks.iter().map(RawAllocation::bytes).sum())
     }
 
     /// Calls `f` on every quarantined block (snapshots, lookups).
@@ -243,7 +304,9 @@ impl Mechanism {
     /// separate scans could each see it as the other.
     pub(crate) fn census(&self) -> Census {
         let slots = self.core.lifecycle.in_flight(self.pins().map(|pin| &pin.in_flight));
-        let mut census = Census { in_flight: slots, ..Census::default() };
+        // Blocks answered after device loss that could not be recorded count as live.
+        let (live, live_bytes) = self.core.unrecorded_lost();
+        let mut census = Census { live, live_bytes, in_flight: slots };
         for pin in self.pins() {
             pin.count_into(&mut census);
         }
@@ -737,6 +800,8 @@ mod loom_records {
             issuer.binding_generation().unwrap(),
             Arc::clone(&issuer),
             DropPolicy::Release,
+            "unused".to_owned(),
+            false,
         ))
     }
 

@@ -80,6 +80,19 @@ pub enum RegistryError {
         /// The device it is on.
         found: DeviceKey,
     },
+    /// The safe registration path was given an allocator whose capability object is
+    /// not part of the allocator's own value (a composite).
+    #[error(
+        "registering {allocator} through the safe path: its {capability} is a separate object, not part of the \
+         allocator value; keep the capability inside the allocator, or register the composite with \
+         register_trusted_composite, attesting that its parts are coherent"
+    )]
+    SplitComposite {
+        /// The allocator's name.
+        allocator: String,
+        /// The capability that lives in another object.
+        capability: &'static str,
+    },
     /// The provider context is lost or terminated and accepts no new mechanism.
     #[error("provider context {context} is {state}; register a new context for this device")]
     ContextNotLive {

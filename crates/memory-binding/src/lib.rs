@@ -25,7 +25,9 @@
 //!   per allocation, and the one drop of the pins' handle share. The unit protocol is
 //!   safe code checked by loom; the pointer use is checked by Miri (`cargo xtask
 //!   miri`). [`BindingRegistry::register_trusted_composite`] is an `unsafe fn` only to
-//!   make a trust boundary explicit, and contains no unsafe code.
+//!   make a trust boundary explicit, and contains no unsafe code. The safe registration
+//!   path admits only capability objects that are part of the allocator's own value; a
+//!   composite whose capabilities live in other objects needs the caller's word.
 //! - The hot path (`bind`, `allocate`, `release`, views) takes no lock and writes no
 //!   line another thread writes, whichever thread made the binding: an allocation is
 //!   recorded in the *calling* thread's pin (lock-free records in segments that never
@@ -80,28 +82,37 @@
 //! ```
 #![deny(unsafe_code)]
 
-pub mod binding;
-pub mod capability;
-pub mod entry;
-pub mod error;
-pub(crate) mod handle_ref;
-pub mod lifecycle;
-pub(crate) mod per_thread;
-pub mod registry;
-pub mod snapshot;
-pub(crate) mod sync;
+mod binding;
+mod capability;
+mod entry;
+mod error;
+mod handle_ref;
+mod lifecycle;
+mod per_thread;
+mod registry;
+mod snapshot;
+mod sync;
 
-// The public interface, flat.
-pub use binding::{AllocationView, BoundAllocation, MemoryBinding, ReleaseReport};
-pub use capability::{BoundSharedMapping, BoundVirtualBacking};
+// The public interface. Modules are private: every name is here, grouped by what it is
+// for.
+
+// The registry: registration, selection, lifecycles (the cold path).
 pub use entry::{DropPolicy, Resource};
-pub use error::{
-    AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError, Rejected,
-    ViewError,
-};
 pub use lifecycle::MechanismState;
 pub use registry::{BindingRegistry, InvalidationReport, MechanismOptions};
+
+// Bindings, allocations, views and bound capabilities (the hot path).
+pub use binding::{AllocationView, BoundAllocation, MemoryBinding, ReleaseReport};
+pub use capability::{BoundSharedMapping, BoundVirtualBacking};
+
+// Reports and snapshots.
 pub use snapshot::{
     AllocationState, AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot,
     RetryReport, TerminationReport,
+};
+
+// Errors, one enum per operation family; a rejected handle comes back in `Rejected`.
+pub use error::{
+    AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError, Rejected,
+    ViewError,
 };

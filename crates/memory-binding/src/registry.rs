@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Weak;
 
 use arc_swap::ArcSwap;
@@ -22,7 +22,8 @@ use memory_api::{
     MechanismIdentity, ProviderContextIdentity, RawAllocation, RegistryId, ReleaseOutcome,
 };
 
-use crate::binding::MemoryBinding;
+use crate::binding::{MemoryBinding, reraise_unless_unwinding};
+use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
@@ -205,7 +206,60 @@ impl BindingRegistry {
         allocator: Arc<dyn DeviceAllocator>,
         options: MechanismOptions,
     ) -> Result<MechanismIdentity, RegistryError> {
+        self.register(context, authority, allocator, options, false)
+    }
+
+    fn register(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        allocator: Arc<dyn DeviceAllocator>,
+        options: MechanismOptions,
+        trusted_composite: bool,
+    ) -> Result<MechanismIdentity, RegistryError> {
+        // Allocator callbacks run before the lock (a slow or re-entrant callback must
+        // stall nothing else), and capability discovery only once the identities
+        // passed, so a refused registration makes no callback beyond `device()`.
+        let device = allocator.device();
+        self.admit_registration(context, authority, device)?;
+        let name = allocator.name().to_owned();
+        if !trusted_composite && let Some(capability) = split_capability(&*allocator) {
+            return Err(RegistryError::SplitComposite { allocator: name, capability });
+        }
         let cold = lock(&self.inner.cold);
+        // Again under the lock: the context may have been lost or removed meanwhile.
+        let (context, authority) = self.admit_registration(context, authority, device)?;
+        let identity = self.inner.issuer.mechanism()?;
+        let generation = self.inner.issuer.binding_generation()?;
+        let drop_policy = options.drop_policy.unwrap_or_else(|| DropPolicy::default_for(device));
+        let core = MechanismCore::new(
+            identity,
+            allocator,
+            context,
+            authority,
+            generation,
+            Arc::clone(&self.inner.issuer),
+            drop_policy,
+            name,
+            trusted_composite,
+        );
+        let mechanism = Arc::new(Mechanism::new(core));
+        self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
+        let selected = self.inner.selection.load().contains_key(&device);
+        let replaced = (!selected).then(|| self.store_selection(device, Some((generation, mechanism))));
+        drop(cold);
+        drop(replaced);
+        tracing::info!(mechanism = %identity, %device, selected = !selected, trusted_composite, "mechanism registered");
+        Ok(identity)
+    }
+
+    /// The context and authority a mechanism on `device` may be registered under.
+    fn admit_registration(
+        &self,
+        context: &ProviderContextIdentity,
+        authority: &AuthorityIdentity,
+        device: DeviceKey,
+    ) -> Result<(Arc<ContextEntry>, Arc<AuthorityEntry>), RegistryError> {
         let context = self.context(context)?;
         let authority = self.authority(authority)?;
         let state = context.state();
@@ -220,7 +274,6 @@ impl BindingRegistry {
                 found: authority.device,
             });
         }
-        let device = allocator.device();
         if device != context.device {
             return Err(RegistryError::DeviceMismatch {
                 what: "allocator",
@@ -229,31 +282,18 @@ impl BindingRegistry {
                 found: device,
             });
         }
-        let identity = self.inner.issuer.mechanism()?;
-        let generation = self.inner.issuer.binding_generation()?;
-        let drop_policy = options.drop_policy.unwrap_or_else(|| DropPolicy::default_for(device));
-        let core = MechanismCore::new(
-            identity,
-            allocator,
-            context,
-            authority,
-            generation,
-            Arc::clone(&self.inner.issuer),
-            drop_policy,
-        );
-        let mechanism = Arc::new(Mechanism::new(core));
-        self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
-        let selected = self.inner.selection.load().contains_key(&device);
-        if !selected {
-            self.store_selection(device, Some((generation, mechanism)));
-        }
-        drop(cold);
-        tracing::info!(mechanism = %identity, %device, selected = !selected, "mechanism registered");
-        Ok(identity)
+        Ok((context, authority))
     }
 
     /// Registers a composite whose allocation, capabilities and release live in
     /// different inner objects that `allocator` routes between.
+    ///
+    /// The safe path ([`BindingRegistry::register_allocator_with`]) accepts capability
+    /// objects only when they are part of the allocator's own value (the allocator
+    /// itself or one of its fields), so the allocator's own contract covers them; it
+    /// refuses a capability reached through a pointer to another object with
+    /// [`RegistryError::SplitComposite`]. This path accepts such a composite on the
+    /// caller's word, and its snapshot says so (`MechanismSnapshot::trusted_composite`).
     ///
     /// # Safety
     /// Rust cannot prove such a composition coherent, so the caller attests that:
@@ -276,10 +316,17 @@ impl BindingRegistry {
         options: MechanismOptions,
     ) -> Result<MechanismIdentity, RegistryError> {
         tracing::info!("registering a trusted composite allocator (caller-attested coherence)");
-        self.register_allocator_with(context, authority, allocator, options)
+        self.register(context, authority, allocator, options, true)
     }
 
-    fn store_selection(&self, device: DeviceKey, selected: Option<(BindingGeneration, Arc<Mechanism>)>) {
+    /// Replaces `device`'s selection; returns the replaced table, for the caller to drop
+    /// once `cold` is released (it may hold the last reference to a mechanism).
+    #[must_use = "drop the replaced selection after releasing the cold lock"]
+    fn store_selection(
+        &self,
+        device: DeviceKey,
+        selected: Option<(BindingGeneration, Arc<Mechanism>)>,
+    ) -> Arc<Selection> {
         let mut table = Selection::clone(&self.inner.selection.load());
         match selected {
             Some((generation, mechanism)) => table.insert(device, Selected { generation, mechanism }),
@@ -288,8 +335,9 @@ impl BindingRegistry {
         // Only called under `cold`, so load-modify-store cannot lose an update. The
         // epoch moves after the table: a bind that reads the new epoch finds at
         // least this table.
-        self.inner.selection.store(Arc::new(table));
+        let replaced = self.inner.selection.swap(Arc::new(table));
         self.inner.selection_epoch.fetch_add(1, Ordering::Release);
+        replaced
     }
 
     /// Makes `mechanism` the one future `bind(device)` calls use. Existing bindings,
@@ -310,8 +358,9 @@ impl BindingRegistry {
         }
         let generation = self.inner.issuer.binding_generation()?;
         let device = entry.core.device;
-        self.store_selection(device, Some((generation, entry)));
+        let replaced = self.store_selection(device, Some((generation, entry)));
         drop(cold);
+        drop(replaced);
         tracing::info!(mechanism = %mechanism, %device, %generation, "mechanism selected");
         Ok(generation)
     }
@@ -405,10 +454,9 @@ impl BindingRegistry {
             }
         })?;
         let device = entry.core.device;
-        if self.selected(device) == Some(*mechanism) {
-            self.store_selection(device, None);
-        }
+        let replaced = (self.selected(device) == Some(*mechanism)).then(|| self.store_selection(device, None));
         drop(cold);
+        drop(replaced);
         tracing::info!(mechanism = %mechanism, %device, "mechanism retired");
         Ok(())
     }
@@ -431,11 +479,10 @@ impl BindingRegistry {
             context.set_state(ContextState::Lost);
             report.contexts += 1;
         }
-        if self.selected(device).is_some() {
-            self.store_selection(device, None);
-            report.selection_dropped = true;
-        }
+        let replaced = self.selected(device).is_some().then(|| self.store_selection(device, None));
+        report.selection_dropped = replaced.is_some();
         drop(cold);
+        drop(replaced);
         tracing::error!(%device, reason, mechanisms = report.mechanisms, contexts = report.contexts, "device lost");
         report
     }
@@ -482,6 +529,7 @@ impl BindingRegistry {
         let mut handoffs = Vec::with_capacity(mechanisms.len());
         for mechanism in &mechanisms {
             let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.collect_lost()).collect();
+            lost.extend(mechanism.core.take_unrecorded_lost());
             report.lost_allocations += lost.len();
             report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
             let quarantine = mechanism.core.take_quarantine();
@@ -498,7 +546,7 @@ impl BindingRegistry {
             }
         }
         if let Some(panic) = first_panic {
-            resume_unwind(panic);
+            reraise_unless_unwinding(panic, "forget_lost");
         }
         tracing::info!(context = %context, ?report, "provider context terminated");
         Ok(report)
@@ -541,13 +589,18 @@ impl BindingRegistry {
                     entry.error = memory_api::ReleaseError::CallbackPanicked;
                     still.push(entry);
                     still.extend(pending);
+                    report.still_quarantined = still.len();
                     core.restore_quarantine(still);
                     drop(in_flight);
-                    resume_unwind(panic);
+                    reraise_unless_unwinding(panic, "a retried release");
+                    return Ok(report);
                 }
             };
             match outcome {
-                ReleaseOutcome::Complete(_) => report.released += 1,
+                ReleaseOutcome::Complete(done) => {
+                    core.completed(entry.allocation.bytes(), done.unmapped_bytes());
+                    report.released += 1;
+                }
                 ReleaseOutcome::Quarantined(q) if q.allocation().same_block(&entry.allocation) => {
                     // Never more unmapped than the block minus what it still holds.
                     let ceiling = entry.allocation.bytes().saturating_sub(q.residual_bytes());
@@ -562,6 +615,7 @@ impl BindingRegistry {
                 }
                 // An answer about another block: keep ours, wholly owned.
                 ReleaseOutcome::Quarantined(_) | ReleaseOutcome::Failed(_) => {
+                    core.count_dishonest_outcome();
                     tracing::error!(mechanism = %mechanism, "allocator answered a retried release with another block");
                     let bytes = entry.allocation.bytes();
                     entry.error = memory_api::ReleaseError::DishonestOutcome {
@@ -830,5 +884,135 @@ impl fmt::Debug for BindingRegistry {
             .field("authorities", &self.inner.authorities.len())
             .field("mechanisms", &self.inner.mechanisms.len())
             .finish()
+    }
+}
+
+/// loom models of selection (`cargo xtask loom`): `select`, `bind` and `retire` racing.
+/// (The selection table is an arc-swap and the tables dashmaps, which loom does not
+/// instrument; their operations are linearisable and run between loom's switch points,
+/// while the cold lock, the lifecycle word, the in-flight slots and the pin locks are
+/// modelled.)
+#[cfg(all(test, memory_loom))]
+mod loom_selection {
+    use super::*;
+    use crate::error::AllocateError;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use memory_api::{AllocError, AllocationRequest, DeviceAddress};
+
+    const GPU0: DeviceKey = DeviceKey::device(0);
+
+    /// Hands out one fixed block per call (nothing behind it).
+    struct Blocks;
+    impl DeviceAllocator for Blocks {
+        fn device(&self) -> DeviceKey {
+            GPU0
+        }
+        fn name(&self) -> &str {
+            "blocks"
+        }
+        fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            let address = DeviceAddress::new(0x10_0000).expect("non-zero");
+            Ok(RawAllocation::new(address, request.bytes(), request.align(), GPU0, 0))
+        }
+        fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+            ReleaseOutcome::complete(allocation.bytes())
+        }
+    }
+
+    /// A registry with two mechanisms on one device; the first is selected.
+    fn two_mechanisms() -> (BindingRegistry, MechanismIdentity, MechanismIdentity) {
+        let registry = BindingRegistry::new().unwrap();
+        let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
+        let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
+        let first = registry.register_allocator(&context, &authority, Arc::new(Blocks)).unwrap();
+        let second = registry.register_allocator(&context, &authority, Arc::new(Blocks)).unwrap();
+        (registry, first, second)
+    }
+
+    /// `select` racing `retire` of the same mechanism, with a `bind` (and an
+    /// allocation through it) racing both: a retired mechanism is never left selected,
+    /// a select either lands before the retirement (whose removal of the selection
+    /// wins) or is refused, a bind only ever sees a selection that was stored, with the
+    /// generation `select` returned, and an allocation that starts after the retirement
+    /// returned is refused.
+    #[test]
+    fn loom_select_bind_and_retire_race_without_selecting_a_retired_mechanism() {
+        loom::model(|| {
+            let (registry, first, second) = two_mechanisms();
+            let initial = registry.bind(GPU0).unwrap().identity().generation();
+            let retired = Arc::new(AtomicBool::new(false));
+            let select = {
+                let registry = registry.clone();
+                loom::thread::spawn(move || registry.select(&second))
+            };
+            let retire = {
+                let (registry, retired) = (registry.clone(), Arc::clone(&retired));
+                loom::thread::spawn(move || {
+                    registry.retire(&second).unwrap();
+                    retired.store(true, Ordering::SeqCst);
+                })
+            };
+
+            let bound = match registry.bind(GPU0) {
+                Ok(bound) => Some(bound),
+                // Selected and retired before this bind: nothing is selected.
+                Err(BindError::NoSelection { .. }) => None,
+                // Read the selection, then saw the retirement.
+                Err(BindError::Inactive { mechanism, state: MechanismState::Retired }) if mechanism == second => None,
+                Err(other) => panic!("bind: {other}"),
+            };
+            let retired_before = retired.load(Ordering::SeqCst);
+            if let Some(bound) = &bound {
+                let allocated = bound.allocate(AllocationRequest::new(64, 8).unwrap());
+                if bound.identity().mechanism() == second && retired_before {
+                    assert!(
+                        matches!(allocated, Err(AllocateError::Inactive { state: MechanismState::Retired, .. })),
+                        "an allocation started after retire returned was admitted"
+                    );
+                }
+                if let Ok(block) = allocated {
+                    bound.release(block).unwrap();
+                }
+            }
+
+            let selected = select.join().unwrap();
+            retire.join().unwrap();
+            match (&selected, registry.selected(GPU0)) {
+                // Selected first, then retired: the retirement dropped the selection.
+                (Ok(_), None) => {}
+                // Retired first: the select was refused and the first stays selected.
+                (Err(RegistryError::InvalidState { state: MechanismState::Retired, .. }), Some(m)) if m == first => {}
+                (selected, now) => panic!("select returned {selected:?} and the selection is {now:?}"),
+            }
+            if let Some(bound) = &bound {
+                if bound.identity().mechanism() == second {
+                    assert_eq!(Ok(bound.identity().generation()), selected, "a bind saw a selection never stored");
+                } else {
+                    assert_eq!(bound.identity().generation(), initial, "a bind of the first saw another generation");
+                }
+            }
+            // Nothing is left in flight or recorded on the retired mechanism.
+            drop(bound);
+            registry.remove(&second).unwrap();
+        });
+    }
+
+    /// Two selects racing: the selection ends on the one whose generation is the
+    /// later-stored, and every bind afterwards carries that generation.
+    #[test]
+    fn loom_racing_selects_leave_one_selection_with_its_own_generation() {
+        loom::model(|| {
+            let (registry, first, second) = two_mechanisms();
+            let other = {
+                let registry = registry.clone();
+                loom::thread::spawn(move || registry.select(&second).unwrap())
+            };
+            let mine = registry.select(&first).unwrap();
+            let theirs = other.join().unwrap();
+            let bound = registry.bind(GPU0).unwrap();
+            let expected = if bound.identity().mechanism() == first { mine } else { theirs };
+            assert_eq!(bound.identity().generation(), expected);
+            assert_eq!(registry.selected(GPU0), Some(bound.identity().mechanism()));
+        });
     }
 }

@@ -95,9 +95,13 @@ pub struct MechanismSnapshot {
     pub state: MechanismState,
     /// The allocator's name.
     pub allocator: String,
+    /// Registered through `register_trusted_composite`: its capabilities may live in
+    /// other objects than the allocator, on the registering caller's word.
+    pub trusted_composite: bool,
     /// Whether it is the device's selection.
     pub selected: bool,
-    /// Live (or, on a lost device, lost) allocations.
+    /// Live (or, on a lost device, lost) allocations, including blocks an allocator
+    /// answered after its device was lost that could not be recorded.
     pub live_allocations: usize,
     /// Their bytes.
     pub live_bytes: usize,
@@ -105,6 +109,10 @@ pub struct MechanismSnapshot {
     pub in_flight: usize,
     /// Quarantined blocks.
     pub quarantined: Vec<QuarantineSnapshot>,
+    /// Release answers the registry did not believe: a quarantine or refusal about
+    /// another block, a quarantine claiming more than the block, a `Complete` claiming
+    /// to unmap more than the block. Each was corrected and traced as an error.
+    pub dishonest_outcomes: usize,
     /// Why the device was lost, if it was.
     pub lost_reason: Option<String>,
 }
@@ -178,12 +186,14 @@ impl BindingRegistry {
             context: core.context.identity,
             authority: core.authority.identity,
             state,
-            allocator: core.allocator.name().to_owned(),
+            allocator: core.allocator_name.clone(),
+            trusted_composite: core.trusted_composite,
             selected: self.selected(core.device) == Some(core.identity),
             live_allocations,
             live_bytes,
             in_flight: census.in_flight,
             quarantined,
+            dishonest_outcomes: core.dishonest_outcomes(),
             lost_reason: matches!(state, MechanismState::DeviceLost | MechanismState::Terminated)
                 .then(|| core.lost_reason()),
         })

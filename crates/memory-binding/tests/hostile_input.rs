@@ -1190,6 +1190,7 @@ fn a_release_answered_with_another_block_keeps_the_given_block_quarantined_as_wh
         let quarantined = &registry.snapshot(&mechanism).unwrap().quarantined;
         assert_eq!((quarantined.len(), quarantined[0].bytes, quarantined[0].residual_bytes), (1, 100, 100));
         assert!(quarantined[0].reason.contains("treating all of it as owned"), "{}", quarantined[0].reason);
+        assert_eq!(registry.snapshot(&mechanism).unwrap().dishonest_outcomes, 1, "mode {mode}");
         allocator.set(Liar::HONEST);
         assert_eq!(registry.retry_quarantined(&mechanism).unwrap().released, 1);
         assert_eq!(allocator.inner.inner().stats().unwrap().live_allocations, 0);
@@ -1210,6 +1211,7 @@ fn a_retry_answered_with_another_block_keeps_the_original_block_quarantined() {
         let quarantined = &registry.snapshot(&mechanism).unwrap().quarantined;
         // The registry must keep the block it handed out, not the one the allocator named.
         assert_eq!((quarantined[0].bytes, quarantined[0].residual_bytes), (100, 100), "mode {mode}");
+        assert_eq!(registry.snapshot(&mechanism).unwrap().dishonest_outcomes, 1, "mode {mode}");
         allocator.set(Liar::HONEST);
         assert_eq!(registry.retry_quarantined(&mechanism).unwrap().released, 1);
         assert_eq!(allocator.inner.inner().stats().unwrap().live_allocations, 0, "mode {mode}: the real block leaked");

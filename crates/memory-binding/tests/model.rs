@@ -754,6 +754,9 @@ impl World {
                     Callback::Allocate => calls.allocate,
                     Callback::Release => calls.release,
                     Callback::ForgetLost => calls.forget_lost,
+                    // Registration asks once for each capability (the safe path checks
+                    // that they are part of the allocator).
+                    Callback::VirtualBacking | Callback::SharedMapping => 1,
                     _ => 0,
                 };
                 assert_eq!(counts[callback], expected, "mechanism {m}: {callback} callbacks");
@@ -769,7 +772,12 @@ impl World {
         }
         // Nothing we do reaches the other registry's allocator or revives its handle here.
         let foreign = self.foreign.recorder.counts();
-        assert_eq!((foreign.total(), foreign[Callback::Allocate]), (1, 1), "the foreign allocator was called");
+        let discovery = foreign[Callback::VirtualBacking] + foreign[Callback::SharedMapping];
+        assert_eq!(
+            (foreign.total(), foreign[Callback::Allocate], discovery),
+            (3, 1, 2),
+            "the foreign allocator was called"
+        );
         if let Some(handle) = &self.foreign.handle {
             assert_eq!(self.registry.allocation_state(&handle.identity().unwrap()), AllocationState::Gone);
         }

@@ -3,55 +3,12 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use common::{Caps, bind, register, request};
+use common::{Caps, Collector, bind, has, register, request};
 use memory_api::DeviceKey;
 use memory_binding::BindingRegistry;
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Level, Metadata, Subscriber};
-
-/// Collects (level, message) of every event.
-#[derive(Clone, Default)]
-struct Collector(Arc<Mutex<Vec<(Level, String)>>>);
-
-struct Message(String);
-impl Visit for Message {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        if field.name() == "message" {
-            self.0 = format!("{value:?}");
-        }
-    }
-}
-
-impl Subscriber for Collector {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(1)
-    }
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, event: &Event<'_>) {
-        let mut message = Message(String::new());
-        event.record(&mut message);
-        self.0.lock().unwrap().push((*event.metadata().level(), message.0));
-    }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
-}
-
-impl Collector {
-    fn take(&self) -> Vec<(Level, String)> {
-        std::mem::take(&mut *self.0.lock().unwrap())
-    }
-}
-
-fn has(events: &[(Level, String)], level: Level, text: &str) -> bool {
-    events.iter().any(|(l, m)| *l == level && m.contains(text))
-}
+use tracing::Level;
 
 #[test]
 fn lifecycle_transitions_are_traced_and_the_hot_path_stays_at_trace() {

@@ -191,7 +191,7 @@ impl SharedMapping for Forward {
 
 /// Wraps any [`DeviceAllocator`] and charges each allocation to an account. Register
 /// it in the `BindingRegistry` like any allocator: identity and governance compose.
-/// See the [module docs](self) for the accounting rules.
+/// The accounting rules are written down in `docs/ACCOUNTING.md`.
 pub struct GovernedAllocator {
     account: Account,
     tables: Arc<Tables>,

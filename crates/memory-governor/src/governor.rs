@@ -919,7 +919,7 @@ impl Governor {
         self.inner.timeline.events()
     }
 
-    /// The timeline in the Chrome trace-event format (see [`timeline`](crate::timeline)).
+    /// The timeline in the Chrome trace-event format (see [`Governor::enable_timeline`]).
     pub fn chrome_trace(&self) -> serde_json::Value {
         self.inner.timeline.chrome_trace()
     }

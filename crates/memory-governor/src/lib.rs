@@ -34,7 +34,7 @@
 //!   uncontended compare-and-swap; credit goes back when the thread ends, when a
 //!   limit is lowered, and whenever an admission finds the shared budget short, so no
 //!   admission is refused while unused credit sits with another thread. The protocol
-//!   and its argument are in [`credit`]; loom models of admission racing refund,
+//!   and its argument are in `src/credit.rs`; loom models of admission racing refund,
 //!   credit return and limit lowering live in `src/loom_credit.rs` and run with
 //!   `RUSTFLAGS="--cfg memory_loom" cargo test --release -p memory-governor --lib loom`.
 //!   Every atomic and lock comes from the `sync` module, which swaps in loom's.
@@ -53,7 +53,6 @@
 //! ```
 //! use std::sync::Arc;
 //! use memory_governor::*;
-//! use memory_testkit::RecordingAllocator;
 //!
 //! let registry = BindingRegistry::new()?;
 //! let gpu = DeviceKey::host(1); // a simulated device
@@ -67,7 +66,7 @@
 //! let account = governor.open_account(AccountConfig::new(gpu, tenant).quota(512 << 10).label("tenant-a"))?;
 //!
 //! // Governed allocation through the registry: identity and governance compose.
-//! let allocator: Arc<dyn DeviceAllocator> = Arc::new(RecordingAllocator::on_device(gpu));
+//! let allocator: Arc<dyn DeviceAllocator> = Arc::new(allocator_cpu::SystemAllocator::for_device(gpu));
 //! let governed = governor.govern(allocator, tenant)?;
 //! registry.register_allocator(&context, &tenant, Arc::new(governed))?;
 //! let binding = registry.bind(gpu)?;
@@ -89,48 +88,57 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub mod allocator;
-pub mod credit;
-pub mod error;
-pub mod governor;
-pub mod lease;
-pub mod policy;
-pub mod reclaim;
-pub mod stats;
+mod allocator;
+mod credit;
+mod error;
+mod governor;
+mod lease;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+mod policy;
+mod reclaim;
+mod stats;
 mod sync;
-pub mod timeline;
+mod timeline;
 
 #[cfg(all(test, memory_loom))]
 mod loom_credit;
 
-// The compatibility surface: the contracts and the registry, as modules and flat, so a
-// runtime can depend on the governor alone and migrate crate by crate.
-pub use memory_api as api;
-pub use memory_api::*;
-pub use memory_binding as binding;
-pub use memory_binding::*;
+// The public interface. Modules are private (except `metrics`, whose docs are the table
+// of published names): every name is here, grouped by what it is for.
 
-/// Capabilities: the contracts (`VirtualBacking`, `SharedMapping`, ...) and the
-/// registry's bound handles, in one module (both crates name a module `capability`).
-pub mod capability {
-    pub use memory_api::capability::*;
-    pub use memory_binding::capability::*;
-}
+// The books: devices, accounts, leases.
+pub use governor::{Account, AccountConfig, Governor, GovernorConfig, MAX_CHARGE};
+pub use lease::{BorrowedLease, Lease, OwnedLease};
 
-// The governor's public interface, flat.
+// Admission policy and reclaim.
+pub use policy::{AdmissionPolicy, GuaranteedReserve, HardLimit, ReclaimThenFail, Shortfall, ShortfallDecision};
+pub use reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
+
+// Governed allocation: any allocator, charged per block, registered like any other.
 pub use allocator::{GovernedAllocError, GovernedAllocator, is_governor_refusal};
+
+// Errors.
 pub use error::{
     AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
     LimitScope, PolicyError, ShrinkError,
 };
-pub use governor::{Account, AccountConfig, Governor, GovernorConfig, MAX_CHARGE};
-pub use lease::{BorrowedLease, Lease, OwnedLease};
-pub use policy::{AdmissionPolicy, GuaranteedReserve, HardLimit, ReclaimThenFail, Shortfall, ShortfallDecision};
-pub use reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
+
+// Observability: snapshots and the timeline.
 pub use stats::{
     AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
 };
 pub use timeline::{TimelineEvent, TimelineEventKind};
+
+// The compatibility surface: the contracts (`memory-api`) and the registry
+// (`memory-binding`), as modules and flat, so a runtime depends on the governor alone
+// and migrates crate by crate. Flat names are listed under the crates' own docs.
+pub use memory_api as api;
+#[doc(no_inline)]
+pub use memory_api::*;
+pub use memory_binding as binding;
+#[doc(no_inline)]
+pub use memory_binding::*;
 
 /// The README's Rust examples, compiled and run as doctests so the adoption guide
 /// cannot drift from the API.

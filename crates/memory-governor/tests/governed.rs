@@ -8,7 +8,9 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use allocator_cpu::{SystemAllocator, VirtualHostAllocator};
+use allocator_cpu::SystemAllocator;
+#[cfg(unix)]
+use allocator_cpu::VirtualHostAllocator;
 use common::*;
 use memory_governor::*;
 use memory_testkit::{Callback, FaultyAllocator, HostHeap, RecordingAllocator};
@@ -205,6 +207,7 @@ fn the_inner_allocator_gets_its_own_provider_tag_back() {
 }
 
 #[test]
+#[cfg(unix)] // the virtual host allocator needs mmap
 fn capabilities_are_forwarded_with_the_inner_view_of_each_block() {
     let s = setup(Arc::new(VirtualHostAllocator::for_device(DEV)), 1 << 30, 0);
     let backing = s.binding.virtual_backing().expect("the governed allocator forwards VirtualBacking");

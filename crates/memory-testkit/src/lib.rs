@@ -56,6 +56,7 @@ pub mod conformance;
 mod faulty;
 mod gate;
 mod heap;
+pub mod native;
 mod recording;
 mod tap;
 

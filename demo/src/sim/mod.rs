@@ -28,6 +28,7 @@ pub enum SimError {
     #[error(transparent)]
     Registry(#[from] RegistryError),
     /// CUDA is unavailable or failed (`--gpu`).
+    #[cfg(feature = "cuda")]
     #[error("--gpu: {0}")]
     Cuda(#[from] allocator_cuda::CudaError),
 }

@@ -48,6 +48,7 @@ pub(crate) enum Hardware {
     /// A host-backed simulated device.
     Host,
     /// A CUDA device (and a stream for its pool).
+    #[cfg(feature = "cuda")]
     Cuda(allocator_cuda::CudaDevice),
 }
 
@@ -101,6 +102,7 @@ impl World {
         for (index, hardware) in hardware.into_iter().enumerate() {
             let key = match hardware {
                 Hardware::Host => DeviceKey::host(index as u32 + 1),
+                #[cfg(feature = "cuda")]
                 Hardware::Cuda(ref device) => DeviceKey::device(device.ordinal()),
             };
             devices.push(Device::new(&registry, &governor, key, format!("gpu{index}"), hardware)?);
@@ -148,7 +150,9 @@ impl World {
             (Hardware::Host, Backend::Pooled) => {
                 Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::for_device(device.key)))
             }
+            #[cfg(feature = "cuda")]
             (Hardware::Cuda(cuda), Backend::Plain) => Arc::new(allocator_cuda::CudaAllocator::new(cuda)),
+            #[cfg(feature = "cuda")]
             (Hardware::Cuda(cuda), Backend::Pooled) => {
                 let stream = allocator_cuda::CudaStream::new(cuda)?;
                 Arc::new(allocator_cuda::CudaPoolAllocator::new(&stream, allocator_cuda::PoolConfig::default())?)
@@ -205,6 +209,16 @@ impl Device {
     }
 }
 
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Result<Vec<Hardware>, SimError> {
+    Err(SimError::Setup(
+        "--gpu: this build of memory-demo has no CUDA support; run `cargo xtask demo --gpu` \
+         (which enables it) or build with `--features cuda`"
+            .into(),
+    ))
+}
+
+#[cfg(feature = "cuda")]
 fn cuda_devices() -> Result<Vec<Hardware>, SimError> {
     let count = allocator_cuda::device_count()?;
     if count == 0 {

@@ -162,9 +162,24 @@ pub(crate) mod control {
         unsafe { inject(name.as_ptr(), skip as c_long, count as c_long, code.get() as c_int) };
     }
 
+    /// Drops every pending injection.
+    pub(crate) fn clear_injections() {
+        let clear: unsafe extern "C" fn() = symbol("fake_cuda_clear_injections");
+        // SAFETY: no arguments.
+        unsafe { clear() };
+    }
+
     /// Every later driver call fails with `code` (a destroyed context).
     pub(crate) fn set_sticky(code: CudaErrorCode) {
         let set: unsafe extern "C" fn(c_int) = symbol("fake_cuda_set_sticky");
+        // SAFETY: plain integer argument.
+        unsafe { set(code.get() as c_int) };
+    }
+
+    /// An asynchronous fault with `code`: calls keep working until the next
+    /// synchronising one reports it; from then on it is sticky.
+    pub(crate) fn fault(code: CudaErrorCode) {
+        let set: unsafe extern "C" fn(c_int) = symbol("fake_cuda_fault");
         // SAFETY: plain integer argument.
         unsafe { set(code.get() as c_int) };
     }
@@ -189,6 +204,21 @@ pub(crate) mod control {
         let calls: unsafe extern "C" fn(*const c_char) -> c_ulonglong = symbol("fake_cuda_calls");
         // SAFETY: `name` is a valid C string for the duration of the call.
         unsafe { calls(name.as_ptr()) }
+    }
+
+    /// How many injected failures `function` actually returned.
+    pub(crate) fn injected(function: &str) -> u64 {
+        let name = CString::new(function).expect("a function name");
+        let injected: unsafe extern "C" fn(*const c_char) -> c_ulonglong = symbol("fake_cuda_injected");
+        // SAFETY: `name` is a valid C string for the duration of the call.
+        unsafe { injected(name.as_ptr()) }
+    }
+
+    /// Frees, releases and destroys of something that was not live (double frees).
+    pub(crate) fn invalid_frees() -> u64 {
+        let read: unsafe extern "C" fn() -> c_ulonglong = symbol("fake_cuda_invalid_frees");
+        // SAFETY: no arguments.
+        unsafe { read() }
     }
 
     fn counter(name: &str) -> i64 {
@@ -218,6 +248,26 @@ pub(crate) mod control {
     /// Events not yet destroyed.
     pub(crate) fn live_events() -> i64 {
         counter("fake_cuda_live_events")
+    }
+
+    /// Streams not yet destroyed.
+    pub(crate) fn live_streams() -> i64 {
+        counter("fake_cuda_live_streams")
+    }
+
+    /// Address reservations not yet freed.
+    pub(crate) fn live_reservations() -> i64 {
+        counter("fake_cuda_live_reservations")
+    }
+
+    /// VMM mappings not yet unmapped.
+    pub(crate) fn live_mappings() -> i64 {
+        counter("fake_cuda_live_mappings")
+    }
+
+    /// Pinned host blocks not yet freed.
+    pub(crate) fn live_host_blocks() -> i64 {
+        counter("fake_cuda_live_host_blocks")
     }
 
     /// Contexts pushed on the calling thread.

@@ -3,6 +3,31 @@
 #![allow(dead_code, reason = "each test binary uses a different part of the helpers")]
 
 pub(crate) mod fake;
+pub(crate) mod logs;
+
+/// A test whose body runs in a child process against the fake driver, with the given
+/// `FAKE_CUDA_*` environment.
+#[allow(unused_macros, reason = "the GPU test binary runs no fake-driver test")]
+macro_rules! fake_test {
+    ($(#[$meta:meta])* fn $name:ident() $body:block) => {
+        fake_test!(env [] $(#[$meta])* fn $name() $body);
+    };
+    (env [$($key:literal = $value:literal),* $(,)?] $(#[$meta:meta])* fn $name:ident() $body:block) => {
+        $(#[$meta])*
+        #[test]
+        fn $name() {
+            if crate::common::fake::in_child() {
+                $body
+            } else {
+                crate::common::fake::run_in_child(
+                    concat!(module_path!(), "::", stringify!($name)),
+                    &[$(($key, $value)),*],
+                    crate::common::fake::Variant::Current,
+                );
+            }
+        }
+    };
+}
 
 use allocator_cuda::{CudaDevice, CudaError};
 use memory_api::{

@@ -1,5 +1,6 @@
 //! Shared fixtures for the registry tests: allocators with capabilities that count
-//! their callbacks, a bounded deferred-release queue, and registration helpers.
+//! their callbacks, a bounded deferred-release queue, registration helpers, and a
+//! tracing event collector.
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -11,6 +12,9 @@ use memory_api::{
     ReleaseSummary, SharedBacking, SharedBackingResource, SharedMapping, SharedPlacement, VirtualBacking,
 };
 use memory_binding::{BindingRegistry, MechanismOptions, MemoryBinding};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Metadata, Subscriber};
 
 pub const PAGE: usize = 4096;
 
@@ -212,4 +216,49 @@ pub fn request(bytes: usize) -> AllocationRequest {
 
 pub fn bind(registry: &BindingRegistry, mechanism: &memory_api::MechanismIdentity) -> MemoryBinding {
     registry.bind_registered(mechanism).unwrap()
+}
+
+// ---------------------------------------------------------------------------------
+// Tracing: an event collector
+// ---------------------------------------------------------------------------------
+
+/// Collects (level, message) of every event.
+#[derive(Clone, Default)]
+pub struct Collector(Arc<Mutex<Vec<(Level, String)>>>);
+
+struct Message(String);
+impl Visit for Message {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl Subscriber for Collector {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        self.0.lock().unwrap().push((*event.metadata().level(), message.0));
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+impl Collector {
+    pub fn take(&self) -> Vec<(Level, String)> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+pub fn has(events: &[(Level, String)], level: Level, text: &str) -> bool {
+    events.iter().any(|(l, m)| *l == level && m.contains(text))
 }

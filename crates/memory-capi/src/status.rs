@@ -1,0 +1,279 @@
+//! Status codes, the thread-local message, and the guard every entry point runs in
+//! (no panic crosses the boundary).
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{CString, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use memory_governor::{AllocError, AllocateError, BindError, HandleError, LimitError, RegistryError};
+use memory_plugin::PluginError;
+
+use crate::handles::Fault;
+
+/// A status code: `MC_OK` or one of the `MC_ERR_*` values.
+pub type McStatus = i32;
+/// Success.
+pub const MC_OK: McStatus = 0;
+/// A required pointer argument was null (a handle, an out-pointer, a string).
+pub const MC_ERR_NULL_ARGUMENT: McStatus = 1;
+/// The value is not a handle of the expected kind (another kind, or no handle at all).
+pub const MC_ERR_INVALID_HANDLE: McStatus = 2;
+/// The handle was released or destroyed already (a double release, a use after destroy).
+pub const MC_ERR_STALE_HANDLE: McStatus = 3;
+/// Another call is using the handle right now; retry.
+pub const MC_ERR_BUSY: McStatus = 4;
+/// The handle belongs to another registry, binding or plugin instance.
+pub const MC_ERR_FOREIGN: McStatus = 5;
+/// An argument is invalid (layout, device, UTF-8, device mismatch, ...).
+pub const MC_ERR_INVALID_ARGUMENT: McStatus = 6;
+/// Out of memory (the allocator's or the handle table's).
+pub const MC_ERR_OUT_OF_MEMORY: McStatus = 7;
+/// The governor refused the request (limit, quota or reserve).
+pub const MC_ERR_ADMISSION_REFUSED: McStatus = 8;
+/// The device is lost; invalidate it and confirm its context terminated.
+pub const MC_ERR_DEVICE_LOST: McStatus = 9;
+/// The mechanism is retired (or otherwise inactive) and takes no new work.
+pub const MC_ERR_INACTIVE: McStatus = 10;
+/// The object is in a state that forbids the call (no selection, context still live, ...).
+pub const MC_ERR_STATE: McStatus = 11;
+/// Work is still in flight or memory still attached; poll again later.
+pub const MC_ERR_NOT_QUIESCENT: McStatus = 12;
+/// The operation is not supported (by this allocator, plugin or build).
+pub const MC_ERR_UNSUPPORTED: McStatus = 13;
+/// The allocator refused the release without mutating anything; the allocation is still yours.
+pub const MC_ERR_RELEASE_FAILED: McStatus = 14;
+/// The queue refused the deferred release; the allocation is still yours.
+pub const MC_ERR_QUEUE_REFUSED: McStatus = 15;
+/// A plugin could not be loaded or negotiated.
+pub const MC_ERR_PLUGIN: McStatus = 16;
+/// The plugin library cannot be unloaded yet (something made through it lives).
+pub const MC_ERR_UNLOAD_REFUSED: McStatus = 17;
+/// The buffer is too small; the length needed was written.
+pub const MC_ERR_BUFFER_TOO_SMALL: McStatus = 18;
+/// A backend (driver, operating system, plugin) failed.
+pub const MC_ERR_BACKEND: McStatus = 19;
+/// Identities or handles ran out.
+pub const MC_ERR_EXHAUSTED: McStatus = 20;
+/// A panic inside the library was caught; the registry stays consistent.
+pub const MC_ERR_PANIC: McStatus = 21;
+
+/// The name of a status code.
+pub(crate) fn status_name(status: McStatus) -> &'static str {
+    match status {
+        MC_OK => "MC_OK",
+        MC_ERR_NULL_ARGUMENT => "MC_ERR_NULL_ARGUMENT",
+        MC_ERR_INVALID_HANDLE => "MC_ERR_INVALID_HANDLE",
+        MC_ERR_STALE_HANDLE => "MC_ERR_STALE_HANDLE",
+        MC_ERR_BUSY => "MC_ERR_BUSY",
+        MC_ERR_FOREIGN => "MC_ERR_FOREIGN",
+        MC_ERR_INVALID_ARGUMENT => "MC_ERR_INVALID_ARGUMENT",
+        MC_ERR_OUT_OF_MEMORY => "MC_ERR_OUT_OF_MEMORY",
+        MC_ERR_ADMISSION_REFUSED => "MC_ERR_ADMISSION_REFUSED",
+        MC_ERR_DEVICE_LOST => "MC_ERR_DEVICE_LOST",
+        MC_ERR_INACTIVE => "MC_ERR_INACTIVE",
+        MC_ERR_STATE => "MC_ERR_STATE",
+        MC_ERR_NOT_QUIESCENT => "MC_ERR_NOT_QUIESCENT",
+        MC_ERR_UNSUPPORTED => "MC_ERR_UNSUPPORTED",
+        MC_ERR_RELEASE_FAILED => "MC_ERR_RELEASE_FAILED",
+        MC_ERR_QUEUE_REFUSED => "MC_ERR_QUEUE_REFUSED",
+        MC_ERR_PLUGIN => "MC_ERR_PLUGIN",
+        MC_ERR_UNLOAD_REFUSED => "MC_ERR_UNLOAD_REFUSED",
+        MC_ERR_BUFFER_TOO_SMALL => "MC_ERR_BUFFER_TOO_SMALL",
+        MC_ERR_BACKEND => "MC_ERR_BACKEND",
+        MC_ERR_EXHAUSTED => "MC_ERR_EXHAUSTED",
+        MC_ERR_PANIC => "MC_ERR_PANIC",
+        _ => "unknown status",
+    }
+}
+
+/// A failed call: its status and what to tell the caller.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) status: McStatus,
+    pub(crate) message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(status: McStatus, message: impl Into<String>) -> Failure {
+        Failure { status, message: message.into() }
+    }
+
+    /// A null required argument.
+    pub(crate) fn null(what: &str) -> Failure {
+        Failure::new(MC_ERR_NULL_ARGUMENT, format!("{what} is null; pass a valid pointer"))
+    }
+
+    /// A handle that did not validate.
+    pub(crate) fn handle(what: &str, handle: u64, fault: Fault) -> Failure {
+        match fault {
+            Fault::Null => Failure::null(what),
+            Fault::WrongKind { found } => Failure::new(
+                MC_ERR_INVALID_HANDLE,
+                format!(
+                    "{what} {handle:#x} is not such a handle ({}); pass the handle this library returned for it",
+                    kind_name(found)
+                ),
+            ),
+            Fault::Stale => Failure::new(
+                MC_ERR_STALE_HANDLE,
+                format!("{what} {handle:#x} was already released or destroyed; do not use a handle after releasing it"),
+            ),
+            Fault::Busy => Failure::new(
+                MC_ERR_BUSY,
+                format!("{what} {handle:#x} is being used by another call right now; retry once that call returned"),
+            ),
+            Fault::Exhausted => Failure::new(
+                MC_ERR_EXHAUSTED,
+                format!(
+                    "no {what} handle is left (the table holds at most {} live handles); release some",
+                    crate::handles::MAX_CELLS
+                ),
+            ),
+        }
+    }
+}
+
+fn kind_name(tag: u8) -> &'static str {
+    match tag {
+        crate::api::KIND_REGISTRY => "it is a registry handle",
+        crate::api::KIND_GOVERNOR => "it is a governor handle",
+        crate::api::KIND_CONTEXT => "it is a context handle",
+        crate::api::KIND_AUTHORITY => "it is an authority handle",
+        crate::api::KIND_MECHANISM => "it is a mechanism handle",
+        crate::api::KIND_BINDING => "it is a binding handle",
+        crate::api::KIND_ALLOCATION => "it is an allocation handle",
+        crate::api::KIND_LIBRARY => "it is a plugin library handle",
+        crate::api::KIND_QUEUE => "it is a queue handle",
+        _ => "it is no handle of this library",
+    }
+}
+
+impl From<RegistryError> for Failure {
+    fn from(error: RegistryError) -> Failure {
+        let status = match &error {
+            RegistryError::ForeignRegistry { .. } => MC_ERR_FOREIGN,
+            RegistryError::Unknown { .. } => MC_ERR_STALE_HANDLE,
+            RegistryError::DeviceMismatch { .. } => MC_ERR_INVALID_ARGUMENT,
+            RegistryError::ContextNotQuiescent { .. } | RegistryError::NotQuiescent { .. } => MC_ERR_NOT_QUIESCENT,
+            RegistryError::Identity(_) => MC_ERR_EXHAUSTED,
+            _ => MC_ERR_STATE,
+        };
+        Failure::new(status, error.to_string())
+    }
+}
+
+impl From<BindError> for Failure {
+    fn from(error: BindError) -> Failure {
+        match error {
+            BindError::Registry(error) => error.into(),
+            BindError::Inactive { .. } => Failure::new(MC_ERR_INACTIVE, error.to_string()),
+            error => Failure::new(MC_ERR_STATE, error.to_string()),
+        }
+    }
+}
+
+pub(crate) fn alloc_status(error: &AllocError) -> McStatus {
+    match error {
+        AllocError::Layout(_) => MC_ERR_INVALID_ARGUMENT,
+        AllocError::OutOfMemory { .. } => MC_ERR_OUT_OF_MEMORY,
+        AllocError::DeviceLost { .. } => MC_ERR_DEVICE_LOST,
+        AllocError::AdmissionRefused { .. } => MC_ERR_ADMISSION_REFUSED,
+        AllocError::Unsupported { .. } => MC_ERR_UNSUPPORTED,
+        _ => MC_ERR_BACKEND,
+    }
+}
+
+impl From<AllocateError> for Failure {
+    fn from(error: AllocateError) -> Failure {
+        let status = match &error {
+            AllocateError::Inactive { .. } => MC_ERR_INACTIVE,
+            AllocateError::DeviceLost { .. } => MC_ERR_DEVICE_LOST,
+            AllocateError::Allocator(inner) => alloc_status(inner),
+            AllocateError::Identity(_) => MC_ERR_EXHAUSTED,
+            _ => MC_ERR_BACKEND,
+        };
+        Failure::new(status, error.to_string())
+    }
+}
+
+impl From<&HandleError> for Failure {
+    fn from(error: &HandleError) -> Failure {
+        let status = match error {
+            HandleError::ForeignRegistry { .. } | HandleError::BindingMismatch { .. } => MC_ERR_FOREIGN,
+            HandleError::StaleAllocation => MC_ERR_STALE_HANDLE,
+            HandleError::DeviceLost { .. } => MC_ERR_DEVICE_LOST,
+            HandleError::Inactive { .. } => MC_ERR_INACTIVE,
+            HandleError::ReleaseFailed(_) => MC_ERR_RELEASE_FAILED,
+            HandleError::QueueRefused(_) => MC_ERR_QUEUE_REFUSED,
+            _ => MC_ERR_STATE,
+        };
+        Failure::new(status, format!("{error}; the allocation handle stays valid"))
+    }
+}
+
+impl From<LimitError> for Failure {
+    fn from(error: LimitError) -> Failure {
+        Failure::new(MC_ERR_INVALID_ARGUMENT, error.to_string())
+    }
+}
+
+impl From<PluginError> for Failure {
+    fn from(error: PluginError) -> Failure {
+        let status = match &error {
+            PluginError::Unsupported { .. } => MC_ERR_UNSUPPORTED,
+            PluginError::ConfigHasNul { .. } => MC_ERR_INVALID_ARGUMENT,
+            _ => MC_ERR_PLUGIN,
+        };
+        Failure::new(status, error.to_string())
+    }
+}
+
+thread_local! {
+    static MESSAGE: RefCell<CString> = RefCell::new(CString::default());
+    static FAILED: Cell<bool> = const { Cell::new(false) };
+}
+
+fn remember(function: &str, failure: &Failure) {
+    let text = format!("{function}: {}: {}", status_name(failure.status), failure.message).replace('\0', " ");
+    let text = CString::new(text).unwrap_or_default();
+    let _ = MESSAGE.try_with(|message| *message.borrow_mut() = text);
+    let _ = FAILED.try_with(|failed| failed.set(true));
+}
+
+/// Runs one entry point: catches panics, maps the outcome to a status and leaves the
+/// message for `mc_last_error_message`.
+#[inline]
+pub(crate) fn guard(function: &'static str, body: impl FnOnce() -> Result<(), Failure>) -> McStatus {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => {
+            let _ = FAILED.try_with(|failed| failed.set(false));
+            MC_OK
+        }
+        Ok(Err(failure)) => {
+            remember(function, &failure);
+            failure.status
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_owned());
+            let failure = Failure::new(
+                MC_ERR_PANIC,
+                format!("caught {what}; the registry stays consistent, but report this as a bug"),
+            );
+            remember(function, &failure);
+            MC_ERR_PANIC
+        }
+    }
+}
+
+/// The message of the last failed call on this thread, or "" if the last call succeeded.
+pub(crate) fn last_message() -> *const c_char {
+    static EMPTY: &std::ffi::CStr = c"";
+    if !FAILED.try_with(Cell::get).unwrap_or(false) {
+        return EMPTY.as_ptr();
+    }
+    MESSAGE.try_with(|message| message.borrow().as_ptr()).unwrap_or(EMPTY.as_ptr())
+}

@@ -1,0 +1,128 @@
+//! The C API called from Rust: handle validation, foreign handles, plugin unload refusal.
+
+use std::ptr::null_mut;
+
+use memory_capi::*;
+use memory_plugin_abi::{MP_ROLE_OTHER, MP_TIER_HOST, MpDevice};
+
+const HOST: MpDevice = MpDevice { tier: MP_TIER_HOST, index: 3 };
+
+struct Setup {
+    registry: *mut McRegistry,
+    context: *mut McContext,
+    authority: *mut McAuthority,
+    mechanism: *mut McMechanism,
+    binding: *mut McBinding,
+}
+
+fn ok(status: McStatus) {
+    // SAFETY: the message pointer is valid until the next call on this thread.
+    let message = unsafe { std::ffi::CStr::from_ptr(mc_last_error_message()) }.to_string_lossy().into_owned();
+    assert_eq!(status, MC_OK, "{message}");
+}
+
+fn setup() -> Setup {
+    let mut s = Setup {
+        registry: null_mut(),
+        context: null_mut(),
+        authority: null_mut(),
+        mechanism: null_mut(),
+        binding: null_mut(),
+    };
+    // SAFETY: every out-pointer is a live local (so for each call below).
+    ok(unsafe { mc_registry_create(&mut s.registry) });
+    // SAFETY: as above.
+    ok(unsafe { mc_context_register(s.registry, HOST, null_mut(), None, &mut s.context) });
+    // SAFETY: as above.
+    ok(unsafe { mc_authority_register(s.registry, HOST, null_mut(), None, &mut s.authority) });
+    // SAFETY: as above.
+    ok(unsafe {
+        mc_register_cpu_allocator(s.registry, null_mut(), s.context, s.authority, MC_CPU_SYSTEM, &mut s.mechanism)
+    });
+    // SAFETY: as above.
+    ok(unsafe { mc_bind_mechanism(s.registry, s.mechanism, &mut s.binding) });
+    s
+}
+
+fn message() -> String {
+    // SAFETY: valid until the next call on this thread.
+    unsafe { std::ffi::CStr::from_ptr(mc_last_error_message()) }.to_string_lossy().into_owned()
+}
+
+#[test]
+fn a_context_of_another_registry_is_foreign() {
+    let ours = setup();
+    let theirs = setup();
+    let mut mechanism = null_mut();
+    // SAFETY: live out-pointer.
+    let status = unsafe {
+        mc_register_cpu_allocator(
+            ours.registry,
+            null_mut(),
+            theirs.context,
+            ours.authority,
+            MC_CPU_SYSTEM,
+            &mut mechanism,
+        )
+    };
+    assert_eq!(status, MC_ERR_FOREIGN, "{}", message());
+}
+
+#[test]
+fn an_allocation_of_another_registry_is_foreign_and_stays_valid() {
+    let ours = setup();
+    let theirs = setup();
+    let mut block = null_mut();
+    // SAFETY: live out-pointer.
+    ok(unsafe { mc_allocate(theirs.binding, 64, 8, MP_ROLE_OTHER, &mut block) });
+    // SAFETY: a null report is allowed.
+    assert_eq!(unsafe { mc_release(ours.binding, block, null_mut()) }, MC_ERR_FOREIGN, "{}", message());
+    // SAFETY: as above.
+    ok(unsafe { mc_release(theirs.binding, block, null_mut()) });
+    // SAFETY: as above.
+    assert_eq!(unsafe { mc_release(theirs.binding, block, null_mut()) }, MC_ERR_STALE_HANDLE);
+}
+
+#[test]
+fn racing_double_releases_succeed_exactly_once() {
+    let s = setup();
+    for _ in 0..100 {
+        let mut block = null_mut();
+        // SAFETY: live out-pointer.
+        ok(unsafe { mc_allocate(s.binding, 64, 8, MP_ROLE_OTHER, &mut block) });
+        let (binding, block) = (s.binding as usize, block as usize);
+        let successes: usize = std::thread::scope(|scope| {
+            let racers: Vec<_> = (0..3)
+                .map(|_| {
+                    scope.spawn(move || {
+                        // SAFETY: handles are numbers; a null report is allowed.
+                        let status =
+                            unsafe { mc_release(binding as *mut McBinding, block as *mut McAllocation, null_mut()) };
+                        assert!(matches!(status, MC_OK | MC_ERR_STALE_HANDLE | MC_ERR_BUSY), "{status}");
+                        usize::from(status == MC_OK)
+                    })
+                })
+                .collect();
+            racers.into_iter().map(|racer| racer.join().unwrap()).sum()
+        });
+        assert_eq!(successes, 1);
+    }
+}
+
+#[test]
+fn messages_say_what_was_asked_found_and_what_to_do() {
+    let s = setup();
+    let mut block = null_mut();
+    // SAFETY: live out-pointer.
+    let status = unsafe { mc_allocate(s.binding, 64, 3, MP_ROLE_OTHER, &mut block) };
+    assert_eq!(status, MC_ERR_INVALID_ARGUMENT);
+    let text = message();
+    assert!(text.starts_with("mc_allocate: MC_ERR_INVALID_ARGUMENT: "), "{text}");
+    assert!(text.contains("alignment 3") && text.contains("pass 1, 2, 4"), "{text}");
+    // SAFETY: live out-pointer.
+    ok(unsafe { mc_allocate(s.binding, 64, 8, MP_ROLE_OTHER, &mut block) });
+    assert_eq!(message(), "", "a successful call leaves no message");
+    // SAFETY: the name is a static C string.
+    let name = unsafe { std::ffi::CStr::from_ptr(mc_status_name(MC_ERR_STALE_HANDLE)) };
+    assert_eq!(name.to_str().unwrap(), "MC_ERR_STALE_HANDLE");
+}

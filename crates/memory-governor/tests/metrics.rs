@@ -1,0 +1,105 @@
+//! The `metrics` feature: the books reach a `metrics` recorder with the names and
+//! labels the module documents, and the values the snapshot reports.
+#![cfg(feature = "metrics")]
+
+mod common;
+
+use common::*;
+use memory_governor::*;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::{CompositeKey, MetricKind};
+
+const GPU: DeviceKey = DeviceKey::device(0);
+
+type Published = Vec<(CompositeKey, DebugValue)>;
+
+fn publish(governor: &Governor) -> Published {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    ::metrics::with_local_recorder(&recorder, || governor.publish_metrics());
+    snapshotter.snapshot().into_vec().into_iter().map(|(key, _, _, value)| (key, value)).collect()
+}
+
+/// The value of the metric `name` whose labels include every pair of `labels`.
+fn value(published: &Published, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    published.iter().find_map(|(key, value)| {
+        let matches = key.kind() == kind
+            && key.key().name() == name
+            && labels.iter().all(|(k, v)| key.key().labels().any(|l| l.key() == *k && l.value() == *v));
+        matches.then(|| match value {
+            DebugValue::Gauge(g) => g.into_inner(),
+            DebugValue::Counter(c) => *c as f64,
+            DebugValue::Histogram(_) => f64::NAN,
+        })
+    })
+}
+
+#[test]
+fn device_tenant_and_role_books_reach_the_recorder() {
+    let (governor, account) = one_account(GPU, 10_000, 4_000, 0);
+    let lease = account.lease(MemoryRole::KvCache, 3_000).unwrap();
+    assert!(account.lease(MemoryRole::Activations, 2_000).is_err(), "over the quota");
+    let device = GPU.to_string();
+    let authority = account.authority().to_string();
+    let published = publish(&governor);
+
+    let device_labels = [("device", device.as_str())];
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_device_limit_bytes", &device_labels),
+        Some(10_000.0)
+    );
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_device_current_bytes", &device_labels),
+        Some(3_000.0)
+    );
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_device_peak_bytes", &device_labels),
+        Some(3_000.0)
+    );
+
+    let account_labels = [("device", device.as_str()), ("authority", authority.as_str())];
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_account_quota_bytes", &account_labels),
+        Some(4_000.0)
+    );
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_account_current_bytes", &account_labels),
+        Some(3_000.0)
+    );
+    assert_eq!(
+        value(&published, MetricKind::Counter, "memory_governor_account_refusals_total", &account_labels),
+        Some(1.0)
+    );
+
+    let kv = [("device", device.as_str()), ("role", "kv-cache")];
+    assert_eq!(value(&published, MetricKind::Gauge, "memory_governor_role_current_bytes", &kv), Some(3_000.0));
+    assert_eq!(value(&published, MetricKind::Gauge, "memory_governor_role_live_allocations", &kv), Some(1.0));
+    assert_eq!(value(&published, MetricKind::Counter, "memory_governor_role_allocations_total", &kv), Some(1.0));
+    let activations = [("device", device.as_str()), ("role", "activations")];
+    assert_eq!(value(&published, MetricKind::Counter, "memory_governor_role_refusals_total", &activations), Some(1.0));
+
+    // A later publish follows the books: the refund shows, counters keep their totals.
+    drop(lease);
+    let published = publish(&governor);
+    assert_eq!(value(&published, MetricKind::Gauge, "memory_governor_role_current_bytes", &kv), Some(0.0));
+    assert_eq!(value(&published, MetricKind::Counter, "memory_governor_role_allocations_total", &kv), Some(1.0));
+}
+
+#[test]
+fn an_unlimited_device_publishes_no_limit_gauge() {
+    let governor = Governor::new();
+    let registry = BindingRegistry::new().unwrap();
+    let authority = registry.register_authority(GPU, std::sync::Arc::new(())).unwrap();
+    let account = governor.open_account(AccountConfig::new(GPU, authority)).unwrap();
+    let _lease = account.lease(MemoryRole::Weights, 10).unwrap();
+    let published = publish(&governor);
+    let device = GPU.to_string();
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_device_limit_bytes", &[("device", &device)]),
+        None
+    );
+    assert_eq!(
+        value(&published, MetricKind::Gauge, "memory_governor_device_current_bytes", &[("device", &device)]),
+        Some(10.0)
+    );
+}

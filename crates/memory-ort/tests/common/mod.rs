@@ -1,0 +1,135 @@
+//! Shared by the integration tests: the process's one ONNX Runtime environment, the
+//! skip-or-fail policy for missing assets, a governed tenant, and the tiny model.
+#![allow(dead_code, unreachable_pub)]
+
+pub mod tiny_model;
+
+use std::sync::{Arc, OnceLock};
+
+use allocator_cpu::{PooledAllocator, SystemAllocator};
+use memory_governor::{
+    Account, AccountConfig, AccountSnapshot, AuthorityIdentity, BindingRegistry, DeviceAllocator, DeviceKey, Governor,
+    GovernorConfig, MechanismIdentity, MemoryRole, ProviderContextIdentity,
+};
+use memory_ort::{GovernedOrtAllocator, OrtAllocatorConfig, OrtAssets, OrtEnvironment};
+
+/// The environment and assets, or `None` after printing that `test` was skipped.
+/// Under `cargo xtask test` (`MEMORY_ORT_REQUIRED=1`) a missing asset fails the test.
+pub fn ort(test: &str) -> Option<(&'static OrtEnvironment, &'static OrtAssets)> {
+    static LOADED: OnceLock<Result<(OrtEnvironment, OrtAssets), String>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
+        let env = OrtEnvironment::load(&assets.library).map_err(|err| err.to_string())?;
+        Ok((env, assets))
+    });
+    match loaded {
+        Ok((env, assets)) => Some((env, assets)),
+        Err(reason) if OrtAssets::required() => panic!("{test}: {reason}"),
+        Err(reason) => {
+            eprintln!("skipped {test}: {reason}");
+            None
+        }
+    }
+}
+
+/// One tenant: a registry context and authority on a host device, an account with a
+/// quota, a governed allocator (pooled or system) registered as a mechanism, and a
+/// binding to it.
+pub struct Tenant {
+    pub registry: Arc<BindingRegistry>,
+    pub governor: Arc<Governor>,
+    pub device: DeviceKey,
+    pub context: ProviderContextIdentity,
+    pub authority: AuthorityIdentity,
+    pub mechanism: MechanismIdentity,
+    pub account: Account,
+}
+
+pub enum Backing {
+    Pooled,
+    System,
+    Custom(Arc<dyn DeviceAllocator>),
+}
+
+impl Tenant {
+    /// A tenant named `name` on `DeviceKey::HOST` of a fresh registry and governor
+    /// (credit chunk 0, so the books are exact at every instant).
+    pub fn new(name: &'static str, quota: u64, backing: Backing) -> Tenant {
+        let registry = Arc::new(BindingRegistry::new().unwrap());
+        let governor = Arc::new(Governor::with_config(GovernorConfig::default().credit_chunk(0)));
+        Tenant::on(registry, governor, name, quota, backing)
+    }
+
+    /// A tenant on an existing registry and governor.
+    pub fn on(
+        registry: Arc<BindingRegistry>,
+        governor: Arc<Governor>,
+        name: &'static str,
+        quota: u64,
+        backing: Backing,
+    ) -> Tenant {
+        let device = DeviceKey::HOST;
+        let context = registry.register_provider_context(device, Arc::new(name)).unwrap();
+        let authority = registry.register_authority(device, Arc::new(name)).unwrap();
+        let account = governor.open_account(AccountConfig::new(device, authority).quota(quota).label(name)).unwrap();
+        let inner: Arc<dyn DeviceAllocator> = match backing {
+            Backing::Pooled => Arc::new(PooledAllocator::new(SystemAllocator::new())),
+            Backing::System => Arc::new(SystemAllocator::new()),
+            Backing::Custom(inner) => inner,
+        };
+        let governed = governor.govern(inner, authority).unwrap();
+        let mechanism = registry.register_allocator(&context, &authority, Arc::new(governed)).unwrap();
+        Tenant { registry, governor, device, context, authority, mechanism, account }
+    }
+
+    pub fn allocator(&self, env: &OrtEnvironment) -> GovernedOrtAllocator {
+        let binding = self.registry.bind_registered(&self.mechanism).unwrap();
+        GovernedOrtAllocator::cpu(env, binding, Some(self.account.clone()), OrtAllocatorConfig::default()).unwrap()
+    }
+
+    /// Bytes the governor books to this tenant under `role` now.
+    pub fn charged(&self, role: MemoryRole) -> u64 {
+        self.snapshot().map_or(0, |account| account.role(role).current)
+    }
+
+    /// Bytes the governor books to this tenant in total now.
+    pub fn charged_total(&self) -> u64 {
+        self.snapshot().map_or(0, |account| account.current)
+    }
+
+    /// The governor's books of this tenant now.
+    pub fn snapshot(&self) -> Option<AccountSnapshot> {
+        self.governor.snapshot().device(self.device)?.authority(self.authority).cloned()
+    }
+
+    /// Live bytes and blocks the registry records for this tenant's mechanism.
+    pub fn registry_live(&self) -> (usize, usize) {
+        let snapshot = self.registry.snapshot(&self.mechanism).unwrap();
+        (snapshot.live_bytes, snapshot.live_allocations)
+    }
+}
+
+/// `Alloc` (or `Reserve`) through the adapter's C table, as ONNX Runtime calls it.
+pub fn table_alloc(allocator: &GovernedOrtAllocator, size: usize, reserve: bool) -> *mut std::ffi::c_void {
+    let this = allocator.as_ort_allocator();
+    // SAFETY: the table is alive while `allocator` is, and only read.
+    let table = unsafe { &*this };
+    if reserve {
+        let entry = table.Reserve.expect("the adapter sets Reserve");
+        // SAFETY: the entry belongs to this live table; ONNX Runtime calls it the same way.
+        unsafe { entry(this, size) }
+    } else {
+        let entry = table.Alloc.expect("the adapter sets Alloc");
+        // SAFETY: as above.
+        unsafe { entry(this, size) }
+    }
+}
+
+/// `Free` through the adapter's C table.
+pub fn table_free(allocator: &GovernedOrtAllocator, block: *mut std::ffi::c_void) {
+    let this = allocator.as_ort_allocator();
+    // SAFETY: the table is alive while `allocator` is, and only read.
+    let free = unsafe { &*this }.Free.expect("the adapter sets Free");
+    // SAFETY: Free checks the pointer against its table before touching anything.
+    unsafe { free(this, block) }
+}

@@ -1,0 +1,123 @@
+//! The allocator ONNX Runtime calls outlives every caller, and no longer: handles,
+//! sessions and output tensors dropped in every order. Plus the C table itself:
+//! `GetStats` through ONNX Runtime's key/value pairs, and a panic inside an entry.
+
+mod common;
+
+use std::ffi::{CStr, CString};
+use std::sync::Arc;
+
+use allocator_cpu::SystemAllocator;
+use common::{Backing, Tenant, tiny_model};
+use memory_governor::DeviceAllocator;
+use memory_testkit::{Callback, FaultyAllocator};
+use ort::value::Tensor;
+
+fn run_tiny(session: &mut memory_ort::GovernedSession, batch: usize) -> ort::value::DynValue {
+    let data = vec![0.25f32; batch * tiny_model::FEATURES];
+    let mut outputs =
+        session.run(ort::inputs![Tensor::from_array(([batch, tiny_model::FEATURES], data)).unwrap()]).unwrap();
+    outputs.remove("Y").unwrap()
+}
+
+#[test]
+fn the_allocator_outlives_its_handle_while_a_session_and_an_output_still_use_it() {
+    let name = "the_allocator_outlives_its_handle_while_a_session_and_an_output_still_use_it";
+    let Some((env, _)) = common::ort(name) else { return };
+    let tenant = Tenant::new("owners", 64 << 20, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let watch = allocator.watch();
+    let mut session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
+    drop(allocator);
+    assert!(watch.is_alive(), "the session keeps the allocator");
+
+    // An output taken out of the run outlives the session.
+    let output = run_tiny(&mut session, 8);
+    drop(session);
+    assert!(watch.is_alive(), "the output's block keeps the allocator");
+    assert!(tenant.charged_total() > 0, "the output is still booked");
+    assert_eq!(output.try_extract_tensor::<f32>().unwrap().1.len(), 8 * tiny_model::FEATURES);
+    drop(output);
+    assert!(!watch.is_alive(), "freed once the last user is gone, not leaked");
+    assert_eq!(tenant.charged_total(), 0);
+    assert_eq!(tenant.registry_live(), (0, 0));
+}
+
+#[test]
+fn the_environment_keeps_no_count_after_a_commit_and_a_failed_commit_keeps_none_either() {
+    let name = "the_environment_keeps_no_count_after_a_commit_and_a_failed_commit_keeps_none_either";
+    let Some((env, _)) = common::ort(name) else { return };
+    let tenant = Tenant::new("counts", 64 << 20, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    assert_eq!(allocator.owners(), 1);
+    let session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
+    // This handle, the session's clone, the session's logger, and one per live block.
+    assert_eq!(allocator.owners(), 3 + allocator.live_blocks());
+    drop(session);
+    assert_eq!(allocator.owners(), 1);
+    assert!(env.commit_from_memory(&allocator, env.session_builder().unwrap(), b"not a model").is_err());
+    assert_eq!(allocator.owners(), 1);
+    // A second allocator for the same memory info can be committed right after: the
+    // first was unregistered.
+    let other = Tenant::new("counts-2", 64 << 20, Backing::Pooled).allocator(env);
+    let session = env.commit_from_memory(&other, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
+    drop(session);
+}
+
+#[test]
+fn get_stats_through_the_c_table_reports_limit_use_totals_peak_and_counts() {
+    let name = "get_stats_through_the_c_table_reports_limit_use_totals_peak_and_counts";
+    let Some((env, _)) = common::ort(name) else { return };
+    let tenant = Tenant::new("stats", 64 << 20, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
+    let held = run_tiny(&mut session, 16);
+
+    let this = allocator.as_ort_allocator();
+    let mut pairs = std::ptr::null_mut();
+    // SAFETY: the table is alive while the handle is held, and only read.
+    let get_stats = unsafe { &*this }.GetStats.expect("the adapter implements GetStats");
+    // SAFETY: the entry belongs to this live table; `pairs` is a valid out-pointer.
+    let status = unsafe { get_stats(this, &mut pairs) };
+    assert!(status.0.is_null(), "GetStats failed");
+    let read = |key: &str| -> u64 {
+        let key = CString::new(key).unwrap();
+        // SAFETY: `pairs` was created by ONNX Runtime for us and is released below;
+        // the returned value is a NUL-terminated string owned by the pairs.
+        let value = unsafe { (ort::api().GetKeyValue)(pairs, key.as_ptr()) };
+        assert!(!value.is_null(), "missing key {key:?}");
+        // SAFETY: non-null, NUL-terminated, alive while `pairs` is.
+        unsafe { CStr::from_ptr(value) }.to_str().unwrap().parse().unwrap()
+    };
+    let stats = allocator.stats();
+    assert_eq!(read("Limit"), 64 << 20);
+    assert_eq!(read("InUse"), stats.in_use);
+    assert_eq!(read("InUse"), tenant.charged_total(), "in use equals the governor's books");
+    assert_eq!(read("TotalAllocated"), stats.total_allocated);
+    assert!(read("MaxInUse") >= read("InUse"));
+    assert!(read("NumAllocs") > 0 && read("NumReserves") > 0);
+    assert_eq!(read("NumReserves"), stats.reserves);
+    // SAFETY: created by ONNX Runtime for this call, released once.
+    unsafe { (ort::api().ReleaseKeyValuePairs)(pairs) };
+    drop(held);
+}
+
+#[test]
+fn a_panic_inside_the_allocator_answers_null_and_the_process_lives_on() {
+    let name = "a_panic_inside_the_allocator_answers_null_and_the_process_lives_on";
+    let Some((env, _)) = common::ort(name) else { return };
+    let faulty = Arc::new(FaultyAllocator::new(SystemAllocator::new()));
+    let inner: Arc<dyn DeviceAllocator> = faulty.clone();
+    let tenant = Tenant::new("panicky", 64 << 20, Backing::Custom(inner));
+    let allocator = tenant.allocator(env);
+    faulty.panic_on_nth(Callback::Allocate, 1);
+    assert!(common::table_alloc(&allocator, 4096, false).is_null(), "a panic is answered with null");
+    let block = common::table_alloc(&allocator, 4096, false);
+    assert!(!block.is_null(), "the next request is served");
+    common::table_free(&allocator, block);
+    assert_eq!(tenant.charged_total(), 0);
+    // A pointer the adapter never handed out is ignored, counted, and frees nothing.
+    let mut foreign = [0u8; 64];
+    common::table_free(&allocator, foreign.as_mut_ptr().cast());
+    assert_eq!(allocator.stats().unknown_frees, 1);
+}

@@ -1,0 +1,500 @@
+//! `PluginAllocator`: a plugin's allocator instance as a `DeviceAllocator`, with every
+//! answer checked before it is believed.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use memory_api::{
+    AllocError, AllocationRequest, AllocatorStats, BackendError, DeviceAddress, DeviceAllocator, DeviceKey, MaybeBytes,
+    RawAllocation, ReleaseError, ReleaseOutcome, SharedMapping, VirtualBacking,
+};
+use memory_plugin_abi::{
+    MP_ABI_MAJOR, MP_CAP_DEFERRED_RELEASE, MP_CAP_SHARED_MAPPING, MP_CAP_STRUCTURED_RELEASE, MP_CAP_VIRTUAL_BACKING,
+    MP_ERR_BACKEND, MP_ERR_DEVICE_LOST, MP_ERR_INVALID_ARGUMENT, MP_ERR_NOT_OWNED, MP_ERR_OUT_OF_MEMORY,
+    MP_ERR_UNSUPPORTED, MP_OK, MP_RELEASE_COMPLETE, MP_RELEASE_FAILED, MP_RELEASE_QUARANTINED, MpAllocator, MpBlock,
+    MpDevice, MpReleaseOutcome, MpRequest, MpStats, MpStatus, MpTally, status_name,
+};
+
+use crate::error::{PluginError, StatusCode};
+use crate::library::LoadedLibrary;
+use crate::negotiate::{Negotiated, abi_device, negotiate};
+use crate::queue::PluginReleaseQueue;
+use crate::records::Records;
+use crate::tally::{HostTally, PluginTally};
+
+/// The backend name in every `BackendError` a plugin causes.
+pub const BACKEND: &str = "plugin";
+
+/// One instance of a plugin allocator, shared by every handle made through it.
+pub(crate) struct Instance {
+    pub(crate) table: MpAllocator,
+    pub(crate) minor: u16,
+    pub(crate) name: String,
+    pub(crate) device: DeviceKey,
+    pub(crate) abi_device: MpDevice,
+    pub(crate) records: Records,
+    pub(crate) backings: AtomicUsize,
+    pub(crate) queued: AtomicUsize,
+    /// Blocks answered with an unknown status that could not be handed back: never
+    /// freed, never forgotten (quarantine).
+    pub(crate) suspects: Mutex<Vec<MpBlock>>,
+    /// This instance, for handles made through it (shared backings).
+    pub(crate) me: Weak<Instance>,
+    /// Declared last: the library stays mapped until `destroy` (in `Drop`) returned.
+    #[expect(dead_code, reason = "held only to keep the plugin's library mapped")]
+    pub(crate) library: Option<Arc<LoadedLibrary>>,
+}
+
+// SAFETY: the table holds raw pointers (the plugin's instance and name) and function
+// pointers. The ABI requires every slot to be callable from any thread, concurrently,
+// with the instance pointer, until `destroy`; the name was copied at negotiation and
+// the pointer is never read again. Nothing else in `Instance` is thread-bound.
+unsafe impl Send for Instance {}
+// SAFETY: as for `Send`: shared access only calls thread-safe slots.
+unsafe impl Sync for Instance {}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        if let Some(destroy) = self.table.destroy {
+            tracing::info!(plugin = %self.name, "plugin allocator instance destroyed");
+            // SAFETY: the slot was checked non-null at negotiation; this is the last
+            // reference to the instance, so every other call has returned, and
+            // `library` (dropped after this) keeps the code mapped.
+            unsafe { destroy(self.table.instance) };
+        }
+    }
+}
+
+impl Instance {
+    pub(crate) fn ptr(&self) -> *mut c_void {
+        self.table.instance
+    }
+
+    pub(crate) fn has(&self, capability: u64) -> bool {
+        self.table.capabilities & capability != 0
+    }
+
+    pub(crate) fn unsupported(&self, what: &'static str) -> PluginError {
+        PluginError::Unsupported { plugin: self.name.clone(), what, major: MP_ABI_MAJOR, minor: self.minor }
+    }
+
+    pub(crate) fn call_error(&self, operation: &'static str, status: MpStatus, detail: String) -> PluginError {
+        PluginError::Call { plugin: self.name.clone(), operation, status: StatusCode(status), detail }
+    }
+
+    pub(crate) fn backend(&self, operation: &'static str, status: MpStatus, detail: &str) -> BackendError {
+        let status_text = StatusCode(status);
+        BackendError {
+            backend: BACKEND,
+            operation,
+            code: i64::from(status),
+            detail: format!("{}: {status_text}{detail}", self.name),
+        }
+    }
+
+    /// The block as the registry sees it, named by a fresh record.
+    fn raw(&self, block: MpBlock) -> Option<RawAllocation> {
+        let address = DeviceAddress::new(block.address)?;
+        let bytes = usize::try_from(block.bytes).ok()?;
+        let align = usize::try_from(block.align).ok().filter(|a| a.is_power_of_two())?;
+        let tag = self.records.insert(block);
+        Some(RawAllocation::new(address, bytes, align, self.device, tag))
+    }
+
+    fn suspect(&self, block: MpBlock, why: &str) {
+        tracing::error!(plugin = %self.name, ?block, why, "plugin block quarantined by the loader (never freed)");
+        self.suspects.lock().unwrap_or_else(PoisonError::into_inner).push(block);
+    }
+
+    /// Hands an unusable fresh block straight back; keeps it as suspect when the
+    /// plugin does not take it back cleanly.
+    fn give_back(&self, block: MpBlock, why: &str) {
+        let mut out = MpReleaseOutcome::default();
+        let Some(release) = self.table.release else { return };
+        // SAFETY: `release` was checked non-null; `block` is exactly what `allocate`
+        // wrote, so the plugin issued it; both pointers are to live locals.
+        let status = unsafe { release(self.ptr(), &block, &mut out) };
+        let structured = self.has(MP_CAP_STRUCTURED_RELEASE);
+        let complete = status == MP_OK && (!structured || (out.kind == MP_RELEASE_COMPLETE && out.block == block));
+        if !complete {
+            self.suspect(block, why);
+        }
+    }
+}
+
+/// A plugin's allocator instance as a [`DeviceAllocator`]. Register it like any other
+/// allocator. Cheap to clone; clones share the instance.
+///
+/// Every block it hands out is recorded on the host side, so a forged, foreign or
+/// already released block is refused (`NotOwned`) without calling the plugin. Every
+/// answer is checked: a block on another device, misaligned, too small or at address
+/// zero is handed back and the allocation fails; a release outcome about another block,
+/// of an unknown kind or with an unknown status is a quarantine of the whole block.
+///
+/// The instance (and, for a loaded plugin, its library) lives while any clone, any
+/// registry mechanism, binding, allocation or queued release holding it, any shared
+/// backing or release queue made through it lives.
+#[derive(Clone)]
+pub struct PluginAllocator {
+    pub(crate) shared: Arc<Instance>,
+}
+
+impl PluginAllocator {
+    /// Wraps an allocator table that is not in a loaded library (a C runtime's own
+    /// vtable). `offered` are the capabilities the host lets it claim. The table is
+    /// negotiated like a plugin's: major must match, the minor's prefix must fit.
+    ///
+    /// # Errors
+    /// As for a plugin's table (see [`PluginError`]); on a content error the instance
+    /// has been destroyed through its `destroy` slot.
+    ///
+    /// # Safety
+    /// `table` is null or points to a readable, aligned [`MpAllocator`] of at least the
+    /// `struct_size` its header claims (at least the header), whose `name` is null or
+    /// NUL-terminated, whose slots obey the ABI in `docs/C-ABI.md` (memory-safe,
+    /// thread-safe), and whose code stays callable until `destroy` has returned.
+    pub unsafe fn from_table(table: *const MpAllocator, offered: u64) -> Result<PluginAllocator, PluginError> {
+        // SAFETY: forwarded from the caller.
+        let negotiated = unsafe { negotiate(table, offered, "C vtable") }?;
+        Ok(PluginAllocator::new(negotiated, None))
+    }
+
+    pub(crate) fn new(negotiated: Negotiated, library: Option<Arc<LoadedLibrary>>) -> PluginAllocator {
+        let Negotiated { table, minor, name, device } = negotiated;
+        tracing::info!(plugin = %name, %device, minor, capabilities = table.capabilities, "plugin allocator instance created");
+        PluginAllocator {
+            shared: Arc::new_cyclic(|me| Instance {
+                table,
+                minor,
+                abi_device: abi_device(device),
+                name,
+                device,
+                records: Records::new(),
+                backings: AtomicUsize::new(0),
+                queued: AtomicUsize::new(0),
+                suspects: Mutex::new(Vec::new()),
+                me: me.clone(),
+                library,
+            }),
+        }
+    }
+
+    /// The ABI minor version both sides agreed on.
+    pub fn abi_minor(&self) -> u16 {
+        self.shared.minor
+    }
+
+    /// The capabilities the plugin claimed (and the host offered): `MP_CAP_*` bits.
+    pub fn capabilities(&self) -> u64 {
+        self.shared.table.capabilities
+    }
+
+    /// What the host holds through this instance.
+    pub fn host_tally(&self) -> HostTally {
+        let (allocations, bytes) = self.shared.records.count();
+        HostTally {
+            instances: 1,
+            allocations,
+            bytes,
+            backings: self.shared.backings.load(Ordering::Acquire),
+            queued_releases: self.shared.queued.load(Ordering::Acquire),
+            suspect_blocks: self.shared.suspects.lock().unwrap_or_else(PoisonError::into_inner).len(),
+            other_pins: 0,
+        }
+    }
+
+    /// What the plugin says this instance holds.
+    ///
+    /// # Errors
+    /// [`PluginError::Unsupported`] when the `tally` slot is null; [`PluginError::Call`]
+    /// when it fails.
+    pub fn tally(&self) -> Result<PluginTally, PluginError> {
+        let shared = &self.shared;
+        let tally = shared.table.tally.ok_or_else(|| shared.unsupported("tally"))?;
+        let mut out = MpTally::default();
+        // SAFETY: non-null slot; `out` is a live local.
+        let status = unsafe { tally(shared.ptr(), &mut out) };
+        if status != MP_OK {
+            return Err(shared.call_error("tally", status, String::new()));
+        }
+        Ok(out.into())
+    }
+
+    /// The plugin's counters.
+    ///
+    /// # Errors
+    /// [`PluginError::Unsupported`] when the `stats` slot is null; [`PluginError::Call`]
+    /// when it fails.
+    pub fn try_stats(&self) -> Result<AllocatorStats, PluginError> {
+        let shared = &self.shared;
+        let stats = shared.table.stats.ok_or_else(|| shared.unsupported("stats"))?;
+        let mut out = MpStats::default();
+        // SAFETY: non-null slot; `out` is a live local.
+        let status = unsafe { stats(shared.ptr(), &mut out) };
+        if status != MP_OK {
+            return Err(shared.call_error("stats", status, String::new()));
+        }
+        Ok(AllocatorStats {
+            live_bytes: out.live_bytes,
+            live_allocations: out.live_allocations,
+            cached_bytes: out.cached_bytes,
+            reserved_bytes: out.reserved_bytes,
+            allocations_total: out.allocations_total,
+            failures_total: out.failures_total,
+        })
+    }
+
+    /// Asks the plugin to return cached memory; the bytes returned.
+    ///
+    /// # Errors
+    /// [`PluginError::Unsupported`] when the `trim` slot is null; [`PluginError::Call`]
+    /// when it fails.
+    pub fn try_trim(&self) -> Result<usize, PluginError> {
+        let shared = &self.shared;
+        let trim = shared.table.trim.ok_or_else(|| shared.unsupported("trim"))?;
+        let mut returned = 0u64;
+        // SAFETY: non-null slot; `returned` is a live local.
+        let status = unsafe { trim(shared.ptr(), &mut returned) };
+        if status != MP_OK {
+            return Err(shared.call_error("trim", status, String::new()));
+        }
+        Ok(usize::try_from(returned).unwrap_or(usize::MAX))
+    }
+
+    /// A release queue that runs releases once the plugin reports them ready
+    /// ([`MP_CAP_DEFERRED_RELEASE`]), holding at most `capacity` pending releases.
+    ///
+    /// # Errors
+    /// [`PluginError::Unsupported`] without the capability.
+    pub fn release_queue(&self, capacity: usize) -> Result<PluginReleaseQueue, PluginError> {
+        if !self.shared.has(MP_CAP_DEFERRED_RELEASE) {
+            return Err(self.shared.unsupported("deferred release (MP_CAP_DEFERRED_RELEASE)"));
+        }
+        Ok(PluginReleaseQueue::new(Arc::clone(&self.shared), capacity))
+    }
+
+    /// Whether two handles share one instance.
+    pub fn same_instance(&self, other: &PluginAllocator) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+}
+
+impl fmt::Debug for PluginAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PluginAllocator")
+            .field("name", &self.shared.name)
+            .field("device", &self.shared.device)
+            .field("abi_minor", &self.shared.minor)
+            .field("capabilities", &self.shared.table.capabilities)
+            .finish()
+    }
+}
+
+fn alloc_error(shared: &Instance, request: &AllocationRequest, status: MpStatus, detail: &str) -> AllocError {
+    let device = shared.device;
+    match status {
+        MP_ERR_OUT_OF_MEMORY => AllocError::OutOfMemory {
+            device,
+            requested: request.bytes(),
+            align: request.align(),
+            available: MaybeBytes(None),
+        },
+        MP_ERR_DEVICE_LOST => AllocError::DeviceLost { device, reason: format!("plugin {} reported it", shared.name) },
+        MP_ERR_UNSUPPORTED => AllocError::Unsupported {
+            allocator: shared.name.clone(),
+            device,
+            what: "this request (the plugin answered MP_ERR_UNSUPPORTED)",
+        },
+        _ => AllocError::Backend { device, source: shared.backend("allocate", status, detail) },
+    }
+}
+
+fn release_error(shared: &Instance, block: &RawAllocation, status: MpStatus) -> ReleaseError {
+    match status {
+        MP_ERR_NOT_OWNED => ReleaseError::NotOwned {
+            allocator: shared.name.clone(),
+            device: shared.device,
+            address: block.address().get(),
+        },
+        MP_ERR_DEVICE_LOST => {
+            ReleaseError::DeviceLost { device: shared.device, reason: format!("plugin {} reported it", shared.name) }
+        }
+        _ => ReleaseError::Backend(shared.backend("release", status, "")),
+    }
+}
+
+/// Statuses that may answer a release with "nothing was mutated".
+fn is_known_failure(status: MpStatus) -> bool {
+    status != MP_OK && status_name(status).is_some()
+}
+
+impl DeviceAllocator for PluginAllocator {
+    fn device(&self) -> DeviceKey {
+        self.shared.device
+    }
+
+    fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let shared = &*self.shared;
+        let Some(allocate) = shared.table.allocate else {
+            return Err(alloc_error(shared, request, MP_ERR_UNSUPPORTED, ""));
+        };
+        let abi_request = MpRequest {
+            bytes: request.bytes() as u64,
+            align: request.align() as u64,
+            role: request.role().ordinal() as u32,
+            reserved: 0,
+        };
+        let mut block = MpBlock::default();
+        // SAFETY: `allocate` was checked non-null at negotiation; both pointers are to
+        // live locals; the instance lives while `self` does.
+        let status = unsafe { allocate(shared.ptr(), &abi_request, &mut block) };
+        if status != MP_OK {
+            if status_name(status).is_none() && block.address != 0 {
+                // The plugin may or may not own this block: never free it, never trust it.
+                shared.suspect(block, "allocate answered an unknown status with a block");
+            }
+            return Err(alloc_error(shared, request, status, " (nothing was allocated)"));
+        }
+        let fits = block.address != 0
+            && block.device == shared.abi_device
+            && block.align.is_power_of_two()
+            && block.bytes >= abi_request.bytes
+            && block.address.is_multiple_of(abi_request.align);
+        if !fits {
+            let detail = format!(
+                "; it returned {block:?} for {} bytes aligned to {} on {} (the block was handed back)",
+                request.bytes(),
+                request.align(),
+                shared.device
+            );
+            shared.give_back(block, "an unusable block was not taken back cleanly");
+            return Err(alloc_error(shared, request, MP_ERR_BACKEND, &detail));
+        }
+        match shared.raw(block) {
+            Some(raw) => {
+                tracing::trace!(plugin = %shared.name, bytes = raw.bytes(), "plugin allocate");
+                Ok(raw)
+            }
+            None => {
+                shared.give_back(block, "a block too large for this host was not taken back cleanly");
+                Err(alloc_error(shared, request, MP_ERR_INVALID_ARGUMENT, "; the block does not fit this host"))
+            }
+        }
+    }
+
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        let shared = &*self.shared;
+        let Some(record) = shared.records.take(&allocation, shared.abi_device) else {
+            let error = ReleaseError::NotOwned {
+                allocator: shared.name.clone(),
+                device: shared.device,
+                address: allocation.address().get(),
+            };
+            return ReleaseOutcome::failed(allocation, error);
+        };
+        let Some(release) = shared.table.release else {
+            let error = release_error(shared, &allocation, MP_ERR_UNSUPPORTED);
+            return keep(shared, record, allocation, |raw| ReleaseOutcome::failed(raw, error));
+        };
+        let mut out = MpReleaseOutcome::default();
+        // SAFETY: `release` was checked non-null at negotiation; `record` is the copy the
+        // plugin wrote when it issued the block (taken exactly once from our records);
+        // both pointers are to live locals.
+        let status = unsafe { release(shared.ptr(), &record, &mut out) };
+        let bytes = allocation.bytes();
+        if status == MP_OK && !shared.has(MP_CAP_STRUCTURED_RELEASE) {
+            tracing::trace!(plugin = %shared.name, bytes, "plugin release");
+            return ReleaseOutcome::complete(bytes);
+        }
+        if status != MP_OK {
+            let error = release_error(shared, &allocation, status);
+            return if is_known_failure(status) {
+                keep(shared, record, allocation, |raw| ReleaseOutcome::failed(raw, error))
+            } else {
+                keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
+            };
+        }
+        let unmapped = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
+        let residual = usize::try_from(out.residual_bytes).unwrap_or(usize::MAX);
+        if out.block != record {
+            let detail = format!("; the outcome is about {:?}, not the block given ({record:?})", out.block);
+            let error = ReleaseError::Backend(shared.backend("release", status, &detail));
+            return keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error));
+        }
+        match out.kind {
+            MP_RELEASE_COMPLETE => {
+                tracing::trace!(plugin = %shared.name, bytes, "plugin release");
+                ReleaseOutcome::complete(unmapped)
+            }
+            MP_RELEASE_QUARANTINED => {
+                let error =
+                    ReleaseError::Backend(shared.backend("release", status, "; the plugin quarantined the block"));
+                keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, unmapped, residual, error))
+            }
+            MP_RELEASE_FAILED => {
+                let error = ReleaseError::Backend(shared.backend("release", status, "; the plugin released nothing"));
+                keep(shared, record, allocation, |raw| ReleaseOutcome::failed(raw, error))
+            }
+            kind => {
+                let detail = format!("; unknown outcome kind {kind}, treated as quarantine of the whole block");
+                let error = ReleaseError::Backend(shared.backend("release", status, &detail));
+                keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
+            }
+        }
+    }
+
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        self.shared.has(MP_CAP_VIRTUAL_BACKING).then_some(&*self.shared as &dyn VirtualBacking)
+    }
+
+    fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        self.shared.has(MP_CAP_SHARED_MAPPING).then_some(&*self.shared as &dyn SharedMapping)
+    }
+
+    fn stats(&self) -> Option<AllocatorStats> {
+        self.try_stats().ok()
+    }
+
+    fn trim(&self) -> usize {
+        self.try_trim().unwrap_or(0)
+    }
+
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        let shared = &*self.shared;
+        for block in lost {
+            let Some(record) = shared.records.take(&block, shared.abi_device) else {
+                tracing::warn!(plugin = %shared.name, ?block, "forget_lost: not a block of this plugin instance");
+                continue;
+            };
+            if let Some(forget) = shared.table.forget_lost {
+                // SAFETY: non-null slot; `record` is the plugin's own copy, taken once.
+                let status = unsafe { forget(shared.ptr(), &record) };
+                if status != MP_OK {
+                    tracing::warn!(plugin = %shared.name, status = %StatusCode(status), "plugin forget_lost failed");
+                }
+            }
+        }
+    }
+}
+
+/// The block stays owned: put its record back (under a fresh tag) and build the
+/// outcome around the re-tagged block.
+fn keep(
+    shared: &Instance,
+    record: MpBlock,
+    allocation: RawAllocation,
+    outcome: impl FnOnce(RawAllocation) -> ReleaseOutcome,
+) -> ReleaseOutcome {
+    let tag = shared.records.insert(record);
+    let raw =
+        RawAllocation::new(allocation.address(), allocation.bytes(), allocation.align(), allocation.device(), tag);
+    let result = outcome(raw);
+    tracing::warn!(plugin = %shared.name, outcome = %result.summary(), "plugin release did not complete");
+    result
+}

@@ -1,0 +1,277 @@
+//! Loading a plugin library, creating instances through its entry point, counting
+//! what lives through it, and unloading it only when nothing does.
+
+use std::ffi::{CString, c_char, c_void};
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+
+use memory_plugin_abi::{
+    MP_ABI_MAJOR, MP_ABI_MINOR, MP_CAP_ALL, MP_ENTRY_SYMBOL, MP_ERR_VERSION_MISMATCH, MP_HOST_SIZE_V1_0, MP_LOG_DEBUG,
+    MP_LOG_ERROR, MP_LOG_INFO, MP_LOG_WARN, MP_OK, MP_TALLY_SYMBOL, MpAllocator, MpEntryFn, MpHeader, MpHost, MpTally,
+    MpTallyFn,
+};
+
+use crate::allocator::{Instance, PluginAllocator};
+use crate::error::{PluginError, StatusCode, UnloadRefused};
+use crate::negotiate::negotiate;
+use crate::tally::{HostTally, PluginTally};
+
+/// What an instance is created with.
+#[derive(Clone, Debug)]
+pub struct InstanceOptions {
+    config: String,
+    offered: u64,
+}
+
+impl Default for InstanceOptions {
+    fn default() -> InstanceOptions {
+        InstanceOptions { config: String::new(), offered: MP_CAP_ALL }
+    }
+}
+
+impl InstanceOptions {
+    /// Default options: no configuration, every capability offered.
+    pub fn new() -> InstanceOptions {
+        InstanceOptions::default()
+    }
+
+    /// The configuration string handed to the plugin (its format is the plugin's).
+    #[must_use]
+    pub fn config(mut self, config: impl Into<String>) -> InstanceOptions {
+        self.config = config.into();
+        self
+    }
+
+    /// The capabilities the host offers (`MP_CAP_*` bits); the plugin may claim no more.
+    #[must_use]
+    pub fn offer(mut self, capabilities: u64) -> InstanceOptions {
+        self.offered = capabilities;
+        self
+    }
+}
+
+/// A loaded plugin library. See the [crate docs](crate) for the unload protocol.
+///
+/// Not `Clone`: this is the one handle that can unload. Every instance made through it
+/// pins the library on its own, so dropping this handle never unmaps code that is
+/// still in use; the library is unmapped when the last pin goes, and never while the
+/// plugin's own tally says it still holds something.
+pub struct PluginLibrary {
+    shared: Arc<LoadedLibrary>,
+}
+
+pub(crate) struct LoadedLibrary {
+    path: String,
+    /// NUL-terminated copy of `path`: the `host_data` of every instance's log lines.
+    log_label: CString,
+    entry: MpEntryFn,
+    tally: Option<MpTallyFn>,
+    instances: Mutex<Vec<Weak<Instance>>>,
+    library: ManuallyDrop<libloading::Library>,
+}
+
+impl LoadedLibrary {
+    fn instances(&self) -> MutexGuard<'_, Vec<Weak<Instance>>> {
+        self.instances.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn plugin_tally(&self) -> Option<PluginTally> {
+        let tally = self.tally?;
+        let mut out = MpTally::default();
+        // SAFETY: the symbol was resolved with this signature from the library, which
+        // is mapped while `self` lives; `out` is a live local.
+        let status = unsafe { tally(&mut out) };
+        if status != MP_OK {
+            tracing::warn!(plugin = %self.path, status = %StatusCode(status), "mp_plugin_tally failed; treating the plugin as busy");
+            // An answer we cannot read is not "nothing held".
+            return Some(PluginTally { instances: u64::MAX, ..PluginTally::default() });
+        }
+        Some(out.into())
+    }
+}
+
+impl Drop for LoadedLibrary {
+    fn drop(&mut self) {
+        // Nothing of ours uses the library any more. If the plugin disagrees (threads
+        // or objects it still owns), keep it mapped rather than pull code from under it.
+        if let Some(tally) = self.plugin_tally().filter(|tally| !tally.is_empty()) {
+            tracing::warn!(plugin = %self.path, %tally, "plugin still holds objects; its library stays mapped");
+            return;
+        }
+        // SAFETY: dropped exactly once, here; every instance (each holding an `Arc` of
+        // `self`) is gone, so no slot of this library can run any more.
+        let library = unsafe { ManuallyDrop::take(&mut self.library) };
+        match library.close() {
+            Ok(()) => tracing::info!(plugin = %self.path, "plugin library unloaded"),
+            Err(error) => tracing::warn!(plugin = %self.path, %error, "closing the plugin library failed"),
+        }
+    }
+}
+
+/// Forwards a plugin's log line to `tracing`.
+///
+/// # Safety
+/// `host_data` is null or the NUL-terminated label of a live library; `message` is
+/// null or points to `length` readable bytes.
+unsafe extern "C" fn host_log(host_data: *mut c_void, level: i32, message: *const c_char, length: usize) {
+    // A panic must not unwind into C.
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        let plugin = if host_data.is_null() {
+            String::from("plugin")
+        } else {
+            // SAFETY: the caller's guarantee: a NUL-terminated label of a live library.
+            unsafe { std::ffi::CStr::from_ptr(host_data.cast::<c_char>()) }.to_string_lossy().into_owned()
+        };
+        let text = if message.is_null() {
+            String::new()
+        } else {
+            // SAFETY: the caller's guarantee: `length` readable bytes at `message`.
+            let bytes = unsafe { std::slice::from_raw_parts(message.cast::<u8>(), length) };
+            String::from_utf8_lossy(bytes).into_owned()
+        };
+        match level {
+            MP_LOG_ERROR => tracing::error!(%plugin, "{text}"),
+            MP_LOG_WARN => tracing::warn!(%plugin, "{text}"),
+            MP_LOG_INFO => tracing::info!(%plugin, "{text}"),
+            MP_LOG_DEBUG => tracing::debug!(%plugin, "{text}"),
+            _ => tracing::trace!(%plugin, level, "{text}"),
+        }
+    }));
+}
+
+impl PluginLibrary {
+    /// Loads the plugin library at `path` and resolves its entry point (and its
+    /// optional tally).
+    ///
+    /// # Errors
+    /// [`PluginError::Load`] when the dynamic loader fails, [`PluginError::MissingEntry`]
+    /// when the library exports no `mp_plugin_entry`.
+    ///
+    /// # Safety
+    /// Loading runs the library's initialisers, and its code then runs in this
+    /// process: the caller trusts it to be memory-safe and to follow `docs/C-ABI.md`
+    /// (thread-safe slots, honest table sizes, no unwinding across the boundary). The
+    /// host checks every *answer* the plugin gives; it cannot check its code.
+    pub unsafe fn load(path: impl AsRef<Path>) -> Result<PluginLibrary, PluginError> {
+        let path_ref = path.as_ref();
+        let path = path_ref.display().to_string();
+        // SAFETY: the caller trusts the library (see `# Safety`).
+        let library = unsafe { libloading::Library::new(path_ref) }
+            .map_err(|error| PluginError::Load { path: path.clone(), detail: error.to_string() })?;
+        // SAFETY: the symbol is declared by the ABI with exactly this signature.
+        let entry = unsafe { library.get::<MpEntryFn>(MP_ENTRY_SYMBOL.as_bytes()) }
+            .map(|symbol| *symbol)
+            .map_err(|_| PluginError::MissingEntry { path: path.clone(), symbol: MP_ENTRY_SYMBOL })?;
+        // SAFETY: as above, for the optional tally.
+        let tally = unsafe { library.get::<MpTallyFn>(MP_TALLY_SYMBOL.as_bytes()) }.ok().map(|symbol| *symbol);
+        let log_label = CString::new(path.replace('\0', "?")).unwrap_or_default();
+        tracing::info!(plugin = %path, tally = tally.is_some(), "plugin library loaded");
+        Ok(PluginLibrary {
+            shared: Arc::new(LoadedLibrary {
+                path,
+                log_label,
+                entry,
+                tally,
+                instances: Mutex::new(Vec::new()),
+                library: ManuallyDrop::new(library),
+            }),
+        })
+    }
+
+    /// The path the library was loaded from.
+    pub fn path(&self) -> &str {
+        &self.shared.path
+    }
+
+    /// Creates an allocator instance through the library's entry point and checks its
+    /// table (see [`PluginError`] for every refusal).
+    ///
+    /// # Errors
+    /// [`PluginError::ConfigHasNul`], [`PluginError::EntryRefused`] (the plugin said
+    /// no, for example `MP_ERR_VERSION_MISMATCH`), or a negotiation error.
+    pub fn instantiate(&self, options: &InstanceOptions) -> Result<PluginAllocator, PluginError> {
+        let config = CString::new(options.config.as_str())
+            .map_err(|error| PluginError::ConfigHasNul { position: error.nul_position() })?;
+        let host = MpHost {
+            header: MpHeader { struct_size: MP_HOST_SIZE_V1_0, abi_major: MP_ABI_MAJOR, abi_minor: MP_ABI_MINOR },
+            offered_capabilities: options.offered,
+            config: config.as_ptr(),
+            config_length: config.as_bytes().len(),
+            host_data: self.shared.log_label.as_ptr().cast_mut().cast::<c_void>(),
+            log: Some(host_log),
+        };
+        let mut table: *const MpAllocator = std::ptr::null();
+        // SAFETY: the entry point has this signature (resolved at load); `host` and
+        // `table` are live locals; `host_data` is the library's label, which lives as
+        // long as the library (and so as long as any instance may log).
+        let status = unsafe { (self.shared.entry)(&host, &mut table) };
+        if status != MP_OK {
+            if status == MP_ERR_VERSION_MISMATCH {
+                tracing::warn!(plugin = %self.shared.path, "plugin refused the host's ABI version");
+            }
+            return Err(PluginError::EntryRefused { plugin: self.shared.path.clone(), status: StatusCode(status) });
+        }
+        // SAFETY: the plugin answered MP_OK, so by the ABI `table` points to its table
+        // (size and layout checked by `negotiate`); the library stays mapped while the
+        // instance lives (it holds an `Arc` of it).
+        let negotiated = unsafe { negotiate(table, options.offered, &self.shared.path) }?;
+        let allocator = PluginAllocator::new(negotiated, Some(Arc::clone(&self.shared)));
+        let mut instances = self.shared.instances();
+        instances.retain(|weak| weak.strong_count() > 0);
+        instances.push(Arc::downgrade(&allocator.shared));
+        Ok(allocator)
+    }
+
+    /// What the host still holds through this library, over all its instances.
+    pub fn host_tally(&self) -> HostTally {
+        let instances: Vec<Arc<Instance>> = self.shared.instances().iter().filter_map(Weak::upgrade).collect();
+        let mut tally = HostTally::default();
+        for instance in &instances {
+            let one = PluginAllocator { shared: Arc::clone(instance) }.host_tally();
+            tally.instances += 1;
+            tally.allocations += one.allocations;
+            tally.bytes += one.bytes;
+            tally.backings += one.backings;
+            tally.queued_releases += one.queued_releases;
+            tally.suspect_blocks += one.suspect_blocks;
+        }
+        // Pins of the library itself: ours, one per instance, the rest are other handles.
+        let live = instances.len();
+        drop(instances);
+        tally.other_pins = Arc::strong_count(&self.shared).saturating_sub(1 + live);
+        tally
+    }
+
+    /// What the plugin says all its instances still hold (`None` when it exports no
+    /// `mp_plugin_tally`).
+    pub fn plugin_tally(&self) -> Option<PluginTally> {
+        self.shared.plugin_tally()
+    }
+
+    /// Unloads the library if nothing made through it lives, on either side.
+    ///
+    /// # Errors
+    /// [`UnloadRefused`], handing the library back still loaded, with both sides'
+    /// tallies, while the host or the plugin still holds anything.
+    pub fn unload(self) -> Result<(), UnloadRefused> {
+        let host = self.host_tally();
+        let plugin = self.plugin_tally();
+        let busy = !host.is_empty() || plugin.is_some_and(|tally| !tally.is_empty());
+        if busy || Arc::strong_count(&self.shared) != 1 {
+            tracing::warn!(plugin = %self.shared.path, %host, ?plugin, "plugin unload refused");
+            return Err(UnloadRefused { library: self, host, plugin });
+        }
+        // The last pin: dropping it closes the library (see `LoadedLibrary::drop`).
+        drop(self);
+        Ok(())
+    }
+}
+
+impl fmt::Debug for PluginLibrary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PluginLibrary").field("path", &self.shared.path).finish_non_exhaustive()
+    }
+}

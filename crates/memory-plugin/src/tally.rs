@@ -1,0 +1,96 @@
+//! Both sides' counts of what lives through a plugin library: the host's (instances,
+//! blocks, backings, queued releases, other pins) and the plugin's own.
+
+use std::fmt;
+
+use memory_plugin_abi::MpTally;
+
+/// What the host still holds through a plugin library.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostTally {
+    /// Allocator instances alive (each held by a mechanism, a binding, an allocation,
+    /// a queue, a backing or the caller).
+    pub instances: usize,
+    /// Blocks allocated through them and not completely released (quarantined and
+    /// device-lost blocks included).
+    pub allocations: usize,
+    /// Their bytes.
+    pub bytes: usize,
+    /// Shared backings alive.
+    pub backings: usize,
+    /// Releases waiting in a plugin release queue.
+    pub queued_releases: usize,
+    /// Blocks the plugin answered with an unknown status or an unusable description
+    /// and that could not be handed back: kept, never freed (quarantine).
+    pub suspect_blocks: usize,
+    /// Other handles to the library itself.
+    pub other_pins: usize,
+}
+
+impl HostTally {
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        *self == HostTally::default()
+    }
+}
+
+impl fmt::Display for HostTally {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} instance(s), {} allocation(s) of {} bytes, {} backing(s), {} queued release(s), \
+             {} suspect block(s), {} other pin(s)",
+            self.instances,
+            self.allocations,
+            self.bytes,
+            self.backings,
+            self.queued_releases,
+            self.suspect_blocks,
+            self.other_pins
+        )
+    }
+}
+
+/// What a plugin says it still holds.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct PluginTally {
+    /// Instances not destroyed.
+    pub instances: u64,
+    /// Blocks not released.
+    pub allocations: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Backings not dropped.
+    pub backings: u64,
+    /// Deferred releases not yet reported ready.
+    pub deferred: u64,
+}
+
+impl PluginTally {
+    /// Whether the plugin holds nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == PluginTally::default()
+    }
+}
+
+impl From<MpTally> for PluginTally {
+    fn from(tally: MpTally) -> PluginTally {
+        PluginTally {
+            instances: tally.instances,
+            allocations: tally.allocations,
+            bytes: tally.bytes,
+            backings: tally.backings,
+            deferred: tally.deferred,
+        }
+    }
+}
+
+impl fmt::Display for PluginTally {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} instance(s), {} allocation(s) of {} bytes, {} backing(s), {} deferred release(s)",
+            self.instances, self.allocations, self.bytes, self.backings, self.deferred
+        )
+    }
+}

@@ -1,0 +1,570 @@
+//! The example plugin (`tests/c/example_plugin.c`, built at test time with the `cc`
+//! crate) loaded through the real loader: negotiation, every capability, the unload
+//! protocol, dishonest answers, and the conformance suite.
+//!
+//! Each test loads its own copy of the library (its own path and inode), so the
+//! dynamic loader maps it separately and `is_mapped` can tell when it is unloaded.
+//!
+//! Unix only: the example plugin is a shared object built by the host C compiler, and
+//! `is_mapped` asks the dynamic loader with `RTLD_NOLOAD`.
+#![cfg(unix)]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use memory_api::{
+    AllocationRequest, ByteRange, CapabilityError, DeviceAddress, DeviceAllocator, DeviceKey, MappingAccess,
+    RawAllocation, ReleaseError, ReleaseOutcome, SharedPlacement,
+};
+use memory_binding::{AllocateError, AllocationState, BindingRegistry, HandleError, MemoryBinding, ReleaseReport};
+use memory_plugin::{InstanceOptions, PluginAllocator, PluginError, PluginLibrary};
+use memory_plugin_abi::{
+    MP_ALLOCATOR_SIZE_V1_0, MP_ALLOCATOR_SIZE_V1_1, MP_CAP_ALL, MP_CAP_DEFERRED_RELEASE, MP_CAP_STRUCTURED_RELEASE,
+    MP_CAP_VIRTUAL_BACKING, MP_ERR_VERSION_MISMATCH,
+};
+use memory_testkit::native::{Language, NativeBuild};
+
+fn built_plugin() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        NativeBuild::new(Language::C("c11"))
+            .source(manifest.join("tests/c/example_plugin.c"))
+            .include(manifest.join("../../include"))
+            .arg("-lpthread")
+            .shared_library(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin"), "libexample_plugin.so")
+    })
+}
+
+/// A private copy of the plugin for one test.
+fn plugin_copy(test: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin-copies");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("lib{test}-{}.so", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    std::fs::copy(built_plugin(), &path).unwrap();
+    path
+}
+
+fn load(test: &str) -> (PluginLibrary, PathBuf) {
+    let path = plugin_copy(test);
+    // SAFETY: the example plugin is built from this crate's own C source.
+    let library = unsafe { PluginLibrary::load(&path) }.expect("the example plugin loads");
+    (library, path)
+}
+
+fn instance(library: &PluginLibrary, config: &str) -> Result<PluginAllocator, PluginError> {
+    library.instantiate(&InstanceOptions::new().config(config))
+}
+
+/// Whether the dynamic loader has `path` mapped (asks without loading it).
+fn is_mapped(path: &Path) -> bool {
+    // SAFETY: RTLD_NOLOAD maps nothing and runs no initialiser; an existing mapping is
+    // only referenced once more, and closed again at once.
+    unsafe { libloading::os::unix::Library::open(Some(path), libc_flags()) }.is_ok()
+}
+
+fn libc_flags() -> i32 {
+    // The values differ between Linux and macOS: take them from libc.
+    libc::RTLD_LAZY | libc::RTLD_NOLOAD
+}
+
+fn request(bytes: usize) -> AllocationRequest {
+    AllocationRequest::new(bytes, 64).unwrap()
+}
+
+/// A registry with `allocator` registered on its device; returns a binding to it.
+fn registered(allocator: &PluginAllocator) -> (BindingRegistry, MemoryBinding) {
+    let registry = BindingRegistry::new().unwrap();
+    let device = allocator.device();
+    let context = registry.register_provider_context(device, Arc::new("plugin context")).unwrap();
+    let authority = registry.register_authority(device, Arc::new("tenant")).unwrap();
+    let mechanism = registry.register_allocator(&context, &authority, Arc::new(allocator.clone())).unwrap();
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    (registry, binding)
+}
+
+// ---------------------------------------------------------------------------------
+// Negotiation
+
+#[test]
+fn current_table_negotiates_the_hosts_minor_with_every_offered_capability() {
+    let (library, _) = load("current");
+    let allocator = instance(&library, "").unwrap();
+    assert_eq!(allocator.abi_minor(), 1);
+    assert_eq!(allocator.capabilities(), MP_CAP_ALL);
+    assert_eq!(allocator.device(), DeviceKey::HOST);
+    assert_eq!(allocator.name(), "example-plugin");
+    let block = allocator.allocate(&request(4096)).unwrap();
+    assert!(allocator.release(block).is_complete());
+}
+
+#[test]
+fn older_minor_table_is_read_to_its_prefix_and_newer_slots_are_unsupported() {
+    // The plugin poisons every slot past its 64-byte table: reading one would crash.
+    let (library, _) = load("older");
+    let allocator = instance(&library, "minor=0 claim=0").unwrap();
+    assert_eq!(allocator.abi_minor(), 0);
+    let block = allocator.allocate(&request(100)).unwrap();
+    assert!(allocator.release(block).is_complete());
+    assert!(matches!(allocator.try_stats(), Err(PluginError::Unsupported { what: "stats", minor: 0, .. })));
+    assert!(matches!(allocator.try_trim(), Err(PluginError::Unsupported { what: "trim", .. })));
+    assert!(matches!(allocator.tally(), Err(PluginError::Unsupported { what: "tally", .. })));
+    assert!(allocator.virtual_backing().is_none());
+    assert!(matches!(allocator.release_queue(4), Err(PluginError::Unsupported { .. })));
+    // A minor-0 table that claims capabilities whose slots are minor 1 is refused.
+    let error = instance(&library, "minor=0").unwrap_err();
+    assert!(matches!(error, PluginError::MissingSlot { slot: "commit", .. }), "{error}");
+    assert!(error.to_string().contains("MP_CAP_VIRTUAL_BACKING"), "{error}");
+}
+
+#[test]
+fn newer_minor_table_negotiates_down_and_its_extra_fields_are_ignored() {
+    let (library, _) = load("newer");
+    let allocator = instance(&library, "minor=2").unwrap();
+    assert_eq!(allocator.abi_minor(), 1);
+    assert_eq!(allocator.capabilities(), MP_CAP_ALL);
+    let block = allocator.allocate(&request(64)).unwrap();
+    assert!(allocator.release(block).is_complete());
+    assert_eq!(allocator.try_stats().unwrap().allocations_total, 1);
+}
+
+#[test]
+fn wrong_major_is_refused_before_any_slot_is_called() {
+    let (library, _) = load("major");
+    let error = instance(&library, "major=2").unwrap_err();
+    assert!(matches!(error, PluginError::WrongMajor { found_major: 2, expected_major: 1, .. }), "{error}");
+    assert!(error.to_string().contains("rebuild the plugin"), "{error}");
+}
+
+#[test]
+fn short_tables_are_refused_and_never_read_past() {
+    let (library, _) = load("short");
+    let error = instance(&library, "minor=1 size=100").unwrap_err();
+    assert_eq!(
+        error,
+        PluginError::ShortTable {
+            plugin: library.path().to_owned(),
+            size: 100,
+            needed: MP_ALLOCATOR_SIZE_V1_1,
+            major: 1,
+            minor: 1
+        }
+    );
+    let error = instance(&library, "minor=0 size=40").unwrap_err();
+    assert!(matches!(error, PluginError::ShortTable { needed, .. } if needed == MP_ALLOCATOR_SIZE_V1_0), "{error}");
+    assert!(error.to_string().contains("nothing past its end was read"), "{error}");
+}
+
+#[test]
+fn a_plugin_refusing_the_host_is_a_typed_error() {
+    let (library, _) = load("refuse");
+    let error = instance(&library, "refuse=1").unwrap_err();
+    assert!(
+        matches!(error, PluginError::EntryRefused { status, .. } if status.0 == MP_ERR_VERSION_MISMATCH),
+        "{error}"
+    );
+    assert!(error.to_string().contains("MP_ERR_VERSION_MISMATCH"), "{error}");
+}
+
+#[test]
+fn missing_required_slot_is_refused_and_the_instance_destroyed() {
+    let (library, _) = load("required");
+    let error = instance(&library, "null=allocate").unwrap_err();
+    assert!(matches!(error, PluginError::MissingSlot { slot: "allocate", .. }), "{error}");
+    // The host destroyed the instance it refused: the plugin holds nothing.
+    assert_eq!(library.plugin_tally().unwrap().instances, 0);
+    library.unload().unwrap();
+}
+
+#[test]
+fn claiming_a_capability_the_host_did_not_offer_is_refused() {
+    let (library, _) = load("unoffered");
+    let options = InstanceOptions::new().config(format!("claim={MP_CAP_ALL}")).offer(MP_CAP_STRUCTURED_RELEASE);
+    let error = library.instantiate(&options).unwrap_err();
+    assert_eq!(
+        error,
+        PluginError::UnofferedCapability {
+            plugin: "example-plugin".into(),
+            claimed: MP_CAP_ALL & !MP_CAP_STRUCTURED_RELEASE,
+            offered: MP_CAP_STRUCTURED_RELEASE
+        }
+    );
+    // A bit no version defines is never offered either.
+    let error = instance(&library, "claim=0x100").unwrap_err();
+    assert!(matches!(error, PluginError::UnofferedCapability { claimed: 0x100, .. }), "{error}");
+    // Offering less makes a well-behaved plugin claim less.
+    let allocator = library.instantiate(&InstanceOptions::new().offer(MP_CAP_VIRTUAL_BACKING)).unwrap();
+    assert_eq!(allocator.capabilities(), MP_CAP_VIRTUAL_BACKING);
+    assert!(allocator.shared_mapping().is_none());
+}
+
+#[test]
+fn unknown_device_tier_is_refused() {
+    let (library, _) = load("tier");
+    let error = instance(&library, "tier=7").unwrap_err();
+    assert!(matches!(error, PluginError::InvalidDevice { tier: 7, .. }), "{error}");
+}
+
+// ---------------------------------------------------------------------------------
+// Capabilities, through the registry
+
+#[test]
+fn virtual_backing_commits_and_decommits_through_a_binding() {
+    let (library, _) = load("virtual");
+    let allocator = instance(&library, "").unwrap();
+    let (_registry, binding) = registered(&allocator);
+    let backing = binding.virtual_backing().unwrap();
+    assert_eq!(backing.granularity(), 4096);
+    let block = binding.allocate(AllocationRequest::new(64 << 10, 4096).unwrap()).unwrap();
+    assert_eq!(backing.commit(&block, ByteRange::new(0, 16 << 10)).unwrap(), 16 << 10);
+    assert_eq!(backing.commit(&block, ByteRange::new(8 << 10, 16 << 10)).unwrap(), 8 << 10);
+    assert_eq!(backing.committed_bytes(&block).unwrap(), 24 << 10);
+    assert_eq!(backing.decommit(&block, ByteRange::new(0, 8 << 10)).unwrap(), 8 << 10);
+    // Checked on the host side, before the plugin is called.
+    let misaligned = backing.commit(&block, ByteRange::new(100, 4096)).unwrap_err();
+    assert!(misaligned.to_string().contains("granularity"), "{misaligned}");
+    binding.release(block).unwrap();
+}
+
+#[test]
+fn shared_mapping_maps_one_backing_into_two_blocks_and_refuses_foreign_backings() {
+    let (library, _) = load("shared");
+    let allocator = instance(&library, "").unwrap();
+    let other = instance(&library, "name=other").unwrap();
+    let (_registry, binding) = registered(&allocator);
+    let mapping = binding.shared_mapping().unwrap();
+    let prefix = mapping.create_backing(8192).unwrap();
+    let a = binding.allocate(AllocationRequest::new(16384, 4096).unwrap()).unwrap();
+    let b = binding.allocate(AllocationRequest::new(16384, 4096).unwrap()).unwrap();
+    let placement = SharedPlacement { target: ByteRange::new(0, 8192), backing_offset: 0 };
+    mapping.map(&prefix, &a, placement, MappingAccess::ReadOnly).unwrap();
+    mapping.map(&prefix, &b, placement, MappingAccess::ReadOnly).unwrap();
+    assert!(mapping.map(&prefix, &a, placement, MappingAccess::ReadOnly).is_err(), "already mapped");
+    assert_eq!(allocator.host_tally().backings, 1);
+    assert_eq!(mapping.unmap(&a, ByteRange::new(0, 8192)).unwrap(), 8192);
+    // A backing made by another instance is refused before any plugin call.
+    let foreign = other.shared_mapping().unwrap().create_backing(4096).unwrap();
+    let error = mapping
+        .map(
+            &foreign,
+            &a,
+            SharedPlacement { target: ByteRange::new(0, 4096), backing_offset: 0 },
+            MappingAccess::ReadWrite,
+        )
+        .unwrap_err();
+    assert!(error.to_string().contains("belongs to"), "{error}");
+    binding.release(a).unwrap();
+    binding.release(b).unwrap();
+    drop((prefix, foreign));
+    assert_eq!(allocator.host_tally().backings, 0);
+    assert_eq!(library.plugin_tally().unwrap().backings, 0);
+}
+
+#[test]
+fn deferred_release_runs_only_once_the_plugin_reports_it_ready() {
+    let (library, _) = load("deferred");
+    let allocator = instance(&library, "defer_polls=2").unwrap();
+    let queue = allocator.release_queue(8).unwrap();
+    let (registry, binding) = registered(&allocator);
+    let block = binding.allocate(request(4096)).unwrap();
+    let identity = block.identity().unwrap();
+    binding.release_deferred(block, &queue).unwrap();
+    assert_eq!(queue.len(), 1);
+    assert_eq!(allocator.host_tally().queued_releases, 1);
+    assert_eq!(library.plugin_tally().unwrap().deferred, 1);
+    assert_eq!(queue.poll(), 0, "not ready after one poll");
+    assert_eq!(library.plugin_tally().unwrap().allocations, 1);
+    assert_eq!(queue.poll(), 1);
+    assert_eq!(registry.allocation_state(&identity), AllocationState::Gone);
+    assert_eq!(library.plugin_tally().unwrap().allocations, 0);
+    assert_eq!(allocator.host_tally().queued_releases, 0);
+}
+
+#[test]
+fn a_full_plugin_queue_hands_the_release_back() {
+    let (library, _) = load("full");
+    let allocator = instance(&library, "defer_polls=9").unwrap();
+    let queue = allocator.release_queue(1).unwrap();
+    let (_registry, binding) = registered(&allocator);
+    binding.release_deferred(binding.allocate(request(64)).unwrap(), &queue).unwrap();
+    let refused = binding.release_deferred(binding.allocate(request(64)).unwrap(), &queue).unwrap_err();
+    assert!(matches!(refused.reason, HandleError::QueueRefused(_)), "{}", refused.reason);
+    binding.release(refused.handle).unwrap();
+}
+
+#[test]
+fn null_optional_slots_are_typed_unsupported_errors() {
+    let (library, _) = load("optional");
+    let allocator = instance(&library, "null=stats").unwrap();
+    let error = allocator.try_stats().unwrap_err();
+    assert!(matches!(error, PluginError::Unsupported { what: "stats", .. }), "{error}");
+    assert!(error.to_string().contains("does not support stats"), "{error}");
+    assert_eq!(allocator.stats(), None);
+    let allocator = instance(&library, "null=trim").unwrap();
+    assert!(matches!(allocator.try_trim(), Err(PluginError::Unsupported { what: "trim", .. })));
+    // A claimed capability whose slot is null is refused at negotiation.
+    let error = instance(&library, "null=commit").unwrap_err();
+    assert!(matches!(error, PluginError::MissingSlot { slot: "commit", .. }), "{error}");
+}
+
+#[test]
+fn capabilities_not_offered_are_unsupported_through_the_binding() {
+    let (library, _) = load("unclaimed");
+    let allocator = library.instantiate(&InstanceOptions::new().offer(0)).unwrap();
+    assert_eq!(allocator.capabilities(), 0);
+    let (_registry, binding) = registered(&allocator);
+    let error = binding.virtual_backing().unwrap_err();
+    assert!(error.to_string().contains("no virtual backing capability"), "{error}");
+    assert!(binding.shared_mapping().is_err());
+}
+
+#[test]
+fn stats_and_tallies_agree_with_what_is_live() {
+    let (library, _) = load("stats");
+    let allocator = instance(&library, "").unwrap();
+    let a = allocator.allocate(&request(1000)).unwrap();
+    let b = allocator.allocate(&request(24)).unwrap();
+    let stats = allocator.try_stats().unwrap();
+    assert_eq!((stats.live_allocations, stats.live_bytes), (2, 1024));
+    let tally = allocator.tally().unwrap();
+    assert_eq!((tally.instances, tally.allocations, tally.bytes), (1, 2, 1024));
+    let host = allocator.host_tally();
+    assert_eq!((host.allocations, host.bytes), (2, 1024));
+    assert_eq!(allocator.try_trim().unwrap(), 0);
+    assert!(allocator.release(a).is_complete());
+    assert!(allocator.release(b).is_complete());
+    assert!(allocator.tally().unwrap().allocations == 0 && allocator.host_tally().allocations == 0);
+}
+
+// ---------------------------------------------------------------------------------
+// The unload protocol
+
+#[test]
+fn unload_is_refused_while_anything_made_through_it_lives_and_succeeds_after() {
+    let (library, path) = load("unload");
+    let allocator = instance(&library, "defer_polls=1").unwrap();
+    let queue = allocator.release_queue(4).unwrap();
+    let (registry, binding) = registered(&allocator);
+    let mechanism = binding.identity().mechanism();
+    let block = binding.allocate(request(4096)).unwrap();
+    let view = block.view(0, 64).unwrap();
+    assert_eq!(view.len(), 64);
+
+    // An allocation (and its view) lives: both sides count it.
+    let refused = library.unload().unwrap_err();
+    assert_eq!(refused.host.allocations, 1);
+    assert_eq!(refused.plugin.unwrap().allocations, 1);
+    let message = refused.to_string();
+    assert!(message.contains("the host still holds") && message.contains("the plugin reports"), "{message}");
+    let library = refused.library;
+    assert!(is_mapped(&path));
+
+    // A queued release lives.
+    binding.release_deferred(block, &queue).unwrap();
+    let refused = library.unload().unwrap_err();
+    assert_eq!(refused.host.queued_releases, 1);
+    assert_eq!(refused.plugin.unwrap().deferred, 1);
+    let library = refused.library;
+    assert_eq!(queue.poll(), 1);
+
+    // A shared backing lives.
+    let backing = binding.shared_mapping().unwrap().create_backing(4096).unwrap();
+    let refused = library.unload().unwrap_err();
+    assert_eq!((refused.host.backings, refused.plugin.unwrap().backings), (1, 1));
+    let library = refused.library;
+    drop(backing);
+
+    // The queue, the binding and the mechanism still hold the instance.
+    drop(queue);
+    let refused = library.unload().unwrap_err();
+    assert_eq!(refused.host.instances, 1);
+    assert_eq!(refused.host.allocations, 0);
+    let library = refused.library;
+    drop(binding);
+    registry.retire(&mechanism).unwrap();
+    registry.remove(&mechanism).unwrap();
+    let refused = library.unload().unwrap_err();
+    assert_eq!(refused.host.instances, 1, "our own handle still holds it");
+    let library = refused.library;
+    drop(allocator);
+    drop(registry);
+
+    assert!(is_mapped(&path));
+    library.unload().unwrap();
+    assert!(!is_mapped(&path), "the library is unmapped once unloaded");
+}
+
+#[test]
+fn dropping_the_library_handle_keeps_the_code_mapped_until_the_last_pin_goes() {
+    let (library, path) = load("pins");
+    let allocator = instance(&library, "").unwrap();
+    drop(library);
+    assert!(is_mapped(&path));
+    let block = allocator.allocate(&request(128)).unwrap();
+    assert!(allocator.release(block).is_complete());
+    drop(allocator);
+    assert!(!is_mapped(&path));
+}
+
+#[test]
+fn the_plugins_own_tally_refuses_unload_when_the_host_holds_nothing() {
+    let (library, path) = load("plugin-side");
+    // A refused wrong-major table is never called, not even destroy: the plugin keeps
+    // its instance, and says so.
+    assert!(instance(&library, "major=3").is_err());
+    let refused = library.unload().unwrap_err();
+    assert!(refused.host.is_empty(), "{}", refused.host);
+    assert_eq!(refused.plugin.unwrap().instances, 1);
+    // Dropping the handle does not unmap a library whose plugin still holds objects.
+    drop(refused);
+    assert!(is_mapped(&path));
+}
+
+// ---------------------------------------------------------------------------------
+// Dishonest answers
+
+fn plugin_allocations(library: &PluginLibrary) -> u64 {
+    library.plugin_tally().unwrap().allocations
+}
+
+#[test]
+fn unusable_blocks_are_handed_back_and_the_allocation_fails() {
+    let (library, _) = load("unusable");
+    for fault in ["alloc_wrong_device", "alloc_misaligned", "alloc_short", "alloc_null"] {
+        let allocator = instance(&library, &format!("fault={fault}")).unwrap();
+        let (_registry, binding) = registered(&allocator);
+        let error = binding.allocate(request(4096)).unwrap_err();
+        assert!(matches!(&error, AllocateError::Allocator(_)), "{fault}: {error}");
+        assert!(error.to_string().contains("handed back"), "{fault}: {error}");
+        assert_eq!(plugin_allocations(&library), 0, "{fault}: the block went back to the plugin");
+        // The next call is honest and works.
+        binding.release(binding.allocate(request(4096)).unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn an_unknown_allocate_status_keeps_its_block_as_suspect_and_blocks_unload() {
+    let (library, _) = load("suspect");
+    let allocator = instance(&library, "fault=alloc_unknown_status").unwrap();
+    let error = allocator.allocate(&request(512)).unwrap_err();
+    assert!(error.to_string().contains("unknown status 77"), "{error}");
+    assert_eq!(allocator.host_tally().suspect_blocks, 1);
+    drop(allocator);
+    let refused = library.unload().unwrap_err();
+    assert_eq!(refused.plugin.unwrap().allocations, 1, "never freed: its owner is unknown");
+}
+
+fn quarantined_release(config: &str, expect_unmapped: usize, expect_residual: usize) {
+    let (library, _) = load(&format!("release-{}", config.replace([' ', '='], "-")));
+    let allocator = instance(&library, config).unwrap();
+    let (registry, binding) = registered(&allocator);
+    let block = binding.allocate(request(4096)).unwrap();
+    let identity = block.identity().unwrap();
+    let report = binding.release(block).unwrap();
+    assert_eq!(
+        report,
+        ReleaseReport::Quarantined { unmapped_bytes: expect_unmapped, residual_bytes: expect_residual },
+        "{config}"
+    );
+    assert_eq!(registry.allocation_state(&identity), AllocationState::Quarantined, "{config}");
+    // The fault fired once: a retry through the original allocator completes.
+    let retried = registry.retry_quarantined(&identity.binding().mechanism()).unwrap();
+    assert_eq!((retried.released, retried.still_quarantined), (1, 0), "{config}");
+    assert_eq!(plugin_allocations(&library), 0, "{config}");
+}
+
+#[test]
+fn an_unknown_release_status_is_a_quarantine_of_the_whole_block() {
+    quarantined_release("fault=release_unknown_status", 0, 4096);
+}
+
+#[test]
+fn an_unknown_outcome_kind_is_a_quarantine_of_the_whole_block() {
+    quarantined_release("fault=release_unknown_kind", 0, 4096);
+}
+
+#[test]
+fn an_outcome_about_another_block_is_a_quarantine_of_the_block_given() {
+    quarantined_release("fault=release_other_block", 0, 4096);
+}
+
+#[test]
+fn an_overclaiming_quarantine_is_corrected_to_all_owned() {
+    quarantined_release("fault=release_overclaim", 0, 4096);
+}
+
+#[test]
+fn an_honest_partial_release_keeps_its_exact_bytes() {
+    quarantined_release("fault=release_partial", 2048, 2048);
+}
+
+#[test]
+fn a_failed_release_hands_the_allocation_back_unchanged() {
+    for fault in ["release_fail", "release_failed_outcome"] {
+        let (library, _) = load(fault);
+        let allocator = instance(&library, &format!("fault={fault}")).unwrap();
+        let (_registry, binding) = registered(&allocator);
+        let block = binding.allocate(request(256)).unwrap();
+        let rejected = binding.release(block).unwrap_err();
+        assert!(matches!(rejected.reason, HandleError::ReleaseFailed(_)), "{fault}: {}", rejected.reason);
+        assert!(rejected.handle.is_valid());
+        binding.release(rejected.handle).unwrap();
+        assert_eq!(plugin_allocations(&library), 0, "{fault}");
+    }
+}
+
+#[test]
+fn forged_and_repeated_blocks_never_reach_the_plugin() {
+    let (library, _) = load("forged");
+    let allocator = instance(&library, "").unwrap();
+    let block = allocator.allocate(&request(64)).unwrap();
+    let copy = RawAllocation::new(block.address(), block.bytes(), block.align(), block.device(), block.provider_tag());
+    let forged = RawAllocation::new(DeviceAddress::new(0x1000).unwrap(), 64, 64, DeviceKey::HOST, 0);
+    let ReleaseOutcome::Failed(failed) = allocator.release(forged) else { panic!("a forged block must fail") };
+    assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }));
+    assert!(allocator.release(block).is_complete());
+    let ReleaseOutcome::Failed(failed) = allocator.release(copy) else { panic!("a second release must fail") };
+    assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }));
+    assert_eq!(plugin_allocations(&library), 0);
+}
+
+#[test]
+fn an_overclaiming_commit_is_an_error() {
+    let (library, _) = load("commit");
+    let allocator = instance(&library, "fault=commit_overclaim").unwrap();
+    let block = allocator.allocate(&AllocationRequest::new(16384, 4096).unwrap()).unwrap();
+    let error = allocator.virtual_backing().unwrap().commit(&block, ByteRange::new(0, 4096)).unwrap_err();
+    assert!(matches!(error, CapabilityError::Backend(_)), "{error}");
+    assert!(error.to_string().contains("claimed 8192 bytes for a range of 4096"), "{error}");
+    assert!(allocator.release(block).is_complete());
+}
+
+#[test]
+fn tickets_the_host_never_issued_are_ignored_and_counted() {
+    let (library, _) = load("tickets");
+    for (fault, runs) in [("poll_bogus_ticket", 1), ("poll_duplicate_ticket", 1)] {
+        let allocator = instance(&library, &format!("fault={fault} at=0")).unwrap();
+        let queue = allocator.release_queue(4).unwrap();
+        let (_registry, binding) = registered(&allocator);
+        binding.release_deferred(binding.allocate(request(64)).unwrap(), &queue).unwrap();
+        assert_eq!(queue.poll(), runs, "{fault}");
+        assert_eq!(queue.dishonest_reports(), 1, "{fault}");
+        assert!(queue.is_empty());
+    }
+    assert_eq!(plugin_allocations(&library), 0);
+}
+
+// ---------------------------------------------------------------------------------
+// The contract every allocator meets
+
+#[test]
+fn the_plugin_allocator_passes_the_conformance_suite() {
+    let (library, _) = load("conformance");
+    let report = memory_testkit::conformance::Suite::new(|| instance(&library, "").unwrap()).run();
+    eprintln!("{report}");
+    report.assert_passed();
+    let structured_only = InstanceOptions::new().offer(MP_CAP_STRUCTURED_RELEASE | MP_CAP_DEFERRED_RELEASE);
+    let report = memory_testkit::conformance::Suite::new(|| library.instantiate(&structured_only).unwrap()).run();
+    report.assert_passed();
+}
