@@ -699,28 +699,35 @@ impl Pin {
     }
 
     /// Adds this pin's live records, their bytes and its records in transit to
-    /// `census`, reading each record's state once (cold path). Once terminated, no
-    /// record is live. A record reused while its bytes are read counts as read a
-    /// moment later.
+    /// `census` (cold path). Once terminated, no record is live.
     fn count_into(&self, census: &mut Census) {
         let retired = self.retired();
         for record in self.records() {
-            let state = record.state.load(Ordering::Acquire);
-            if state == FREE {
-                continue;
-            }
-            if state & IN_TRANSIT != 0 {
-                census.in_flight += 1;
-                continue;
-            }
-            if retired {
-                continue;
-            }
-            let bytes = record.bytes.load(Ordering::Relaxed);
-            crate::sync::fence(Ordering::Acquire);
-            if record.state.load(Ordering::Relaxed) == state {
-                census.live += 1;
-                census.live_bytes += bytes;
+            // The state word decides where the record counts, from one read. The bytes
+            // are read after it and kept if the generation is still the same one (the
+            // record may go in and out of transit meanwhile, and stays counted); a record
+            // freed or reused meanwhile is read again.
+            let mut state = record.state.load(Ordering::Acquire);
+            loop {
+                if state == FREE {
+                    break;
+                }
+                if state & IN_TRANSIT != 0 {
+                    census.in_flight += 1;
+                    break;
+                }
+                if retired {
+                    break;
+                }
+                let bytes = record.bytes.load(Ordering::Relaxed);
+                crate::sync::fence(Ordering::Acquire);
+                let again = record.state.load(Ordering::Relaxed);
+                if again & !IN_TRANSIT == state {
+                    census.live += 1;
+                    census.live_bytes += bytes;
+                    break;
+                }
+                state = again;
             }
         }
     }
