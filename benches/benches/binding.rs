@@ -46,7 +46,7 @@ fn pair(c: &mut Criterion) {
         ("pair", Arc::new(CounterAllocator::new(DeviceKey::host(1))) as Arc<dyn DeviceAllocator>),
         ("pair_pool", Arc::new(SlotPoolAllocator::new(DeviceKey::host(1))) as Arc<dyn DeviceAllocator>),
     ] {
-        let registry = BindingRegistry::new().expect("registry");
+        let registry = BindingRegistry::new();
         let binding = registry.with_memory(Arc::clone(&floor)).expect("binding");
         let mut group = c.benchmark_group(group_name);
         group.bench_function("raw_dyn", |b| {
@@ -68,9 +68,9 @@ fn pair(c: &mut Criterion) {
 }
 
 fn bind(c: &mut Criterion) {
-    let one = BindingRegistry::new().expect("registry");
+    let one = BindingRegistry::new();
     one.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(0)))).expect("binding");
-    let many = BindingRegistry::new().expect("registry");
+    let many = BindingRegistry::new();
     for index in 0..64 {
         many.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(index)))).expect("binding");
     }
@@ -167,7 +167,7 @@ const BATCH: usize = 64;
 
 fn threads(c: &mut Criterion) {
     let request = request();
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let first = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(0)))).expect("binding");
     let second = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(1)))).expect("binding");
     let (m0, m1) = (first.identity().mechanism(), second.identity().mechanism());
@@ -257,7 +257,7 @@ fn threads(c: &mut Criterion) {
 
 fn live(c: &mut Criterion) {
     let request = request();
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(0)))).expect("binding");
     let mut group = c.benchmark_group("live");
     let mut measure = |name: &str| {

@@ -114,7 +114,7 @@ fn threads(c: &mut Criterion) {
 /// A binding over `inner`, with or without a governed allocator in between.
 fn binding(inner: Arc<dyn DeviceAllocator>, governed: bool) -> (BindingRegistry, MemoryBinding, Governor) {
     let device = inner.device();
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let context = registry.register_provider_context(device, Arc::new("bench")).expect("context");
     let authority = registry.register_authority(device, Arc::new("bench")).expect("authority");
     let governor = Governor::new();

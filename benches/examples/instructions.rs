@@ -26,7 +26,7 @@ fn main() {
     let what = args.next().unwrap_or_else(|| "pair".to_owned());
     let n: u64 = args.next().and_then(|n| n.parse().ok()).unwrap_or(100_000);
     let request = AllocationRequest::new(4096, 256).expect("request");
-    let registry = BindingRegistry::new().expect("registry");
+    let registry = BindingRegistry::new();
     let floor: Arc<dyn DeviceAllocator> = Arc::new(CounterAllocator::new(DeviceKey::host(1)));
     let binding = registry.with_memory(Arc::clone(&floor)).expect("binding");
     for index in 0..64 {

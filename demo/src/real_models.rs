@@ -48,7 +48,7 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
     let env = OrtEnvironment::load(&assets.library).map_err(|err| err.to_string())?;
 
-    let registry = BindingRegistry::new().map_err(|err| err.to_string())?;
+    let registry = BindingRegistry::new();
     let governor = Governor::new();
     let device = DeviceKey::HOST;
     governor.set_device_limit(device, 512 << 20).map_err(|err| err.to_string())?;

@@ -51,8 +51,9 @@ use memory_api::{
 };
 use memory_binding::{
     AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, ContextState, DropPolicy, HandleError,
-    MechanismOptions, MechanismState, MemoryBinding, RegistryError, Rejected, ReleaseReport, ViewError,
+    MechanismOptions, MechanismState, MemoryBinding, RegistryError, Rejected, ViewError,
 };
+use memory_api::ReleaseSummary;
 use memory_testkit::{CallCounts, Callback, FaultyAllocator, HostHeap, RecordingAllocator};
 
 /// Bytes each heap may hold at once: arbitrary sizes beyond it are out-of-memory
@@ -603,7 +604,7 @@ struct Foreign {
 
 impl Foreign {
     fn new() -> Foreign {
-        let registry = BindingRegistry::new().expect("a registry id");
+        let registry = BindingRegistry::new();
         let ledger = Arc::new(Ledger::new(DeviceKey::HOST));
         let context = registry.register_provider_context(DeviceKey::HOST, Arc::new(())).expect("foreign context");
         let authority = registry.register_authority(DeviceKey::HOST, Arc::new(())).expect("foreign authority");
@@ -684,7 +685,7 @@ impl World {
             Some(limit) => BindingRegistry::with_issuer(
                 IdentityIssuer::with_serial_limit(1 + u64::from(limit % 600)).expect("a registry id"),
             ),
-            None => BindingRegistry::new().expect("a registry id"),
+            None => BindingRegistry::new(),
         };
         let capacity = usize::from(input.queue_capacity % 4);
         let queue = |dev: Dev| Arc::new(HeldQueue { device: dev.key(), capacity, held: Mutex::new(Vec::new()) });
@@ -843,7 +844,7 @@ impl World {
                 Some(DropPolicy::Defer(Arc::clone(&self.queues[dev.index()]) as Arc<dyn DeferredReleaseQueue>))
             }
         };
-        let options = MechanismOptions { drop_policy };
+        let options = MechanismOptions::default().with_drop_policy(drop_policy);
         // Registered and every precondition holds: the model expects success.
         let ctx_entry = ctx.map(|i| &self.contexts[i]).filter(|c| !c.removed);
         let auth_ok = auth.is_some_and(|i| !self.authorities[i].removed);
@@ -1085,11 +1086,11 @@ impl World {
                 let i = index.expect("ours");
                 let state = self.registry.allocation_state(&self.allocs[i].identity);
                 match report {
-                    ReleaseReport::Complete { .. } => {
+                    ReleaseSummary::Complete { .. } => {
                         note("release: complete");
                         assert_eq!(state, AllocationState::Gone)
                     }
-                    ReleaseReport::Quarantined { unmapped_bytes, residual_bytes } => {
+                    ReleaseSummary::Quarantined { unmapped_bytes, residual_bytes } => {
                         note("release: quarantined");
                         assert_eq!(state, AllocationState::Quarantined);
                         assert!(unmapped_bytes.checked_add(residual_bytes).is_some_and(|t| t <= self.allocs[i].bytes));
@@ -1615,7 +1616,7 @@ impl World {
         // The foreign allocation goes back through its own binding.
         if let Some(handle) = self.foreign.allocation.take() {
             let report = self.foreign.binding.release(handle);
-            assert!(matches!(report, Ok(ReleaseReport::Complete { .. })), "foreign release: {report:?}");
+            assert!(matches!(report, Ok(ReleaseSummary::Complete { .. })), "foreign release: {report:?}");
         }
         assert_eq!(self.foreign.ledger.live_count(), 0, "the foreign allocation was not released");
     }

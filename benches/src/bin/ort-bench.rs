@@ -143,7 +143,7 @@ fn child(args: &[String]) -> Result<(), String> {
             } else {
                 Arc::new(SystemAllocator::new())
             };
-            let registry = BindingRegistry::new().map_err(|e| e.to_string())?;
+            let registry = BindingRegistry::new();
             let governor = Governor::new();
             let context =
                 registry.register_provider_context(DeviceKey::HOST, Arc::new("bench")).map_err(|e| e.to_string())?;

@@ -400,7 +400,8 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
                 if let Some(mut shard) = self.shards.lock(index) {
                     shard.records.remove(slot);
                 }
-                ReleaseOutcome::complete(done.unmapped_bytes())
+                // The inner block is the size class; the caller's block may be smaller.
+                ReleaseOutcome::complete(done.unmapped_bytes().min(allocation.bytes()))
             }
             ReleaseOutcome::Failed(failed) => {
                 let (block, error) = failed.into_parts();

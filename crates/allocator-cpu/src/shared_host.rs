@@ -157,7 +157,9 @@ impl DeviceAllocator for SharedHostAllocator {
         guard.inner = SharedState::default();
         drop(guard);
         self.table.forget(&allocation, &region);
-        ReleaseOutcome::complete(mapped)
+        // Complete may not claim more than the block (the registry flags it as dishonest):
+        // page or granule rounding beyond the block is the allocator's own business.
+        ReleaseOutcome::complete(mapped.min(allocation.bytes()))
     }
 
     fn shared_mapping(&self) -> Option<&dyn SharedMapping> {

@@ -140,7 +140,9 @@ impl DeviceAllocator for VirtualHostAllocator {
         self.committed.fetch_sub(committed as u64, Ordering::Relaxed);
         self.table.forget(&allocation, &region);
         tracing::trace!(committed, "virtual-host release");
-        ReleaseOutcome::complete(committed)
+        // Complete may not claim more than the block (the registry flags it as dishonest):
+        // page or granule rounding beyond the block is the allocator's own business.
+        ReleaseOutcome::complete(committed.min(allocation.bytes()))
     }
 
     fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {

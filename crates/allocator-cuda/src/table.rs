@@ -270,7 +270,8 @@ impl BlockBook {
             Ok(()) => {
                 self.released(&block);
                 tracing::trace!(device = %self.key, address = block.base, "released");
-                ReleaseOutcome::complete(block.driver_bytes)
+                // Never more than the block (the driver may have rounded it up).
+                ReleaseOutcome::complete(block.driver_bytes.min(allocation.bytes()))
             }
             Err(error) => {
                 self.restore(&allocation, block);

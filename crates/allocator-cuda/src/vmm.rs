@@ -354,7 +354,9 @@ impl CudaVmmAllocator {
                     self.reserved_bytes.fetch_sub(size as u64, Ordering::Relaxed);
                     drop(done.dropped);
                     tracing::trace!(device = %key, address = base, returned, "released a VMM reservation");
-                    return ReleaseOutcome::complete(returned);
+                    // Granules beyond the block are the allocator's rounding: Complete never
+                    // claims more than the block.
+                    return ReleaseOutcome::complete(returned.min(allocation.bytes()));
                 }
                 Err(failure) => error = Some(failure),
             }

@@ -14,7 +14,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use memory_api::{
     AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingIdentity,
     DeferredReleaseQueue, DeviceAddress, DeviceAllocator, DeviceKey, Identity, PreparedRelease, QueueRefusalReason,
-    RawAllocation, ReleaseError, ReleaseOutcome,
+    RawAllocation, ReleaseError, ReleaseOutcome, ReleaseSummary,
 };
 
 use crate::entry::{Anchor, DropPolicy, MechanismCore, Pin, QuarantinedAllocation, Record};
@@ -35,25 +35,6 @@ pub struct MemoryBinding {
     /// The binding id's serial (the issuer's, so it is recognised back).
     pub(crate) binding: NonZeroU64,
     pub(crate) generation: BindingGeneration,
-}
-
-/// What an accepted release did.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReleaseReport {
-    /// Everything was released.
-    Complete {
-        /// Bytes unmapped or freed.
-        unmapped_bytes: usize,
-    },
-    /// Part was released; the rest is quarantined in the registry (visible in
-    /// snapshots, retried by `retry_quarantined`, discharged at termination).
-    Quarantined {
-        /// Bytes unmapped.
-        unmapped_bytes: usize,
-        /// Bytes still owned.
-        residual_bytes: usize,
-    },
 }
 
 impl MemoryBinding {
@@ -169,7 +150,7 @@ impl MemoryBinding {
     /// registry or binding, its generation is stale, its device was lost (no
     /// callback runs then), or the allocator refused without mutating anything.
     #[inline]
-    pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
+    pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
         if let Err(reason) = self.check_owns(&allocation) {
             return Err(Rejected { handle: allocation, reason });
         }
@@ -230,10 +211,7 @@ impl MemoryBinding {
         if expected != found {
             return HandleError::ForeignRegistry { expected, found };
         }
-        HandleError::BindingMismatch {
-            expected: self.identity().to_string(),
-            found: allocation.binding_identity().map_or_else(|| "an unknown binding".to_owned(), |b| b.to_string()),
-        }
+        HandleError::BindingMismatch { expected: self.identity(), found: allocation.binding_identity() }
     }
 }
 
@@ -251,6 +229,7 @@ impl fmt::Debug for MemoryBinding {
 /// quarantine with a warning (device memory may still be in use). On a lost device
 /// dropping does nothing; the block is retired when the context is confirmed
 /// terminated.
+#[must_use = "dropping a live allocation releases, defers or quarantines it by the drop policy; release it through its binding"]
 pub struct BoundAllocation {
     /// The pin of the thread that allocated it (where its record lives).
     pin: Option<PinRef>,
@@ -345,9 +324,11 @@ impl BoundAllocation {
     pub(crate) fn check_usable(&self) -> Result<&Pin, HandleError> {
         let pin = self.pin().ok_or(HandleError::StaleAllocation)?;
         match pin.core.lifecycle.state() {
-            MechanismState::DeviceLost => {
-                Err(HandleError::DeviceLost { device: pin.core.device, reason: pin.core.lost_reason() })
-            }
+            MechanismState::DeviceLost => Err(HandleError::DeviceLost {
+                device: pin.core.device,
+                mechanism: pin.core.identity,
+                reason: pin.core.lost_reason(),
+            }),
             MechanismState::Terminated => Err(HandleError::StaleAllocation),
             // A view makes no callback; `Removing` is a momentary check by `remove`.
             MechanismState::Active | MechanismState::Retired | MechanismState::Removing => Ok(pin),
@@ -485,7 +466,9 @@ fn recognise<I: Identity>(issuer: &memory_api::IdentityIssuer, serial: NonZeroU6
 /// Why an operation on an existing allocation was refused in `state`.
 pub(crate) fn refusal_for(core: &MechanismCore, state: MechanismState) -> HandleError {
     match state {
-        MechanismState::DeviceLost => HandleError::DeviceLost { device: core.device, reason: core.lost_reason() },
+        MechanismState::DeviceLost => {
+            HandleError::DeviceLost { device: core.device, mechanism: core.identity, reason: core.lost_reason() }
+        }
         MechanismState::Terminated => HandleError::StaleAllocation,
         state => HandleError::Inactive { mechanism: core.identity, state },
     }
@@ -530,7 +513,7 @@ fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
 fn refused_allocation(core: &MechanismCore, state: MechanismState) -> AllocateError {
     match state {
         MechanismState::DeviceLost | MechanismState::Terminated => {
-            AllocateError::DeviceLost { device: core.device, reason: core.lost_reason() }
+            AllocateError::DeviceLost { device: core.device, mechanism: core.identity, reason: core.lost_reason() }
         }
         state => AllocateError::Inactive { mechanism: core.identity, state },
     }
@@ -584,7 +567,7 @@ fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, Refusal
 /// Explicit release: take the record, call the allocator, settle. The handle's pin is
 /// the allocating thread's: its core is read through it, no shared refcount is touched.
 #[inline]
-fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejected<BoundAllocation>> {
+fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
     let Some(held) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
@@ -608,12 +591,12 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseReport, Rejecte
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
             // Its pin is taken: nothing is left for `Drop` to do.
             std::mem::forget(allocation);
-            Ok(ReleaseReport::Complete { unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()) })
+            Ok(ReleaseSummary::Complete { unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()) })
         }
         // It panicked while this thread unwinds: quarantined, not re-raised.
         None => {
             std::mem::forget(allocation);
-            Ok(ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes })
+            Ok(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes })
         }
         Some(outcome) => match settle(pin, slot, record, &parts, outcome) {
             Settled::Done(report) => {
@@ -672,7 +655,7 @@ pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, cal
 }
 
 enum Settled {
-    Done(ReleaseReport),
+    Done(ReleaseSummary),
     /// Nothing was released; the record is still in transit, for the caller to put
     /// back (a handle returns) or to quarantine (nobody holds a handle).
     // Boxed: refusals are rare, and a small `Settled` keeps the common path in
@@ -690,7 +673,7 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
     let settled = match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
-            Settled::Done(ReleaseReport::Complete {
+            Settled::Done(ReleaseSummary::Complete {
                 unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
             })
         }
@@ -702,7 +685,7 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
             } else {
                 mismatched(core, parts, expected, unmapped, residual)
             };
-            let report = ReleaseReport::Quarantined {
+            let report = ReleaseSummary::Quarantined {
                 unmapped_bytes: entry.unmapped_bytes,
                 residual_bytes: entry.residual_bytes,
             };
@@ -715,7 +698,7 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
                 return Settled::Refused(Box::new(error));
             }
             let entry = mismatched(core, parts, expected, 0, parts.bytes);
-            let report = ReleaseReport::Quarantined {
+            let report = ReleaseSummary::Quarantined {
                 unmapped_bytes: entry.unmapped_bytes,
                 residual_bytes: entry.residual_bytes,
             };

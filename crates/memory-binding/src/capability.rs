@@ -211,9 +211,11 @@ impl BoundSharedMapping {
         ByteRange::new(0, bytes).check_aligned(self.granularity())?;
         let _in_flight = core.lifecycle.begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly).map_err(
             |state| match state {
-                MechanismState::DeviceLost => {
-                    HandleError::DeviceLost { device: core.device, reason: core.lost_reason() }
-                }
+                MechanismState::DeviceLost => HandleError::DeviceLost {
+                    device: core.device,
+                    mechanism: core.identity,
+                    reason: core.lost_reason(),
+                },
                 state => HandleError::Inactive { mechanism: core.identity, state },
             },
         )?;
@@ -290,7 +292,7 @@ impl fmt::Debug for BoundSharedMapping {
     }
 }
 
-#[cfg(all(test, not(memory_loom)))]
+#[cfg(test)]
 mod tests {
     use super::*;
     use memory_api::{AllocError, AllocationRequest, DeviceKey, RawAllocation, ReleaseOutcome};

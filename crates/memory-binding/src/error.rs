@@ -5,8 +5,8 @@
 use std::fmt;
 
 use memory_api::{
-    AllocError, CapabilityError, DeviceKey, IdentityError, MechanismIdentity, ProviderContextIdentity,
-    QueueRefusalReason, RegistryId, ReleaseError,
+    AllocError, AuthorityIdentity, BindingIdentity, CapabilityError, DeviceKey, Identity, IdentityError,
+    MechanismIdentity, ProviderContextIdentity, QueueRefusalReason, RegistryId, ReleaseError,
 };
 
 use crate::lifecycle::MechanismState;
@@ -39,6 +39,67 @@ impl fmt::Display for ObjectKind {
     }
 }
 
+/// The identity of a registered object, typed, as errors carry it (match on it, or
+/// compare it with the identity you hold).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ObjectIdentity {
+    /// A provider context.
+    ProviderContext(ProviderContextIdentity),
+    /// An authority.
+    Authority(AuthorityIdentity),
+    /// A mechanism.
+    Mechanism(MechanismIdentity),
+}
+
+impl ObjectIdentity {
+    /// Which kind of object this is.
+    pub fn kind(&self) -> ObjectKind {
+        match self {
+            ObjectIdentity::ProviderContext(_) => ObjectKind::ProviderContext,
+            ObjectIdentity::Authority(_) => ObjectKind::Authority,
+            ObjectIdentity::Mechanism(_) => ObjectKind::Mechanism,
+        }
+    }
+
+    /// The registry that issued it.
+    pub fn registry(&self) -> RegistryId {
+        match self {
+            ObjectIdentity::ProviderContext(id) => id.registry(),
+            ObjectIdentity::Authority(id) => id.registry(),
+            ObjectIdentity::Mechanism(id) => id.registry(),
+        }
+    }
+}
+
+impl fmt::Display for ObjectIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ObjectIdentity::ProviderContext(id) => id.fmt(f),
+            ObjectIdentity::Authority(id) => id.fmt(f),
+            ObjectIdentity::Mechanism(id) => id.fmt(f),
+        }
+    }
+}
+
+impl From<ProviderContextIdentity> for ObjectIdentity {
+    fn from(id: ProviderContextIdentity) -> ObjectIdentity {
+        ObjectIdentity::ProviderContext(id)
+    }
+}
+
+impl From<AuthorityIdentity> for ObjectIdentity {
+    fn from(id: AuthorityIdentity) -> ObjectIdentity {
+        ObjectIdentity::Authority(id)
+    }
+}
+
+impl From<MechanismIdentity> for ObjectIdentity {
+    fn from(id: MechanismIdentity) -> ObjectIdentity {
+        ObjectIdentity::Mechanism(id)
+    }
+}
+
 /// Errors of the cold path: registration, selection, retirement, invalidation,
 /// termination, removal.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -52,7 +113,7 @@ pub enum RegistryError {
         /// What kind of object.
         kind: ObjectKind,
         /// The identity presented.
-        identity: String,
+        identity: ObjectIdentity,
         /// This registry.
         expected: RegistryId,
         /// The issuing registry.
@@ -64,7 +125,7 @@ pub enum RegistryError {
         /// What kind of object.
         kind: ObjectKind,
         /// The identity presented.
-        identity: String,
+        identity: ObjectIdentity,
     },
     /// Context, authority and allocator disagree about the device.
     #[error(
@@ -139,7 +200,7 @@ pub enum RegistryError {
         /// What kind of object.
         kind: ObjectKind,
         /// Its identity.
-        identity: String,
+        identity: ObjectIdentity,
         /// Live allocations.
         live: usize,
         /// Quarantined allocations.
@@ -212,12 +273,16 @@ pub enum HandleError {
         found: RegistryId,
     },
     /// The handle belongs to another binding (or mechanism, authority, device).
-    #[error("the allocation belongs to {found}, not to this binding ({expected}); use the binding that made it")]
+    #[error(
+        "the allocation belongs to {}, not to this binding ({expected}); use the binding that made it",
+        found.map_or_else(|| "a binding this registry does not recognise".to_owned(), |b| b.to_string())
+    )]
     BindingMismatch {
         /// This binding.
-        expected: String,
-        /// The binding that made the allocation.
-        found: String,
+        expected: BindingIdentity,
+        /// The binding that made the allocation (`None` if its serials are not ones this
+        /// registry issued).
+        found: Option<BindingIdentity>,
     },
     /// The handle's generation no longer validates (its metadata was retired).
     #[error(
@@ -231,7 +296,9 @@ pub enum HandleError {
     DeviceLost {
         /// The lost device.
         device: DeviceKey,
-        /// Why.
+        /// The mechanism the handle is pinned to (lost with its device).
+        mechanism: MechanismIdentity,
+        /// Why, as given to `invalidate_device`.
         reason: String,
     },
     /// The mechanism's state forbids the operation.
@@ -284,7 +351,9 @@ pub enum AllocateError {
     DeviceLost {
         /// The lost device.
         device: DeviceKey,
-        /// Why.
+        /// The mechanism the handle is pinned to (lost with its device).
+        mechanism: MechanismIdentity,
+        /// Why, as given to `invalidate_device`.
         reason: String,
     },
     /// The allocator answered with a block that does not fit the request (wrong

@@ -60,7 +60,7 @@
 //! # }
 //! # let allocator: Arc<dyn DeviceAllocator> = Arc::new(Host);
 //!
-//! let registry = BindingRegistry::new()?;
+//! let registry = BindingRegistry::new();
 //! let context = registry.register_provider_context(DeviceKey::HOST, Arc::new("host arena"))?;
 //! let tenant = registry.register_authority(DeviceKey::HOST, Arc::new("tenant-a"))?;
 //! let mechanism = registry.register_allocator(&context, &tenant, allocator)?;
@@ -102,7 +102,7 @@ pub use lifecycle::MechanismState;
 pub use registry::{BindingRegistry, InvalidationReport, MechanismOptions};
 
 // Bindings, allocations, views and bound capabilities (the hot path).
-pub use binding::{AllocationView, BoundAllocation, MemoryBinding, ReleaseReport};
+pub use binding::{AllocationView, BoundAllocation, MemoryBinding};
 pub use capability::{BoundSharedMapping, BoundVirtualBacking};
 
 // Reports and snapshots.

@@ -25,7 +25,7 @@ use memory_api::{
 use crate::binding::{MemoryBinding, reraise_unless_unwinding};
 use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
-use crate::error::{BindError, ContextState, ObjectKind, RegistryError};
+use crate::error::{BindError, ContextState, ObjectIdentity, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
 use crate::per_thread::thread_index;
 use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
@@ -68,14 +68,26 @@ pub(crate) struct RegistryInner {
 
 /// Options for [`BindingRegistry::register_allocator_with`].
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct MechanismOptions {
     /// What dropping a live allocation does; `None` picks
     /// [`DropPolicy::default_for`] the device.
     pub drop_policy: Option<DropPolicy>,
 }
 
+impl MechanismOptions {
+    /// The same options with `policy` for dropping a live allocation (`None`: the
+    /// device's default, [`DropPolicy::default_for`]).
+    #[must_use]
+    pub fn with_drop_policy(mut self, policy: impl Into<Option<DropPolicy>>) -> MechanismOptions {
+        self.drop_policy = policy.into();
+        self
+    }
+}
+
 /// What `invalidate_device` changed.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InvalidationReport {
     /// Mechanisms moved to device-lost.
     pub mechanisms: usize,
@@ -85,12 +97,30 @@ pub struct InvalidationReport {
     pub selection_dropped: bool,
 }
 
+impl Default for BindingRegistry {
+    fn default() -> BindingRegistry {
+        BindingRegistry::new()
+    }
+}
+
 impl BindingRegistry {
+    /// A new, empty registry with a fresh process-unique id.
+    ///
+    /// # Panics
+    /// Only if the process has created 2^64 - 1 registries, which cannot happen in
+    /// practice; [`BindingRegistry::try_new`] reports that as an error instead.
+    pub fn new() -> BindingRegistry {
+        match BindingRegistry::try_new() {
+            Ok(registry) => registry,
+            Err(error) => panic!("{error}"),
+        }
+    }
+
     /// A new, empty registry with a fresh process-unique id.
     ///
     /// # Errors
     /// [`RegistryError::Identity`] once the process has used up registry ids.
-    pub fn new() -> Result<BindingRegistry, RegistryError> {
+    pub fn try_new() -> Result<BindingRegistry, RegistryError> {
         Ok(BindingRegistry::with_issuer(IdentityIssuer::new()?))
     }
 
@@ -117,31 +147,37 @@ impl BindingRegistry {
         self.inner.issuer.registry()
     }
 
-    fn check_ours<I: Identity>(&self, kind: ObjectKind, identity: &I) -> Result<(), RegistryError> {
+    fn check_ours(&self, identity: impl Into<ObjectIdentity>) -> Result<(), RegistryError> {
+        let identity = identity.into();
         let (expected, found) = (self.id(), identity.registry());
         if expected == found {
             Ok(())
         } else {
-            Err(RegistryError::ForeignRegistry { kind, identity: identity.to_string(), expected, found })
+            Err(RegistryError::ForeignRegistry { kind: identity.kind(), identity, expected, found })
         }
     }
 
+    fn unknown(identity: impl Into<ObjectIdentity>) -> RegistryError {
+        let identity = identity.into();
+        RegistryError::Unknown { kind: identity.kind(), identity }
+    }
+
     fn context(&self, context: &ProviderContextIdentity) -> Result<Arc<ContextEntry>, RegistryError> {
-        self.check_ours(ObjectKind::ProviderContext, context)?;
+        self.check_ours(*context)?;
         let entry = self.inner.contexts.get(context).map(|e| Arc::clone(&e));
-        entry.ok_or_else(|| RegistryError::Unknown { kind: ObjectKind::ProviderContext, identity: context.to_string() })
+        entry.ok_or_else(|| Self::unknown(*context))
     }
 
     fn authority(&self, authority: &AuthorityIdentity) -> Result<Arc<AuthorityEntry>, RegistryError> {
-        self.check_ours(ObjectKind::Authority, authority)?;
+        self.check_ours(*authority)?;
         let entry = self.inner.authorities.get(authority).map(|e| Arc::clone(&e));
-        entry.ok_or_else(|| RegistryError::Unknown { kind: ObjectKind::Authority, identity: authority.to_string() })
+        entry.ok_or_else(|| Self::unknown(*authority))
     }
 
     pub(crate) fn mechanism(&self, mechanism: &MechanismIdentity) -> Result<Arc<Mechanism>, RegistryError> {
-        self.check_ours(ObjectKind::Mechanism, mechanism)?;
+        self.check_ours(*mechanism)?;
         let entry = self.inner.mechanisms.get(mechanism).map(|e| Arc::clone(&e));
-        entry.ok_or_else(|| RegistryError::Unknown { kind: ObjectKind::Mechanism, identity: mechanism.to_string() })
+        entry.ok_or_else(|| Self::unknown(*mechanism))
     }
 
     /// Every registered mechanism, collected so no shard lock is held afterwards.
@@ -487,6 +523,41 @@ impl BindingRegistry {
         report
     }
 
+    /// [`BindingRegistry::confirm_context_terminated`], polled until the context's
+    /// callbacks drain or `timeout` passes: the poll loop every caller would otherwise
+    /// write. Each attempt takes and releases the registry's locks like a single call;
+    /// between attempts no lock is held and the thread yields, then sleeps with a
+    /// backoff of at most a millisecond, so waiting costs little and never blocks
+    /// registration, selection or releases on other threads.
+    ///
+    /// # Errors
+    /// The last [`RegistryError::ContextNotQuiescent`] when `timeout` passes first
+    /// (poll again, or find what still holds a callback); every other error of
+    /// `confirm_context_terminated` at once.
+    pub fn wait_terminated(
+        &self,
+        context: &ProviderContextIdentity,
+        timeout: std::time::Duration,
+    ) -> Result<TerminationReport, RegistryError> {
+        const LONGEST_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+        let start = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(20);
+        loop {
+            match self.confirm_context_terminated(context) {
+                Err(not_yet @ RegistryError::ContextNotQuiescent { .. }) => {
+                    let waited = start.elapsed();
+                    if waited >= timeout {
+                        return Err(not_yet);
+                    }
+                    std::thread::yield_now();
+                    std::thread::sleep(pause.min(timeout - waited));
+                    pause = (pause * 2).min(LONGEST_PAUSE);
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// Confirms that `context` (whose device was invalidated) is gone and its
     /// callbacks have drained: retires all its allocation metadata, hands the lost
     /// blocks to each allocator's `forget_lost`, and discharges its quarantine.
@@ -669,7 +740,7 @@ impl BindingRegistry {
             }
             return Err(RegistryError::NotQuiescent {
                 kind: ObjectKind::Mechanism,
-                identity: mechanism.to_string(),
+                identity: ObjectIdentity::Mechanism(*mechanism),
                 live,
                 quarantined,
                 in_flight,
@@ -696,24 +767,11 @@ impl BindingRegistry {
     /// # Errors
     /// Foreign or unknown context, or mechanisms still referencing it.
     pub fn remove_provider_context(&self, context: &ProviderContextIdentity) -> Result<(), RegistryError> {
-        let cold = lock(&self.inner.cold);
-        self.context(context)?;
-        let dependents = self.dependents(|core| core.context.identity == *context);
-        if dependents > 0 {
-            return Err(RegistryError::NotQuiescent {
-                kind: ObjectKind::ProviderContext,
-                identity: context.to_string(),
-                live: 0,
-                quarantined: 0,
-                in_flight: 0,
-                dependents,
-            });
-        }
-        let removed = self.inner.contexts.remove(context);
-        drop(cold);
-        drop(removed); // The resource's destructor runs here, outside every lock.
-        tracing::info!(context = %context, "provider context removed");
-        Ok(())
+        self.remove_unreferenced(
+            *context,
+            |core| core.context.identity == *context,
+            |inner| inner.contexts.remove(context).map(|(_, entry)| Box::new(entry) as Box<dyn std::any::Any>),
+        )
     }
 
     /// Removes an authority no registered mechanism references.
@@ -721,24 +779,49 @@ impl BindingRegistry {
     /// # Errors
     /// Foreign or unknown authority, or mechanisms still referencing it.
     pub fn remove_authority(&self, authority: &AuthorityIdentity) -> Result<(), RegistryError> {
+        self.remove_unreferenced(
+            *authority,
+            |core| core.authority.identity == *authority,
+            |inner| inner.authorities.remove(authority).map(|(_, entry)| Box::new(entry) as Box<dyn std::any::Any>),
+        )
+    }
+
+    /// The removal both contexts and authorities share: under the cold lock, check the
+    /// identity, refuse while a mechanism references it, take the entry out; then drop
+    /// it (the resource's destructor runs there) outside every lock.
+    fn remove_unreferenced(
+        &self,
+        identity: impl Into<ObjectIdentity>,
+        references: impl Fn(&MechanismCore) -> bool,
+        take: impl FnOnce(&RegistryInner) -> Option<Box<dyn std::any::Any>>,
+    ) -> Result<(), RegistryError> {
+        let identity = identity.into();
         let cold = lock(&self.inner.cold);
-        self.authority(authority)?;
-        let dependents = self.dependents(|core| core.authority.identity == *authority);
-        if dependents > 0 {
-            return Err(RegistryError::NotQuiescent {
-                kind: ObjectKind::Authority,
-                identity: authority.to_string(),
+        self.check_ours(identity)?;
+        let dependents = self.dependents(references);
+        let removed = if dependents > 0 { None } else { take(&self.inner) };
+        drop(cold);
+        match removed {
+            Some(entry) => {
+                drop(entry); // The resource's destructor runs here, outside every lock.
+                match identity {
+                    ObjectIdentity::ProviderContext(context) => {
+                        tracing::info!(context = %context, "provider context removed")
+                    }
+                    _ => tracing::info!(authority = %identity, "authority removed"),
+                }
+                Ok(())
+            }
+            None if dependents > 0 => Err(RegistryError::NotQuiescent {
+                kind: identity.kind(),
+                identity,
                 live: 0,
                 quarantined: 0,
                 in_flight: 0,
                 dependents,
-            });
+            }),
+            None => Err(Self::unknown(identity)),
         }
-        let removed = self.inner.authorities.remove(authority);
-        drop(cold);
-        drop(removed);
-        tracing::info!(authority = %authority, "authority removed");
-        Ok(())
     }
 
     /// Where the allocation named by `identity` stands, found by its generation
@@ -921,7 +1004,7 @@ mod loom_selection {
 
     /// A registry with two mechanisms on one device; the first is selected.
     fn two_mechanisms() -> (BindingRegistry, MechanismIdentity, MechanismIdentity) {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
         let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
         let first = registry.register_allocator(&context, &authority, Arc::new(Blocks)).unwrap();

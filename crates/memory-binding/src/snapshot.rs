@@ -12,6 +12,7 @@ use crate::registry::BindingRegistry;
 
 /// What `confirm_context_terminated` retired.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TerminationReport {
     /// The context.
     pub context: ProviderContextIdentity,
@@ -42,6 +43,7 @@ impl TerminationReport {
 
 /// What `retry_quarantined` achieved.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryReport {
     /// Blocks now fully released.
     pub released: usize,
@@ -65,6 +67,7 @@ pub enum AllocationState {
 
 /// One quarantined block.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QuarantineSnapshot {
     /// Its allocation generation.
     pub generation: AllocationGeneration,
@@ -82,6 +85,7 @@ pub struct QuarantineSnapshot {
 
 /// One mechanism.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MechanismSnapshot {
     /// Its identity.
     pub identity: MechanismIdentity,
@@ -126,6 +130,7 @@ impl MechanismSnapshot {
 
 /// One provider context.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ContextSnapshot {
     /// Its identity.
     pub identity: ProviderContextIdentity,
@@ -137,6 +142,7 @@ pub struct ContextSnapshot {
 
 /// One authority.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AuthoritySnapshot {
     /// Its identity.
     pub identity: AuthorityIdentity,
@@ -146,6 +152,7 @@ pub struct AuthoritySnapshot {
 
 /// The whole registry.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RegistrySnapshot {
     /// The registry's id.
     pub registry: RegistryId,

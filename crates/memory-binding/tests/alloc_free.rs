@@ -49,7 +49,7 @@ fn allocations() -> u64 {
 #[test]
 #[cfg_attr(miri, ignore = "counts heap allocations over 300 warm-up rounds: 140 s under Miri")]
 fn bind_and_allocate_release_pairs_do_not_touch_the_heap_at_steady_state() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(Caps::new(DeviceKey::device(0)))).unwrap();
     let request = request(4096);
     // Warm up: the pin, its slab and the identity blocks are created once.
@@ -92,7 +92,7 @@ fn pairs_allocate(binding: &MemoryBinding, rounds: usize) -> u64 {
 #[test]
 #[cfg_attr(miri, ignore = "counts heap allocations over thousands of rounds on several threads")]
 fn a_binding_made_on_one_thread_and_used_on_others_does_not_touch_the_heap() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(Caps::new(DeviceKey::device(0)))).unwrap();
     // A clone moved to a worker, and the original shared by reference with two more.
     let clone = binding.clone();
@@ -118,7 +118,7 @@ fn a_binding_made_on_one_thread_and_used_on_others_does_not_touch_the_heap() {
 #[cfg_attr(miri, ignore = "counts heap allocations over thousands of rounds on two threads")]
 fn blocks_released_on_another_thread_do_not_touch_the_heap_on_either_side() {
     const BATCH: usize = 64;
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(Caps::new(DeviceKey::device(0)))).unwrap();
     let request = request(4096);
     // A hand-off with its capacity reserved up front: moving a block through it

@@ -37,7 +37,7 @@ fn assert_rejected(
 
 #[test]
 fn cross_binding_mechanism_authority_device_and_registry_handles_are_rejected_before_callbacks() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let a = Arc::new(Caps::new(GPU0));
     let b = Arc::new(Caps::new(GPU0));
     let c = Arc::new(Caps::new(GPU1));
@@ -54,7 +54,7 @@ fn cross_binding_mechanism_authority_device_and_registry_handles_are_rejected_be
     let other_mechanism = bind(&registry, &mb);
     let other_device = bind(&registry, &mc);
     let other_authority_binding = bind(&registry, &md);
-    let foreign_registry = BindingRegistry::new().unwrap();
+    let foreign_registry = BindingRegistry::new();
     let (_, _, mf) = register(&foreign_registry, Arc::new(Caps::new(GPU0)));
     let foreign = bind(&foreign_registry, &mf);
 
@@ -66,7 +66,12 @@ fn cross_binding_mechanism_authority_device_and_registry_handles_are_rejected_be
         &other_device,
         block,
         &all,
-        |r| matches!(r, HandleError::BindingMismatch { found, .. } if found.contains("device:0")),
+        // Typed identities: the error names both bindings exactly.
+        |r| {
+            matches!(r, HandleError::BindingMismatch { expected, found }
+                if *found == Some(owner.identity()) && *expected == other_device.identity()
+                    && found.is_some_and(|f| f.device() == GPU0))
+        },
     );
     let block =
         assert_rejected(&other_authority_binding, block, &all, |r| matches!(r, HandleError::BindingMismatch { .. }));
@@ -90,8 +95,8 @@ fn cross_binding_mechanism_authority_device_and_registry_handles_are_rejected_be
 
 #[test]
 fn foreign_and_unknown_identities_are_rejected_at_registration() {
-    let registry = BindingRegistry::new().unwrap();
-    let other = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
+    let other = BindingRegistry::new();
     let ctx = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
     let auth = registry.register_authority(GPU0, Arc::new(())).unwrap();
     let foreign_ctx = other.register_provider_context(GPU0, Arc::new(())).unwrap();
@@ -117,7 +122,7 @@ fn foreign_and_unknown_identities_are_rejected_at_registration() {
 
 #[test]
 fn capability_ranges_are_checked_before_the_capability_runs() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(GPU0));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = bind(&registry, &mechanism);
@@ -153,7 +158,7 @@ fn capability_ranges_are_checked_before_the_capability_runs() {
 
 #[test]
 fn views_are_bounded_to_their_allocation() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(RecordingAllocator::host())).unwrap();
     let block = binding.allocate(request(100)).unwrap();
     assert_eq!(block.view(0, 100).unwrap().len(), 100);
@@ -210,7 +215,7 @@ impl DeviceAllocator for Reentrant {
 
 #[test]
 fn callbacks_and_destructors_run_with_no_lock_held() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = Arc::new(Reentrant {
         inner: RecordingAllocator::host(),
         registry: OnceLock::new(),
@@ -244,7 +249,7 @@ fn callbacks_and_destructors_run_with_no_lock_held() {
 
 #[test]
 fn a_panicking_allocator_leaves_the_registry_usable_with_exact_counts() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let faulty = Arc::new(FaultyAllocator::host());
     let (_, _, mechanism) = register(&registry, faulty.clone());
     let binding = bind(&registry, &mechanism);
@@ -273,7 +278,7 @@ fn a_panicking_allocator_leaves_the_registry_usable_with_exact_counts() {
 
 #[test]
 fn allocator_errors_pass_through_and_leak_nothing() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let faulty = Arc::new(FaultyAllocator::host());
     let (_, _, mechanism) = register(&registry, faulty.clone());
     let binding = bind(&registry, &mechanism);

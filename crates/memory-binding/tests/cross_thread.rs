@@ -22,7 +22,7 @@ fn live(registry: &BindingRegistry, binding: &MemoryBinding) -> (usize, usize, u
 
 #[test]
 fn a_binding_made_on_one_thread_serves_workers_and_their_blocks_release_on_any_thread() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(HOST));
     let (_, _, mechanism) = register(&registry, caps.clone());
     // Made at "session setup", used by two workers by reference and by two through
@@ -77,7 +77,7 @@ fn a_binding_made_on_one_thread_serves_workers_and_their_blocks_release_on_any_t
 
 #[test]
 fn slots_freed_by_other_threads_are_reused_by_their_owner_and_old_handles_stay_stale() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(HOST));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -107,7 +107,7 @@ fn slots_freed_by_other_threads_are_reused_by_their_owner_and_old_handles_stay_s
 
 #[test]
 fn dropping_a_host_allocation_on_another_thread_releases_it_and_a_device_one_is_quarantined() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let host = Arc::new(Caps::new(HOST));
     let gpu = Arc::new(Caps::new(GPU0));
     let (_, _, host_mechanism) = register(&registry, host.clone());
@@ -151,7 +151,7 @@ fn a_refused_release_on_another_thread_hands_the_block_back_and_it_stays_releasa
             self.0.release(allocation)
         }
     }
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (_, _, mechanism) = register(&registry, Arc::new(RefusesOnce(Caps::new(HOST), AtomicUsize::new(0))));
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
@@ -169,7 +169,7 @@ fn a_refused_release_on_another_thread_hands_the_block_back_and_it_stays_releasa
 
 #[test]
 fn termination_retires_the_records_of_every_thread() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(GPU0));
     let (context, _, mechanism) = register(&registry, caps.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -194,7 +194,7 @@ fn termination_retires_the_records_of_every_thread() {
 
 #[test]
 fn a_thread_that_exits_leaves_its_allocations_valid_and_its_pin_to_the_next_thread() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(HOST));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -227,7 +227,7 @@ fn a_thread_that_exits_leaves_its_allocations_valid_and_its_pin_to_the_next_thre
 #[test]
 fn an_allocation_dropped_by_a_thread_local_destructor_is_released() {
     thread_local!(static HELD: std::cell::RefCell<Vec<BoundAllocation>> = const { std::cell::RefCell::new(Vec::new()) });
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(HOST));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -277,7 +277,7 @@ fn the_allocator_is_dropped_once_handles_bindings_and_the_registry_are_gone() {
     // thread; the registry dropped first or the bindings first.
     for case in 0..4 {
         let dropped = Arc::new(AtomicUsize::new(0));
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let (_, _, mechanism) = register(&registry, Arc::new(Watched(Caps::new(HOST), dropped.clone())));
         let binding = registry.bind_registered(&mechanism).unwrap();
         // Pins on three threads, each with live allocations, some released remotely.
@@ -317,7 +317,7 @@ fn the_allocator_is_dropped_once_handles_bindings_and_the_registry_are_gone() {
     }
     // No allocation ever made: the allocator goes with the registry and the binding.
     let dropped = Arc::new(AtomicUsize::new(0));
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (_, _, mechanism) = register(&registry, Arc::new(Watched(Caps::new(HOST), dropped.clone())));
     let binding = registry.bind_registered(&mechanism).unwrap();
     std::thread::spawn({
@@ -333,7 +333,7 @@ fn the_allocator_is_dropped_once_handles_bindings_and_the_registry_are_gone() {
 #[test]
 fn removal_after_cross_thread_use_drops_the_allocator_once_bindings_are_gone() {
     let dropped = Arc::new(AtomicUsize::new(0));
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (_, _, mechanism) = register(&registry, Arc::new(Watched(Caps::new(HOST), dropped.clone())));
     let binding = registry.bind_registered(&mechanism).unwrap();
     let blocks: Vec<_> = std::thread::scope(|scope| {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tracing::Level;
 
 use common::{Collector, HeldQueue, PAGE, has, register, register_with, request};
+use memory_api::ReleaseSummary;
 use memory_api::{
     AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
     DeviceKey, IdentityError, IdentityIssuer, MappingAccess, MechanismIdentity, PreparedRelease, QueueRefusal,
@@ -23,7 +24,6 @@ use memory_api::{
 };
 use memory_binding::{
     AllocateError, BindingRegistry, BoundCapabilityError, DropPolicy, HandleError, MechanismOptions, RegistryError,
-    ReleaseReport,
 };
 
 const GPU0: DeviceKey = DeviceKey::device(0);
@@ -247,7 +247,7 @@ fn a_queue_refusing_with_a_forged_release_cannot_corrupt_the_books() {
     ];
     for (offered, forged) in cases {
         let what = format!("{offered:?} then refuse with {forged:?}");
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let ledger = Ledger::on(GPU0);
         let (context, _, mechanism) = register(&registry, ledger.clone());
         let binding = registry.bind_registered(&mechanism).unwrap();
@@ -298,10 +298,10 @@ fn a_queue_refusing_with_a_forged_release_cannot_corrupt_the_books() {
 #[test]
 fn a_drop_time_deferral_refused_with_a_forged_release_is_counted_out_once() {
     for offered in [Offered::Drop, Offered::Keep, Offered::Cancel] {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let ledger = Ledger::on(GPU0);
         let queue = Arc::new(ForgingQueue::new(offered, Forged::OtherBlock));
-        let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(queue.clone())) };
+        let options = MechanismOptions::default().with_drop_policy(Some(DropPolicy::Defer(queue.clone())));
         let (context, _, mechanism) = register_with(&registry, ledger.clone(), options);
         let binding = registry.bind_registered(&mechanism).unwrap();
         let block = binding.allocate(request(PAGE)).unwrap();
@@ -322,7 +322,7 @@ fn a_drop_time_deferral_refused_with_a_forged_release_is_counted_out_once() {
 /// handle back, re-recorded, with nothing in flight.
 #[test]
 fn an_honest_refusal_hands_the_allocation_back_recorded() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (_, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -558,7 +558,7 @@ impl Drop for ProbingResource {
 #[test]
 fn no_callback_or_destructor_runs_under_a_registry_lock() {
     let probe = Arc::new(LockProbe::default());
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     probe.arm(&registry);
     let resource = |what| -> memory_binding::Resource { Arc::new(ProbingResource(Arc::clone(&probe), what)) };
 
@@ -568,7 +568,7 @@ fn no_callback_or_destructor_runs_under_a_registry_lock() {
     let authority = registry.register_authority(GPU0, resource("authority destructor")).unwrap();
     let queue = Arc::new(ProbingQueue { device: GPU0, probe: Arc::clone(&probe), held: Mutex::new(Vec::new()) });
     let allocator = ProbingAllocator::on(GPU0, &probe);
-    let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(queue.clone())) };
+    let options = MechanismOptions::default().with_drop_policy(Some(DropPolicy::Defer(queue.clone())));
     let deferring = registry.register_allocator_with(&context, &authority, allocator.clone(), options).unwrap();
     let quarantining = registry.register_allocator(&context, &authority, ProbingAllocator::on(GPU0, &probe)).unwrap();
     let host = registry.with_memory(ProbingAllocator::on(DeviceKey::HOST, &probe)).unwrap();
@@ -601,7 +601,7 @@ fn no_callback_or_destructor_runs_under_a_registry_lock() {
     let placement = SharedPlacement { target: page, backing_offset: 0 };
     shared.map(&backing, &block, placement, MappingAccess::ReadOnly).unwrap();
     assert_eq!((shared.granularity(), shared.unmap(&block, page).unwrap()), (PAGE, PAGE));
-    assert!(matches!(binding.release(block), Ok(ReleaseReport::Complete { .. })));
+    assert!(matches!(binding.release(block), Ok(ReleaseSummary::Complete { .. })));
     drop(binding.allocate(request(PAGE)).unwrap()); // quarantined on drop
     drop(host.allocate(request(PAGE)).unwrap()); // released on drop
     drop(deferring_binding.allocate(request(PAGE)).unwrap()); // deferred on drop
@@ -687,7 +687,7 @@ fn lose_device_inside_allocate(ledger: &Ledger, registry: &BindingRegistry, nth:
 /// device's allocator: it is kept and handed to `forget_lost` at termination.
 #[test]
 fn an_unfit_block_returned_after_device_loss_is_kept_for_forget_lost_not_released() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (context, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -732,7 +732,7 @@ fn an_unrecordable_block_returned_after_device_loss_is_kept_for_forget_lost_not_
 /// event (the registry has no record to keep it under).
 #[test]
 fn an_unfit_block_the_allocator_will_not_take_back_is_traced_as_an_error() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (_, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -751,7 +751,7 @@ fn an_unfit_block_the_allocator_will_not_take_back_is_traced_as_an_error() {
 /// The control: on a healthy device an unfit block still goes straight back.
 #[test]
 fn an_unfit_block_on_a_healthy_device_is_given_back_at_once() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (_, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -797,7 +797,7 @@ fn panicked_quarantine(registry: &BindingRegistry, mechanism: &MechanismIdentity
 /// the block is quarantined, the panic is logged, and the process does not abort.
 #[test]
 fn a_release_panicking_in_a_drop_during_unwinding_quarantines_without_aborting() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(DeviceKey::HOST); // host tier: dropping releases at once
     let (_, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -821,14 +821,14 @@ fn a_release_panicking_in_a_drop_during_unwinding_quarantines_without_aborting()
 /// reported as a quarantine instead of re-raised.
 #[test]
 fn an_explicit_release_panicking_during_unwinding_reports_a_quarantine() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (_, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
     ledger.panic_on_release.store(true, Ordering::SeqCst);
     let report = while_unwinding(move || binding.release(block).map_err(|rejected| rejected.reason));
-    assert_eq!(report, Ok(ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: 64 }));
+    assert_eq!(report, Ok(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: 64 }));
     assert_eq!(panicked_quarantine(&registry, &mechanism).len(), 1);
 }
 
@@ -846,9 +846,9 @@ impl DeferredReleaseQueue for ExplodingQueue {
 
 #[test]
 fn a_deferring_drop_whose_queue_panics_during_unwinding_quarantines_without_aborting() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
-    let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(Arc::new(ExplodingQueue))) };
+    let options = MechanismOptions::default().with_drop_policy(Some(DropPolicy::Defer(Arc::new(ExplodingQueue))));
     let (_, _, mechanism) = register_with(&registry, ledger.clone(), options);
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
@@ -867,7 +867,7 @@ fn a_deferring_drop_whose_queue_panics_during_unwinding_quarantines_without_abor
 /// `forget_lost`) do not re-raise it from a destructor during unwinding either.
 #[test]
 fn retry_and_termination_with_panicking_callbacks_during_unwinding_do_not_abort() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (context, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -924,7 +924,7 @@ fn retry_and_termination_with_panicking_callbacks_during_unwinding_do_not_abort(
 /// counts the outcome, on the explicit, deferred and retried release paths alike.
 #[test]
 fn a_complete_release_claiming_more_than_the_block_is_corrected_and_counted() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let ledger = Ledger::on(GPU0);
     let (_, _, mechanism) = register(&registry, ledger.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -933,14 +933,14 @@ fn a_complete_release_claiming_more_than_the_block_is_corrected_and_counted() {
     // Honest claims (the block's size, or nothing) are taken as they are.
     ledger.complete_claims.store(PAGE, Ordering::SeqCst);
     let report = binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap();
-    assert_eq!((report, dishonest(&registry)), (ReleaseReport::Complete { unmapped_bytes: PAGE }, 0));
+    assert_eq!((report, dishonest(&registry)), (ReleaseSummary::Complete { unmapped_bytes: PAGE }, 0));
 
     ledger.complete_claims.store(1 << 40, Ordering::SeqCst);
     let collector = Collector::default();
     let traced = tracing::subscriber::set_default(collector.clone());
     let report = binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap();
     drop(traced);
-    assert_eq!(report, ReleaseReport::Complete { unmapped_bytes: PAGE }, "the claim was not checked");
+    assert_eq!(report, ReleaseSummary::Complete { unmapped_bytes: PAGE }, "the claim was not checked");
     assert_eq!(dishonest(&registry), 1);
     assert!(has(&collector.take(), Level::ERROR, "unmapping more than the block"));
 
@@ -1003,7 +1003,7 @@ impl DeviceAllocator for SplitComposite {
 /// `register_trusted_composite` accepts, on the caller's word, and the snapshot says so.
 #[test]
 fn only_the_trusted_path_registers_a_composite_whose_capabilities_live_in_another_object() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
     let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
     let composite = SplitComposite::new(true);
@@ -1117,7 +1117,7 @@ fn capabilities_inside_the_allocator_value_pass_the_safe_path() {
             Some(&ELSEWHERE)
         }
     }
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
     let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
     let wrapped = Arc::new(memory_testkit::RecordingAllocator::new(common::Caps::new(GPU0)));

@@ -13,6 +13,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use common::{Caps, HeldQueue, PAGE, register, register_with, request};
+use memory_api::ReleaseSummary;
 use memory_api::{
     AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
     DeviceKey, IdentityError, IdentityIssuer, LayoutError, MappingAccess, MechanismIdentity, PreparedRelease,
@@ -21,7 +22,7 @@ use memory_api::{
 use memory_binding::{
     AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, BoundCapabilityError,
     BoundSharedMapping, BoundVirtualBacking, ContextState, DropPolicy, HandleError, MechanismOptions, MechanismState,
-    MemoryBinding, ObjectKind, RegistryError, ReleaseReport, ViewError,
+    MemoryBinding, ObjectKind, RegistryError, ViewError,
 };
 use memory_testkit::{CallCounts, Callback, FaultyAllocator, HostHeap, RecordingAllocator};
 
@@ -77,7 +78,7 @@ fn counts(registry: &BindingRegistry, mechanism: &MechanismIdentity) -> (usize, 
 
 #[test]
 fn panic_in_allocate_leaves_nothing_recorded_or_in_flight() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = faulty(DeviceKey::HOST);
     let (_, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -95,7 +96,7 @@ fn panic_in_allocate_leaves_nothing_recorded_or_in_flight() {
 
 #[test]
 fn panic_in_explicit_and_drop_time_release_quarantines_the_block_and_retry_frees_it() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = faulty(DeviceKey::HOST); // host tier: dropping releases at once
     let (_, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -123,7 +124,7 @@ fn panic_in_explicit_and_drop_time_release_quarantines_the_block_and_retry_frees
 
 #[test]
 fn panic_in_retry_keeps_every_quarantined_block_quarantined() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = faulty(GPU0);
     let (_, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -143,7 +144,7 @@ fn panic_in_retry_keeps_every_quarantined_block_quarantined() {
 
 #[test]
 fn panic_in_a_queued_release_ends_its_in_flight_count() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = faulty(GPU0);
     let (context, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -164,7 +165,7 @@ fn panic_in_a_queued_release_ends_its_in_flight_count() {
 
 #[test]
 fn panic_in_forget_lost_still_retires_every_mechanism_of_the_context() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let context = registry.register_provider_context(GPU0, Arc::new(())).unwrap();
     let authority = registry.register_authority(GPU0, Arc::new(())).unwrap();
     let first = faulty(GPU0);
@@ -192,7 +193,7 @@ fn panic_in_forget_lost_still_retires_every_mechanism_of_the_context() {
 
 #[test]
 fn panic_in_forget_lost_of_a_single_mechanism_leaves_exact_counts() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = faulty(GPU0);
     let (context, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -212,7 +213,7 @@ fn panic_in_forget_lost_of_a_single_mechanism_leaves_exact_counts() {
 /// leave the allocation usable.
 #[test]
 fn panic_in_every_capability_callback_leaves_the_allocation_usable() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = Arc::new(FaultyAllocator::new(Caps::new(GPU0)));
     let (_, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -263,10 +264,10 @@ impl DeferredReleaseQueue for PanickingQueue {
 
 #[test]
 fn panic_in_a_queue_quarantines_the_block_and_ends_its_in_flight_count() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = faulty(GPU0);
     let queue = Arc::new(PanickingQueue(GPU0));
-    let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(queue.clone())) };
+    let options = MechanismOptions::default().with_drop_policy(Some(DropPolicy::Defer(queue.clone())));
     let (context, _, mechanism) = register_with(&registry, allocator.clone(), options);
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
@@ -365,7 +366,7 @@ fn hostile_sizes_and_alignments_are_typed_errors_and_refusals_leave_nothing_behi
         ("one byte at the largest supported alignment", 1, 1 << 16, Request::Allocated),
         ("exactly the heap's limit", 1 << 20, 64, Request::Allocated),
     ];
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let heap = MaxAlign { inner: HostHeap::on_device(DeviceKey::HOST).with_limit(1 << 20), max: 1 << 16 };
     let recorder = Arc::new(RecordingAllocator::new(heap));
     let (_, _, mechanism) = register(&registry, recorder.clone());
@@ -387,7 +388,7 @@ fn hostile_sizes_and_alignments_are_typed_errors_and_refusals_leave_nothing_behi
                 assert_eq!(block.bytes(), bytes, "{what}");
                 assert!(block.address().is_aligned_to(align), "{what}");
                 assert!(matches!(block.view(bytes, 1), Err(ViewError::OutOfBounds { .. })), "{what}");
-                assert_eq!(binding.release(block).unwrap(), ReleaseReport::Complete { unmapped_bytes: bytes });
+                assert_eq!(binding.release(block).unwrap(), ReleaseSummary::Complete { unmapped_bytes: bytes });
             }
             (result, expected) => panic!("{what}: request {result:?}, expected {expected:?}"),
         }
@@ -399,7 +400,7 @@ fn hostile_sizes_and_alignments_are_typed_errors_and_refusals_leave_nothing_behi
 
 #[test]
 fn hostile_view_ranges_are_out_of_bounds_errors_naming_the_range() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let recorder = rec(GPU0);
     let (_, _, mechanism) = register(&registry, recorder.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -454,7 +455,7 @@ impl DeviceAllocator for TopOfAddressSpace {
 
 #[test]
 fn a_view_whose_address_would_wrap_is_out_of_bounds_not_a_panic() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(TopOfAddressSpace)).unwrap();
     // The allocator claims 8192 bytes from 4096 below the top: the second page wraps.
     let block = binding.allocate(request(8192)).unwrap();
@@ -542,8 +543,8 @@ impl Caller {
 
 #[test]
 fn handles_of_another_registry_or_binding_are_refused_by_every_entry_point_before_any_callback() {
-    let registry = BindingRegistry::new().unwrap();
-    let other_registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
+    let other_registry = BindingRegistry::new();
     let (a, b, c, d, f) = (rec(GPU0), rec(GPU0), rec(GPU1), rec(GPU0), rec(GPU0));
     let (context, _, ma) = register(&registry, a.clone());
     let (_, _, mb) = register(&registry, b.clone());
@@ -588,7 +589,7 @@ fn handles_of_another_registry_or_binding_are_refused_by_every_entry_point_befor
 
 #[test]
 fn refused_capability_calls_make_no_allocator_call_at_all() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (owner_allocator, other_allocator) = (rec(GPU0), rec(GPU0));
     let (_, _, mine) = register(&registry, owner_allocator.clone());
     let (_, _, other) = register(&registry, other_allocator.clone());
@@ -629,8 +630,8 @@ fn bind_error(result: Result<MemoryBinding, BindError>) -> Result<(), Refusal> {
 #[test]
 #[cfg_attr(miri, ignore = "large table of cold-path calls: about 2 minutes under Miri")]
 fn foreign_unknown_and_wrong_state_identities_are_refused_by_every_cold_path_entry_point() {
-    let registry = BindingRegistry::new().unwrap();
-    let other = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
+    let other = BindingRegistry::new();
     let live = rec(GPU0);
     let (context, authority, mechanism) = register(&registry, live.clone());
     let retired = registry.register_allocator(&context, &authority, rec(GPU0)).unwrap();
@@ -864,7 +865,7 @@ fn foreign_unknown_and_wrong_state_identities_are_refused_by_every_cold_path_ent
 
 #[test]
 fn handles_after_device_loss_and_after_termination_are_refused_by_every_entry_point_without_callbacks() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = rec(GPU0);
     let (context, _, mechanism) = register(&registry, allocator.clone());
     let owner = Caller::new(registry.bind_registered(&mechanism).unwrap());
@@ -907,7 +908,7 @@ fn handles_after_device_loss_and_after_termination_are_refused_by_every_entry_po
 
 #[test]
 fn a_released_identity_never_validates_again_even_when_the_address_is_reused() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let binding = registry.with_memory(Arc::new(Caps::reusing(GPU0, 0x7000_0000))).unwrap();
     let first = binding.allocate(request(64)).unwrap();
     let old = first.identity().unwrap();
@@ -923,7 +924,7 @@ fn a_released_identity_never_validates_again_even_when_the_address_is_reused() {
 
 #[test]
 fn hostile_capability_ranges_are_refused_before_the_capability_runs() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = rec(GPU0);
     let (_, _, mechanism) = register(&registry, allocator.clone());
     let caller = Caller::new(registry.bind_registered(&mechanism).unwrap());
@@ -1042,7 +1043,7 @@ impl memory_api::VirtualBacking for ZeroGranularity {
 
 #[test]
 fn a_capability_with_zero_granularity_refuses_every_range_without_running() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = Arc::new(RecordingAllocator::new(ZeroGranularity(Caps::new(GPU0))));
     let binding = registry.with_memory(allocator.clone()).unwrap();
     let block = binding.allocate(request(PAGE)).unwrap();
@@ -1071,7 +1072,7 @@ impl DeferredReleaseQueue for ClosedQueue {
 
 #[test]
 fn hostile_queues_hand_the_allocation_back_without_a_release_callback() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = rec(GPU0);
     let (_, _, mechanism) = register(&registry, allocator.clone());
     let binding = registry.bind_registered(&mechanism).unwrap();
@@ -1179,14 +1180,14 @@ fn liar() -> Arc<Liar> {
 #[test]
 fn a_release_answered_with_another_block_keeps_the_given_block_quarantined_as_wholly_owned() {
     for mode in [Liar::QUARANTINE_OTHER, Liar::FAIL_OTHER] {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let allocator = liar();
         let binding = registry.with_memory(allocator.clone()).unwrap();
         let mechanism = binding.identity().mechanism();
         let block = binding.allocate(request(100)).unwrap();
         allocator.set(mode);
         let report = binding.release(block).unwrap();
-        assert_eq!(report, ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: 100 }, "mode {mode}");
+        assert_eq!(report, ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: 100 }, "mode {mode}");
         let quarantined = &registry.snapshot(&mechanism).unwrap().quarantined;
         assert_eq!((quarantined.len(), quarantined[0].bytes, quarantined[0].residual_bytes), (1, 100, 100));
         assert!(quarantined[0].reason.contains("treating all of it as owned"), "{}", quarantined[0].reason);
@@ -1200,7 +1201,7 @@ fn a_release_answered_with_another_block_keeps_the_given_block_quarantined_as_wh
 #[test]
 fn a_retry_answered_with_another_block_keeps_the_original_block_quarantined() {
     for mode in [Liar::QUARANTINE_OTHER, Liar::FAIL_OTHER] {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let allocator = liar();
         let binding = registry.with_memory(allocator.clone()).unwrap();
         let mechanism = binding.identity().mechanism();
@@ -1269,7 +1270,7 @@ fn unfit_blocks_from_allocate_are_given_back_and_reported_as_invalid_blocks() {
         Unfit::OneByteShort,
         Unfit::MisalignedAddress,
     ] {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let allocator = Arc::new(RecordingAllocator::new(UnfitAllocator(Caps::new(GPU0), unfit)));
         let binding = registry.with_memory(allocator.clone()).unwrap();
         let mechanism = binding.identity().mechanism();

@@ -7,10 +7,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use common::{Caps, HeldQueue, PAGE, bind, register, register_with, request};
+use memory_api::ReleaseSummary;
 use memory_api::{ByteRange, DeviceAllocator, DeviceKey, Identity};
 use memory_binding::{
     AllocateError, AllocationState, BindError, BindingRegistry, ContextState, DropPolicy, HandleError,
-    MechanismOptions, MechanismState, RegistryError, ReleaseReport, ViewError,
+    MechanismOptions, MechanismState, RegistryError, ViewError,
 };
 use memory_testkit::{Callback, FaultyAllocator, RecordingAllocator};
 
@@ -18,7 +19,7 @@ const GPU0: DeviceKey = DeviceKey::device(0);
 
 #[test]
 fn selection_change_affects_only_future_binds() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let first = Arc::new(Caps::new(GPU0));
     let second = Arc::new(Caps::new(GPU0));
     let (_, _, m1) = register(&registry, first.clone());
@@ -57,7 +58,7 @@ fn selection_change_affects_only_future_binds() {
 
 #[test]
 fn retired_mechanism_rejects_new_work_but_releases_views_and_decommits() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(GPU0));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = registry.bind(GPU0).unwrap();
@@ -85,13 +86,13 @@ fn retired_mechanism_rejects_new_work_but_releases_views_and_decommits() {
     // Existing allocations stay usable for views, decommit and release.
     assert_eq!(block.view(PAGE, PAGE).unwrap().len(), PAGE);
     assert_eq!(virt.decommit(&block, ByteRange::new(0, PAGE)).unwrap(), PAGE);
-    assert_eq!(binding.release(block).unwrap(), ReleaseReport::Complete { unmapped_bytes: 2 * PAGE });
+    assert_eq!(binding.release(block).unwrap(), ReleaseSummary::Complete { unmapped_bytes: 2 * PAGE });
     registry.remove(&mechanism).unwrap();
 }
 
 #[test]
 fn invalidation_makes_no_callback_and_hands_every_handle_back() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let recorder = Arc::new(RecordingAllocator::on_device(GPU0));
     let (context, _, mechanism) = register(&registry, recorder.clone());
     let binding = registry.bind(GPU0).unwrap();
@@ -125,7 +126,7 @@ fn invalidation_makes_no_callback_and_hands_every_handle_back() {
 
 #[test]
 fn termination_waits_for_a_blocked_allocate_then_retires_metadata() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let recorder = Arc::new(RecordingAllocator::on_device(GPU0));
     let (context, authority, mechanism) = register(&registry, recorder.clone());
     let binding = registry.bind(GPU0).unwrap();
@@ -180,7 +181,7 @@ fn termination_waits_for_a_blocked_allocate_then_retires_metadata() {
 
 #[test]
 fn a_new_context_takes_over_after_loss() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (old_context, _, _) = register(&registry, Arc::new(Caps::new(GPU0)));
     registry.invalidate_device(GPU0, "reset");
     registry.confirm_context_terminated(&old_context).unwrap();
@@ -194,7 +195,7 @@ fn a_new_context_takes_over_after_loss() {
 
 #[test]
 fn reused_address_gets_a_new_generation_and_old_metadata_never_validates() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::reusing(GPU0, 0x7000_0000));
     let (_, _, mechanism) = register(&registry, caps);
     let binding = bind(&registry, &mechanism);
@@ -215,14 +216,14 @@ fn reused_address_gets_a_new_generation_and_old_metadata_never_validates() {
 
 #[test]
 fn partial_release_is_quarantined_visible_blocks_removal_and_retries() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let faulty = Arc::new(FaultyAllocator::host());
     let (_, _, mechanism) = register(&registry, faulty.clone());
     let binding = bind(&registry, &mechanism);
     let block = binding.allocate(request(8192)).unwrap();
     faulty.quarantine_nth_release(1, 4096, 4096);
     let report = binding.release(block).unwrap();
-    assert_eq!(report, ReleaseReport::Quarantined { unmapped_bytes: 4096, residual_bytes: 4096 });
+    assert_eq!(report, ReleaseSummary::Quarantined { unmapped_bytes: 4096, residual_bytes: 4096 });
 
     let snapshot = registry.snapshot(&mechanism).unwrap();
     assert_eq!(snapshot.quarantined.len(), 1);
@@ -238,21 +239,21 @@ fn partial_release_is_quarantined_visible_blocks_removal_and_retries() {
 
 #[test]
 fn impossible_release_outcome_is_quarantined_as_wholly_owned() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let faulty = Arc::new(FaultyAllocator::host());
     let (_, _, mechanism) = register(&registry, faulty.clone());
     let binding = bind(&registry, &mechanism);
     let block = binding.allocate(request(4096)).unwrap();
     faulty.quarantine_nth_release(1, 0, 1 << 20);
     let report = binding.release(block).unwrap();
-    assert_eq!(report, ReleaseReport::Quarantined { unmapped_bytes: 0, residual_bytes: 4096 });
+    assert_eq!(report, ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: 4096 });
     let snapshot = registry.snapshot(&mechanism).unwrap();
     assert!(snapshot.quarantined[0].reason.contains("still owned"), "{}", snapshot.quarantined[0].reason);
 }
 
 #[test]
 fn quarantine_is_discharged_at_termination() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let faulty = Arc::new(FaultyAllocator::new(memory_testkit::HostHeap::on_device(GPU0)));
     let (context, _, mechanism) = register(&registry, faulty.clone());
     let binding = bind(&registry, &mechanism);
@@ -267,7 +268,7 @@ fn quarantine_is_discharged_at_termination() {
 
 #[test]
 fn dropping_host_memory_releases_it_at_once() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let recorder = Arc::new(RecordingAllocator::host());
     let (_, _, mechanism) = register(&registry, recorder.clone());
     let binding = bind(&registry, &mechanism);
@@ -278,7 +279,7 @@ fn dropping_host_memory_releases_it_at_once() {
 
 #[test]
 fn dropping_device_memory_without_a_safe_path_quarantines_it() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(GPU0));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = bind(&registry, &mechanism);
@@ -292,10 +293,10 @@ fn dropping_device_memory_without_a_safe_path_quarantines_it() {
 
 #[test]
 fn dropping_device_memory_with_a_queue_defers_the_release() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(GPU0));
     let queue = Arc::new(HeldQueue::new(GPU0, 1));
-    let options = MechanismOptions { drop_policy: Some(DropPolicy::Defer(queue.clone())) };
+    let options = MechanismOptions::default().with_drop_policy(Some(DropPolicy::Defer(queue.clone())));
     let (context, _, mechanism) = register_with(&registry, caps.clone(), options);
     let binding = bind(&registry, &mechanism);
     drop(binding.allocate(request(PAGE)).unwrap());
@@ -317,7 +318,7 @@ fn dropping_device_memory_with_a_queue_defers_the_release() {
 
 #[test]
 fn deferred_release_refused_by_a_full_or_foreign_queue_hands_the_allocation_back() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let caps = Arc::new(Caps::new(GPU0));
     let (_, _, mechanism) = register(&registry, caps.clone());
     let binding = bind(&registry, &mechanism);
@@ -339,7 +340,7 @@ fn deferred_release_refused_by_a_full_or_foreign_queue_hands_the_allocation_back
 
 #[test]
 fn refused_release_hands_the_same_allocation_back() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let faulty = Arc::new(FaultyAllocator::host());
     let (_, _, mechanism) = register(&registry, faulty.clone());
     let binding = bind(&registry, &mechanism);
@@ -383,7 +384,7 @@ fn handles_keep_their_pins_after_the_registry_is_dropped_and_drop_in_order() {
     }
 
     let order = Arc::new(Mutex::new(Vec::new()));
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let context =
         registry.register_provider_context(DeviceKey::HOST, Arc::new(Noisy("context", order.clone()))).unwrap();
     let authority = registry.register_authority(DeviceKey::HOST, Arc::new(Noisy("authority", order.clone()))).unwrap();
@@ -400,7 +401,7 @@ fn handles_keep_their_pins_after_the_registry_is_dropped_and_drop_in_order() {
 
 #[test]
 fn removal_requires_quiescence() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (context, authority, mechanism) = register(&registry, Arc::new(Caps::new(DeviceKey::HOST)));
     assert!(matches!(
         registry.remove(&mechanism),
@@ -421,7 +422,7 @@ fn removal_requires_quiescence() {
 
 #[test]
 fn with_memory_adapts_a_bare_allocator() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let recorder = Arc::new(RecordingAllocator::host());
     let binding = registry.with_memory(recorder.clone()).unwrap();
     let block = binding.allocate(request(128)).unwrap();
@@ -431,4 +432,44 @@ fn with_memory_adapts_a_bare_allocator() {
     assert_eq!((snapshot.contexts.len(), snapshot.authorities.len(), snapshot.mechanisms.len()), (1, 1, 1));
     assert_eq!(binding.identity().registry(), registry.id());
     assert_eq!(binding.identity().mechanism().registry(), registry.id());
+}
+
+#[test]
+fn wait_terminated_polls_until_a_queued_release_drains_and_times_out_with_the_last_answer() {
+    let registry = BindingRegistry::new();
+    let caps = Arc::new(Caps::new(GPU0));
+    let queue = Arc::new(HeldQueue::new(GPU0, 1));
+    let (context, _, mechanism) = register(&registry, caps.clone());
+    let binding = bind(&registry, &mechanism);
+    binding.release_deferred(binding.allocate(request(PAGE)).unwrap(), &*queue).unwrap();
+    registry.invalidate_device(GPU0, "lost");
+
+    // Still in flight: the wait ends at its timeout with the registry's own answer.
+    let started = std::time::Instant::now();
+    let waited = registry.wait_terminated(&context, std::time::Duration::from_millis(30));
+    assert!(matches!(waited, Err(RegistryError::ContextNotQuiescent { in_flight: 1, .. })), "{waited:?}");
+    assert!(started.elapsed() >= std::time::Duration::from_millis(30));
+
+    // The queue drains on another thread while this one waits; registration stays free
+    // meanwhile (no lock is held between polls).
+    let drainer = {
+        let queue = Arc::clone(&queue);
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            queue.run_all()
+        })
+    };
+    let other = registry.register_authority(GPU0, Arc::new(())).unwrap();
+    let report = registry.wait_terminated(&context, std::time::Duration::from_secs(30)).unwrap();
+    drainer.join().unwrap();
+    assert_eq!(report.lost_allocations, 1);
+    assert_eq!(caps.releases.load(Ordering::SeqCst), 0, "no release ran after the loss");
+    registry.remove_authority(&other).unwrap();
+
+    // A context that was never lost is refused at once, not waited on.
+    let live = registry.register_provider_context(DeviceKey::device(1), Arc::new(())).unwrap();
+    let started = std::time::Instant::now();
+    let refused = registry.wait_terminated(&live, std::time::Duration::from_secs(30));
+    assert!(matches!(refused, Err(RegistryError::ContextStillLive { .. })), "{refused:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }

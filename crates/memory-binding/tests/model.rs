@@ -274,7 +274,7 @@ struct Foreign {
 
 impl Foreign {
     fn new() -> Foreign {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let recorder = Arc::new(RecordingAllocator::on_device(DEVICES[0]));
         let (context, authority, mechanism) = common::register(&registry, recorder.clone());
         let binding = registry.bind_registered(&mechanism).unwrap();
@@ -305,7 +305,7 @@ struct World {
 impl World {
     fn new() -> World {
         World {
-            registry: BindingRegistry::new().unwrap(),
+            registry: BindingRegistry::new(),
             model: Model::default(),
             contexts: Vec::new(),
             authorities: Vec::new(),
@@ -418,8 +418,8 @@ impl World {
                 let expected = self.model.register_allocator(context_ref, authority_ref, DEVICES[device], defer);
                 let recorder =
                     Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(DEVICES[device]))));
-                let options =
-                    MechanismOptions { drop_policy: defer.then(|| DropPolicy::Defer(self.queues[device].clone())) };
+                let options = MechanismOptions::default()
+                    .with_drop_policy(defer.then(|| DropPolicy::Defer(self.queues[device].clone())));
                 let result = self.registry.register_allocator_with(&context, &authority, recorder.clone(), options);
                 let actual = registry_out(result, |id| {
                     self.mechanism_index.insert(id, self.mechanisms.len());

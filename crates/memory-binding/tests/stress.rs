@@ -22,13 +22,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::HeldQueue;
+use memory_api::ReleaseSummary;
 use memory_api::{
     AllocError, AllocationRequest, AuthorityIdentity, DeviceAllocator, DeviceKey, MechanismIdentity,
     ProviderContextIdentity, QueueRefusalReason, ReleaseError,
 };
 use memory_binding::{
     AllocateError, BindingRegistry, BoundAllocation, DropPolicy, HandleError, MechanismOptions, MechanismState,
-    MemoryBinding, RegistryError, ReleaseReport, TerminationReport, ViewError,
+    MemoryBinding, RegistryError, TerminationReport, ViewError,
 };
 use memory_testkit::{Callback, FaultyAllocator, HostHeap, RecordingAllocator, is_injected};
 
@@ -96,7 +97,7 @@ impl Shared {
     ) -> MechanismIdentity {
         let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(device))));
         let queue = &self.queues[device_index(device)];
-        let options = MechanismOptions { drop_policy: defer.then(|| DropPolicy::Defer(queue.clone())) };
+        let options = MechanismOptions::default().with_drop_policy(defer.then(|| DropPolicy::Defer(queue.clone())));
         let id = self.registry.register_allocator_with(&context, &authority, allocator.clone(), options).unwrap();
         self.mechanisms.lock().unwrap().push(Mechanism { id, allocator });
         id
@@ -121,11 +122,11 @@ struct Tally {
 fn settle(
     tally: &mut Tally,
     what: &str,
-    result: Result<ReleaseReport, memory_binding::Rejected<BoundAllocation>>,
+    result: Result<ReleaseSummary, memory_binding::Rejected<BoundAllocation>>,
 ) -> Option<BoundAllocation> {
     match result {
-        Ok(ReleaseReport::Complete { .. }) => tally.released += 1,
-        Ok(ReleaseReport::Quarantined { .. }) => tally.partial += 1,
+        Ok(ReleaseSummary::Complete { .. }) => tally.released += 1,
+        Ok(ReleaseSummary::Quarantined { .. }) => tally.partial += 1,
         Ok(other) => panic!("{what}: unexpected report {other:?}"),
         Err(rejected) => match &rejected.reason {
             // Lost or terminated: nothing was called; dropping the handle is all that is left.
@@ -344,7 +345,7 @@ fn control(
 fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_block() {
     install_pause_hook(); // before any event, so the other tests' hook sees every callsite
     let seconds = seconds();
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let shared = Shared {
         registry: registry.clone(),
         queues: DEVICES.map(|d| Arc::new(HeldQueue::new(d, QUEUE_CAPACITY))),
@@ -621,7 +622,7 @@ fn drop_paused_before_quarantine(block: BoundAllocation, meanwhile: impl FnOnce(
 
 #[test]
 fn termination_and_removal_wait_for_an_explicit_partial_release_in_transit() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(GPU))));
     let context = registry.register_provider_context(GPU, Arc::new(())).unwrap();
     let authority = registry.register_authority(GPU, Arc::new(())).unwrap();
@@ -631,7 +632,7 @@ fn termination_and_removal_wait_for_an_explicit_partial_release_in_transit() {
     registry.retire(&mechanism).unwrap();
     allocator.inner().quarantine_nth_release(1, 4096, 4096);
     paused_before_quarantine(
-        || assert!(matches!(binding.release(block), Ok(ReleaseReport::Quarantined { .. }))),
+        || assert!(matches!(binding.release(block), Ok(ReleaseSummary::Quarantined { .. }))),
         || {
             // Record taken, block not yet quarantined: the release is in flight.
             let removed = registry.remove(&mechanism);
@@ -649,7 +650,7 @@ fn termination_and_removal_wait_for_an_explicit_partial_release_in_transit() {
 
 #[test]
 fn termination_cannot_complete_while_a_dropped_block_is_on_its_way_to_quarantine() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(GPU))));
     let context = registry.register_provider_context(GPU, Arc::new(())).unwrap();
     let authority = registry.register_authority(GPU, Arc::new(())).unwrap();
@@ -677,7 +678,7 @@ fn termination_cannot_complete_while_a_dropped_block_is_on_its_way_to_quarantine
 
 #[test]
 fn remove_cannot_succeed_while_a_dropped_block_is_on_its_way_to_quarantine() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(GPU))));
     let context = registry.register_provider_context(GPU, Arc::new(())).unwrap();
     let authority = registry.register_authority(GPU, Arc::new(())).unwrap();
@@ -732,7 +733,7 @@ fn remove_never_succeeds_while_a_live_handle_is_being_released_and_refused() {
     const ROUNDS: usize = 100;
     const REMOVALS: usize = 200;
     for round in 0..ROUNDS {
-        let registry = BindingRegistry::new().unwrap();
+        let registry = BindingRegistry::new();
         let context = registry.register_provider_context(HOST, Arc::new(())).unwrap();
         let authority = registry.register_authority(HOST, Arc::new(())).unwrap();
         let mechanism = registry.register_allocator(&context, &authority, Arc::new(AlwaysBusy)).unwrap();

@@ -13,7 +13,7 @@ const GPU0: DeviceKey = DeviceKey::device(0);
 
 #[test]
 fn a_binding_hands_out_the_resources_and_allocator_it_pins() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let context = registry.register_provider_context(GPU0, Arc::new("cuda context owner")).unwrap();
     let authority = registry.register_authority(GPU0, Arc::new(42_u32)).unwrap();
     let mechanism = registry.register_allocator(&context, &authority, Arc::new(Caps::new(GPU0))).unwrap();
@@ -31,7 +31,7 @@ fn a_binding_hands_out_the_resources_and_allocator_it_pins() {
 
 #[test]
 fn allocations_views_and_capability_handles_describe_themselves() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (_, _, mechanism) = register(&registry, Arc::new(Caps::new(GPU0)));
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(2 * PAGE)).unwrap();
@@ -101,7 +101,7 @@ fn states_and_kinds_have_lowercase_names_for_messages() {
 
 #[test]
 fn a_rejection_splits_into_the_handle_and_its_reason() {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let (_, _, mechanism) = register(&registry, Arc::new(Caps::new(GPU0)));
     let binding = registry.bind_registered(&mechanism).unwrap();
     let other = registry.bind_registered(&mechanism).unwrap();

@@ -14,7 +14,7 @@ use tracing::Level;
 fn lifecycle_transitions_are_traced_and_the_hot_path_stays_at_trace() {
     let collector = Collector::default();
     let _default = tracing::subscriber::set_default(collector.clone());
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let gpu = DeviceKey::device(0);
 
     let (context, authority, first) = register(&registry, Arc::new(Caps::new(gpu)));

@@ -14,7 +14,7 @@ use allocator_cuda::{CudaAllocator, CudaDevice, CudaPoolAllocator, CudaStream, C
 use memory_governor::{
     AccountConfig, AllocationRequest, AuthorityIdentity, BindingRegistry, BoundAllocation, DeferredReleaseQueue,
     DeviceAllocator, DeviceKey, Governor, MechanismIdentity, MemoryBinding, MemoryRole, PreparedRelease,
-    ProviderContextIdentity, QueueRefusal, QueueRefusalReason, RegistryError, ReleaseReport, Resource,
+    ProviderContextIdentity, QueueRefusal, QueueRefusalReason, RegistryError, ReleaseSummary, Resource,
 };
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginLibrary, PluginReleaseQueue, abi_device};
 use memory_plugin_abi::{MP_CAP_ALL, MP_TIER_DEVICE, MP_TIER_DISK, MP_TIER_HOST, MpAllocator, MpDevice};
@@ -272,7 +272,7 @@ pub extern "C" fn mc_status_name(status: McStatus) -> *const c_char {
 pub unsafe extern "C" fn mc_registry_create(out: *mut *mut McRegistry) -> McStatus {
     guard("mc_registry_create", || {
         check_out(out, "out")?;
-        let registry = BindingRegistry::new()?;
+        let registry = BindingRegistry::new();
         let handle = insert(&REGISTRIES, registry)?;
         // SAFETY: checked above.
         unsafe { write(out, handle) };
@@ -822,13 +822,13 @@ pub unsafe extern "C" fn mc_release(
             Ok(done) => {
                 reservation.free();
                 let written = match done {
-                    ReleaseReport::Complete { unmapped_bytes } => McReleaseReport {
+                    ReleaseSummary::Complete { unmapped_bytes } => McReleaseReport {
                         kind: MC_RELEASE_COMPLETE,
                         reserved: 0,
                         unmapped_bytes: unmapped_bytes as u64,
                         residual_bytes: 0,
                     },
-                    ReleaseReport::Quarantined { unmapped_bytes, residual_bytes } => McReleaseReport {
+                    ReleaseSummary::Quarantined { unmapped_bytes, residual_bytes } => McReleaseReport {
                         kind: MC_RELEASE_QUARANTINED,
                         reserved: 0,
                         unmapped_bytes: unmapped_bytes as u64,

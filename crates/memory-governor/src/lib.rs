@@ -54,7 +54,7 @@
 //! use std::sync::Arc;
 //! use memory_governor::*;
 //!
-//! let registry = BindingRegistry::new()?;
+//! let registry = BindingRegistry::new();
 //! let gpu = DeviceKey::host(1); // a simulated device
 //! let context = registry.register_provider_context(gpu, Arc::new("arena"))?;
 //! let tenant = registry.register_authority(gpu, Arc::new("tenant-a"))?;

@@ -40,7 +40,7 @@ fn api_is_reexported_as_module_and_flat() {
 /// code that still holds a bare allocator.
 #[test]
 fn registry_is_reexported_and_with_memory_keeps_working() {
-    let registry: governor::BindingRegistry = governor::binding::BindingRegistry::new().unwrap();
+    let registry: governor::BindingRegistry = governor::binding::BindingRegistry::new();
     let allocator: Arc<dyn governor::DeviceAllocator> = Arc::new(memory_testkit::RecordingAllocator::host());
     let binding: governor::MemoryBinding = registry.with_memory(allocator).unwrap();
     let block: governor::BoundAllocation =
@@ -49,8 +49,8 @@ fn registry_is_reexported_and_with_memory_keeps_working() {
         let view: governor::AllocationView<'_> = block.view(0, 128).unwrap();
         assert_eq!(view.len(), 128);
     }
-    let report: governor::ReleaseReport = binding.release(block).unwrap();
-    assert!(matches!(report, governor::binding::ReleaseReport::Complete { .. }));
+    let report: governor::ReleaseSummary = binding.release(block).unwrap();
+    assert!(matches!(report, governor::api::ReleaseSummary::Complete { .. }));
     let snapshot: governor::RegistrySnapshot = registry.snapshots();
     let _: &governor::binding::RegistrySnapshot = &snapshot;
     let mechanism: governor::MechanismIdentity = binding.identity().mechanism();
@@ -119,7 +119,7 @@ fn every_public_item_resolves_through_the_governor() {
     same_traits!(api => memory_api: Identity, DeviceAllocator, SharedBackingResource, SharedMapping, VirtualBacking, DeferredReleaseQueue);
     same_types!(binding => memory_binding:
         BindingRegistry, InvalidationReport, MechanismOptions, DropPolicy, Resource, MechanismState,
-        AllocationView<'static>, BoundAllocation, MemoryBinding, ReleaseReport,
+        AllocationView<'static>, BoundAllocation, MemoryBinding,
         BoundSharedMapping, BoundVirtualBacking,
         AllocationState, AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot,
         RetryReport, TerminationReport,

@@ -27,7 +27,7 @@ struct Setup {
 }
 
 fn setup(inner: Arc<dyn DeviceAllocator>, limit: u64, chunk: u64) -> Setup {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let context = registry.register_provider_context(DEV, Arc::new("context")).unwrap();
     let authority = registry.register_authority(DEV, Arc::new("tenant")).unwrap();
     let governor = governor(chunk);
@@ -52,8 +52,8 @@ fn allocations_are_charged_by_role_and_a_complete_release_refunds() {
     assert_eq!(snapshot.role(MemoryRole::KvCache).current, 10_000);
     assert_eq!(snapshot.role(MemoryRole::Weights).current, 30_000);
     assert_eq!(snapshot.totals.live, 2);
-    assert!(matches!(s.binding.release(kv).unwrap(), ReleaseReport::Complete { .. }));
-    assert!(matches!(s.binding.release(weights).unwrap(), ReleaseReport::Complete { .. }));
+    assert!(matches!(s.binding.release(kv).unwrap(), ReleaseSummary::Complete { .. }));
+    assert!(matches!(s.binding.release(weights).unwrap(), ReleaseSummary::Complete { .. }));
     s.governor.return_idle_credit();
     let snapshot = s.account.snapshot();
     assert_eq!((snapshot.current, snapshot.used), (0, 0));
@@ -96,7 +96,7 @@ fn a_quarantined_residual_stays_charged_until_a_retry_releases_it() {
     let block = s.binding.allocate(request(8192, MemoryRole::KvCache)).unwrap();
     faulty.quarantine_nth_release(1, 6144, 2048);
     let report = s.binding.release(block).unwrap();
-    assert_eq!(report, ReleaseReport::Quarantined { unmapped_bytes: 6144, residual_bytes: 2048 });
+    assert_eq!(report, ReleaseSummary::Quarantined { unmapped_bytes: 6144, residual_bytes: 2048 });
     // What was let go is refunded; the residual stays charged and shows as quarantined.
     let role = s.account.snapshot().role(MemoryRole::KvCache).clone();
     assert_eq!((role.current, role.quarantined_bytes, role.live), (2048, 2048, 1));
@@ -202,7 +202,7 @@ impl DeviceAllocator for WideTags {
 fn the_inner_allocator_gets_its_own_provider_tag_back() {
     let s = setup(Arc::new(WideTags { next: AtomicU64::new(1 << 30) }), 1 << 30, 0);
     let block = s.binding.allocate(request(100, MemoryRole::Staging)).unwrap();
-    assert!(matches!(s.binding.release(block).unwrap(), ReleaseReport::Complete { .. }));
+    assert!(matches!(s.binding.release(block).unwrap(), ReleaseSummary::Complete { .. }));
     assert_eq!(s.account.snapshot().current, 0);
 }
 
@@ -217,7 +217,7 @@ fn capabilities_are_forwarded_with_the_inner_view_of_each_block() {
     assert_eq!(backing.committed_bytes(&block).unwrap(), 2 * granularity);
     assert_eq!(backing.decommit(&block, ByteRange::new(0, granularity)).unwrap(), granularity);
     drop(backing);
-    assert!(matches!(s.binding.release(block).unwrap(), ReleaseReport::Complete { .. }));
+    assert!(matches!(s.binding.release(block).unwrap(), ReleaseSummary::Complete { .. }));
     assert_eq!(s.account.snapshot().current, 0);
 }
 

@@ -88,7 +88,7 @@ fn device_tenant_and_role_books_reach_the_recorder() {
 #[test]
 fn an_unlimited_device_publishes_no_limit_gauge() {
     let governor = Governor::new();
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let authority = registry.register_authority(GPU, std::sync::Arc::new(())).unwrap();
     let account = governor.open_account(AccountConfig::new(GPU, authority)).unwrap();
     let _lease = account.lease(MemoryRole::Weights, 10).unwrap();

@@ -16,7 +16,7 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use memory_governor::{
     Account, AllocationRequest, BoundAllocation, DeferredReleaseQueue, HandleError, MemoryBinding, MemoryRole,
-    ReleaseReport,
+    ReleaseSummary,
 };
 
 use crate::config::OrtAllocatorConfig;
@@ -384,7 +384,7 @@ impl GovernedBlocks {
         self.counters.frees.fetch_add(1, Ordering::Relaxed);
         let result = match &self.release {
             ReleasePath::Now => self.binding.release(block).map(|report| {
-                if let ReleaseReport::Quarantined { residual_bytes, .. } = report {
+                if let ReleaseSummary::Quarantined { residual_bytes, .. } = report {
                     tracing::warn!(address, residual_bytes, "ort block release was partial; the rest is quarantined");
                 }
             }),

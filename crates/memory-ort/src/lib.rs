@@ -47,7 +47,7 @@
 //! let env = OrtEnvironment::load(&assets.library)?;
 //!
 //! // A tenant on the host device, governed, over a pooled allocator.
-//! let registry = BindingRegistry::new()?;
+//! let registry = BindingRegistry::new();
 //! let governor = Governor::new();
 //! let context = registry.register_provider_context(DeviceKey::HOST, Arc::new("onnx runtime"))?;
 //! let tenant = registry.register_authority(DeviceKey::HOST, Arc::new("tenant-a"))?;

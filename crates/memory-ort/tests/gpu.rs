@@ -29,7 +29,7 @@ fn gpu_cuda_ort_allocator_charges_the_pool_and_orders_frees_on_the_stream() {
     let queue = Arc::new(CudaReleaseQueue::new(&stream, 1024));
     let key: DeviceKey = device.key();
 
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let governor = Governor::with_config(GovernorConfig::default().credit_chunk(0));
     let context = registry.register_provider_context(key, Arc::new("cuda ctx")).unwrap();
     let tenant = registry.register_authority(key, Arc::new("gpu-tenant")).unwrap();

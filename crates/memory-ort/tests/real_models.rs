@@ -172,7 +172,7 @@ fn two_tenants_run_concurrently_on_threads_within_their_quotas() {
     let Some((env, assets)) = common::ort(name) else { return };
     let mut plain_vad = plain(env, &assets.silero_vad);
     let mut plain_ocr = plain(env, &assets.ocr_det);
-    let registry = Arc::new(BindingRegistry::new().unwrap());
+    let registry = Arc::new(BindingRegistry::new());
     let governor = Arc::new(Governor::with_config(GovernorConfig::default().credit_chunk(0)));
     let quotas = [96 * MIB, 160 * MIB];
     let tenants: Vec<Tenant> = ["tenant-a", "tenant-b"]

@@ -450,11 +450,13 @@ impl DeviceAllocator for PluginAllocator {
     }
 
     fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
-        self.shared.has(MP_CAP_VIRTUAL_BACKING).then_some(&*self.shared as &dyn VirtualBacking)
+        // The allocator value itself (forwarding to the instance), so the registry's
+        // safe path sees the capability inside the allocator, not split across objects.
+        self.shared.has(MP_CAP_VIRTUAL_BACKING).then_some(self as &dyn VirtualBacking)
     }
 
     fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
-        self.shared.has(MP_CAP_SHARED_MAPPING).then_some(&*self.shared as &dyn SharedMapping)
+        self.shared.has(MP_CAP_SHARED_MAPPING).then_some(self as &dyn SharedMapping)
     }
 
     fn stats(&self) -> Option<AllocatorStats> {

@@ -259,3 +259,47 @@ impl SharedMapping for Instance {
         Ok(to_usize(unmapped))
     }
 }
+
+// The plugin allocator offers the instance's capabilities as its own (see
+// `PluginAllocator::virtual_backing`): every call forwards to the instance.
+impl VirtualBacking for crate::PluginAllocator {
+    fn granularity(&self) -> usize {
+        VirtualBacking::granularity(&*self.shared)
+    }
+
+    fn commit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.shared.commit(allocation, range)
+    }
+
+    fn decommit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.shared.decommit(allocation, range)
+    }
+
+    fn committed_bytes(&self, allocation: &RawAllocation) -> Result<usize, CapabilityError> {
+        self.shared.committed_bytes(allocation)
+    }
+}
+
+impl SharedMapping for crate::PluginAllocator {
+    fn granularity(&self) -> usize {
+        SharedMapping::granularity(&*self.shared)
+    }
+
+    fn create_backing(&self, bytes: usize) -> Result<SharedBacking, CapabilityError> {
+        self.shared.create_backing(bytes)
+    }
+
+    fn map(
+        &self,
+        backing: &SharedBacking,
+        allocation: &RawAllocation,
+        placement: SharedPlacement,
+        access: MappingAccess,
+    ) -> Result<(), CapabilityError> {
+        self.shared.map(backing, allocation, placement, access)
+    }
+
+    fn unmap(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.shared.unmap(allocation, range)
+    }
+}

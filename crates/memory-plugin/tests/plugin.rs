@@ -12,11 +12,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use memory_api::ReleaseSummary;
 use memory_api::{
     AllocationRequest, ByteRange, CapabilityError, DeviceAddress, DeviceAllocator, DeviceKey, MappingAccess,
     RawAllocation, ReleaseError, ReleaseOutcome, SharedPlacement,
 };
-use memory_binding::{AllocateError, AllocationState, BindingRegistry, HandleError, MemoryBinding, ReleaseReport};
+use memory_binding::{AllocateError, AllocationState, BindingRegistry, HandleError, MemoryBinding};
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginError, PluginLibrary};
 use memory_plugin_abi::{
     MP_ALLOCATOR_SIZE_V1_0, MP_ALLOCATOR_SIZE_V1_1, MP_CAP_ALL, MP_CAP_DEFERRED_RELEASE, MP_CAP_STRUCTURED_RELEASE,
@@ -75,7 +76,7 @@ fn request(bytes: usize) -> AllocationRequest {
 
 /// A registry with `allocator` registered on its device; returns a binding to it.
 fn registered(allocator: &PluginAllocator) -> (BindingRegistry, MemoryBinding) {
-    let registry = BindingRegistry::new().unwrap();
+    let registry = BindingRegistry::new();
     let device = allocator.device();
     let context = registry.register_provider_context(device, Arc::new("plugin context")).unwrap();
     let authority = registry.register_authority(device, Arc::new("tenant")).unwrap();
@@ -464,7 +465,7 @@ fn quarantined_release(config: &str, expect_unmapped: usize, expect_residual: us
     let report = binding.release(block).unwrap();
     assert_eq!(
         report,
-        ReleaseReport::Quarantined { unmapped_bytes: expect_unmapped, residual_bytes: expect_residual },
+        ReleaseSummary::Quarantined { unmapped_bytes: expect_unmapped, residual_bytes: expect_residual },
         "{config}"
     );
     assert_eq!(registry.allocation_state(&identity), AllocationState::Quarantined, "{config}");

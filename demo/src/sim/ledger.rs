@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use memory_governor::{
-    AllocateError, AllocationRequest, BoundAllocation, HandleError, MemoryBinding, ReleaseReport, is_governor_refusal,
+    AllocateError, AllocationRequest, BoundAllocation, HandleError, MemoryBinding, ReleaseSummary, is_governor_refusal,
 };
 
 /// Why a request or an allocation did not go through.
@@ -57,7 +57,7 @@ impl Ledger {
     /// a lost device is dropped, and termination accounts for it).
     pub(crate) fn release(&self, binding: &MemoryBinding, block: BoundAllocation) -> bool {
         match binding.release(block) {
-            Ok(ReleaseReport::Complete { .. }) => {
+            Ok(ReleaseSummary::Complete { .. }) => {
                 self.released.fetch_add(1, Ordering::Relaxed);
                 true
             }

@@ -92,7 +92,7 @@ impl World {
     /// Builds the registry, the governor's books and every device's mechanisms, and
     /// loads the weights.
     pub(crate) fn new(gpu: bool) -> Result<World, SimError> {
-        let registry = BindingRegistry::new()?;
+        let registry = BindingRegistry::new();
         let governor = Governor::new();
         // The newest 64 Ki events (a ring): enough for memory over time at a trace viewer's
         // resolution without a file of hundreds of megabytes.

@@ -9,8 +9,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use memory_api::ReleaseSummary;
 use memory_api::{DeviceKey, Tier};
-use memory_binding::{AllocationState, ContextState, MechanismState, ObjectKind, ReleaseReport};
+use memory_binding::{AllocationState, ContextState, MechanismState, ObjectKind};
 
 /// The simulated devices: two accelerators (quarantine on drop) and one host domain
 /// (release on drop).
@@ -78,7 +79,7 @@ pub(crate) enum Out {
         mechanism: usize,
         bytes: usize,
     },
-    Released(ReleaseReport),
+    Released(ReleaseSummary),
     Deferred,
     Viewed {
         len: usize,
@@ -515,12 +516,12 @@ impl Model {
         match self.call_release(allocation) {
             Released::Complete => {
                 self.allocations[allocation].place = Place::Released;
-                Out::Released(ReleaseReport::Complete { unmapped_bytes: self.allocations[allocation].bytes })
+                Out::Released(ReleaseSummary::Complete { unmapped_bytes: self.allocations[allocation].bytes })
             }
             Released::Failed => Out::Handle(Handle::ReleaseFailed),
             Released::Quarantined { unmapped, residual, reason } => {
                 self.quarantine(allocation, unmapped, residual, reason);
-                Out::Released(ReleaseReport::Quarantined { unmapped_bytes: unmapped, residual_bytes: residual })
+                Out::Released(ReleaseSummary::Quarantined { unmapped_bytes: unmapped, residual_bytes: residual })
             }
         }
     }

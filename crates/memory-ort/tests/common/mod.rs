@@ -55,7 +55,7 @@ impl Tenant {
     /// A tenant named `name` on `DeviceKey::HOST` of a fresh registry and governor
     /// (credit chunk 0, so the books are exact at every instant).
     pub fn new(name: &'static str, quota: u64, backing: Backing) -> Tenant {
-        let registry = Arc::new(BindingRegistry::new().unwrap());
+        let registry = Arc::new(BindingRegistry::new());
         let governor = Arc::new(Governor::with_config(GovernorConfig::default().credit_chunk(0)));
         Tenant::on(registry, governor, name, quota, backing)
     }

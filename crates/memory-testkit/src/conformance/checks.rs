@@ -41,7 +41,15 @@ fn outcome_error(outcome: &ReleaseOutcome) -> String {
 /// Releases a healthy block, insisting on `Complete`; returns the unmapped bytes.
 fn release_complete(a: &dyn DeviceAllocator, block: RawAllocation) -> usize {
     let what = format!("{block:?}");
+    let bytes = block.bytes();
     match a.release(block) {
+        // Honest by the contract: a complete release never claims more than the block
+        // (the registry flags a larger claim as dishonest).
+        ReleaseOutcome::Complete(done) if done.unmapped_bytes() > bytes => panic!(
+            "{}: releasing {what} claimed {} unmapped bytes, more than the block's {bytes}; report at most the block",
+            a.name(),
+            done.unmapped_bytes()
+        ),
         ReleaseOutcome::Complete(done) => done.unmapped_bytes(),
         other => panic!(
             "{}: releasing the healthy {what} must complete, got {}: {}",
