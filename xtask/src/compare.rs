@@ -237,7 +237,7 @@ mod tests {
                 .iter()
                 .map(|&(id, ns)| (id.to_owned(), Estimate { median_ns: ns, elements: None }))
                 .collect(),
-            problems: Vec::new(),
+            ..Results::default()
         }
     }
 
@@ -340,7 +340,7 @@ mod tests {
     fn per_element_benches_compare_per_element() {
         let with = |ns: f64, n: u64| Results {
             benches: [("kv".to_owned(), Estimate { median_ns: ns, elements: Some(n) })].into(),
-            problems: Vec::new(),
+            ..Results::default()
         };
         let rows = compare(&[with(1600.0, 16)], &[with(1760.0, 16)], 5.0);
         assert_eq!(rows[0].baseline.unwrap().median, 100.0);

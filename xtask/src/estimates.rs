@@ -41,6 +41,9 @@ pub(crate) struct Results {
     pub(crate) benches: BTreeMap<String, Estimate>,
     /// Results that exist but could not be used, each naming its file.
     pub(crate) problems: Vec<ResultError>,
+    /// The machine's other load while a bench ran, by criterion id, as the bench wrote
+    /// it to `<criterion home>/load/<id>.txt` (the two-thread benches do).
+    pub(crate) loads: BTreeMap<String, String>,
 }
 
 /// A criterion result that could not be used.
@@ -156,7 +159,7 @@ fn json_error(err: &serde_json::Error, expected: &str) -> String {
 /// [`ResultError::Stale`] instead of used. A missing directory yields no results (every
 /// bench will then be reported missing by name).
 pub(crate) fn read_results(criterion_home: &Path, since: Option<SystemTime>) -> Results {
-    let mut results = Results::default();
+    let mut results = Results { loads: read_loads(&criterion_home.join("load"), since), ..Results::default() };
     let mut pending = vec![criterion_home.to_path_buf()];
     while let Some(dir) = pending.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
@@ -179,6 +182,34 @@ pub(crate) fn read_results(criterion_home: &Path, since: Option<SystemTime>) -> 
         }
     }
     results
+}
+
+/// Every `<group>/<function>.txt` under `dir` written since `since`, by criterion id.
+/// Older files belong to earlier runs and are left out.
+fn read_loads(dir: &Path, since: Option<SystemTime>) -> BTreeMap<String, String> {
+    let mut loads = BTreeMap::new();
+    let Ok(groups) = std::fs::read_dir(dir) else { return loads };
+    for group in groups.filter_map(Result::ok) {
+        let Ok(files) = std::fs::read_dir(group.path()) else { continue };
+        for file in files.filter_map(Result::ok) {
+            let path = file.path();
+            let fresh = match (since, file.metadata().and_then(|meta| meta.modified())) {
+                (None, _) => true,
+                (Some(since), Ok(modified)) => modified + CLOCK_SLACK >= since,
+                (Some(_), Err(_)) => false,
+            };
+            let (Some(function), Some("txt")) =
+                (path.file_stem().and_then(|stem| stem.to_str()), path.extension().and_then(|ext| ext.to_str()))
+            else {
+                continue;
+            };
+            if let (true, Ok(text)) = (fresh, std::fs::read_to_string(&path)) {
+                let id = format!("{}/{function}", group.file_name().to_string_lossy());
+                loads.insert(id, text.trim().to_owned());
+            }
+        }
+    }
+    loads
 }
 
 fn read_one(new_dir: &Path, since: Option<SystemTime>, results: &mut Results) {
@@ -297,6 +328,20 @@ pub(crate) mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+
+    #[test]
+    fn loads_written_by_this_run_are_read_by_id_and_older_ones_left_out() {
+        let home = TempDir::new("loads");
+        let dir = home.0.join("load").join("threads");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("two_shared_ref.txt"), "0.05 cores (loadavg 1.10)\n").unwrap();
+        std::fs::write(dir.join("notes.md"), "not a load").unwrap();
+        let results = read_results(&home.0, None);
+        assert_eq!(results.loads.len(), 1);
+        assert_eq!(results.loads["threads/two_shared_ref"], "0.05 cores (loadavg 1.10)");
+        let later = SystemTime::now() + Duration::from_secs(60);
+        assert!(read_results(&home.0, Some(later)).loads.is_empty(), "a load from an earlier run was used");
     }
 
     #[test]

@@ -2,40 +2,58 @@
 //!
 //! Every operation checks, before any callback, that the handle belongs to this
 //! registry, mechanism and binding and that its generation still validates, then
-//! enters the mechanism's lifecycle (see [`crate::lifecycle`]). No registry-wide lock
-//! is taken here; the only lock is the calling thread's pin, and it is never held
-//! across a callback.
+//! enters the mechanism's lifecycle (see [`crate::lifecycle`]). No lock is taken here:
+//! an allocation is recorded in the calling thread's pin (whichever thread made the
+//! binding), and a release, from any thread, marks the record in transit, calls the
+//! allocator, and frees the record back to its owner (see [`crate::entry::Pin`]).
 
 use std::fmt;
 use std::num::NonZeroU64;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
 use memory_api::{
-    AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingId, BindingIdentity,
+    AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingIdentity,
     DeferredReleaseQueue, DeviceAddress, DeviceAllocator, DeviceKey, Identity, PreparedRelease, QueueRefusalReason,
     RawAllocation, ReleaseError, ReleaseOutcome, ReleaseSummary,
 };
 
-use crate::entry::{DropPolicy, MechanismCore, Pin, QuarantinedAllocation};
+use crate::entry::{Anchor, DropPolicy, MechanismCore, Pin, QuarantinedAllocation, Record};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
+use crate::handle_ref::PinRef;
 use crate::lifecycle::{Admit, MechanismState};
 use crate::sync::{Arc, AtomicU8, Ordering};
 
 /// A binding: the right to allocate through one mechanism, pinned to its allocator,
 /// provider context and authority. Cheap to clone; a clone is the same binding.
+///
+/// Share it however the runtime likes: by reference across a thread pool, or cloned
+/// into workers. Each thread that allocates through it records its allocations in its
+/// own per-thread pin of the mechanism, so threads share no written cache line.
 #[derive(Clone)]
 pub struct MemoryBinding {
-    pub(crate) pin: Arc<Pin>,
-    pub(crate) binding: BindingId,
+    pub(crate) anchor: Arc<Anchor>,
+    /// The binding id's serial (the issuer's, so it is recognised back).
+    pub(crate) binding: NonZeroU64,
     pub(crate) generation: BindingGeneration,
 }
 
 impl MemoryBinding {
+    #[inline]
+    pub(crate) fn core(&self) -> &MechanismCore {
+        &self.anchor.table.core
+    }
+
+    /// The calling thread's pin of this binding's mechanism.
+    #[inline]
+    pub(crate) fn local_pin(&self) -> &Arc<Pin> {
+        self.anchor.table.pin()
+    }
+
     /// Everything that identifies this binding.
     pub fn identity(&self) -> BindingIdentity {
-        let core = &self.pin.core;
+        let core = self.core();
         BindingIdentity::new(
-            self.binding,
+            recognise(&core.issuer, self.binding),
             self.generation,
             core.device,
             core.identity,
@@ -46,70 +64,78 @@ impl MemoryBinding {
 
     /// The device this binding allocates on.
     pub fn device(&self) -> DeviceKey {
-        self.pin.core.device
+        self.core().device
     }
 
     /// The state of the binding's mechanism now.
     pub fn state(&self) -> MechanismState {
-        self.pin.core.lifecycle.state()
+        self.core().lifecycle.state()
     }
 
     /// The provider-context resource this binding pins (for example the owner of a
     /// CUDA context), for the runtime to downcast.
     pub fn context_resource(&self) -> &crate::Resource {
-        &self.pin.core.context.resource
+        &self.core().context.resource
     }
 
     /// The authority resource this binding pins (for example a tenant account).
     pub fn authority_resource(&self) -> &crate::Resource {
-        &self.pin.core.authority.resource
+        &self.core().authority.resource
     }
 
     /// The allocator this binding is pinned to (for stats and trim).
     pub fn allocator(&self) -> &dyn DeviceAllocator {
-        &*self.pin.core.allocator
+        &*self.core().allocator
     }
 
-    /// Allocates through the pinned allocator.
+    /// Allocates through the pinned allocator. The allocation is recorded in the
+    /// calling thread's pin, so threads allocating through one binding (shared by
+    /// reference or cloned) do not contend.
     ///
     /// # Errors
     /// [`AllocateError::Inactive`] or [`AllocateError::DeviceLost`] before any
     /// callback when the mechanism takes no new allocations; the allocator's own
     /// [`AllocError`](memory_api::AllocError) otherwise. Nothing is leaked on error.
+    #[inline]
     pub fn allocate(&self, request: AllocationRequest) -> Result<BoundAllocation, AllocateError> {
-        let core = &self.pin.core;
-        let _in_flight = core.lifecycle.begin(self.pin.slot, Admit::ActiveOnly).map_err(|state| match state {
-            MechanismState::DeviceLost | MechanismState::Terminated => {
-                AllocateError::DeviceLost { device: core.device, mechanism: core.identity, reason: core.lost_reason() }
-            }
-            state => AllocateError::Inactive { mechanism: core.identity, state },
-        })?;
-        let raw = core.allocator.allocate(&request)?;
+        let pin = self.local_pin();
+        let core = &*pin.core;
+        let in_flight = match core.lifecycle.begin(&pin.in_flight, Admit::ActiveOnly) {
+            Ok(guard) => guard,
+            Err(state) => return Err(refused_allocation(core, state)),
+        };
+        // Through `&dyn` directly (not the `Arc` forwarding impl): the result is
+        // written once.
+        let allocator: &dyn DeviceAllocator = &*core.allocator;
+        let raw = allocator.allocate(&request)?;
         let (address, bytes, align, tag) = (raw.address(), raw.bytes(), raw.align(), raw.provider_tag());
         // The registry validates what an allocator reports before it trusts it.
         if raw.device() != core.device
             || bytes < request.bytes()
             || !align.is_power_of_two()
-            || !address.is_aligned_to(request.align())
+            // `request.align()` is a power of two: a mask, not a division.
+            || address.get() & (request.align() as u64 - 1) != 0
         {
             return Err(reject_block(core, &request, raw));
         }
-        match self.pin.insert(raw) {
+        let align_log2 = align.trailing_zeros() as u8;
+        match pin.insert(address, bytes, align_log2, tag) {
             Ok((slot, generation)) => {
+                drop(in_flight);
                 tracing::trace!(mechanism = %core.identity, bytes, "allocate");
                 Ok(BoundAllocation {
-                    pin: Some(Arc::clone(&self.pin)),
+                    pin: Some(PinRef::new(pin)),
                     address,
                     bytes,
                     provider_tag: tag,
                     generation,
-                    binding: self.binding.serial(),
+                    binding: self.binding,
                     binding_generation: self.generation.serial(),
                     slot,
-                    align_log2: align.trailing_zeros() as u8,
+                    align_log2,
                 })
             }
-            Err((raw, error)) => {
+            Err(error) => {
                 // Could not record it: give it straight back rather than leak it.
                 give_back(core, raw, "an allocation that cannot be recorded");
                 Err(AllocateError::Identity(error))
@@ -117,12 +143,13 @@ impl MemoryBinding {
         }
     }
 
-    /// Releases `allocation` through the allocator that made it.
+    /// Releases `allocation` through the allocator that made it, from any thread.
     ///
     /// # Errors
     /// A [`Rejected`] handing the allocation back when it belongs to another
     /// registry or binding, its generation is stale, its device was lost (no
     /// callback runs then), or the allocator refused without mutating anything.
+    #[inline]
     pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
         if let Err(reason) = self.check_owns(&allocation) {
             return Err(Rejected { handle: allocation, reason });
@@ -165,10 +192,10 @@ impl MemoryBinding {
         // Fast path: the same core (hence the same registry, mechanism, authority,
         // context and device) and the same binding. Everything else is an error,
         // classified off the hot path.
-        match allocation.pin.as_ref() {
+        match allocation.pin.as_ref().map(PinRef::get) {
             Some(pin)
-                if Arc::ptr_eq(&self.pin.core, &pin.core)
-                    && allocation.binding == self.binding.serial()
+                if Arc::ptr_eq(&self.anchor.table.core, &pin.core)
+                    && allocation.binding == self.binding
                     && allocation.binding_generation == self.generation.serial() =>
             {
                 Ok(())
@@ -179,8 +206,8 @@ impl MemoryBinding {
 
     #[cold]
     fn ownership_error(&self, allocation: &BoundAllocation) -> HandleError {
-        let Some(pin) = allocation.pin.as_ref() else { return HandleError::StaleAllocation };
-        let (expected, found) = (self.pin.core.issuer.registry(), pin.core.issuer.registry());
+        let Some(pin) = allocation.pin.as_ref().map(PinRef::get) else { return HandleError::StaleAllocation };
+        let (expected, found) = (self.core().issuer.registry(), pin.core.issuer.registry());
         if expected != found {
             return HandleError::ForeignRegistry { expected, found };
         }
@@ -195,7 +222,7 @@ impl fmt::Debug for MemoryBinding {
 }
 
 /// One live allocation, pinned to the binding, mechanism, allocator, context and
-/// authority it came from.
+/// authority it came from. It may be released, dropped or sent to any thread.
 ///
 /// Dropping a live allocation follows its mechanism's [`DropPolicy`]: immediate
 /// release for host memory, a deferred queue where one is registered, otherwise
@@ -204,7 +231,8 @@ impl fmt::Debug for MemoryBinding {
 /// terminated.
 #[must_use = "dropping a live allocation releases, defers or quarantines it by the drop policy; release it through its binding"]
 pub struct BoundAllocation {
-    pin: Option<Arc<Pin>>,
+    /// The pin of the thread that allocated it (where its record lives).
+    pin: Option<PinRef>,
     address: DeviceAddress,
     bytes: usize,
     provider_tag: u64,
@@ -235,20 +263,25 @@ impl BoundAllocation {
 
     /// The device the memory lives on.
     pub fn device(&self) -> Option<DeviceKey> {
-        self.pin.as_ref().map(|pin| pin.core.device)
+        self.pin().map(|pin| pin.core.device)
+    }
+
+    #[inline]
+    fn pin(&self) -> Option<&Pin> {
+        self.pin.as_ref().map(PinRef::get)
     }
 
     /// Everything that identifies this allocation (`None` only for a handle whose
     /// release is already under way, which safe code cannot observe).
     pub fn identity(&self) -> Option<AllocationIdentity> {
         let binding = self.binding_identity()?;
-        let issuer = &self.pin.as_ref()?.core.issuer;
+        let issuer = &self.pin()?.core.issuer;
         let generation: AllocationGeneration = issuer.recognise(self.generation)?;
         Some(AllocationIdentity::new(binding, generation))
     }
 
     fn binding_identity(&self) -> Option<BindingIdentity> {
-        let core = &self.pin.as_ref()?.core;
+        let core = &self.pin()?.core;
         Some(BindingIdentity::new(
             core.issuer.recognise(self.binding)?,
             core.issuer.recognise(self.binding_generation)?,
@@ -262,7 +295,9 @@ impl BoundAllocation {
     /// Whether the registry still holds this allocation's record under its generation
     /// (termination retires every record of its mechanisms).
     pub fn is_valid(&self) -> bool {
-        self.pin.as_ref().is_some_and(|pin| pin.holds(self.slot, self.generation))
+        self.pin().is_some_and(|pin| {
+            !matches!(pin.core.lifecycle.state(), MechanismState::Terminated) && pin.holds(self.slot, self.generation)
+        })
     }
 
     /// A view of `len` bytes at `offset`. It borrows the allocation, so the
@@ -286,8 +321,8 @@ impl BoundAllocation {
     }
 
     /// Checks the allocation can still be used (device not lost, metadata not retired).
-    pub(crate) fn check_usable(&self) -> Result<&Arc<Pin>, HandleError> {
-        let pin = self.pin.as_ref().ok_or(HandleError::StaleAllocation)?;
+    pub(crate) fn check_usable(&self) -> Result<&Pin, HandleError> {
+        let pin = self.pin().ok_or(HandleError::StaleAllocation)?;
         match pin.core.lifecycle.state() {
             MechanismState::DeviceLost => Err(HandleError::DeviceLost {
                 device: pin.core.device,
@@ -305,24 +340,9 @@ impl BoundAllocation {
         RawAllocation::new(self.address, self.bytes, self.align(), device, self.provider_tag)
     }
 
-    pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Arc<Pin>, HandleError> {
+    pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Pin, HandleError> {
         binding.check_owns(self)?;
         self.check_usable()
-    }
-
-    /// Rebuilds a handle for a block put back into the registry.
-    fn rebuilt(parts: &HandleParts, pin: Arc<Pin>, slot: u32) -> BoundAllocation {
-        BoundAllocation {
-            pin: Some(pin),
-            address: parts.address,
-            bytes: parts.bytes,
-            provider_tag: parts.provider_tag,
-            generation: parts.generation,
-            binding: parts.binding,
-            binding_generation: parts.binding_generation,
-            slot,
-            align_log2: parts.align_log2,
-        }
     }
 
     fn parts(&self) -> HandleParts {
@@ -349,19 +369,19 @@ impl fmt::Debug for BoundAllocation {
 }
 
 impl Drop for BoundAllocation {
+    #[inline]
     fn drop(&mut self) {
-        let Some(pin) = self.pin.take() else { return };
-        let parts = self.parts();
+        let Some(held) = self.pin.take() else { return };
+        let (parts, slot) = (self.parts(), self.slot);
         if std::thread::panicking() {
             // A callback panicking here (a queue's enqueue) would abort the process: the
             // drop policy has booked the block already, so the panic is only logged.
-            let slot = self.slot;
-            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop_release(pin, parts, slot))) {
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| drop_release(&held, parts, slot))) {
                 reraise_unless_unwinding(panic, "a drop-time release");
             }
             return;
         }
-        drop_release(pin, parts, self.slot);
+        drop_release(&held, parts, slot);
     }
 }
 
@@ -398,24 +418,6 @@ impl AllocationView<'_> {
     /// The allocation viewed.
     pub fn allocation(&self) -> &BoundAllocation {
         self.allocation
-    }
-}
-
-/// Anything that can produce a handle's plain-data parts (the handle itself on the
-/// explicit path, a copy of its parts on drop and deferred paths).
-trait AsParts {
-    fn as_parts(&self) -> HandleParts;
-}
-
-impl AsParts for BoundAllocation {
-    fn as_parts(&self) -> HandleParts {
-        self.parts()
-    }
-}
-
-impl AsParts for HandleParts {
-    fn as_parts(&self) -> HandleParts {
-        *self
     }
 }
 
@@ -506,66 +508,125 @@ fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
     }
 }
 
-/// Explicit release: validate, take the record exactly once, call the allocator.
-/// Borrows the core through the handle's pin: no shared refcount is touched.
-#[inline]
-fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
-    let Some(pin) = allocation.pin.take() else {
-        return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
-    };
-    let settled = {
-        let core = &pin.core;
-        match core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) {
-            Err(state) => Err(refusal_for(core, state)),
-            Ok(in_flight) => match pin.take(allocation.slot, allocation.generation) {
-                None => Err(HandleError::StaleAllocation),
-                Some(raw) => {
-                    let settled = match call_release(core, &allocation, raw) {
-                        // The common answer needs no bookkeeping beyond the record
-                        // already taken.
-                        Some(ReleaseOutcome::Complete(done)) => {
-                            tracing::trace!(mechanism = %core.identity, bytes = allocation.bytes, "release");
-                            let unmapped_bytes = core.completed(allocation.bytes, done.unmapped_bytes());
-                            Settled::Done(ReleaseSummary::Complete { unmapped_bytes })
-                        }
-                        Some(outcome) => settle(core, &pin, &allocation.parts(), outcome),
-                        // It panicked while this thread unwinds: quarantined, not re-raised.
-                        None => Settled::Done(ReleaseSummary::Quarantined {
-                            unmapped_bytes: 0,
-                            residual_bytes: allocation.bytes,
-                        }),
-                    };
-                    drop(in_flight);
-                    Ok(settled)
-                }
-            },
+/// An allocation refused by the lifecycle, before any callback.
+#[cold]
+fn refused_allocation(core: &MechanismCore, state: MechanismState) -> AllocateError {
+    match state {
+        MechanismState::DeviceLost | MechanismState::Terminated => {
+            AllocateError::DeviceLost { device: core.device, mechanism: core.identity, reason: core.lost_reason() }
         }
-    };
-    match settled {
-        // Refused before anything was taken: the handle goes back as it was.
-        Err(reason) => {
-            allocation.pin = Some(pin);
-            Err(Rejected { handle: allocation, reason })
-        }
-        Ok(Settled::Done(report)) => Ok(report),
-        Ok(Settled::Refused { slot, error }) => Err(Rejected {
-            handle: BoundAllocation::rebuilt(&allocation.parts(), pin, slot),
-            reason: HandleError::ReleaseFailed(*error),
-        }),
+        state => AllocateError::Inactive { mechanism: core.identity, state },
     }
 }
 
-/// Calls the allocator's release; a panic quarantines the whole block, then unwinds,
-/// unless this thread is unwinding already (then `None`: see [`reraise_unless_unwinding`]).
+/// Why [`take`] gave no record: small and `Copy`, so the common path carries no
+/// drop glue; the caller turns it into a [`HandleError`] off the hot path.
+#[derive(Copy, Clone)]
+enum Refusal {
+    Stale,
+    State(MechanismState),
+}
+
+impl Refusal {
+    #[cold]
+    fn reason(self, core: &MechanismCore) -> HandleError {
+        match self {
+            Refusal::Stale => HandleError::StaleAllocation,
+            Refusal::State(state) => refusal_for(core, state),
+        }
+    }
+}
+
+/// Takes the record at `slot` for a release: announces the release by marking the
+/// record in transit, passes the Dekker point, and withdraws if the state refuses.
+/// A `remove` that is only counting is waited out. A stale key is reported as such
+/// only when the state admits releases (a lost device is reported first, as before
+/// any record is touched).
 #[inline]
-fn call_release(core: &MechanismCore, handle: &impl AsParts, raw: RawAllocation) -> Option<ReleaseOutcome> {
-    match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
+fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, Refusal> {
+    let lifecycle = &pin.core.lifecycle;
+    let admit = Admit::ActiveOrRetired;
+    loop {
+        let refused = match pin.announce(slot, generation) {
+            Some(record) => match lifecycle.admit_announced(admit) {
+                Ok(()) => return Ok(record),
+                Err(state) => {
+                    record.restore(generation);
+                    state
+                }
+            },
+            None => match lifecycle.check(admit) {
+                Ok(()) => return Err(Refusal::Stale),
+                Err(state) => state,
+            },
+        };
+        lifecycle.refused(refused, admit).map_err(Refusal::State)?;
+    }
+}
+
+/// Explicit release: take the record, call the allocator, settle. The handle's pin is
+/// the allocating thread's: its core is read through it, no shared refcount is touched.
+#[inline]
+fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
+    let Some(held) = allocation.pin.take() else {
+        return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
+    };
+    let pin = held.get();
+    let slot = allocation.slot;
+    let record = match take(pin, slot, allocation.generation) {
+        Ok(record) => record,
+        // Refused before anything was taken: the handle goes back as it was.
+        Err(refusal) => {
+            let reason = refusal.reason(&pin.core);
+            allocation.pin = Some(held);
+            return Err(Rejected { handle: allocation, reason });
+        }
+    };
+    let parts = allocation.parts();
+    let core = &*pin.core;
+    match call_release(pin, slot, record, &parts) {
+        // The common answer needs no bookkeeping beyond freeing the record.
+        Some(ReleaseOutcome::Complete(done)) => {
+            pin.free(slot, record);
+            tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
+            // Its pin is taken: nothing is left for `Drop` to do.
+            std::mem::forget(allocation);
+            Ok(ReleaseSummary::Complete { unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()) })
+        }
+        // It panicked while this thread unwinds: quarantined, not re-raised.
+        None => {
+            std::mem::forget(allocation);
+            Ok(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes })
+        }
+        Some(outcome) => match settle(pin, slot, record, &parts, outcome) {
+            Settled::Done(report) => {
+                std::mem::forget(allocation);
+                Ok(report)
+            }
+            Settled::Refused(error) => {
+                // Nothing was released: the record is live again, the handle goes back.
+                record.restore(parts.generation);
+                allocation.pin = Some(held);
+                Err(Rejected { handle: allocation, reason: HandleError::ReleaseFailed(*error) })
+            }
+        },
+    }
+}
+
+/// Calls the allocator's release of the block `parts` describes; a panic quarantines
+/// the whole block (then frees its record), then unwinds, unless this thread is
+/// unwinding already (then `None`: see [`reraise_unless_unwinding`]).
+#[inline]
+fn call_release(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts) -> Option<ReleaseOutcome> {
+    let core = &*pin.core;
+    let allocator: &dyn DeviceAllocator = &*core.allocator;
+    match catch_unwind(AssertUnwindSafe(|| allocator.release(parts.raw(core.device)))) {
         Ok(outcome) => Some(outcome),
         Err(panic) => {
-            let parts = handle.as_parts();
             let raw = parts.raw(core.device);
             let bytes = raw.bytes();
             core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
+            pin.free(slot, record);
             reraise_unless_unwinding(panic, "a release");
             None
         }
@@ -595,22 +656,21 @@ pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, cal
 
 enum Settled {
     Done(ReleaseSummary),
-    /// Nothing was released; the block is back in the pin at `slot`.
-    Refused {
-        slot: u32,
-        // Boxed: refusals are rare, and a small `Settled` keeps the common path in
-        // registers.
-        error: Box<ReleaseError>,
-    },
+    /// Nothing was released; the record is still in transit, for the caller to put
+    /// back (a handle returns) or to quarantine (nobody holds a handle).
+    // Boxed: refusals are rare, and a small `Settled` keeps the common path in
+    // registers.
+    Refused(Box<ReleaseError>),
 }
 
-/// Books an outcome: complete is done, quarantine goes to the registry's list, and a
-/// refusal puts the record back. An outcome about another block than the one given
-/// is not believed: the block given stays quarantined as wholly owned.
-#[inline]
-fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: ReleaseOutcome) -> Settled {
+/// Books an outcome: complete frees the record, quarantine moves the block to the
+/// registry's list first (so it is never in neither place), a refusal leaves the
+/// record in transit for the caller. An outcome about another block than the one
+/// given is not believed: the block given stays quarantined as wholly owned.
+fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: ReleaseOutcome) -> Settled {
+    let core = &*pin.core;
     let expected = parts.raw(core.device);
-    match outcome {
+    let settled = match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
             Settled::Done(ReleaseSummary::Complete {
@@ -634,25 +694,31 @@ fn settle(core: &MechanismCore, pin: &Arc<Pin>, parts: &HandleParts, outcome: Re
         }
         ReleaseOutcome::Failed(failed) => {
             let (raw, error) = failed.into_parts();
-            if !raw.same_block(&expected) {
-                let entry = mismatched(core, parts, expected, 0, parts.bytes);
-                let report = ReleaseSummary::Quarantined {
-                    unmapped_bytes: entry.unmapped_bytes,
-                    residual_bytes: entry.residual_bytes,
-                };
-                core.quarantine(entry);
-                return Settled::Done(report);
+            if raw.same_block(&expected) {
+                return Settled::Refused(Box::new(error));
             }
-            match pin.reinsert(raw, parts.generation) {
-                Ok(slot) => Settled::Refused { slot, error: Box::new(error) },
-                Err(raw) => {
-                    let bytes = raw.bytes();
-                    core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
-                    Settled::Done(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: bytes })
-                }
-            }
+            let entry = mismatched(core, parts, expected, 0, parts.bytes);
+            let report = ReleaseSummary::Quarantined {
+                unmapped_bytes: entry.unmapped_bytes,
+                residual_bytes: entry.residual_bytes,
+            };
+            core.quarantine(entry);
+            Settled::Done(report)
         }
-    }
+    };
+    pin.free(slot, record);
+    settled
+}
+
+/// A refused release nobody holds a handle for (a drop, a queued release): the block
+/// is quarantined, then its record freed.
+#[cold]
+fn quarantine_in_transit(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, error: ReleaseError) {
+    let core = &*pin.core;
+    let raw = parts.raw(core.device);
+    let bytes = raw.bytes();
+    core.quarantine(parts.quarantined(core, raw, 0, bytes, error));
+    pin.free(slot, record);
 }
 
 fn mismatched(
@@ -673,63 +739,52 @@ fn mismatched(
     )
 }
 
-/// Deferred release: take the record, count it in flight until the queue runs it.
+/// Deferred release: take the record and hand the release to the queue. The record
+/// stays in transit (counted in flight) until the queue runs or drops the release.
 fn release_deferred(
     mut allocation: BoundAllocation,
     queue: &dyn DeferredReleaseQueue,
 ) -> Result<(), Rejected<BoundAllocation>> {
-    let Some(pin) = allocation.pin.take() else {
+    let Some(held) = allocation.pin.take() else {
         return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
     };
-    let parts = allocation.parts();
-    let taken = match pin.core.lifecycle.begin_detached(pin.slot, Admit::ActiveOrRetired) {
-        // `begin_detached` leaves no count behind when it refuses.
-        Err(state) => Err(refusal_for(&pin.core, state)),
-        Ok(()) => pin.take(allocation.slot, parts.generation).ok_or_else(|| {
-            pin.core.lifecycle.end_detached(pin.slot);
-            HandleError::StaleAllocation
-        }),
-    };
-    let raw = match taken {
-        Ok(raw) => raw,
-        Err(reason) => {
-            allocation.pin = Some(pin);
+    let pin = held.get();
+    let (slot, parts) = (allocation.slot, allocation.parts());
+    let record = match take(pin, slot, parts.generation) {
+        Ok(record) => record,
+        Err(refusal) => {
+            let reason = refusal.reason(&pin.core);
+            allocation.pin = Some(held);
             return Err(Rejected { handle: allocation, reason });
         }
     };
-    match enqueue(&pin, &parts, raw, queue) {
+    // The queued release holds its own strong reference to the pin.
+    match enqueue(&held.to_arc(), slot, &parts, queue) {
         Ok(()) => Ok(()),
-        Err((raw, reason)) => {
-            let result = match pin.reinsert(raw, parts.generation) {
-                Ok(slot) => Err((slot, reason)),
-                Err(raw) => {
-                    let bytes = raw.bytes();
-                    pin.core.quarantine(parts.quarantined(&pin.core, raw, 0, bytes, ReleaseError::Abandoned));
-                    Ok(())
-                }
-            };
-            pin.core.lifecycle.end_detached(pin.slot);
-            result.map_err(|(slot, reason)| Rejected {
-                handle: BoundAllocation::rebuilt(&parts, pin, slot),
-                reason: HandleError::QueueRefused(reason),
-            })
+        Err(reason) => {
+            // Refused: the record is live again and the handle goes back.
+            record.restore(parts.generation);
+            allocation.pin = Some(held);
+            Err(Rejected { handle: allocation, reason: HandleError::QueueRefused(reason) })
         }
     }
 }
 
-/// Builds the prepared release and offers it.
+/// Builds the prepared release and offers it. The record stays in transit (counted in
+/// flight) until the release is settled.
 ///
-/// `Ok` when the queue took it, or when it refused with another release than the one
-/// offered: then the offered release counts as lost by the queue (its block stays
-/// quarantined and its in-flight count ends exactly once, whoever gets there first).
-/// `Err` hands the block back on an honest refusal; the caller re-records or
-/// quarantines it, then ends the count.
+/// `Ok` when the queue took it (its completion settles the record, on whatever thread
+/// the queue runs it), or when it refused with another release than the one offered:
+/// then the offered release counts as lost by the queue (its block is quarantined and
+/// its record freed exactly once, whoever gets there first). `Err` on an honest
+/// refusal, with the record still in transit: the caller puts it back or quarantines
+/// it.
 fn enqueue(
     pin: &Arc<Pin>,
+    slot: u32,
     parts: &HandleParts,
-    raw: RawAllocation,
     queue: &dyn DeferredReleaseQueue,
-) -> Result<(), (RawAllocation, QueueRefusalReason)> {
+) -> Result<(), QueueRefusalReason> {
     let core = &pin.core;
     let identity = AllocationIdentity::new(
         BindingIdentity::new(
@@ -747,31 +802,25 @@ fn enqueue(
     let completion_pin = Arc::clone(pin);
     let completion_parts = *parts;
     let completion = Box::new(move |outcome: ReleaseOutcome| {
-        let queued = &withdrawn.0;
         // The registry may have disowned this release (its queue refused with another
         // one): then the books were settled already.
-        if !queued.claimed_by_completion() {
+        if !withdrawn.0.claimed_by_completion() {
             return;
         }
-        let core = &completion_pin.core;
+        let pin = &*completion_pin;
+        let Some(record) = pin.record(slot) else { return };
         let lost =
             matches!(&outcome, ReleaseOutcome::Failed(f) if matches!(f.error(), ReleaseError::DeviceLost { .. }));
-        match settle(core, &completion_pin, &completion_parts, outcome) {
-            Settled::Done(report) => tracing::trace!(mechanism = %core.identity, ?report, "deferred release ran"),
+        match settle(pin, slot, record, &completion_parts, outcome) {
+            Settled::Done(report) => tracing::trace!(mechanism = %pin.core.identity, ?report, "deferred release ran"),
             // Nobody holds a handle any more: a lost block stays recorded (retired at
             // termination); any other refusal becomes a quarantine.
-            Settled::Refused { slot, error } if !lost => {
-                if let Some(raw) = completion_pin.take(slot, completion_parts.generation) {
-                    let bytes = raw.bytes();
-                    core.quarantine(completion_parts.quarantined(core, raw, 0, bytes, *error));
-                }
-            }
-            Settled::Refused { .. } => {}
+            Settled::Refused(_) if lost => record.restore(completion_parts.generation),
+            Settled::Refused(error) => quarantine_in_transit(pin, slot, record, &completion_parts, *error),
         }
-        core.lifecycle.end_detached(completion_pin.slot);
     });
     let releaser: Arc<dyn DeviceAllocator> = Arc::clone(&queued) as Arc<dyn DeviceAllocator>;
-    let prepared = PreparedRelease::new(identity, releaser, raw, completion);
+    let prepared = PreparedRelease::new(identity, releaser, parts.raw(core.device), completion);
     let refusal = match queue.enqueue(prepared) {
         Ok(()) => return Ok(()),
         Err(refusal) => refusal,
@@ -782,11 +831,12 @@ fn enqueue(
     let reason = refusal.reason;
     let block = refusal.release.cancel();
     if queued.claim.load(Ordering::SeqCst) == WITHDRAWN && same_identity && block.same_block(&parts.raw(core.device)) {
-        // The caller re-records or quarantines the block, then ends the count: ending
-        // it first would let termination or removal run while the block is nowhere.
-        return Err((block, reason));
+        // The caller puts the record back or quarantines it; the record stays in
+        // transit until then, so termination and removal never run with the block in
+        // neither place.
+        return Err(reason);
     }
-    refused_with_another_release(pin, parts, &queued, &reason);
+    refused_with_another_release(pin, slot, parts, &queued, &reason);
     Ok(())
 }
 
@@ -794,19 +844,23 @@ fn enqueue(
 /// as lost by the queue. Whoever claims it first settles its books (a completion that
 /// already ran, or one that runs later, finds the claim taken and does nothing).
 #[cold]
-fn refused_with_another_release(pin: &Pin, parts: &HandleParts, queued: &QueuedRelease, reason: &QueueRefusalReason) {
-    let core = &pin.core;
+fn refused_with_another_release(
+    pin: &Pin,
+    slot: u32,
+    parts: &HandleParts,
+    queued: &QueuedRelease,
+    reason: &QueueRefusalReason,
+) {
     tracing::error!(
-        mechanism = %core.identity,
+        mechanism = %pin.core.identity,
         %reason,
         "deferred-release queue refused with another release than the one offered; the offered block counts as lost by the queue"
     );
     let withdrawn = queued.claim.load(Ordering::SeqCst) == WITHDRAWN;
-    if withdrawn || queued.claim.compare_exchange(QUEUED, DISOWNED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-        let raw = parts.raw(core.device);
-        let bytes = raw.bytes();
-        core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
-        core.lifecycle.end_detached(pin.slot);
+    if (withdrawn || queued.claim.compare_exchange(QUEUED, DISOWNED, Ordering::SeqCst, Ordering::SeqCst).is_ok())
+        && let Some(record) = pin.record(slot)
+    {
+        quarantine_in_transit(pin, slot, record, parts, ReleaseError::Abandoned);
     }
 }
 
@@ -883,52 +937,40 @@ impl DeviceAllocator for QueuedRelease {
     }
 }
 
-/// Drop policy: see [`BoundAllocation`].
-fn drop_release(pin: Arc<Pin>, parts: HandleParts, slot: u32) {
-    let core = &pin.core;
-    match &core.drop_policy {
-        DropPolicy::Release => {
-            let Ok(in_flight) = core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) else {
-                return; // Lost or terminated: no callback; termination retires the record.
-            };
-            let Some(raw) = pin.take(slot, parts.generation) else { return };
-            let Some(outcome) = call_release(core, &parts, raw) else { return };
-            // Nobody holds a handle any more: a refused drop-time release is quarantined.
-            if let Settled::Refused { slot, error } = settle(core, &pin, &parts, outcome)
-                && let Some(raw) = pin.take(slot, parts.generation)
-            {
-                let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, *error));
+/// Drop policy: see [`BoundAllocation`]. The host case (`Release`) runs the same
+/// inlined path as an explicit release.
+#[inline]
+fn drop_release(held: &PinRef, parts: HandleParts, slot: u32) {
+    let pin = held.get();
+    // Lost, terminated or stale: no callback; termination retires the record.
+    let Ok(record) = take(pin, slot, parts.generation) else { return };
+    match &pin.core.drop_policy {
+        DropPolicy::Release => match call_release(pin, slot, record, &parts) {
+            Some(ReleaseOutcome::Complete(_)) => {
+                pin.free(slot, record);
+                tracing::trace!(mechanism = %pin.core.identity, bytes = parts.bytes, "release on drop");
             }
-            drop(in_flight);
-        }
-        DropPolicy::Defer(queue) => {
-            if core.lifecycle.begin_detached(pin.slot, Admit::ActiveOrRetired).is_err() {
-                return;
+            // Panicked while unwinding: quarantined and freed already.
+            None => {}
+            Some(outcome) => {
+                // Nobody holds a handle any more: a refused drop-time release is
+                // quarantined.
+                if let Settled::Refused(error) = settle(pin, slot, record, &parts, outcome) {
+                    quarantine_in_transit(pin, slot, record, &parts, *error);
+                }
             }
-            let Some(raw) = pin.take(slot, parts.generation) else {
-                core.lifecycle.end_detached(pin.slot);
-                return;
-            };
-            if let Err((raw, reason)) = enqueue(&pin, &parts, raw, &**queue) {
-                tracing::warn!(mechanism = %core.identity, %reason, "drop-time deferred release refused");
-                let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
-                core.lifecycle.end_detached(pin.slot);
-            }
-        }
-        DropPolicy::Quarantine => {
-            // Counted in flight while the block moves from its record to quarantine,
-            // so termination and removal never run with the block in neither place.
-            let Ok(in_flight) = core.lifecycle.begin(pin.slot, Admit::ActiveOrRetired) else {
-                return; // Lost or terminated: termination retires the record.
-            };
-            if let Some(raw) = pin.take(slot, parts.generation) {
-                let bytes = raw.bytes();
-                core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::Abandoned));
-            }
-            drop(in_flight);
-        }
+        },
+        DropPolicy::Defer(queue) => drop_deferred(&held.to_arc(), slot, record, &parts, &**queue),
+        // The device may still use the memory: nothing is freed.
+        DropPolicy::Quarantine => quarantine_in_transit(pin, slot, record, &parts, ReleaseError::Abandoned),
+    }
+}
+
+#[cold]
+fn drop_deferred(pin: &Arc<Pin>, slot: u32, record: &Record, parts: &HandleParts, queue: &dyn DeferredReleaseQueue) {
+    if let Err(reason) = enqueue(pin, slot, parts, queue) {
+        tracing::warn!(mechanism = %pin.core.identity, %reason, "drop-time deferred release refused");
+        quarantine_in_transit(pin, slot, record, parts, ReleaseError::Abandoned);
     }
 }
 

@@ -59,8 +59,8 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn virtual_backing(&self) -> Result<BoundVirtualBacking, BoundCapabilityError> {
-        if self.pin.core.virtual_backing().is_none() {
-            return Err(BoundCapabilityError::Unsupported { mechanism: self.pin.core.identity, capability: VIRTUAL });
+        if self.core().virtual_backing().is_none() {
+            return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: VIRTUAL });
         }
         Ok(BoundVirtualBacking { binding: self.clone() })
     }
@@ -70,8 +70,8 @@ impl MemoryBinding {
     /// # Errors
     /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
     pub fn shared_mapping(&self) -> Result<BoundSharedMapping, BoundCapabilityError> {
-        if self.pin.core.shared_mapping().is_none() {
-            return Err(BoundCapabilityError::Unsupported { mechanism: self.pin.core.identity, capability: SHARED });
+        if self.core().shared_mapping().is_none() {
+            return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: SHARED });
         }
         Ok(BoundSharedMapping { binding: self.clone() })
     }
@@ -93,7 +93,8 @@ impl MemoryBinding {
             range.check_within(allocation.bytes())?;
         }
         let core = &pin.core;
-        let _in_flight = core.lifecycle.begin(self.pin.slot, admit).map_err(|state| refusal_for(core, state))?;
+        let _in_flight =
+            core.lifecycle.begin(&self.local_pin().in_flight, admit).map_err(|state| refusal_for(core, state))?;
         // The record exists: the allocation is borrowed, so nothing releases it during
         // this call, and the in-flight count above keeps termination (the only other
         // path that retires records) from running until the call is over.
@@ -116,7 +117,7 @@ pub struct BoundVirtualBacking {
 
 impl BoundVirtualBacking {
     fn capability(binding: &MemoryBinding) -> Option<&dyn VirtualBacking> {
-        binding.pin.core.virtual_backing()
+        binding.core().virtual_backing()
     }
 
     /// Commit granularity in bytes.
@@ -192,7 +193,7 @@ pub struct BoundSharedMapping {
 
 impl BoundSharedMapping {
     fn capability(binding: &MemoryBinding) -> Option<&dyn SharedMapping> {
-        binding.pin.core.shared_mapping()
+        binding.core().shared_mapping()
     }
 
     /// Mapping granularity in bytes.
@@ -206,17 +207,18 @@ impl BoundSharedMapping {
     /// An inactive or lost mechanism, a size off the granularity, or the
     /// capability's own error.
     pub fn create_backing(&self, bytes: usize) -> Result<SharedBacking, BoundCapabilityError> {
-        let core = &self.binding.pin.core;
+        let core = self.binding.core();
         ByteRange::new(0, bytes).check_aligned(self.granularity())?;
-        let _in_flight =
-            core.lifecycle.begin(self.binding.pin.slot, Admit::ActiveOnly).map_err(|state| match state {
+        let _in_flight = core.lifecycle.begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly).map_err(
+            |state| match state {
                 MechanismState::DeviceLost => HandleError::DeviceLost {
                     device: core.device,
                     mechanism: core.identity,
                     reason: core.lost_reason(),
                 },
                 state => HandleError::Inactive { mechanism: core.identity, state },
-            })?;
+            },
+        )?;
         let capability = Self::capability(&self.binding)
             .ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability: SHARED })?;
         Ok(capability.create_backing(bytes)?)
@@ -247,7 +249,7 @@ impl BoundSharedMapping {
         }
         let source = ByteRange::new(placement.backing_offset, placement.target.len());
         source.check_within(backing.bytes())?;
-        let mechanism = self.binding.pin.core.identity;
+        let mechanism = self.binding.core().identity;
         let granularity = Self::capability(&self.binding)
             .map(|c| c.granularity())
             .ok_or(BoundCapabilityError::Unsupported { mechanism, capability: SHARED })?;

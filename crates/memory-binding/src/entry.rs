@@ -1,27 +1,35 @@
 //! What the registry stores: context and authority entries, the shared mechanism core,
-//! and the per-thread pins that hold allocation records.
+//! the per-thread pins that hold allocation records, and the per-thread anchors that
+//! bindings hold.
 //!
-//! Ownership: the registry's tables hold `Mechanism`s; a `Mechanism` holds its
-//! `MechanismCore` and one `Pin` per thread; bindings and allocations hold a pin,
-//! and a pin holds the core. So cloning a handle touches only its thread's pin, and
-//! every handle keeps the allocator, authority and context alive on its own, even after
-//! the registry is dropped.
+//! Ownership (no cycles; arrows are `Arc`s):
+//!
+//! ```text
+//! registry ──▶ Mechanism ──▶ anchors (one per thread) ──▶ PinTable ──▶ pins (one per thread) ──▶ MechanismCore
+//! MemoryBinding ──▶ its binder's Anchor ──▶ PinTable          BoundAllocation ──▶ its allocator's Pin ──▶ MechanismCore
+//! ```
+//!
+//! A binding reaches the calling thread's pin through the table, so whichever thread
+//! made it, an allocation is recorded in the *allocating* thread's pin; the handle
+//! holds that pin, whose refcount line only that thread writes when it also releases.
+//! Every handle keeps the allocator, authority and context alive on its own, even
+//! after the registry is dropped, and nothing outlives the last handle.
 
 use std::any::Any;
 use std::num::NonZeroU64;
 use std::sync::OnceLock;
 
 use memory_api::{
-    AllocationGeneration, AuthorityIdentity, BindingGeneration, BindingId, DeferredReleaseQueue, DeviceAllocator,
-    DeviceKey, IdentityBlock, IdentityError, IdentityIssuer, MechanismIdentity, ProviderContextIdentity, RawAllocation,
-    ReleaseError,
+    AllocationGeneration, AuthorityIdentity, BindingGeneration, BindingId, DeferredReleaseQueue, DeviceAddress,
+    DeviceAllocator, DeviceKey, Identity, IdentityError, IdentityIssuer, MechanismIdentity, ProviderContextIdentity,
+    RawAllocation, ReleaseError,
 };
-use slab::Slab;
-use thread_local::ThreadLocal;
 
 use crate::error::ContextState;
-use crate::lifecycle::Lifecycle;
-use crate::sync::{Arc, AtomicU8, AtomicUsize, LeafMutex, Mutex, Ordering, lock, lock_leaf};
+use crate::handle_ref::{Units, orphan, take_handle_share};
+use crate::lifecycle::{InFlightSlot, Lifecycle};
+use crate::per_thread::{PerThread, thread_index};
+use crate::sync::{Arc, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, CachePadded, Mutex, Ordering, lock};
 
 /// An opaque resource pinned by a context or authority (a CUDA context owner, a
 /// tenant account). Its destructor runs when the last handle pinning it is gone.
@@ -134,7 +142,6 @@ pub(crate) struct MechanismCore {
     quarantined: AtomicUsize,
     /// Release answers the registry did not believe (corrected and traced).
     dishonest_outcomes: AtomicUsize,
-    next_pin_slot: AtomicUsize,
 }
 
 impl MechanismCore {
@@ -167,7 +174,6 @@ impl MechanismCore {
             unrecorded_lost: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
             dishonest_outcomes: AtomicUsize::new(0),
-            next_pin_slot: AtomicUsize::new(0),
         }
     }
 
@@ -265,193 +271,500 @@ impl MechanismCore {
     }
 }
 
-/// A registered mechanism: the shared core plus one pin per thread.
+/// A registered mechanism as the registry holds it: the pin table, and one anchor per
+/// thread for the bindings that thread makes.
 pub(crate) struct Mechanism {
     pub(crate) core: Arc<MechanismCore>,
-    pins: ThreadLocal<Arc<Pin>>,
+    pub(crate) table: Arc<PinTable>,
+    anchors: PerThread<Arc<Anchor>>,
 }
 
 impl Mechanism {
     pub(crate) fn new(core: MechanismCore) -> Mechanism {
-        Mechanism { core: Arc::new(core), pins: ThreadLocal::new() }
+        let core = Arc::new(core);
+        Mechanism { table: Arc::new(PinTable::new(Arc::clone(&core))), core, anchors: PerThread::new() }
     }
 
-    /// This thread's pin (created on first use, then reused: no allocation).
-    pub(crate) fn pin(&self) -> &Arc<Pin> {
-        self.pins.get_or(|| {
-            // Round-robin; the lifecycle maps the number onto its slots.
-            let slot = self.core.next_pin_slot.fetch_add(1, Ordering::Relaxed);
-            Arc::new(Pin::new(Arc::clone(&self.core), slot))
-        })
+    /// The calling thread's anchor (created on first use, then reused: no allocation).
+    #[inline]
+    pub(crate) fn anchor(&self) -> &Arc<Anchor> {
+        let index = thread_index();
+        self.anchors.get_or(index, || Arc::new(Anchor::new(Arc::clone(&self.table), index)))
     }
 
     /// Every pin ever created for this mechanism.
     pub(crate) fn pins(&self) -> impl Iterator<Item = &Arc<Pin>> {
-        self.pins.iter()
+        self.table.pins.iter()
     }
 
-    /// Live allocations across all pins, plus blocks kept unrecorded after device loss.
-    pub(crate) fn live(&self) -> (usize, usize) {
-        let unrecorded = self.core.unrecorded_lost();
-        self.pins().map(|pin| pin.live()).fold(unrecorded, |(n, b), (pn, pb)| (n + pn, b + pb))
+    /// Live allocations, their bytes, and operations in flight (counted in slots,
+    /// and releases whose record is in transit), from one pass over every record
+    /// after the cold side of the Dekker barrier. One pass matters: a release that
+    /// keeps being refused moves its record between live and in transit, and two
+    /// separate scans could each see it as the other.
+    pub(crate) fn census(&self) -> Census {
+        let slots = self.core.lifecycle.in_flight(self.pins().map(|pin| &pin.in_flight));
+        // Blocks answered after device loss that could not be recorded count as live.
+        let (live, live_bytes) = self.core.unrecorded_lost();
+        let mut census = Census { live, live_bytes, in_flight: slots };
+        for pin in self.pins() {
+            pin.count_into(&mut census);
+        }
+        census
     }
 }
 
-/// How many identities a pin reserves from the shared counters at a time.
+/// What [`Mechanism::census`] counted.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Census {
+    pub(crate) live: usize,
+    pub(crate) live_bytes: usize,
+    pub(crate) in_flight: usize,
+}
+
+/// The per-thread pins of one mechanism. Bindings reach it through their anchor and
+/// pick the calling thread's pin; it is read-only on the hot path.
+pub(crate) struct PinTable {
+    pub(crate) core: Arc<MechanismCore>,
+    pins: PerThread<Arc<Pin>>,
+}
+
+impl PinTable {
+    fn new(core: Arc<MechanismCore>) -> PinTable {
+        PinTable { core, pins: PerThread::new() }
+    }
+
+    /// The calling thread's pin (created on first use: one heap allocation per thread
+    /// and mechanism, then reused).
+    #[inline]
+    pub(crate) fn pin(&self) -> &Arc<Pin> {
+        let index = thread_index();
+        self.pins.get_or(index, || {
+            let pin = Arc::new(Pin::new(Arc::clone(&self.core), index));
+            take_handle_share(&pin);
+            pin
+        })
+    }
+}
+
+impl Drop for PinTable {
+    /// Nobody can allocate on these pins any more: from now on their handles keep
+    /// them alive, and the last one frees each (see `handle_ref`).
+    fn drop(&mut self) {
+        for pin in self.pins.iter() {
+            orphan(pin);
+        }
+    }
+}
+
+/// What a [`MemoryBinding`](crate::MemoryBinding) holds: a per-thread strong reference
+/// to the pin table, so binding and cloning bindings write only the binder's line.
+/// Aligned to two cache lines so anchors of different threads never share one.
+#[repr(align(128))]
+pub(crate) struct Anchor {
+    pub(crate) table: Arc<PinTable>,
+    binding_ids: OwnerBlock,
+    /// The thread index whose anchor this is: the only thread that mints from it.
+    pub(crate) owner: usize,
+}
+
+impl Anchor {
+    fn new(table: Arc<PinTable>, owner: usize) -> Anchor {
+        Anchor { table, binding_ids: OwnerBlock::new(), owner }
+    }
+
+    /// Mints a binding id serial from this anchor's block (owner thread only).
+    #[inline]
+    pub(crate) fn next_binding_id(&self) -> Result<NonZeroU64, IdentityError> {
+        self.binding_ids.next::<BindingId>(&self.table.core.issuer)
+    }
+}
+
+/// How many identities a pin or anchor reserves from the shared counters at a time.
 const IDENTITY_BLOCK: u64 = 256;
 
-/// One allocation record: the generation to validate and the block to release.
+/// A run of identity serials reserved from the issuer, used by one thread only
+/// (plain loads and stores: the atomics only make the type shareable).
+struct OwnerBlock {
+    next: AtomicU64,
+    end: AtomicU64,
+}
+
+impl OwnerBlock {
+    fn new() -> OwnerBlock {
+        OwnerBlock { next: AtomicU64::new(1), end: AtomicU64::new(1) }
+    }
+
+    #[inline]
+    fn next<I: Identity>(&self, issuer: &IdentityIssuer) -> Result<NonZeroU64, IdentityError> {
+        let next = self.next.load(Ordering::Relaxed);
+        if next < self.end.load(Ordering::Relaxed) {
+            self.next.store(next + 1, Ordering::Relaxed);
+            // Serials start at 1: never zero.
+            return NonZeroU64::new(next).ok_or(IdentityError::RegistriesExhausted);
+        }
+        self.refill::<I>(issuer)
+    }
+
+    #[cold]
+    fn refill<I: Identity>(&self, issuer: &IdentityIssuer) -> Result<NonZeroU64, IdentityError> {
+        let mut block = issuer.block::<I>(IDENTITY_BLOCK)?;
+        let first = block.next().ok_or(IdentityError::RegistriesExhausted)?.serial();
+        let next = first.get() + 1;
+        self.next.store(next, Ordering::Relaxed);
+        self.end.store(next + block.remaining(), Ordering::Relaxed);
+        Ok(first)
+    }
+}
+
+/// A record's state word: free, live under its generation, or live and in transit
+/// (a release of it is under way: the announcement of the Dekker protocol).
+const FREE: u64 = 0;
+const IN_TRANSIT: u64 = 1 << 63;
+/// "No slot" in the free lists.
+const NO_SLOT: u32 = u32::MAX;
+
+/// One allocation record. Every field is an atomic so a remote thread can reach it
+/// without a lock; the fields are written before the `Release` store of the state
+/// word that publishes them, and read after an `Acquire` load of it.
 pub(crate) struct Record {
-    pub(crate) generation: NonZeroU64,
-    pub(crate) allocation: RawAllocation,
+    state: AtomicU64,
+    address: AtomicU64,
+    bytes: AtomicUsize,
+    provider_tag: AtomicU64,
+    /// The next free slot while this one is free.
+    next_free: AtomicU32,
+    align_log2: AtomicU8,
 }
 
-// Registry memory per live allocation: one slab entry, i.e. a record plus at most one
-// word of enum tag (issue 3 budget: 64 bytes beyond the handle).
-const _: () = assert!(std::mem::size_of::<Record>() + std::mem::size_of::<usize>() <= 64);
+// Registry memory per live allocation (issue 3 budget: 64 bytes beyond the handle).
+const _: () = assert!(std::mem::size_of::<Record>() <= 64);
 
-struct PinRecords {
-    slab: Slab<Record>,
-    live_bytes: usize,
-    generations: IdentityBlock<AllocationGeneration>,
+impl Record {
+    fn new() -> Record {
+        Record {
+            state: AtomicU64::new(FREE),
+            address: AtomicU64::new(0),
+            bytes: AtomicUsize::new(0),
+            provider_tag: AtomicU64::new(0),
+            next_free: AtomicU32::new(NO_SLOT),
+            align_log2: AtomicU8::new(0),
+        }
+    }
+
+    /// Whether this record is live under `generation` (not in transit).
+    #[inline]
+    fn holds(&self, generation: NonZeroU64) -> bool {
+        self.state.load(Ordering::Acquire) == generation.get()
+    }
+
+    /// The block this record describes.
+    fn block(&self, device: DeviceKey) -> Option<RawAllocation> {
+        let address = DeviceAddress::new(self.address.load(Ordering::Relaxed))?;
+        let align = 1usize << self.align_log2.load(Ordering::Relaxed);
+        let bytes = self.bytes.load(Ordering::Relaxed);
+        Some(RawAllocation::new(address, bytes, align, device, self.provider_tag.load(Ordering::Relaxed)))
+    }
+
+    /// Puts a record that was in transit back as live (a refused release).
+    #[inline]
+    pub(crate) fn restore(&self, generation: NonZeroU64) {
+        self.state.store(generation.get(), Ordering::Release);
+    }
 }
 
-/// A per-thread copy of a mechanism entry: handles made on a thread pin the
-/// mechanism through that thread's pin, so their refcount traffic and record
-/// inserts stay on that thread's cache lines. Aligned to two cache lines so that two
-/// pins allocated back to back never share one (measured: without it, two threads on
-/// one mechanism ran at half of one thread's throughput).
+/// Records in the first segment (a power of two); segment `k` holds `FIRST_SEGMENT << k`.
+#[cfg(not(memory_loom))]
+const FIRST_SEGMENT: u32 = 32;
+#[cfg(memory_loom)]
+const FIRST_SEGMENT: u32 = 2;
+/// Enough segments for every `u32` slot below [`NO_SLOT`] (the first is inline).
+const SEGMENTS: usize = 33 - FIRST_SEGMENT.trailing_zeros() as usize;
+
+/// A slot's segment and its offset in it.
+#[inline]
+fn segment_of(slot: u32) -> (usize, usize) {
+    let shifted = u64::from(slot) + u64::from(FIRST_SEGMENT);
+    let segment = shifted.ilog2() - FIRST_SEGMENT.ilog2();
+    (segment as usize, (shifted - (u64::from(FIRST_SEGMENT) << segment)) as usize)
+}
+
+/// Records of a new segment.
+fn new_records(count: u32) -> Box<[Record]> {
+    (0..count).map(|_| Record::new()).collect()
+}
+
+/// The owner thread's part of a pin: written by the owner alone, on its own line.
+#[derive(Default)]
+struct OwnerState {
+    /// Head of the owner's free list.
+    free_head: AtomicU32,
+    /// The next slot never used yet.
+    fresh: AtomicU32,
+}
+
+/// A per-thread copy of a mechanism entry: the records of the allocations made on
+/// its thread, that thread's in-flight slot and generation block, and the stack where
+/// other threads return the slots they release.
+///
+/// - Insert and slot reuse are the owner's alone (single writer: plain loads and
+///   stores on the owner's line).
+/// - A release from any thread marks the record in transit, then frees it with a
+///   `Release` store of its state word; the owner pushes the slot onto its own free
+///   list, any other thread onto the remote stack (a CAS push), which the owner takes
+///   whole with one swap when its own list is empty (take-all pops make the stack
+///   immune to ABA).
+/// - Records live in segments that never move, so a remote thread reaches one without
+///   a lock.
+///
+/// Aligned to two cache lines, like every part that one thread writes, so that pins of
+/// different threads never share a line.
 #[repr(align(128))]
 pub(crate) struct Pin {
     pub(crate) core: Arc<MechanismCore>,
-    /// In-flight slot of this pin.
-    pub(crate) slot: usize,
-    records: LeafMutex<PinRecords>,
-    binding_ids: LeafMutex<IdentityBlock<BindingId>>,
-    live: AtomicUsize,
+    /// Segment 0, made with the pin; the rest on demand.
+    first: Box<[Record]>,
+    segments: [OnceLock<Box<[Record]>>; SEGMENTS],
+    /// The thread index that owns this pin (fixed: a recycled index inherits the pin).
+    owner: usize,
+    /// What keeps the pin alive for its handles once its table is gone.
+    pub(crate) units: Units,
+    pub(crate) in_flight: InFlightSlot,
+    local: CachePadded<OwnerState>,
+    generations: CachePadded<OwnerBlock>,
+    remote_free: CachePadded<AtomicU32>,
 }
 
 impl Pin {
-    fn new(core: Arc<MechanismCore>, slot: usize) -> Pin {
-        let registry = core.issuer.registry();
+    pub(crate) fn new(core: Arc<MechanismCore>, owner: usize) -> Pin {
         Pin {
             core,
-            slot,
-            records: LeafMutex::new(PinRecords {
-                slab: Slab::new(),
-                live_bytes: 0,
-                generations: IdentityBlock::empty(registry),
-            }),
-            binding_ids: LeafMutex::new(IdentityBlock::empty(registry)),
-            live: AtomicUsize::new(0),
+            first: new_records(FIRST_SEGMENT),
+            segments: std::array::from_fn(|_| OnceLock::new()),
+            owner,
+            units: Units::new(),
+            in_flight: InFlightSlot::default(),
+            local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
+            generations: CachePadded::new(OwnerBlock::new()),
+            remote_free: CachePadded::new(AtomicU32::new(NO_SLOT)),
         }
     }
 
-    /// Mints a binding id from this pin's block.
-    pub(crate) fn next_binding_id(&self) -> Result<BindingId, IdentityError> {
-        let mut block = lock_leaf(&self.binding_ids);
-        if let Some(id) = block.next() {
-            return Ok(id);
+    /// Segment `k`, created if needed (owner only).
+    fn segment(&self, k: usize) -> &[Record] {
+        match k {
+            0 => &self.first,
+            k => self.segments[k].get_or_init(|| new_records(FIRST_SEGMENT << k)),
         }
-        *block = self.core.issuer.block(IDENTITY_BLOCK)?;
-        block.next().ok_or(IdentityError::RegistriesExhausted)
     }
 
-    /// Records a new allocation; returns its slot and generation.
+    /// The record at `slot`, if its segment exists.
+    #[inline]
+    pub(crate) fn record(&self, slot: u32) -> Option<&Record> {
+        match self.first.get(slot as usize) {
+            Some(record) => Some(record),
+            None => self.record_beyond_first(slot),
+        }
+    }
+
+    fn record_beyond_first(&self, slot: u32) -> Option<&Record> {
+        let (segment, offset) = segment_of(slot);
+        self.segments.get(segment)?.get()?.get(offset)
+    }
+
+    /// Whether the calling thread owns this pin.
+    #[inline]
+    pub(crate) fn owned_here(&self) -> bool {
+        self.owner == thread_index()
+    }
+
+    /// Records a new allocation (owner thread only); returns its slot and generation.
     ///
     /// # Errors
     /// Generation exhaustion, or more live records on this pin than a `u32` slot can
-    /// name; the block comes back so the caller can release it.
+    /// name.
+    #[inline]
     pub(crate) fn insert(
         &self,
-        allocation: RawAllocation,
-    ) -> Result<(u32, NonZeroU64), (RawAllocation, IdentityError)> {
-        let mut records = lock_leaf(&self.records);
-        let generation = match records.generations.next() {
-            Some(generation) => generation,
-            None => match self.core.issuer.block::<AllocationGeneration>(IDENTITY_BLOCK) {
-                Ok(mut block) => match block.next() {
-                    Some(generation) => {
-                        records.generations = block;
-                        generation
-                    }
-                    None => return Err((allocation, IdentityError::RegistriesExhausted)),
-                },
-                Err(error) => return Err((allocation, error)),
-            },
-        };
-        let generation = memory_api::Identity::serial(&generation);
-        self.insert_locked(&mut records, allocation, generation)
-    }
-
-    /// Puts a block back under its existing generation (a refused release).
-    pub(crate) fn reinsert(&self, allocation: RawAllocation, generation: NonZeroU64) -> Result<u32, RawAllocation> {
-        let mut records = lock_leaf(&self.records);
-        self.insert_locked(&mut records, allocation, generation).map(|(slot, _)| slot).map_err(|(a, _)| a)
-    }
-
-    #[inline]
-    fn insert_locked(
-        &self,
-        records: &mut PinRecords,
-        allocation: RawAllocation,
-        generation: NonZeroU64,
-    ) -> Result<(u32, NonZeroU64), (RawAllocation, IdentityError)> {
-        let entry = records.slab.vacant_entry();
-        let Ok(slot) = u32::try_from(entry.key()) else {
-            return Err((allocation, IdentityError::RegistriesExhausted));
-        };
-        let bytes = allocation.bytes();
-        entry.insert(Record { generation, allocation });
-        records.live_bytes += bytes;
-        self.live.store(records.slab.len(), Ordering::Relaxed);
+        address: DeviceAddress,
+        bytes: usize,
+        align_log2: u8,
+        provider_tag: u64,
+    ) -> Result<(u32, NonZeroU64), IdentityError> {
+        let generation = self.generations.next::<AllocationGeneration>(&self.core.issuer)?;
+        if generation.get() & IN_TRANSIT != 0 {
+            return Err(IdentityError::RegistriesExhausted);
+        }
+        let (slot, record) = self.pop_slot().ok_or(IdentityError::RegistriesExhausted)?;
+        record.address.store(address.get(), Ordering::Relaxed);
+        record.bytes.store(bytes, Ordering::Relaxed);
+        record.provider_tag.store(provider_tag, Ordering::Relaxed);
+        record.align_log2.store(align_log2, Ordering::Relaxed);
+        record.state.store(generation.get(), Ordering::Release);
         Ok((slot, generation))
     }
 
-    /// Removes the record at `slot` if it still holds `generation` (exactly once).
+    /// A free slot (owner only): the own list, else the whole remote stack, else a
+    /// never-used slot.
     #[inline]
-    pub(crate) fn take(&self, slot: u32, generation: NonZeroU64) -> Option<RawAllocation> {
-        let mut records = lock_leaf(&self.records);
-        let slot = slot as usize;
-        if records.slab.get(slot).is_none_or(|record| record.generation != generation) {
+    fn pop_slot(&self) -> Option<(u32, &Record)> {
+        let mut head = self.local.free_head.load(Ordering::Relaxed);
+        if head == NO_SLOT {
+            if self.remote_free.load(Ordering::Relaxed) == NO_SLOT {
+                return self.fresh_slot();
+            }
+            // Acquire: the pushers' `next_free` links and frees happen before.
+            head = self.remote_free.swap(NO_SLOT, Ordering::Acquire);
+            if head == NO_SLOT {
+                return self.fresh_slot();
+            }
+        }
+        let record = self.record(head)?;
+        self.local.free_head.store(record.next_free.load(Ordering::Relaxed), Ordering::Relaxed);
+        Some((head, record))
+    }
+
+    #[cold]
+    fn fresh_slot(&self) -> Option<(u32, &Record)> {
+        let slot = self.local.fresh.load(Ordering::Relaxed);
+        if slot == NO_SLOT {
             return None;
         }
-        let record = records.slab.remove(slot);
-        records.live_bytes -= record.allocation.bytes();
-        self.live.store(records.slab.len(), Ordering::Relaxed);
-        Some(record.allocation)
+        let (segment, offset) = segment_of(slot);
+        let record = &self.segment(segment)[offset];
+        self.local.fresh.store(slot + 1, Ordering::Relaxed);
+        Some((slot, record))
     }
 
-    /// Whether the record at `slot` still holds `generation`.
+    /// Announces a release of the record at `slot`: marks it in transit if it is live
+    /// under `generation`. `None` for a stale key. The caller then passes the Dekker
+    /// point ([`Lifecycle::admit_announced`]) and either finishes ([`Pin::free`]) or
+    /// withdraws ([`Record::restore`]).
+    ///
+    /// Exactly once: a record is announced only through the one handle that carries
+    /// its generation (handles are neither `Clone` nor `Copy`, and a release consumes
+    /// the handle); generations are never reused, so a stale handle never matches a
+    /// reused slot; and the termination sweep, the only other writer of a live record,
+    /// runs only once no record is in transit and no release can be admitted.
+    #[inline]
+    pub(crate) fn announce(&self, slot: u32, generation: NonZeroU64) -> Option<&Record> {
+        let record = self.record(slot)?;
+        if !record.holds(generation) {
+            return None;
+        }
+        record.state.store(generation.get() | IN_TRANSIT, Ordering::Relaxed);
+        Some(record)
+    }
+
+    /// Frees a record in transit (its release is settled) and returns its slot.
+    #[inline]
+    pub(crate) fn free(&self, slot: u32, record: &Record) {
+        record.state.store(FREE, Ordering::Release);
+        if self.owned_here() {
+            record.next_free.store(self.local.free_head.load(Ordering::Relaxed), Ordering::Relaxed);
+            self.local.free_head.store(slot, Ordering::Relaxed);
+        } else {
+            self.push_remote(slot, record);
+        }
+    }
+
+    #[cold]
+    fn push_remote(&self, slot: u32, record: &Record) {
+        let mut head = self.remote_free.load(Ordering::Relaxed);
+        loop {
+            record.next_free.store(head, Ordering::Relaxed);
+            match self.remote_free.compare_exchange_weak(head, slot, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => return,
+                Err(actual) => head = actual,
+            }
+        }
+    }
+
+    /// Whether the record at `slot` is live under `generation` (the caller checks the
+    /// mechanism is not terminated).
     pub(crate) fn holds(&self, slot: u32, generation: NonZeroU64) -> bool {
-        lock_leaf(&self.records).slab.get(slot as usize).is_some_and(|record| record.generation == generation)
+        self.record(slot).is_some_and(|record| record.holds(generation))
     }
 
-    // The record exists: the allocation is borrowed, so nothing releases it during
-    // this call, and the in-flight count above keeps termination (the only other
-    // path that retires records) from running until the call is over.
-    /// Whether any record holds `generation`.
+    /// Every record that exists (cold path).
+    fn records(&self) -> impl Iterator<Item = &Record> {
+        let rest = self.segments.iter().skip(1).filter_map(OnceLock::get).flat_map(|segment| segment.iter());
+        self.first.iter().chain(rest)
+    }
+
+    /// Whether any record is live under `generation` (cold path: a scan; none once
+    /// terminated).
     pub(crate) fn find(&self, generation: NonZeroU64) -> bool {
-        lock_leaf(&self.records).slab.iter().any(|(_, record)| record.generation == generation)
+        !self.retired() && self.records().any(|record| record.holds(generation))
     }
 
-    /// Removes every record (termination retires the metadata).
-    pub(crate) fn drain(&self) -> Vec<RawAllocation> {
-        let mut records = lock_leaf(&self.records);
-        records.live_bytes = 0;
-        self.live.store(0, Ordering::Relaxed);
-        records.slab.drain().map(|record| record.allocation).collect()
+    /// Adds this pin's live records, their bytes and its records in transit to
+    /// `census` (cold path). Once terminated, no record is live.
+    fn count_into(&self, census: &mut Census) {
+        let retired = self.retired();
+        for record in self.records() {
+            // The state word decides where the record counts, from one read. The bytes
+            // are read after it and kept if the generation is still the same one (the
+            // record may go in and out of transit meanwhile, and stays counted); a record
+            // freed or reused meanwhile is read again.
+            let mut state = record.state.load(Ordering::Acquire);
+            loop {
+                if state == FREE {
+                    break;
+                }
+                if state & IN_TRANSIT != 0 {
+                    census.in_flight += 1;
+                    break;
+                }
+                if retired {
+                    break;
+                }
+                let bytes = record.bytes.load(Ordering::Relaxed);
+                crate::sync::fence(Ordering::Acquire);
+                let again = record.state.load(Ordering::Relaxed);
+                if again & !IN_TRANSIT == state {
+                    census.live += 1;
+                    census.live_bytes += bytes;
+                    break;
+                }
+                state = again;
+            }
+        }
     }
 
-    /// Live records and their bytes.
-    pub(crate) fn live(&self) -> (usize, usize) {
-        let records = lock_leaf(&self.records);
-        (records.slab.len(), records.live_bytes)
+    /// Live records and their bytes (none once terminated).
+    #[cfg(all(test, memory_loom))]
+    fn live(&self) -> (usize, usize) {
+        let mut census = Census::default();
+        self.count_into(&mut census);
+        (census.live, census.live_bytes)
     }
 
-    /// Live records, read without the lock (cold-path quiescence checks).
-    pub(crate) fn live_count(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+    /// Records in transit now (cold path, after the Dekker barrier).
+    #[cfg(all(test, memory_loom))]
+    fn in_transit(&self) -> usize {
+        let mut census = Census::default();
+        self.count_into(&mut census);
+        census.in_flight
+    }
+
+    /// The blocks of every live record (the termination sweep; the mechanism is
+    /// `Terminated`, so it admits nothing and no record will be used again).
+    ///
+    /// The sweep reads and does not write: a release refused by the termination may
+    /// still be withdrawing (its announcement and its withdrawal are plain stores), so
+    /// a record in transit here is one being put back, and counts as live. Once the
+    /// mechanism is terminated every record reads as retired (`live`, `find`).
+    pub(crate) fn collect_lost(&self) -> Vec<RawAllocation> {
+        self.records()
+            .filter(|record| record.state.load(Ordering::Acquire) != FREE)
+            .filter_map(|record| record.block(self.core.device))
+            .collect()
+    }
+
+    /// Whether the mechanism's records are retired (terminated).
+    fn retired(&self) -> bool {
+        self.core.lifecycle.state() == crate::lifecycle::MechanismState::Terminated
     }
 }
 
@@ -459,7 +772,8 @@ impl Pin {
 #[cfg(all(test, memory_loom))]
 mod loom_records {
     use super::*;
-    use memory_api::{AllocError, AllocationRequest, DeviceAddress, ReleaseOutcome};
+    use crate::lifecycle::{Admit, MechanismState};
+    use memory_api::{AllocError, AllocationRequest, ReleaseOutcome};
 
     struct Unused;
     impl DeviceAllocator for Unused {
@@ -477,7 +791,7 @@ mod loom_records {
         }
     }
 
-    fn pin() -> Arc<Pin> {
+    fn core() -> Arc<MechanismCore> {
         let issuer = Arc::new(IdentityIssuer::new().unwrap());
         let context = Arc::new(ContextEntry::new(issuer.provider_context().unwrap(), DeviceKey::HOST, Arc::new(())));
         let authority = Arc::new(AuthorityEntry {
@@ -485,7 +799,7 @@ mod loom_records {
             device: DeviceKey::HOST,
             resource: Arc::new(()),
         });
-        let core = MechanismCore::new(
+        Arc::new(MechanismCore::new(
             issuer.mechanism().unwrap(),
             Arc::new(Unused),
             context,
@@ -495,54 +809,167 @@ mod loom_records {
             DropPolicy::Release,
             "unused".to_owned(),
             false,
-        );
-        Arc::new(Pin::new(Arc::new(core), 0))
+        ))
     }
 
-    fn block() -> RawAllocation {
-        RawAllocation::new(DeviceAddress::new(0x1000).unwrap(), 64, 8, DeviceKey::HOST, 0)
+    /// A pin owned by the calling (model) thread.
+    fn pin() -> Arc<Pin> {
+        Arc::new(Pin::new(core(), thread_index()))
     }
 
-    /// Two paths releasing one record (an explicit release and a drop, or two
-    /// handles): exactly one takes it, and a slot reused for a new allocation is never
-    /// taken with the old generation.
+    fn insert(pin: &Pin) -> (u32, NonZeroU64) {
+        pin.insert(DeviceAddress::new(0x1000).unwrap(), 64, 3, 0).unwrap()
+    }
+
+    /// The whole release protocol as `binding.rs` runs it: announce, Dekker point,
+    /// then free (or withdraw when the state refuses). Returns whether it released.
+    fn release(pin: &Pin, slot: u32, generation: NonZeroU64) -> bool {
+        let Some(record) = pin.announce(slot, generation) else { return false };
+        match pin.core.lifecycle.admit_announced(Admit::ActiveOrRetired) {
+            Ok(()) => {
+                pin.free(slot, record);
+                true
+            }
+            Err(_) => {
+                record.restore(generation);
+                false
+            }
+        }
+    }
+
+    /// A release on another thread racing the owner, which allocates meanwhile and
+    /// afterwards: the slot comes back to the owner through the remote stack, is
+    /// reused under a new generation, and the old key never takes the new record.
     #[test]
-    fn loom_one_record_is_taken_exactly_once() {
+    fn loom_remote_release_and_owner_reuse() {
         loom::model(|| {
             let pin = pin();
-            let (slot, generation) = pin.insert(block()).unwrap();
-            let other = {
+            let (slot, generation) = insert(&pin);
+            let remote = {
                 let pin = Arc::clone(&pin);
-                loom::thread::spawn(move || {
-                    let taken = pin.take(slot, generation).is_some();
-                    // Reuse whatever slot is free next under a fresh generation.
-                    let (new_slot, new_generation) = pin.insert(block()).unwrap();
-                    (taken, new_slot, new_generation)
-                })
+                loom::thread::spawn(move || release(&pin, slot, generation))
             };
-            let mine = pin.take(slot, generation).is_some();
-            let (theirs, new_slot, new_generation) = other.join().unwrap();
-            assert!(mine ^ theirs, "exactly one path releases the record");
-            assert_ne!(new_generation, generation);
-            assert!(pin.take(new_slot, generation).is_none() || new_slot != slot);
-            assert!(pin.take(new_slot, new_generation).is_some());
+            let (second, second_generation) = insert(&pin);
+            assert!(remote.join().unwrap(), "a live record is released from any thread");
+            let (third, third_generation) = insert(&pin);
+            assert_ne!(second, third, "two live records never share a slot");
+            assert!(third_generation != generation && third_generation != second_generation);
+            assert!(!release(&pin, slot, generation), "a stale key takes nothing");
+            assert_eq!(pin.live().0, 2);
+            assert!(release(&pin, second, second_generation) && release(&pin, third, third_generation));
+            assert_eq!(pin.live(), (0, 0));
         });
     }
 
-    /// A release racing the termination sweep: the block goes to exactly one of them.
+    /// Two remote threads freeing onto one stack while the owner takes it whole: no
+    /// slot is lost or handed out twice.
+    #[test]
+    fn loom_remote_frees_and_the_owners_take_all_lose_nothing() {
+        loom::model(|| {
+            let pin = pin();
+            let keys = [insert(&pin), insert(&pin)];
+            let remotes: Vec<_> = keys
+                .into_iter()
+                .map(|(slot, generation)| {
+                    let pin = Arc::clone(&pin);
+                    loom::thread::spawn(move || assert!(release(&pin, slot, generation)))
+                })
+                .collect();
+            // The owner allocates while the frees land: a fresh slot or a freed one.
+            let during = insert(&pin);
+            for remote in remotes {
+                remote.join().unwrap();
+            }
+            let after = [insert(&pin), insert(&pin)];
+            let mut slots = vec![during.0, after[0].0, after[1].0];
+            slots.sort_unstable();
+            slots.dedup();
+            assert_eq!(slots.len(), 3, "a slot was handed out twice");
+            assert!(slots.iter().all(|&slot| slot < 4), "freed slots were lost (the pin grew)");
+            assert_eq!(pin.live().0, 3);
+        });
+    }
+
+    /// A release racing invalidation and the termination sweep: the block is released
+    /// by exactly one of them, no release callback runs once termination is
+    /// confirmed, and a release refused meanwhile never brings a swept record back.
     #[test]
     fn loom_release_racing_termination_sweep_is_exactly_once() {
         loom::model(|| {
             let pin = pin();
-            let (slot, generation) = pin.insert(block()).unwrap();
-            let sweep = {
-                let pin = Arc::clone(&pin);
-                loom::thread::spawn(move || pin.drain().len())
+            let (slot, generation) = insert(&pin);
+            let terminated = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+            let releaser = {
+                let (pin, terminated) = (Arc::clone(&pin), Arc::clone(&terminated));
+                loom::thread::spawn(move || {
+                    let Some(record) = pin.announce(slot, generation) else { return false };
+                    match pin.core.lifecycle.admit_announced(Admit::ActiveOrRetired) {
+                        Ok(()) => {
+                            // The allocator's release callback.
+                            assert!(!terminated.load(Ordering::SeqCst), "callback ran after termination");
+                            pin.free(slot, record);
+                            true
+                        }
+                        Err(_) => {
+                            record.restore(generation);
+                            false
+                        }
+                    }
+                })
             };
-            let released = usize::from(pin.take(slot, generation).is_some());
-            let swept = sweep.join().unwrap();
-            assert_eq!(released + swept, 1);
+            let life = &pin.core.lifecycle;
+            life.transition(&[MechanismState::Active], MechanismState::DeviceLost).unwrap();
+            // `confirm_context_terminated`: barrier, count, terminate and sweep at zero.
+            let confirm = || {
+                life.quiesce_barrier();
+                if pin.in_transit() > 0 || pin.in_flight.load() > 0 {
+                    return None;
+                }
+                life.transition(&[MechanismState::DeviceLost], MechanismState::Terminated).unwrap();
+                terminated.store(true, Ordering::SeqCst);
+                Some(pin.collect_lost().len())
+            };
+            let first = confirm();
+            let released = releaser.join().unwrap();
+            // The caller polls: once the release is done, confirmation succeeds.
+            let swept = first.unwrap_or_else(|| confirm().expect("quiescent once the release is done"));
+            assert_eq!(usize::from(released) + swept, 1, "released {released}, swept {swept}");
             assert_eq!(pin.live(), (0, 0));
+            assert!(!pin.find(generation));
+        });
+    }
+
+    /// `remove` racing a release that the allocator keeps refusing (the record goes
+    /// live → in transit → live, twice): the census after closing the mechanism always
+    /// sees the record, as live or as in flight, so removal never succeeds under it.
+    #[test]
+    fn loom_remove_census_never_misses_a_record_flipping_in_transit() {
+        loom::model(|| {
+            let pin = pin();
+            let life = &pin.core.lifecycle;
+            life.transition(&[MechanismState::Active], MechanismState::Retired).unwrap();
+            let (slot, generation) = insert(&pin);
+            let releaser = {
+                let pin = Arc::clone(&pin);
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        let record = pin.announce(slot, generation).expect("the record stays live");
+                        // Admitted or not (`remove` is counting), the allocator refuses:
+                        // the record is put back either way.
+                        let _ = pin.core.lifecycle.admit_announced(Admit::ActiveOrRetired);
+                        record.restore(generation);
+                    }
+                })
+            };
+            let closed = life.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
+            life.quiesce_barrier();
+            let mut census = Census::default();
+            pin.count_into(&mut census);
+            assert!(census.live + census.in_flight > 0, "remove would succeed under a live record");
+            if closed {
+                life.transition(&[MechanismState::Removing], MechanismState::Retired).unwrap();
+            }
+            releaser.join().unwrap();
         });
     }
 }

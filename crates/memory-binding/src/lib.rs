@@ -20,17 +20,25 @@
 //!   or lost with its device ([`AllocationState`]).
 //!
 //! # Correctness
-//! - No `unsafe` code except the caller-attested
-//!   [`BindingRegistry::register_trusted_composite`], which is an `unsafe fn` only to
-//!   make the trust boundary explicit; the crate body forbids unsafe blocks. The safe
-//!   path admits only capability objects that are part of the allocator's own value;
-//!   a composite whose capabilities live in other objects needs the caller's word.
-//! - The hot path (`bind`, `allocate`, `release`, views) takes no registry-wide lock:
-//!   lifecycle in a mostly-read word with per-thread in-flight slots
-//!   (`src/lifecycle.rs`), handles pinned through per-thread pins, generations from
-//!   per-thread blocks, records in per-thread slabs addressed by slot + generation.
-//!   Every primitive comes from the crate-private `sync` module so loom can model the protocols
-//!   under `--cfg memory_loom`.
+//! - `unsafe` lives in one module, `handle_ref`: a handle's pointer to the per-thread
+//!   pin that records it, kept valid by a *unit* of that pin instead of an `Arc` clone
+//!   per allocation, and the one drop of the pins' handle share. The unit protocol is
+//!   safe code checked by loom; the pointer use is checked by Miri (`cargo xtask
+//!   miri`). [`BindingRegistry::register_trusted_composite`] is an `unsafe fn` only to
+//!   make a trust boundary explicit, and contains no unsafe code. The safe registration
+//!   path admits only capability objects that are part of the allocator's own value; a
+//!   composite whose capabilities live in other objects needs the caller's word.
+//! - The hot path (`bind`, `allocate`, `release`, views) takes no lock and writes no
+//!   line another thread writes, whichever thread made the binding: an allocation is
+//!   recorded in the *calling* thread's pin (lock-free records in segments that never
+//!   move), a release from any thread marks the record in transit and frees it back to
+//!   its owner (its own free list, or a remote stack the owner takes whole), in-flight
+//!   counts are single-writer per-thread slots, generations and binding ids come from
+//!   per-thread blocks, and `bind` reads a per-thread cache validated by a selection
+//!   epoch. The Dekker points between the hot path and termination or removal use an
+//!   asymmetric barrier pair (a compiler fence against `membarrier(2)`, or fences where
+//!   that is unavailable). Every primitive comes from the crate-private `sync` module so
+//!   loom can model the protocols under `--cfg memory_loom`; see docs/LIFECYCLE.md.
 //! - Callbacks and resource destructors run with no lock held; a panicking callback
 //!   restores the in-flight count on unwind and poisons nothing.
 //!
@@ -78,7 +86,9 @@ mod binding;
 mod capability;
 mod entry;
 mod error;
+mod handle_ref;
 mod lifecycle;
+mod per_thread;
 mod registry;
 mod snapshot;
 mod sync;

@@ -6,27 +6,26 @@
 //!     └──────────────────────── invalidate_device ──────▲
 //! ```
 //!
-//! The protocol (checked by the loom models in `tests::loom_lifecycle`):
-//! - An operation increments its own cache-line-padded slot, *then* reads the state
-//!   word, and backs out (decrementing) if the state forbids it. Both are `SeqCst`.
-//! - Invalidation stores the state word (`SeqCst`) and never waits.
-//! - Termination requires `DeviceLost`, sums the slots (`SeqCst`) and succeeds only at
-//!   zero. In the single total order of `SeqCst` operations, an operation either read
-//!   the state after the invalidation (and backed out) or incremented before it, in
-//!   which case the sum sees it: no callback is in flight once termination succeeds,
-//!   and none starts afterwards.
-//! - The decrement runs in a guard's `Drop`, so a panicking callback restores the count.
-//!
-//! loom does not model the single total order of `SeqCst` *accesses* (it treats them
-//! as acquire/release), only `SeqCst` *fences*. Under `--cfg memory_loom` the two
-//! Dekker points therefore also carry an explicit `SeqCst` fence (`dekker_fence`);
-//! in C++11 terms "SeqCst RMW; SeqCst load" and "RMW; SeqCst fence; load" give the
-//! same guarantee here, so the model checks the protocol the normal build runs without
-//! paying for an extra `mfence` on the hot path.
+//! The protocol (checked by the loom models in `loom_lifecycle` here and
+//! `loom_records` in `entry.rs`):
+//! - An operation announces itself, *then* reads the state word, and withdraws if the
+//!   state forbids it. The announcement is an increment of the calling thread's own
+//!   in-flight slot (allocations, capability calls: single-writer, a plain store) or
+//!   a record marked in transit (releases: the record itself says a release of it is
+//!   under way). Between the two sits the hot side of a Dekker barrier pair
+//!   ([`crate::sync::light_barrier`]).
+//! - Invalidation stores the state word and never waits.
+//! - Termination requires `DeviceLost`, runs the cold side of the barrier pair
+//!   ([`Lifecycle::quiesce_barrier`]), then sums the slots and counts records in
+//!   transit, and succeeds only at zero. Either an operation read the state after the
+//!   invalidation (and withdrew) or its announcement is visible to the sum: no callback
+//!   is in flight once termination succeeds, and none starts afterwards.
+//! - The decrement runs in a guard's `Drop` (a `Release` store), so a panicking
+//!   callback restores the count.
 
 use std::fmt;
 
-use crate::sync::{AtomicU8, AtomicUsize, CachePadded, Ordering};
+use crate::sync::{AtomicU8, AtomicUsize, BarrierMode, CachePadded, Ordering, heavy_barrier, light_barrier};
 
 /// Where a mechanism is in its lifecycle.
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
@@ -97,86 +96,133 @@ pub(crate) enum Admit {
 }
 
 impl Admit {
-    fn allows(self, state: MechanismState) -> bool {
-        match self {
-            Admit::ActiveOnly => state == MechanismState::Active,
-            Admit::ActiveOrRetired => matches!(state, MechanismState::Active | MechanismState::Retired),
-        }
+    /// On the encoded word, so the hot path decodes only a refusal.
+    #[inline]
+    fn allows_raw(self, raw: u8) -> bool {
+        const ACTIVE: u8 = MechanismState::Active.encode();
+        const RETIRED: u8 = MechanismState::Retired.encode();
+        raw == ACTIVE || (self == Admit::ActiveOrRetired && raw == RETIRED)
     }
 }
 
-/// Number of in-flight slots per mechanism. Threads map onto slots round-robin; two
-/// threads sharing a slot stay correct (the counts are atomic) and only contend.
-pub(crate) const IN_FLIGHT_SLOTS: usize = 16;
+/// One thread's in-flight count for one mechanism, on its own cache line.
+///
+/// Single-writer: only the thread that owns the pin holding the slot changes it, so
+/// an increment is a plain load and store, and an operation pays one barrier (its
+/// Dekker point) rather than two read-modify-writes.
+#[derive(Default)]
+pub(crate) struct InFlightSlot {
+    count: CachePadded<AtomicUsize>,
+}
 
-/// The lifecycle word plus the in-flight slots of one mechanism.
+impl InFlightSlot {
+    /// The count now (cold path, after [`Lifecycle::quiesce_barrier`]).
+    pub(crate) fn load(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+}
+
+/// The lifecycle word of one mechanism, and how its Dekker points are fenced.
 pub(crate) struct Lifecycle {
     state: AtomicU8,
-    in_flight: Box<[CachePadded<AtomicUsize>]>,
+    barrier: BarrierMode,
 }
 
 impl Lifecycle {
     pub(crate) fn new() -> Lifecycle {
-        Lifecycle {
-            state: AtomicU8::new(MechanismState::Active.encode()),
-            in_flight: (0..IN_FLIGHT_SLOTS).map(|_| CachePadded::new(AtomicUsize::new(0))).collect(),
-        }
+        Lifecycle::with_barrier(BarrierMode::detect())
+    }
+
+    pub(crate) fn with_barrier(barrier: BarrierMode) -> Lifecycle {
+        Lifecycle { state: AtomicU8::new(MechanismState::Active.encode()), barrier }
+    }
+
+    /// How this mechanism's Dekker points are fenced.
+    #[inline]
+    pub(crate) fn barrier(&self) -> BarrierMode {
+        self.barrier
     }
 
     /// The current state (a plain read of the mostly-read word).
+    #[inline]
     pub(crate) fn state(&self) -> MechanismState {
-        MechanismState::decode(self.state.load(Ordering::SeqCst))
+        MechanismState::decode(self.state.load(Ordering::Acquire))
     }
 
-    /// Starts an operation on `slot` if the state admits it; the guard ends it.
+    /// Whether the state admits `admit` now (a plain read, before announcing).
+    ///
+    /// # Errors
+    /// The state that refuses it.
+    #[inline]
+    pub(crate) fn check(&self, admit: Admit) -> Result<(), MechanismState> {
+        let raw = self.state.load(Ordering::Acquire);
+        if admit.allows_raw(raw) { Ok(()) } else { Err(MechanismState::decode(raw)) }
+    }
+
+    /// Starts an operation counted on `slot` (the calling thread's own) if the state
+    /// admits it; the guard ends it.
     ///
     /// # Errors
     /// The state that refused the operation.
-    pub(crate) fn begin(&self, slot: usize, admit: Admit) -> Result<InFlight<'_>, MechanismState> {
-        let counter = &self.in_flight[slot % IN_FLIGHT_SLOTS];
+    #[inline]
+    pub(crate) fn begin<'s>(&self, slot: &'s InFlightSlot, admit: Admit) -> Result<InFlight<'s>, MechanismState> {
+        let counter = &*slot.count;
         loop {
-            counter.fetch_add(1, Ordering::SeqCst);
-            dekker_fence();
+            // Single writer: no read-modify-write needed.
+            counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             let guard = InFlight { counter };
-            let state = self.state();
-            if admit.allows(state) {
-                return Ok(guard);
+            match self.admit_announced(admit) {
+                Ok(()) => return Ok(guard),
+                Err(state) => {
+                    drop(guard);
+                    self.refused(state, admit)?;
+                }
             }
-            drop(guard);
-            if state != MechanismState::Removing || admit != Admit::ActiveOrRetired {
-                return Err(state);
-            }
-            // `remove` is counting (a few instructions, under no lock we could need):
-            // work on existing allocations waits for the verdict instead of failing. A
-            // live allocation makes that verdict "not quiescent", back to `Retired`.
-            self.wait_while_removing();
         }
     }
 
+    /// The hot side of a Dekker point: after the caller announced itself (counted
+    /// in its slot, or marked a record in transit), reads the state and says whether
+    /// it admits `admit`.
+    ///
+    /// # Errors
+    /// The state that refuses it; the caller withdraws its announcement.
+    #[inline]
+    pub(crate) fn admit_announced(&self, admit: Admit) -> Result<(), MechanismState> {
+        light_barrier(self.barrier);
+        let raw = self.state.load(Ordering::Relaxed);
+        if admit.allows_raw(raw) { Ok(()) } else { Err(MechanismState::decode(raw)) }
+    }
+
+    /// After a withdrawn announcement: `Ok` to try again (`remove` was only
+    /// counting), or the state to report.
+    ///
+    /// # Errors
+    /// `state`, when it is a verdict rather than `remove`'s momentary check.
     #[cold]
-    fn wait_while_removing(&self) {
+    pub(crate) fn refused(&self, state: MechanismState, admit: Admit) -> Result<(), MechanismState> {
+        if state != MechanismState::Removing || admit != Admit::ActiveOrRetired {
+            return Err(state);
+        }
+        // `remove` is counting (a few instructions, under no lock we could need):
+        // work on existing allocations waits for the verdict instead of failing. A
+        // live allocation makes that verdict "not quiescent", back to `Retired`.
         while self.state() == MechanismState::Removing {
             crate::sync::yield_now();
         }
-    }
-
-    /// Starts an in-flight count that outlives this call (a queued release); the
-    /// owner must call [`Lifecycle::end_detached`] with the same slot exactly once.
-    pub(crate) fn begin_detached(&self, slot: usize, admit: Admit) -> Result<(), MechanismState> {
-        let guard = self.begin(slot, admit)?;
-        std::mem::forget(guard);
         Ok(())
     }
 
-    /// Ends a count started by [`Lifecycle::begin_detached`].
-    pub(crate) fn end_detached(&self, slot: usize) {
-        self.in_flight[slot % IN_FLIGHT_SLOTS].fetch_sub(1, Ordering::SeqCst);
+    /// The cold side of the Dekker points: call after changing the state and before
+    /// reading any slot or record announcement.
+    pub(crate) fn quiesce_barrier(&self) {
+        heavy_barrier(self.barrier);
     }
 
-    /// Operations in flight now (sum of the slots).
-    pub(crate) fn in_flight(&self) -> usize {
-        dekker_fence();
-        self.in_flight.iter().map(|slot| slot.load(Ordering::SeqCst)).sum()
+    /// Operations in flight on `slots` now (their sum; cold path).
+    pub(crate) fn in_flight<'a>(&self, slots: impl IntoIterator<Item = &'a InFlightSlot>) -> usize {
+        self.quiesce_barrier();
+        slots.into_iter().map(InFlightSlot::load).sum()
     }
 
     /// Moves from any state in `from` to `to`; returns the state found.
@@ -199,14 +245,6 @@ impl Lifecycle {
     }
 }
 
-/// The fence between "announce" and "check" on both sides of the protocol; a no-op
-/// outside loom (see the module docs).
-#[inline(always)]
-fn dekker_fence() {
-    #[cfg(memory_loom)]
-    loom::sync::atomic::fence(Ordering::SeqCst);
-}
-
 /// One operation in flight; dropping it (also during unwinding) ends the count.
 #[must_use = "dropping the guard ends the in-flight count at once"]
 pub(crate) struct InFlight<'a> {
@@ -214,8 +252,10 @@ pub(crate) struct InFlight<'a> {
 }
 
 impl Drop for InFlight<'_> {
+    #[inline]
     fn drop(&mut self) {
-        self.counter.fetch_sub(1, Ordering::SeqCst);
+        // Release: the callback's effects happen before a cold path that reads zero.
+        self.counter.store(self.counter.load(Ordering::Relaxed) - 1, Ordering::Release);
     }
 }
 
@@ -226,41 +266,60 @@ mod tests {
     #[test]
     fn operations_are_admitted_by_state() {
         let life = Lifecycle::new();
-        assert!(life.begin(0, Admit::ActiveOnly).is_ok());
+        let slot = InFlightSlot::default();
+        assert!(life.begin(&slot, Admit::ActiveOnly).is_ok());
         assert_eq!(life.transition(&[MechanismState::Active], MechanismState::Retired), Ok(MechanismState::Active));
-        assert_eq!(life.begin(0, Admit::ActiveOnly).err(), Some(MechanismState::Retired));
-        assert!(life.begin(0, Admit::ActiveOrRetired).is_ok());
+        assert_eq!(life.begin(&slot, Admit::ActiveOnly).err(), Some(MechanismState::Retired));
+        assert!(life.begin(&slot, Admit::ActiveOrRetired).is_ok());
         life.transition(&[MechanismState::Active, MechanismState::Retired], MechanismState::DeviceLost).unwrap();
-        assert_eq!(life.begin(3, Admit::ActiveOrRetired).err(), Some(MechanismState::DeviceLost));
+        assert_eq!(life.begin(&slot, Admit::ActiveOrRetired).err(), Some(MechanismState::DeviceLost));
         // Refused operations leave no count behind.
-        assert_eq!(life.in_flight(), 0);
+        assert_eq!(life.in_flight([&slot]), 0);
     }
 
     #[test]
-    fn guards_count_and_uncount_even_on_unwind() {
-        let life = Lifecycle::new();
-        let a = life.begin(1, Admit::ActiveOnly).unwrap();
-        let b = life.begin(17, Admit::ActiveOnly).unwrap();
-        assert_eq!(life.in_flight(), 2);
-        drop(a);
-        assert_eq!(life.in_flight(), 1);
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _guard = life.begin(2, Admit::ActiveOnly).unwrap();
-            panic!("callback panicked");
-        }));
-        assert!(result.is_err());
-        assert_eq!(life.in_flight(), 1);
-        drop(b);
-        assert_eq!(life.in_flight(), 0);
+    fn guards_count_and_uncount_even_on_unwind_and_nest() {
+        for barrier in [BarrierMode::Fence, BarrierMode::detect()] {
+            let life = Lifecycle::with_barrier(barrier);
+            let (mine, other) = (InFlightSlot::default(), InFlightSlot::default());
+            let a = life.begin(&mine, Admit::ActiveOnly).unwrap();
+            let b = life.begin(&other, Admit::ActiveOnly).unwrap();
+            // A callback that re-enters on the same thread nests on the same slot.
+            let nested = life.begin(&mine, Admit::ActiveOnly).unwrap();
+            assert_eq!(life.in_flight([&mine, &other]), 3);
+            drop(nested);
+            drop(a);
+            assert_eq!(life.in_flight([&mine, &other]), 1);
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _guard = life.begin(&mine, Admit::ActiveOnly).unwrap();
+                panic!("callback panicked");
+            }));
+            assert!(result.is_err());
+            assert_eq!(life.in_flight([&mine, &other]), 1);
+            drop(b);
+            assert_eq!(life.in_flight([&mine, &other]), 0);
+        }
     }
 
     #[test]
-    fn detached_counts_last_until_ended() {
-        let life = Lifecycle::new();
-        life.begin_detached(5, Admit::ActiveOrRetired).unwrap();
-        assert_eq!(life.in_flight(), 1);
-        life.end_detached(5);
-        assert_eq!(life.in_flight(), 0);
+    fn a_running_removal_check_is_waited_out_by_work_on_existing_allocations() {
+        let life = std::sync::Arc::new(Lifecycle::new());
+        life.transition(&[MechanismState::Active], MechanismState::Retired).unwrap();
+        life.transition(&[MechanismState::Retired], MechanismState::Removing).unwrap();
+        assert_eq!(life.check(Admit::ActiveOnly), Err(MechanismState::Removing));
+        let reopen = {
+            let life = std::sync::Arc::clone(&life);
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                life.transition(&[MechanismState::Removing], MechanismState::Retired).unwrap();
+            })
+        };
+        let slot = InFlightSlot::default();
+        // Waits for the verdict, then is admitted on the reopened mechanism.
+        assert!(life.begin(&slot, Admit::ActiveOrRetired).is_ok());
+        reopen.join().unwrap();
+        // New work is refused outright.
+        assert_eq!(life.begin(&slot, Admit::ActiveOnly).err(), Some(MechanismState::Retired));
     }
 }
 
@@ -273,17 +332,19 @@ mod loom_lifecycle {
     use loom::sync::atomic::AtomicBool;
 
     /// An operation racing invalidation and termination: once termination is
-    /// confirmed, no callback is in flight and none starts afterwards.
+    /// confirmed, no callback is in flight and none starts afterwards. The slot is the
+    /// operation's own (single writer: a plain store, then the barrier).
     #[test]
     fn loom_no_callback_in_flight_or_started_after_confirmation() {
         loom::model(|| {
             let life = Arc::new(Lifecycle::new());
+            let slot = Arc::new(InFlightSlot::default());
             let terminated = Arc::new(AtomicBool::new(false));
 
             let op = {
-                let (life, terminated) = (Arc::clone(&life), Arc::clone(&terminated));
+                let (life, slot, terminated) = (Arc::clone(&life), Arc::clone(&slot), Arc::clone(&terminated));
                 loom::thread::spawn(move || {
-                    if let Ok(guard) = life.begin(0, Admit::ActiveOrRetired) {
+                    if let Ok(guard) = life.begin(&slot, Admit::ActiveOrRetired) {
                         // The callback: it must never overlap a confirmed termination.
                         assert!(!terminated.load(Ordering::SeqCst), "callback ran after termination");
                         drop(guard);
@@ -293,35 +354,42 @@ mod loom_lifecycle {
 
             // Invalidation, then a confirmation attempt (the caller would poll).
             life.transition(&[MechanismState::Active, MechanismState::Retired], MechanismState::DeviceLost).unwrap();
-            if life.in_flight() == 0 {
+            if life.in_flight([&*slot]) == 0 {
                 life.transition(&[MechanismState::DeviceLost], MechanismState::Terminated).unwrap();
                 terminated.store(true, Ordering::SeqCst);
             }
             op.join().unwrap();
-            assert_eq!(life.in_flight(), 0);
+            assert_eq!(life.in_flight([&*slot]), 0);
         });
     }
 
-    /// Two threads sharing one slot and one on its own: counts are never lost.
+    /// Per-thread slots, one of them with a nested (re-entrant) operation, summed by a
+    /// cold path while they run: counts are never lost, and a sum never exceeds what
+    /// is in flight.
     #[test]
     fn loom_in_flight_slots_count_exactly() {
         loom::model(|| {
             let life = Arc::new(Lifecycle::new());
-            let threads: Vec<_> = [0usize, 0, 1]
+            let slots = Arc::new([InFlightSlot::default(), InFlightSlot::default()]);
+            let threads: Vec<_> = [2usize, 1]
                 .into_iter()
-                .map(|slot| {
-                    let life = Arc::clone(&life);
+                .enumerate()
+                .map(|(index, depth)| {
+                    let (life, slots) = (Arc::clone(&life), Arc::clone(&slots));
                     loom::thread::spawn(move || {
-                        let guard = life.begin(slot, Admit::ActiveOnly).unwrap();
-                        assert!(life.in_flight() >= 1);
-                        drop(guard);
+                        let outer = life.begin(&slots[index], Admit::ActiveOnly).unwrap();
+                        let inner = (depth > 1).then(|| life.begin(&slots[index], Admit::ActiveOnly).unwrap());
+                        assert!(slots[index].load() >= depth);
+                        drop(inner);
+                        drop(outer);
                     })
                 })
                 .collect();
+            assert!(life.in_flight(slots.iter()) <= 3);
             for thread in threads {
                 thread.join().unwrap();
             }
-            assert_eq!(life.in_flight(), 0);
+            assert_eq!(life.in_flight(slots.iter()), 0);
         });
     }
 
@@ -333,11 +401,13 @@ mod loom_lifecycle {
         loom::model(|| {
             let life = Arc::new(Lifecycle::new());
             life.transition(&[MechanismState::Active], MechanismState::Retired).unwrap();
+            let slot = Arc::new(InFlightSlot::default());
             let live = Arc::new(AtomicBool::new(true));
             let release = {
-                let (life, live) = (Arc::clone(&life), Arc::clone(&live));
+                let (life, slot, live) = (Arc::clone(&life), Arc::clone(&slot), Arc::clone(&live));
                 loom::thread::spawn(move || {
-                    let guard = life.begin(0, Admit::ActiveOrRetired).expect("a release is never refused by remove");
+                    let guard =
+                        life.begin(&slot, Admit::ActiveOrRetired).expect("a release is never refused by remove");
                     live.store(false, Ordering::SeqCst); // take the record
                     live.store(true, Ordering::SeqCst); // refused: put it back
                     drop(guard);
@@ -345,7 +415,7 @@ mod loom_lifecycle {
             };
             // `remove`: close, count, then remove or reopen.
             let closed = life.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
-            let quiescent = life.in_flight() == 0 && !live.load(Ordering::SeqCst);
+            let quiescent = life.in_flight([&*slot]) == 0 && !live.load(Ordering::SeqCst);
             assert!(!quiescent, "removed a mechanism whose record was in transit");
             if closed {
                 life.transition(&[MechanismState::Removing], MechanismState::Retired).unwrap();
@@ -369,8 +439,9 @@ mod loom_lifecycle {
             life.transition(&[MechanismState::Active, MechanismState::Retired], MechanismState::DeviceLost).unwrap();
             retire.join().unwrap();
             assert_eq!(life.state(), MechanismState::DeviceLost);
-            assert!(life.begin(0, Admit::ActiveOrRetired).is_err());
-            assert_eq!(life.in_flight(), 0);
+            let slot = InFlightSlot::default();
+            assert!(life.begin(&slot, Admit::ActiveOrRetired).is_err());
+            assert_eq!(life.in_flight([&slot]), 0);
         });
     }
 }

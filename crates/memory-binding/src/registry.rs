@@ -8,8 +8,12 @@
 //! destructor runs under any of them: values are moved out, locks released, then the
 //! callback runs or the value drops.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasher, Hasher};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Weak;
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -20,11 +24,12 @@ use memory_api::{
 
 use crate::binding::{MemoryBinding, reraise_unless_unwinding};
 use crate::capability::split_capability;
-use crate::entry::{AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
+use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectIdentity, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
+use crate::per_thread::thread_index;
 use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
-use crate::sync::{Arc, Mutex, lock};
+use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
 
 /// The registry: sole issuer of identities, owner of every lifecycle.
 ///
@@ -35,20 +40,29 @@ pub struct BindingRegistry {
 }
 
 /// One selected mechanism per device.
+#[derive(Clone)]
 struct Selected {
-    device: DeviceKey,
     generation: BindingGeneration,
     mechanism: Arc<Mechanism>,
 }
 
+/// The selection: a copy-on-write map from device to its selected mechanism.
+type Selection = HashMap<DeviceKey, Selected>;
+
 pub(crate) struct RegistryInner {
     pub(crate) issuer: Arc<IdentityIssuer>,
+    /// The issuer's registry id, and its hash for the bind cache (read by every bind).
+    registry: RegistryId,
+    bind_salt: u64,
     pub(crate) contexts: DashMap<ProviderContextIdentity, Arc<ContextEntry>>,
     pub(crate) authorities: DashMap<AuthorityIdentity, Arc<AuthorityEntry>>,
     pub(crate) mechanisms: DashMap<MechanismIdentity, Arc<Mechanism>>,
-    /// Copy-on-write selection table: `bind` reads it through an arc-swap guard, so
-    /// concurrent binds share no refcount line.
-    selection: ArcSwap<Vec<Selected>>,
+    /// Copy-on-write selection table, read through an arc-swap guard (no shared
+    /// refcount) when a thread's bind cache misses.
+    selection: ArcSwap<Selection>,
+    /// Bumped after every change of `selection`: a thread's bind cache entry filled
+    /// under an older epoch is not used (see [`BIND_CACHE`]).
+    selection_epoch: AtomicU64,
     cold: Mutex<()>,
 }
 
@@ -113,13 +127,17 @@ impl BindingRegistry {
 
     /// A registry minting from `issuer` (for example one with a serial limit).
     pub fn with_issuer(issuer: IdentityIssuer) -> BindingRegistry {
+        let registry = issuer.registry();
         BindingRegistry {
             inner: Arc::new(RegistryInner {
+                registry,
+                bind_salt: DeviceHash.hash_one(registry),
                 issuer: Arc::new(issuer),
                 contexts: DashMap::new(),
                 authorities: DashMap::new(),
                 mechanisms: DashMap::new(),
-                selection: ArcSwap::from_pointee(Vec::new()),
+                selection: ArcSwap::from_pointee(Selection::new()),
+                selection_epoch: AtomicU64::new(0),
                 cold: Mutex::new(()),
             }),
         }
@@ -267,7 +285,7 @@ impl BindingRegistry {
         );
         let mechanism = Arc::new(Mechanism::new(core));
         self.inner.mechanisms.insert(identity, Arc::clone(&mechanism));
-        let selected = self.inner.selection.load().iter().any(|s| s.device == device);
+        let selected = self.inner.selection.load().contains_key(&device);
         let replaced = (!selected).then(|| self.store_selection(device, Some((generation, mechanism))));
         drop(cold);
         drop(replaced);
@@ -348,18 +366,18 @@ impl BindingRegistry {
         &self,
         device: DeviceKey,
         selected: Option<(BindingGeneration, Arc<Mechanism>)>,
-    ) -> Arc<Vec<Selected>> {
-        let current = self.inner.selection.load();
-        let mut table: Vec<Selected> = current
-            .iter()
-            .filter(|s| s.device != device)
-            .map(|s| Selected { device: s.device, generation: s.generation, mechanism: Arc::clone(&s.mechanism) })
-            .collect();
-        if let Some((generation, mechanism)) = selected {
-            table.push(Selected { device, generation, mechanism });
-        }
-        // Only called under `cold`, so load-modify-store cannot lose an update.
-        self.inner.selection.swap(Arc::new(table))
+    ) -> Arc<Selection> {
+        let mut table = Selection::clone(&self.inner.selection.load());
+        match selected {
+            Some((generation, mechanism)) => table.insert(device, Selected { generation, mechanism }),
+            None => table.remove(&device),
+        };
+        // Only called under `cold`, so load-modify-store cannot lose an update. The
+        // epoch moves after the table: a bind that reads the new epoch finds at
+        // least this table.
+        let replaced = self.inner.selection.swap(Arc::new(table));
+        self.inner.selection_epoch.fetch_add(1, Ordering::Release);
+        replaced
     }
 
     /// Makes `mechanism` the one future `bind(device)` calls use. Existing bindings,
@@ -390,7 +408,7 @@ impl BindingRegistry {
 
     /// The mechanism selected for `device`, if any.
     pub fn selected(&self, device: DeviceKey) -> Option<MechanismIdentity> {
-        self.inner.selection.load().iter().find(|s| s.device == device).map(|s| s.mechanism.core.identity)
+        self.inner.selection.load().get(&device).map(|s| s.mechanism.core.identity)
     }
 
     /// Binds the mechanism selected for `device`.
@@ -398,12 +416,43 @@ impl BindingRegistry {
     /// # Errors
     /// [`BindError::NoSelection`], or [`BindError::Inactive`] when the selected
     /// mechanism was retired or lost concurrently.
+    #[inline]
     pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
-        let selection = self.inner.selection.load();
-        let Some(selected) = selection.iter().find(|s| s.device == device) else {
-            return Err(BindError::NoSelection { device });
+        let inner = &*self.inner;
+        let epoch = inner.selection_epoch.load(Ordering::Acquire);
+        let slot = BindCache::slot(inner.bind_salt, device);
+        let cached = BIND_CACHE
+            .try_with(|cache| cache.try_borrow().ok()?.hit(slot, inner.registry, device, epoch))
+            .ok()
+            .flatten();
+        match cached {
+            // The anchor must be the calling thread's own (its binding-id block is
+            // single-writer); a recycled thread index means a refill.
+            Some((anchor, generation)) if anchor.owner == thread_index() => bind_anchor(anchor, generation),
+            _ => self.bind_uncached(device, epoch),
+        }
+    }
+
+    /// `bind` when this thread's cache has no current entry for `device`: read the
+    /// selection, fill the cache, bind.
+    #[cold]
+    fn bind_uncached(&self, device: DeviceKey, epoch: u64) -> Result<MemoryBinding, BindError> {
+        let (anchor, generation) = {
+            let selection = self.inner.selection.load();
+            let Some(selected) = selection.get(&device) else {
+                return Err(BindError::NoSelection { device });
+            };
+            (Arc::clone(selected.mechanism.anchor()), selected.generation)
         };
-        bind_mechanism(&selected.mechanism, selected.generation)
+        let entry = CachedSelection { registry: self.id(), device, epoch, generation, anchor: Arc::downgrade(&anchor) };
+        let slot = BindCache::slot(self.inner.bind_salt, device);
+        // A thread in its TLS destructors may find the cache gone: it binds uncached.
+        let _ = BIND_CACHE.try_with(|cache| {
+            if let Ok(mut cache) = cache.try_borrow_mut() {
+                cache.entries[slot] = Some(entry);
+            }
+        });
+        bind_anchor(anchor, generation)
     }
 
     /// Binds a specific registered mechanism, selected or not.
@@ -413,7 +462,7 @@ impl BindingRegistry {
     pub fn bind_registered(&self, mechanism: &MechanismIdentity) -> Result<MemoryBinding, BindError> {
         let entry = self.mechanism(mechanism)?;
         let generation = entry.core.registered_generation;
-        bind_mechanism(&entry, generation)
+        bind_anchor(Arc::clone(entry.anchor()), generation)
     }
 
     /// One-call adapter for code that still holds a bare allocator: registers an
@@ -541,7 +590,7 @@ impl BindingRegistry {
         }
         let mechanisms: Vec<_> =
             self.all_mechanisms().into_iter().filter(|m| m.core.context.identity == *context).collect();
-        let in_flight: usize = mechanisms.iter().map(|m| m.core.lifecycle.in_flight()).sum();
+        let in_flight: usize = mechanisms.iter().map(|m| m.census().in_flight).sum();
         if in_flight > 0 {
             return Err(RegistryError::ContextNotQuiescent { context: *context, in_flight });
         }
@@ -558,7 +607,7 @@ impl BindingRegistry {
         // panicking `forget_lost` must not leave another mechanism undrained.
         let mut handoffs = Vec::with_capacity(mechanisms.len());
         for mechanism in &mechanisms {
-            let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.drain()).collect();
+            let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.collect_lost()).collect();
             lost.extend(mechanism.core.take_unrecorded_lost());
             report.lost_allocations += lost.len();
             report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
@@ -591,8 +640,8 @@ impl BindingRegistry {
         let _span = tracing::info_span!("retry_quarantined", %mechanism).entered();
         let entry = self.mechanism(mechanism)?;
         let core = &entry.core;
-        let slot = entry.pin().slot;
-        let Ok(in_flight) = core.lifecycle.begin(slot, Admit::ActiveOrRetired) else {
+        let pin = entry.table.pin();
+        let Ok(in_flight) = core.lifecycle.begin(&pin.in_flight, Admit::ActiveOrRetired) else {
             return Err(RegistryError::InvalidState {
                 mechanism: *mechanism,
                 state: core.lifecycle.state(),
@@ -692,8 +741,8 @@ impl BindingRegistry {
         // nothing already. The in-flight sum then covers everything that began before.
         let closed = state == MechanismState::Retired
             && lifecycle.transition(&[MechanismState::Retired], MechanismState::Removing).is_ok();
-        let in_flight = lifecycle.in_flight();
-        let live: usize = entry.pins().map(|pin| pin.live_count()).sum();
+        let census = entry.census();
+        let (live, in_flight) = (census.live, census.in_flight);
         let quarantined = entry.core.quarantined_count();
         if live + quarantined + in_flight > 0 {
             if closed {
@@ -806,15 +855,118 @@ impl BindingRegistry {
     }
 }
 
-fn bind_mechanism(mechanism: &Mechanism, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
-    let state = mechanism.core.lifecycle.state();
+/// Mints a binding through `anchor` (the calling thread's anchor of the mechanism).
+#[inline]
+fn bind_anchor(anchor: Arc<Anchor>, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
+    let core = &anchor.table.core;
+    let state = core.lifecycle.state();
     if state != MechanismState::Active {
-        return Err(BindError::Inactive { mechanism: mechanism.core.identity, state });
+        return Err(BindError::Inactive { mechanism: core.identity, state });
     }
-    let pin = mechanism.pin();
-    let binding = pin.next_binding_id().map_err(RegistryError::from)?;
-    tracing::trace!(mechanism = %mechanism.core.identity, "bind");
-    Ok(MemoryBinding { pin: Arc::clone(pin), binding, generation })
+    let binding = anchor.next_binding_id().map_err(RegistryError::from)?;
+    tracing::trace!(mechanism = %core.identity, "bind");
+    Ok(MemoryBinding { anchor, binding, generation })
+}
+
+/// Entries of a thread's bind cache (direct-mapped: a colliding device replaces the
+/// entry, and a miss costs one read of the selection).
+const BIND_CACHE_ENTRIES: usize = 64;
+
+std::thread_local! {
+    /// Per thread, for every registry: (registry, device) → the selection epoch, the
+    /// binding generation and this thread's anchor of the selected mechanism. `bind`
+    /// reads its own thread's entry and the registry's epoch word: it writes nothing
+    /// another thread reads, and it costs the same however many devices are
+    /// registered.
+    static BIND_CACHE: RefCell<BindCache> = const { RefCell::new(BindCache { entries: [const { None }; BIND_CACHE_ENTRIES] }) };
+}
+
+/// One thread's cached selection for one device of one registry.
+struct CachedSelection {
+    registry: RegistryId,
+    device: DeviceKey,
+    epoch: u64,
+    generation: BindingGeneration,
+    /// Weak: a cache entry never keeps a retired or removed mechanism alive.
+    anchor: Weak<Anchor>,
+}
+
+struct BindCache {
+    entries: [Option<CachedSelection>; BIND_CACHE_ENTRIES],
+}
+
+impl BindCache {
+    /// The entry of `device` of the registry whose hash is `salt`: an add and a mask,
+    /// so consecutive device indices of one tier never collide and the entry's load
+    /// does not wait on a multiply.
+    #[inline]
+    fn slot(salt: u64, device: DeviceKey) -> usize {
+        let tier: u64 = match device.tier() {
+            memory_api::Tier::Device => 0,
+            memory_api::Tier::Host => 21,
+            memory_api::Tier::Disk => 42,
+            _ => 13,
+        };
+        (salt.wrapping_add(u64::from(device.index())).wrapping_add(tier) as usize) % BIND_CACHE_ENTRIES
+    }
+
+    /// The cached anchor and generation at `slot`, if it is `device`'s of `registry`,
+    /// filled under `epoch`, and the mechanism is still alive.
+    #[inline]
+    fn hit(
+        &self,
+        slot: usize,
+        registry: RegistryId,
+        device: DeviceKey,
+        epoch: u64,
+    ) -> Option<(Arc<Anchor>, BindingGeneration)> {
+        let entry = self.entries[slot].as_ref()?;
+        if entry.epoch != epoch || entry.device != device || entry.registry != registry {
+            return None;
+        }
+        Some((entry.anchor.upgrade()?, entry.generation))
+    }
+}
+
+/// A multiplicative hash for device keys (a few integers): cheaper than SipHash, and
+/// the keys are the registry's own, not attacker-chosen strings.
+#[derive(Copy, Clone, Default)]
+struct DeviceHash;
+
+impl BuildHasher for DeviceHash {
+    type Hasher = DeviceHasher;
+    fn build_hasher(&self) -> DeviceHasher {
+        DeviceHasher(0)
+    }
+}
+
+struct DeviceHasher(u64);
+
+impl Hasher for DeviceHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.write_u64(u64::from(byte));
+        }
+    }
+    fn write_u8(&mut self, value: u8) {
+        self.write_u64(u64::from(value));
+    }
+    fn write_u32(&mut self, value: u32) {
+        self.write_u64(u64::from(value));
+    }
+    fn write_isize(&mut self, value: isize) {
+        self.write_u64(value as u64);
+    }
+    fn write_usize(&mut self, value: usize) {
+        self.write_u64(value as u64);
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn finish(&self) -> u64 {
+        // The high bits are the well-mixed ones.
+        self.0 >> 32 ^ self.0
+    }
 }
 
 impl fmt::Debug for BindingRegistry {

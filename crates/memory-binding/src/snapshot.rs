@@ -180,7 +180,8 @@ impl BindingRegistry {
     pub fn snapshot(&self, mechanism: &MechanismIdentity) -> Result<MechanismSnapshot, RegistryError> {
         let entry = self.mechanism(mechanism)?;
         let core = &entry.core;
-        let (live_allocations, live_bytes) = entry.live();
+        let census = entry.census();
+        let (live_allocations, live_bytes) = (census.live, census.live_bytes);
         let quarantined = core.with_quarantine(|list| {
             list.iter()
                 .map(|q| QuarantineSnapshot {
@@ -205,7 +206,7 @@ impl BindingRegistry {
             selected: self.selected(core.device) == Some(core.identity),
             live_allocations,
             live_bytes,
-            in_flight: core.lifecycle.in_flight(),
+            in_flight: census.in_flight,
             quarantined,
             dishonest_outcomes: core.dishonest_outcomes(),
             lost_reason: matches!(state, MechanismState::DeviceLost | MechanismState::Terminated)

@@ -1,16 +1,17 @@
 //! Zero heap allocations per `bind` and per allocate + release pair at steady state,
-//! proved with a counting global allocator (this test binary's only test, so no
-//! other test thread allocates while it counts).
+//! proved with a counting global allocator. The count is per thread, so each test
+//! counts only what its own threads do, and tests may run side by side.
 
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
 
 use common::{Caps, request};
 use memory_api::DeviceKey;
-use memory_binding::BindingRegistry;
+use memory_binding::{BindingRegistry, BoundAllocation, MemoryBinding};
 
 thread_local! {
     static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
@@ -72,4 +73,106 @@ fn bind_and_allocate_release_pairs_do_not_touch_the_heap_at_steady_state() {
         drop(registry.bind(DeviceKey::device(0)).unwrap());
     }
     assert_eq!(allocations() - before, 0, "bind allocated on the heap");
+}
+
+/// Heap allocations made by the calling thread while it runs `rounds` pairs through
+/// `binding`, after 300 rounds of warm-up (its pin and identity blocks).
+fn pairs_allocate(binding: &MemoryBinding, rounds: usize) -> u64 {
+    let request = request(4096);
+    for _ in 0..300 {
+        binding.release(binding.allocate(request).unwrap()).unwrap();
+    }
+    let before = allocations();
+    for _ in 0..rounds {
+        binding.release(binding.allocate(request).unwrap()).unwrap();
+    }
+    allocations() - before
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "counts heap allocations over thousands of rounds on several threads")]
+fn a_binding_made_on_one_thread_and_used_on_others_does_not_touch_the_heap() {
+    let registry = BindingRegistry::new();
+    let binding = registry.with_memory(Arc::new(Caps::new(DeviceKey::device(0)))).unwrap();
+    // A clone moved to a worker, and the original shared by reference with two more.
+    let clone = binding.clone();
+    let moved = std::thread::spawn(move || pairs_allocate(&clone, 10_000)).join().unwrap();
+    assert_eq!(moved, 0, "pairs through a binding made on another thread allocated on the heap");
+    let start = Barrier::new(2);
+    let shared: Vec<u64> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                let (binding, start) = (&binding, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    pairs_allocate(binding, 10_000)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|worker| worker.join().unwrap()).collect()
+    });
+    assert_eq!(shared, [0, 0], "pairs through one binding shared by reference allocated on the heap");
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "counts heap allocations over thousands of rounds on two threads")]
+fn blocks_released_on_another_thread_do_not_touch_the_heap_on_either_side() {
+    const BATCH: usize = 64;
+    let registry = BindingRegistry::new();
+    let binding = registry.with_memory(Arc::new(Caps::new(DeviceKey::device(0)))).unwrap();
+    let request = request(4096);
+    // A hand-off with its capacity reserved up front: moving a block through it
+    // allocates nothing, so every allocation counted is the registry's.
+    let handoff: Mutex<Vec<BoundAllocation>> = Mutex::new(Vec::with_capacity(BATCH));
+    let done = AtomicBool::new(false);
+    let (allocating, releasing) = std::thread::scope(|scope| {
+        let (binding, handoff, done) = (&binding, &handoff, &done);
+        let producer = scope.spawn(move || {
+            let mut counted = 0;
+            for round in 0..200 {
+                // The first 20 rounds warm up: the pin, its segments, the remote stack.
+                let before = allocations();
+                let mut sent = 0;
+                while sent < BATCH {
+                    let mut queue = handoff.lock().unwrap();
+                    while queue.len() < BATCH && sent < BATCH {
+                        queue.push(binding.allocate(request).unwrap());
+                        sent += 1;
+                    }
+                    drop(queue);
+                    std::thread::yield_now();
+                }
+                if round >= 20 {
+                    counted += allocations() - before;
+                }
+            }
+            done.store(true, Ordering::SeqCst);
+            counted
+        });
+        let consumer = scope.spawn(move || {
+            let mut taken = Vec::with_capacity(BATCH);
+            let mut counted = 0;
+            let mut released = 0usize;
+            loop {
+                let finished = done.load(Ordering::SeqCst);
+                std::mem::swap(&mut *handoff.lock().unwrap(), &mut taken);
+                let before = allocations();
+                for block in taken.drain(..) {
+                    binding.release(block).unwrap();
+                    released += 1;
+                }
+                if released > 20 * BATCH {
+                    counted += allocations() - before;
+                }
+                if finished && handoff.lock().unwrap().is_empty() {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            counted
+        });
+        (producer.join().unwrap(), consumer.join().unwrap())
+    });
+    assert_eq!(allocating, 0, "allocating while another thread releases allocated on the heap");
+    assert_eq!(releasing, 0, "releasing blocks allocated on another thread allocated on the heap");
 }

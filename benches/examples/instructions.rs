@@ -1,0 +1,72 @@
+//! Runs N of one hot-path operation, for instruction counting under callgrind, which is
+//! a stable measure on a shared, noisy machine where wall-clock figures are not:
+//!
+//! ```text
+//! cargo build --release -p memory-benches --example instructions
+//! for n in 10000 110000; do
+//!   valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+//!     target/release/examples/instructions pair $n 2>&1 | grep 'refs'
+//! done   # (second − first) / 100000 = instructions per operation
+//! ```
+//!
+//! Operations: `raw` (allocate + release through `&dyn`, the floor), `pair` (through a
+//! binding), `drop` (allocate, then drop a host allocation), `bind` (bind + drop, one
+//! device), `bind64` (the 64th of 64 devices), `remote` (allocate on this thread,
+//! release on another: counted on both).
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use memory_api::{AllocationRequest, DeviceAllocator, DeviceKey};
+use memory_benches::CounterAllocator;
+use memory_binding::BindingRegistry;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let what = args.next().unwrap_or_else(|| "pair".to_owned());
+    let n: u64 = args.next().and_then(|n| n.parse().ok()).unwrap_or(100_000);
+    let request = AllocationRequest::new(4096, 256).expect("request");
+    let registry = BindingRegistry::new();
+    let floor: Arc<dyn DeviceAllocator> = Arc::new(CounterAllocator::new(DeviceKey::host(1)));
+    let binding = registry.with_memory(Arc::clone(&floor)).expect("binding");
+    for index in 0..64 {
+        registry.with_memory(Arc::new(CounterAllocator::new(DeviceKey::device(index)))).expect("binding");
+    }
+    // Warm up: the pins, identity blocks and caches are created once.
+    for _ in 0..300 {
+        drop(binding.allocate(request).expect("allocate"));
+        drop(registry.bind(DeviceKey::device(63)).expect("bind"));
+        drop(registry.bind(DeviceKey::host(1)).expect("bind"));
+    }
+    match what.as_str() {
+        "raw" => (0..n).for_each(|_| {
+            let block = floor.allocate(black_box(&request)).expect("allocate");
+            assert!(black_box(floor.release(block)).is_complete());
+        }),
+        "pair" => (0..n).for_each(|_| {
+            let block = binding.allocate(black_box(request)).expect("allocate");
+            black_box(binding.release(block).expect("release"));
+        }),
+        "drop" => (0..n).for_each(|_| drop(black_box(binding.allocate(black_box(request)).expect("allocate")))),
+        "bind" => (0..n).for_each(|_| drop(black_box(registry.bind(black_box(DeviceKey::host(1))).expect("bind")))),
+        "bind64" => {
+            (0..n).for_each(|_| drop(black_box(registry.bind(black_box(DeviceKey::device(63))).expect("bind"))))
+        }
+        "remote" => {
+            let (send, receive) = std::sync::mpsc::sync_channel(1024);
+            std::thread::scope(|scope| {
+                let binding = &binding;
+                scope.spawn(move || {
+                    for block in receive {
+                        black_box(binding.release(block).expect("release"));
+                    }
+                });
+                for _ in 0..n {
+                    send.send(binding.allocate(black_box(request)).expect("allocate")).expect("releaser alive");
+                }
+                drop(send);
+            });
+        }
+        other => panic!("unknown operation {other}: raw, pair, drop, bind, bind64 or remote"),
+    }
+}
