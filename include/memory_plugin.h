@@ -275,8 +275,9 @@ typedef MpStatus (*MpDeferReleaseFn)(void *instance, uint64_t ticket, uint64_t b
 typedef MpStatus (*MpPollDeferredFn)(void *instance, uint64_t *ready, size_t capacity, size_t *count);
 
 // One allocator instance: its description and its slots. Built by the plugin,
-// copied by the host (the prefix of the negotiated minor) during the call that
-// handed it over; `instance` stays the plugin's until `destroy`.
+// which keeps it valid until the instance is destroyed; the host copies the prefix of
+// the negotiated minor right after the entry call returns; `instance` stays the
+// plugin's until `destroy`.
 //
 // Slots up to `destroy` are minor 0 and required. Later slots are minor 1 and
 // optional (null: unsupported), except that a claimed capability requires its slots.
@@ -288,7 +289,8 @@ typedef struct MpAllocator {
   uint64_t capabilities;
   // The plugin's instance state, passed to every slot.
   void *instance;
-  // NUL-terminated UTF-8 name for messages (null: "plugin"); copied by the host.
+  // NUL-terminated UTF-8 name for messages (null: "plugin"), valid as long as the
+  // table; the host copies at most 128 bytes of it.
   const char *name;
   // The device this instance serves.
   struct MpDevice device;
@@ -331,8 +333,10 @@ typedef struct MpAllocator {
 } MpAllocator;
 
 // The library's entry point ([`MP_ENTRY_SYMBOL`]): checks `host`, creates an
-// instance and writes a pointer to its table to `out`. The table must stay valid
-// until the call returns (the host copies it). A plugin that does not speak the
+// instance and writes a pointer to its table to `out`. The table (and its `name`)
+// must stay valid until the instance is destroyed; the host copies the agreed prefix
+// right after the call returns, and never runs two entry calls of one library at once
+// (a plugin may refill one static table per call). A plugin that does not speak the
 // host's major version returns `MP_ERR_VERSION_MISMATCH`.
 typedef MpStatus (*MpEntryFn)(const struct MpHost *host, const struct MpAllocator **out);
 

@@ -43,7 +43,7 @@ fn record(name: &str, elapsed: Duration, ops: u64) -> Duration {
 fn account(governor: &Governor, device: DeviceKey) -> Account {
     let authority = IdentityIssuer::new().and_then(|issuer| issuer.authority()).expect("authority");
     governor.set_device_limit(device, 64 << 30).expect("limit");
-    governor.open_account(AccountConfig::new(device, authority).label("bench")).expect("account")
+    governor.open_account(AccountConfig::new(device, authority).with_label("bench")).expect("account")
 }
 
 fn lease(c: &mut Criterion) {

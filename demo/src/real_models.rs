@@ -57,7 +57,7 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     for spec in &TENANTS {
         let authority = registry.register_authority(device, Arc::new(spec.name)).map_err(|e| e.to_string())?;
         governor
-            .open_account(AccountConfig::new(device, authority).quota(spec.quota).label(spec.name))
+            .open_account(AccountConfig::new(device, authority).with_quota(spec.quota).with_label(spec.name))
             .map_err(|e| e.to_string())?;
         let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(SystemAllocator::new()));
         let governed = governor.govern(pool, authority).map_err(|e| e.to_string())?;

@@ -83,7 +83,7 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
 
 /// The crates with optional features (`serde`, `metrics`) whose tests the `features`
 /// step runs with every feature on.
-pub(crate) const FEATURE_CRATES: [&str; 2] = ["memory-api", "memory-governor"];
+pub(crate) const FEATURE_CRATES: [&str; 3] = ["memory-api", "memory-binding", "memory-governor"];
 
 /// The crates published to the registry, in dependency order.
 pub(crate) const PUBLISHED_CRATES: [&str; 5] =

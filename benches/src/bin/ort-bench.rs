@@ -9,6 +9,10 @@
 //! Each (model, configuration) is measured in a child process of its own (this binary
 //! with `--child`), so its peak resident memory (`VmHWM`) is its own; the children run
 //! in rotating order, round after round, so the configurations alternate in one run.
+//! Each child also counts the minor page faults of its timed runs: a figure that load
+//! on the machine does not disturb, and the first thing to look at when a
+//! configuration is slower (an allocator that hands large blocks back to the system
+//! and gets fresh ones every run pays a fault per page touched).
 //! Target: (c) p50 <= 1.05x (a), and (c) peak RSS no higher than (a).
 #![forbid(unsafe_code)]
 
@@ -58,6 +62,7 @@ fn parent(args: &[String]) -> Result<(), String> {
     // (model, config) -> latencies in microseconds, peak RSS in KiB per child.
     let mut latencies: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
     let mut peaks: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
+    let mut faults: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
     for round in 0..rounds {
         for model in MODELS {
             for offset in 0..CONFIGS.len() {
@@ -78,7 +83,9 @@ fn parent(args: &[String]) -> Result<(), String> {
                 let line = stdout.lines().find(|l| l.starts_with("result ")).ok_or("a child printed no result")?;
                 let mut fields = line.split_whitespace().skip(1);
                 let hwm: u64 = fields.next().and_then(|v| v.parse().ok()).ok_or("bad result line")?;
+                let faulted: u64 = fields.next().and_then(|v| v.parse().ok()).ok_or("bad result line")?;
                 peaks.entry((model, config)).or_default().push(hwm);
+                faults.entry((model, config)).or_default().push(faulted);
                 latencies.entry((model, config)).or_default().extend(fields.filter_map(|v| v.parse::<u64>().ok()));
             }
         }
@@ -86,9 +93,11 @@ fn parent(args: &[String]) -> Result<(), String> {
     }
     println!("\n## ort bench: {rounds} rounds, configurations alternating; each (model, config) in its own process");
     println!(
-        "\n| model | configuration | p50 ms | p99 ms | peak RSS MiB | p50 vs (a) | p99 vs (a) | peak RSS vs (a) |"
+        "\n| model | configuration | p50 ms | p99 ms | peak RSS MiB | faults/run | p50 vs (a) | p99 vs (a) | peak RSS vs (a) |"
     );
-    println!("|-------|---------------|-------:|-------:|-------------:|-----------:|-----------:|----------------:|");
+    println!(
+        "|-------|---------------|-------:|-------:|-------------:|-----------:|-----------:|-----------:|----------------:|"
+    );
     let mut verdicts = Vec::new();
     for model in MODELS {
         let base = &latencies[&(model, CONFIGS[0])];
@@ -98,12 +107,15 @@ fn parent(args: &[String]) -> Result<(), String> {
             let samples = &latencies[&(model, *config)];
             let (p50, p99) = (percentile(samples, 0.5), percentile(samples, 0.99));
             let rss = median(&peaks[&(model, *config)]);
+            let iters = samples.len() as f64 / peaks[&(model, *config)].len() as f64;
+            let faults_per_run = median(&faults[&(model, *config)]) as f64 / iters;
             let label = format!("({}) {config}", (b'a' + index as u8) as char);
             println!(
-                "| {model} | {label} | {:.3} | {:.3} | {:.1} | {:.3}x | {:.3}x | {:.3}x |",
+                "| {model} | {label} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3}x | {:.3}x | {:.3}x |",
                 p50 / 1e3,
                 p99 / 1e3,
                 rss as f64 / 1024.0,
+                faults_per_run,
                 p50 / base_p50,
                 p99 / base_p99,
                 rss as f64 / base_rss as f64
@@ -149,7 +161,7 @@ fn child(args: &[String]) -> Result<(), String> {
                 registry.register_provider_context(DeviceKey::HOST, Arc::new("bench")).map_err(|e| e.to_string())?;
             let tenant = registry.register_authority(DeviceKey::HOST, Arc::new("bench")).map_err(|e| e.to_string())?;
             let account = governor
-                .open_account(AccountConfig::new(DeviceKey::HOST, tenant).quota(4 << 30))
+                .open_account(AccountConfig::new(DeviceKey::HOST, tenant).with_quota(4 << 30))
                 .map_err(|e| e.to_string())?;
             let governed = governor.govern(inner, tenant).map_err(|e| e.to_string())?;
             let mechanism =
@@ -174,15 +186,17 @@ fn child(args: &[String]) -> Result<(), String> {
         session()?;
     }
     let mut micros = Vec::with_capacity(iters);
+    let faults_before = minor_faults().ok_or("no fault count in /proc/self/stat")?;
     for _ in 0..iters {
         let started = Instant::now();
         session()?;
         micros.push(started.elapsed().as_micros() as u64);
     }
+    let faulted = minor_faults().ok_or("no fault count in /proc/self/stat")? - faults_before;
     drop(session);
     let hwm = peak_rss_kib().ok_or("no VmHWM in /proc/self/status")?;
     let list: Vec<String> = micros.iter().map(u64::to_string).collect();
-    println!("result {hwm} {}", list.join(" "));
+    println!("result {hwm} {faulted} {}", list.join(" "));
     Ok(())
 }
 
@@ -210,6 +224,14 @@ fn peak_rss_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Minor page faults of this process so far (`minflt`, the 10th field of
+/// `/proc/self/stat`, counted after the command name's closing parenthesis).
+fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after_name = stat.get(stat.rfind(')')? + 1..)?;
+    after_name.split_whitespace().nth(7)?.parse().ok()
 }
 
 fn percentile(samples: &[u64], q: f64) -> f64 {

@@ -107,6 +107,17 @@ fn pooled_allocator_that_caches_nothing_conforms() {
 
 #[test]
 #[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
+fn pooled_allocator_carving_segments_conforms() {
+    // Classes end at 1 KiB, so the suite's blocks are pieces of segments (split, merged,
+    // evicted under a small cap) rather than class blocks.
+    let config = PoolConfig { max_cached_bytes: 256 << 10, max_class_bytes: 1024, shards: 4 };
+    let report = run(Suite::new(move || PooledAllocator::with_config(SystemAllocator::new(), config)));
+    assert_skipped_exactly(&report, &capability_checks());
+    report.assert_ran(&["concurrent_use", "trim_keeps_live_blocks", "memory_is_writable"]);
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "the suite asks for ~isize::MAX bytes (Miri aborts) and probes through pipes")]
 fn pooled_allocator_over_wrappers_conforms() {
     let report = run(Suite::new(|| PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()))));
     assert_skipped_exactly(&report, &capability_checks());

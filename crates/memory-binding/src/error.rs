@@ -216,6 +216,7 @@ pub enum RegistryError {
 }
 
 /// The lifecycle of a provider context.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ContextState {

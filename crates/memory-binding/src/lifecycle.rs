@@ -28,6 +28,7 @@ use std::fmt;
 use crate::sync::{AtomicU8, AtomicUsize, BarrierMode, CachePadded, Ordering, heavy_barrier, light_barrier};
 
 /// Where a mechanism is in its lifecycle.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum MechanismState {

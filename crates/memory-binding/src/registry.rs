@@ -86,6 +86,7 @@ impl MechanismOptions {
 }
 
 /// What `invalidate_device` changed.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct InvalidationReport {
@@ -194,6 +195,7 @@ impl BindingRegistry {
         device: DeviceKey,
         resource: Resource,
     ) -> Result<ProviderContextIdentity, RegistryError> {
+        let _span = tracing::info_span!("register_provider_context", %device).entered();
         let identity = self.inner.issuer.provider_context()?;
         self.inner.contexts.insert(identity, Arc::new(ContextEntry::new(identity, device, resource)));
         tracing::info!(context = %identity, %device, "provider context registered");
@@ -209,6 +211,7 @@ impl BindingRegistry {
         device: DeviceKey,
         resource: Resource,
     ) -> Result<AuthorityIdentity, RegistryError> {
+        let _span = tracing::info_span!("register_authority", %device).entered();
         let identity = self.inner.issuer.authority()?;
         self.inner.authorities.insert(identity, Arc::new(AuthorityEntry { identity, device, resource }));
         tracing::info!(authority = %identity, %device, "authority registered");
@@ -242,6 +245,7 @@ impl BindingRegistry {
         allocator: Arc<dyn DeviceAllocator>,
         options: MechanismOptions,
     ) -> Result<MechanismIdentity, RegistryError> {
+        let _span = tracing::info_span!("register_allocator", %context, %authority).entered();
         self.register(context, authority, allocator, options, false)
     }
 
@@ -382,6 +386,7 @@ impl BindingRegistry {
     /// # Errors
     /// Foreign or unknown mechanism, or one that is not active.
     pub fn select(&self, mechanism: &MechanismIdentity) -> Result<BindingGeneration, RegistryError> {
+        let _span = tracing::info_span!("select", %mechanism).entered();
         let cold = lock(&self.inner.cold);
         let entry = self.mechanism(mechanism)?;
         let state = entry.core.lifecycle.state();
@@ -480,6 +485,7 @@ impl BindingRegistry {
     /// # Errors
     /// Foreign or unknown mechanism, or one that is not active.
     pub fn retire(&self, mechanism: &MechanismIdentity) -> Result<(), RegistryError> {
+        let _span = tracing::info_span!("retire", %mechanism).entered();
         let cold = lock(&self.inner.cold);
         let entry = self.mechanism(mechanism)?;
         entry.core.lifecycle.transition(&[MechanismState::Active], MechanismState::Retired).map_err(|state| {
@@ -500,6 +506,7 @@ impl BindingRegistry {
     /// Marks `device` lost: its mechanisms and contexts stop at once. Makes no
     /// allocator callback, frees and refunds nothing, and never waits.
     pub fn invalidate_device(&self, device: DeviceKey, reason: &str) -> InvalidationReport {
+        let _span = tracing::info_span!("invalidate_device", %device, reason).entered();
         let cold = lock(&self.inner.cold);
         let mut report = InvalidationReport { mechanisms: 0, contexts: 0, selection_dropped: false };
         for mechanism in self.all_mechanisms().into_iter().filter(|m| m.core.device == device) {
@@ -571,6 +578,7 @@ impl BindingRegistry {
         &self,
         context: &ProviderContextIdentity,
     ) -> Result<TerminationReport, RegistryError> {
+        let _span = tracing::info_span!("confirm_context_terminated", %context).entered();
         let cold = lock(&self.inner.cold);
         let entry = self.context(context)?;
         match entry.state() {
@@ -629,6 +637,7 @@ impl BindingRegistry {
     /// # Errors
     /// Foreign or unknown mechanism, or one whose device was lost.
     pub fn retry_quarantined(&self, mechanism: &MechanismIdentity) -> Result<RetryReport, RegistryError> {
+        let _span = tracing::info_span!("retry_quarantined", %mechanism).entered();
         let entry = self.mechanism(mechanism)?;
         let core = &entry.core;
         let pin = entry.table.pin();
@@ -713,6 +722,7 @@ impl BindingRegistry {
     /// Foreign or unknown mechanism, an active or device-lost one, or one that is not
     /// quiescent.
     pub fn remove(&self, mechanism: &MechanismIdentity) -> Result<(), RegistryError> {
+        let _span = tracing::info_span!("remove", %mechanism).entered();
         let cold = lock(&self.inner.cold);
         let entry = self.mechanism(mechanism)?;
         let lifecycle = &entry.core.lifecycle;

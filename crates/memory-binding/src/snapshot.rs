@@ -11,6 +11,7 @@ use crate::lifecycle::MechanismState;
 use crate::registry::BindingRegistry;
 
 /// What `confirm_context_terminated` retired.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TerminationReport {
@@ -42,6 +43,7 @@ impl TerminationReport {
 }
 
 /// What `retry_quarantined` achieved.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryReport {
@@ -52,6 +54,7 @@ pub struct RetryReport {
 }
 
 /// Where one allocation stands, looked up by identity.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AllocationState {
@@ -66,6 +69,7 @@ pub enum AllocationState {
 }
 
 /// One quarantined block.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct QuarantineSnapshot {
@@ -84,6 +88,7 @@ pub struct QuarantineSnapshot {
 }
 
 /// One mechanism.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MechanismSnapshot {
@@ -129,6 +134,7 @@ impl MechanismSnapshot {
 }
 
 /// One provider context.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ContextSnapshot {
@@ -141,6 +147,7 @@ pub struct ContextSnapshot {
 }
 
 /// One authority.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AuthoritySnapshot {
@@ -151,6 +158,7 @@ pub struct AuthoritySnapshot {
 }
 
 /// The whole registry.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RegistrySnapshot {

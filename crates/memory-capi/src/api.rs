@@ -333,10 +333,10 @@ pub unsafe extern "C" fn mc_governor_open_account(
     guard("mc_governor_open_account", || {
         let governor = borrow(&GOVERNORS, governor)?;
         let authority = borrow(&AUTHORITIES, authority)?;
-        let mut config = AccountConfig::new(authority.device, authority.identity).quota(quota);
+        let mut config = AccountConfig::new(authority.device, authority.identity).with_quota(quota);
         if !label.is_null() {
             // SAFETY: non-null and NUL-terminated (the caller's contract).
-            config = config.label(unsafe { text(label, "label") }?);
+            config = config.with_label(unsafe { text(label, "label") }?);
         }
         governor.open_account(config).map_err(|error| Failure::new(MC_ERR_INVALID_ARGUMENT, error.to_string()))?;
         Ok(())

@@ -85,7 +85,7 @@ fn fits(used: u64, n: u64, slack: u64, limit: u64) -> bool {
 }
 
 /// Raises `peak` to `value` if it is lower (a load first, so the common case writes nothing).
-fn bump_peak(peak: &AtomicU64, value: u64) {
+pub(crate) fn bump_peak(peak: &AtomicU64, value: u64) {
     if peak.load(Ordering::Relaxed) < value {
         peak.fetch_max(value, Ordering::Relaxed);
     }

@@ -150,6 +150,14 @@ pub enum AdmissionError {
     /// The budget cannot hold the request (boxed: it is large and on the cold path).
     #[error(transparent)]
     Exhausted(Box<Exhaustion>),
+    /// The budget cannot hold the request, and this thread is already inside a reclaim
+    /// holder's `reclaim` (a holder asked for memory while freeing memory): the
+    /// request was refused without asking the holders again, which would recurse.
+    #[error(
+        "{0}; not reclaimed again: this thread is already inside a reclaim holder's reclaim \
+         (free memory before asking for more inside reclaim, or ask after it returns)"
+    )]
+    ReentrantReclaim(Box<Exhaustion>),
     /// The request, added to what the lease already holds, exceeds the largest charge.
     #[error(
         "{role} request of {requested} bytes on top of {held} bytes already held exceeds the largest charge \
@@ -171,7 +179,7 @@ impl AdmissionError {
     /// The exhaustion report, when the budget refused.
     pub fn exhaustion(&self) -> Option<&Exhaustion> {
         match self {
-            AdmissionError::Exhausted(exhaustion) => Some(exhaustion),
+            AdmissionError::Exhausted(exhaustion) | AdmissionError::ReentrantReclaim(exhaustion) => Some(exhaustion),
             AdmissionError::Overflow { .. } => None,
         }
     }

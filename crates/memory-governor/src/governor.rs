@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
 
 use memory_api::{AuthorityIdentity, DeviceAllocator, DeviceKey, MemoryRole};
@@ -12,10 +13,11 @@ use crate::error::{
     AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
     LimitScope, PolicyError,
 };
+use crate::peaks::{Bound, Charges, PEAK_SLACK, Tally};
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
-use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
+use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
 use crate::stats::{
-    AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
+    self, AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
 };
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, RwLock, lock, read, thread_local, write};
 use crate::timeline::{Timeline, TimelineEvent, TimelineEventKind};
@@ -43,9 +45,16 @@ impl GovernorConfig {
     /// refund then writes the shared books (exact `current` at every instant, but two
     /// threads contend on one cache line).
     #[must_use]
-    pub fn credit_chunk(mut self, bytes: u64) -> GovernorConfig {
+    pub fn with_credit_chunk(mut self, bytes: u64) -> GovernorConfig {
         self.credit_chunk = bytes.min(MAX_CHUNK);
         self
+    }
+
+    /// The former name of [`GovernorConfig::with_credit_chunk`].
+    #[deprecated(note = "builders are named with_*: use with_credit_chunk")]
+    #[must_use]
+    pub fn credit_chunk(self, bytes: u64) -> GovernorConfig {
+        self.with_credit_chunk(bytes)
     }
 
     /// The configured credit chunk.
@@ -72,16 +81,30 @@ impl AccountConfig {
 
     /// Caps the account at `bytes` (nested inside the device limit).
     #[must_use]
-    pub fn quota(mut self, bytes: u64) -> AccountConfig {
+    pub fn with_quota(mut self, bytes: u64) -> AccountConfig {
         self.quota = bytes;
         self
     }
 
     /// A human-readable name for messages and snapshots (default: the authority).
     #[must_use]
-    pub fn label(mut self, label: impl Into<String>) -> AccountConfig {
+    pub fn with_label(mut self, label: impl Into<String>) -> AccountConfig {
         self.label = Some(label.into());
         self
+    }
+
+    /// The former name of [`AccountConfig::with_quota`].
+    #[deprecated(note = "builders are named with_*: use with_quota")]
+    #[must_use]
+    pub fn quota(self, bytes: u64) -> AccountConfig {
+        self.with_quota(bytes)
+    }
+
+    /// The former name of [`AccountConfig::with_label`].
+    #[deprecated(note = "builders are named with_*: use with_label")]
+    #[must_use]
+    pub fn label(self, label: impl Into<String>) -> AccountConfig {
+        self.with_label(label)
     }
 }
 
@@ -103,6 +126,8 @@ pub(crate) struct DeviceBooks {
     slots: Mutex<Vec<Arc<Slot>>>,
     policy: RwLock<Arc<dyn AdmissionPolicy>>,
     holders: RwLock<Vec<HolderEntry>>,
+    /// The peak of real charges on the device (over every authority).
+    charges: Arc<Charges>,
     /// Serialises limit, reserve and policy changes (never held with another lock).
     changes: Mutex<()>,
     pub(crate) timeline: Arc<Timeline>,
@@ -110,17 +135,25 @@ pub(crate) struct DeviceBooks {
 
 impl DeviceBooks {
     fn new(key: DeviceKey, timeline: Arc<Timeline>) -> DeviceBooks {
+        let counters = Arc::new(DeviceCounters::new(UNLIMITED));
         DeviceBooks {
             key,
-            counters: Arc::new(DeviceCounters::new(UNLIMITED)),
+            counters: Arc::clone(&counters),
             slots: Mutex::new(Vec::new()),
             policy: RwLock::new(Arc::new(HardLimit)),
             holders: RwLock::new(Vec::new()),
+            charges: Arc::new(Charges::new(Bound::Device(Arc::clone(&counters)))),
             changes: Mutex::new(()),
             timeline,
         }
     }
 
+    /// The policy, copied out of its lock (so that it can be called with no lock held).
+    fn policy(&self) -> Arc<dyn AdmissionPolicy> {
+        Arc::clone(&*read(&self.policy))
+    }
+
+    /// The holders in reclaim order, copied out of their lock.
     fn holders(&self) -> Vec<(u32, Arc<dyn ReclaimHolder>)> {
         read(&self.holders).iter().map(|entry| (entry.order, Arc::clone(&entry.holder))).collect()
     }
@@ -199,23 +232,55 @@ pub(crate) struct AccountShared {
     counters: Arc<AccountCounters>,
     slots: Mutex<Vec<Arc<Slot>>>,
     pub(crate) roles: [RoleStats; ROLES],
+    /// Peaks of real charges: per role, and of the account.
+    role_charges: [Arc<Charges>; ROLES],
+    charges: Arc<Charges>,
+    /// How far a thread's tally of charges may drift before it is published.
+    peak_slack: u64,
 }
 
-/// One thread's slot for one role of one account.
+/// One thread's slot for one role of one account, and its tallies of the charges of
+/// the role, the account and the device (the latter two shared with the thread's other
+/// slots on them).
 struct ThreadSlot {
     account: u64,
     role: usize,
     slot: Arc<Slot>,
+    tallies: [Rc<Tally>; 3],
 }
 
-/// The calling thread's slots. When the thread ends, each slot's credit goes back.
+impl ThreadSlot {
+    // Always inlined: on the fast path, a call costs as much as the three tallies.
+    #[inline(always)]
+    fn charged(&self, bytes: u64, slack: u64) {
+        let [role, account, device] = &self.tallies;
+        role.charge(bytes, slack);
+        account.charge(bytes, slack);
+        device.charge(bytes, slack);
+    }
+
+    #[inline(always)]
+    fn refunded(&self, bytes: u64, slack: u64) {
+        let [role, account, device] = &self.tallies;
+        role.refund(bytes, slack);
+        account.refund(bytes, slack);
+        device.refund(bytes, slack);
+    }
+}
+
+/// The calling thread's slots and tallies. When the thread ends, each tally is
+/// published and each slot's credit goes back.
 #[derive(Default)]
 struct ThreadSlots {
     entries: Vec<ThreadSlot>,
+    tallies: Vec<Rc<Tally>>,
 }
 
 impl Drop for ThreadSlots {
     fn drop(&mut self) {
+        for tally in &self.tallies {
+            tally.flush();
+        }
         for entry in self.entries.drain(..) {
             entry.slot.retire();
         }
@@ -264,23 +329,53 @@ impl AccountShared {
         slot
     }
 
-    /// Runs `f` on the calling thread's slot for `role`, creating it on first use.
-    /// `None` while the thread is being torn down (its slots are gone).
+    /// The three levels a charge of `role` counts in: the role's, the account's and
+    /// the device's charges.
+    fn levels(&self, role: usize) -> [&Arc<Charges>; 3] {
+        [&self.role_charges[role], &self.charges, &self.device.charges]
+    }
+
+    /// Runs `f` on the calling thread's slot for `role` and its tallies, creating them
+    /// on first use. `None` while the thread is being torn down (its slots are gone).
     #[inline]
-    fn with_slot<R>(&self, role: usize, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+    fn with_thread<R>(&self, role: usize, f: impl FnOnce(&ThreadSlot) -> R) -> Option<R> {
         THREAD_SLOTS
             .try_with(|cell| {
                 let mut slots = cell.try_borrow_mut().ok()?;
                 if let Some(entry) = slots.entries.iter().find(|e| e.account == self.uid && e.role == role) {
-                    return Some(f(&entry.slot));
+                    return Some(f(entry));
                 }
                 let slot = self.register_slot(role);
-                let result = f(&slot);
-                slots.entries.push(ThreadSlot { account: self.uid, role, slot });
+                let tallies = self.levels(role).map(|charges| {
+                    let known = slots.tallies.iter().find(|tally| tally.counts(charges)).cloned();
+                    known.unwrap_or_else(|| {
+                        let tally = Rc::new(Tally::new(Arc::clone(charges)));
+                        slots.tallies.push(Rc::clone(&tally));
+                        tally
+                    })
+                });
+                let entry = ThreadSlot { account: self.uid, role, slot, tallies };
+                let result = f(&entry);
+                slots.entries.push(entry);
                 Some(result)
             })
             .ok()
             .flatten()
+    }
+
+    /// Runs `f` on the calling thread's slot for `role` (see [`AccountShared::with_thread`]).
+    #[inline]
+    fn with_slot<R>(&self, role: usize, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+        self.with_thread(role, |entry| f(&entry.slot))
+    }
+
+    /// Counts a charge made on the slow path in the calling thread's tallies.
+    fn tally_charge(&self, role: usize, bytes: u64) {
+        if self.with_thread(role, |entry| entry.charged(bytes, self.peak_slack)).is_none() {
+            for charges in self.levels(role) {
+                charges.publish_now(bytes as i64);
+            }
+        }
     }
 
     /// One admission attempt: the thread's credit, then a chunk or an exact draw, then
@@ -339,17 +434,23 @@ impl AccountShared {
         if let Short::Overflow { used, limit } = short {
             return Err(AdmissionError::Overflow { role, requested: bytes, held: used, max: limit });
         }
-        let policy = Arc::clone(&*read(&self.device.policy));
+        let policy = self.device.policy();
         let (shortfall, _, _) = self.shortfall(role, bytes, short);
         let mut last = short;
         let reclaimed = match policy.on_shortfall(&shortfall) {
             ShortfallDecision::Reclaim => {
+                // A holder asking for memory from inside its own reclaim: asking the
+                // holders again would recurse.
+                let Some(reclaiming) = Reclaiming::enter() else {
+                    return Err(self.refuse(role, bytes, last, None, &*policy, true));
+                };
                 let freed = self.device.reclaim(ReclaimRequest {
                     device: self.device.key,
                     bytes: shortfall.missing(),
                     role,
                     authority: self.authority,
                 });
+                drop(reclaiming);
                 match self.admit(r, bytes) {
                     Ok(()) => return Ok(()),
                     Err(short) => last = short,
@@ -358,7 +459,21 @@ impl AccountShared {
             }
             ShortfallDecision::Fail => None,
         };
-        self.roles[r].failures.fetch_add(1, Ordering::Relaxed);
+        Err(self.refuse(role, bytes, last, reclaimed, &*policy, false))
+    }
+
+    /// Counts, logs and explains a refused admission.
+    #[cold]
+    fn refuse(
+        &self,
+        role: MemoryRole,
+        bytes: u64,
+        last: Short,
+        reclaimed: Option<u64>,
+        policy: &dyn AdmissionPolicy,
+        reentered: bool,
+    ) -> AdmissionError {
+        self.roles[role.ordinal()].failures.fetch_add(1, Ordering::Relaxed);
         let (shortfall, used, limit) = self.shortfall(role, bytes, last);
         let exhaustion = Exhaustion {
             tier: self.device.key.tier(),
@@ -379,13 +494,17 @@ impl AccountShared {
             tier = %exhaustion.tier, device = %exhaustion.device, authority = %exhaustion.authority,
             account = %exhaustion.account, role = %role, requested = bytes, scope = %exhaustion.scope,
             used, limit, available = exhaustion.available, reclaimed = ?reclaimed,
-            largest_holder = ?exhaustion.largest_holder.as_ref().map(|h| &h.name),
+            largest_holder = ?exhaustion.largest_holder.as_ref().map(|h| &h.name), reentered,
             "admission refused"
         );
         if self.device.timeline.enabled() {
             self.device.timeline.record(TimelineEventKind::Refusal, self.device.key, self.authority, role, bytes);
         }
-        Err(AdmissionError::Exhausted(Box::new(exhaustion)))
+        if reentered {
+            AdmissionError::ReentrantReclaim(Box::new(exhaustion))
+        } else {
+            AdmissionError::Exhausted(Box::new(exhaustion))
+        }
     }
 
     fn snapshot(&self) -> AccountSnapshot {
@@ -396,7 +515,7 @@ impl AccountShared {
             for slot in slots.iter() {
                 let role = &mut roles[slot.role()];
                 let (opened, closed) = slot.counts();
-                role.cached_credit += slot.credit();
+                role.cached_credit = role.cached_credit.saturating_add(slot.credit());
                 role.allocations = role.allocations.wrapping_add(opened);
                 role.releases = role.releases.wrapping_add(closed);
             }
@@ -406,9 +525,12 @@ impl AccountShared {
             let stats = &self.roles[r];
             role.allocations = role.allocations.wrapping_add(stats.retired_opened.load(Ordering::Relaxed));
             role.releases = role.releases.wrapping_add(stats.retired_closed.load(Ordering::Relaxed));
-            role.live = role.allocations.wrapping_sub(role.releases);
+            // Counts are read slot by slot while threads may be counting: a release
+            // counted on one slot can be seen before its allocation on another.
+            role.live = role.allocations.saturating_sub(role.releases);
             role.current = counter.used().saturating_sub(role.cached_credit);
-            role.peak = counter.peak();
+            role.peak = self.role_charges[r].peak();
+            role.peak_used = counter.peak();
             role.failures = stats.failures.load(Ordering::Relaxed);
             role.quarantined_bytes = stats.quarantined.load(Ordering::Relaxed);
             role.lost_bytes = stats.lost_bytes.load(Ordering::Relaxed);
@@ -418,10 +540,11 @@ impl AccountShared {
             authority: self.authority.to_string(),
             label: self.label.clone(),
             quota: limit_of(self.counters.budget.limit()),
-            current: roles.iter().map(|r| r.current).sum(),
+            current: stats::sum(roles.iter().map(|r| r.current)),
             used: self.counters.budget.used(),
-            peak: self.counters.budget.peak(),
-            cached_credit: roles.iter().map(|r| r.cached_credit).sum(),
+            peak: self.charges.peak(),
+            peak_used: self.counters.budget.peak(),
+            cached_credit: stats::sum(roles.iter().map(|r| r.cached_credit)),
             totals: Totals::of(&roles),
             roles,
         }
@@ -499,9 +622,20 @@ impl Account {
         }
         let shared = &*self.shared;
         let r = role.ordinal();
-        let fast = shared.with_slot(r, |slot| slot.admit_fast(bytes)).unwrap_or(false);
-        if !fast && let Err(short) = shared.admit(r, bytes) {
-            shared.admit_with_policy(role, bytes, short)?;
+        let fast = shared
+            .with_thread(r, |entry| {
+                let admitted = entry.slot.admit_fast(bytes);
+                if admitted {
+                    entry.charged(bytes, shared.peak_slack);
+                }
+                admitted
+            })
+            .unwrap_or(false);
+        if !fast {
+            if let Err(short) = shared.admit(r, bytes) {
+                shared.admit_with_policy(role, bytes, short)?;
+            }
+            shared.tally_charge(r, bytes);
         }
         if shared.device.timeline.enabled() {
             shared.device.timeline.record(TimelineEventKind::Charge, shared.device.key, shared.authority, role, bytes);
@@ -533,10 +667,17 @@ impl Account {
         let shared = &*self.shared;
         let r = role.ordinal();
         let chunk = shared.chunk;
-        if shared.with_slot(r, |slot| slot.refund(bytes, chunk, close)).is_none() {
+        let refunded = shared.with_thread(r, |entry| {
+            entry.slot.refund(bytes, chunk, close);
+            entry.refunded(bytes, shared.peak_slack);
+        });
+        if refunded.is_none() {
             shared.path(r).give_back(bytes);
             if close {
                 shared.roles[r].retired_closed.fetch_add(1, Ordering::Relaxed);
+            }
+            for charges in shared.levels(r) {
+                charges.publish_now(-(bytes as i64));
             }
         }
         if shared.device.timeline.enabled() {
@@ -692,10 +833,8 @@ impl Governor {
     /// # Errors
     /// [`AccountError::AlreadyOpen`] when the authority has one.
     pub fn open_account(&self, config: AccountConfig) -> Result<Account, AccountError> {
-        if let Some(existing) = read(&self.inner.accounts).get(&config.authority) {
-            return Err(AccountError::AlreadyOpen { authority: config.authority, device: existing.device() });
-        }
         let books = self.books(config.device);
+        let counters = Arc::new(AccountCounters::new(config.quota));
         let account = Account {
             shared: Arc::new(AccountShared {
                 uid: NEXT_ACCOUNT.fetch_add(1, StdOrdering::Relaxed),
@@ -703,9 +842,14 @@ impl Governor {
                 label: config.label.unwrap_or_else(|| config.authority.to_string()),
                 chunk: self.inner.config.credit_chunk,
                 device: books,
-                counters: Arc::new(AccountCounters::new(config.quota)),
+                counters: Arc::clone(&counters),
                 slots: Mutex::new(Vec::new()),
                 roles: std::array::from_fn(|_| RoleStats::new()),
+                role_charges: std::array::from_fn(|r| {
+                    Arc::new(Charges::new(Bound::AccountRole(Arc::clone(&counters), r)))
+                }),
+                charges: Arc::new(Charges::new(Bound::Account(Arc::clone(&counters)))),
+                peak_slack: self.inner.config.credit_chunk.min(PEAK_SLACK),
             }),
         };
         let mut accounts = write(&self.inner.accounts);
@@ -757,12 +901,13 @@ impl Governor {
         device: DeviceKey,
         policy: Arc<dyn AdmissionPolicy>,
     ) -> Result<Arc<dyn AdmissionPolicy>, PolicyError> {
+        // Asked before any lock: `reserve` may call back into the governor.
+        let new_targets: [u64; ROLES] = std::array::from_fn(|r| policy.reserve(MemoryRole::ALL[r]));
         let books = self.books(device);
-        let _changes = lock(&books.changes);
+        let changes = lock(&books.changes);
         // Reserves must fit what is charged, not what threads happen to cache.
         credit::return_credit(&books.counters.budget, &books.slots);
         let old_targets: [u64; ROLES] = std::array::from_fn(|r| books.counters.roles[r].target());
-        let new_targets: [u64; ROLES] = std::array::from_fn(|r| policy.reserve(MemoryRole::ALL[r]));
         let limit = books.counters.budget.limit();
         if new_targets.iter().try_fold(0u64, |sum, &t| sum.checked_add(t)).is_none_or(|sum| sum > limit) {
             let role = MemoryRole::ALL[(0..ROLES).max_by_key(|&r| new_targets[r]).unwrap_or(0)];
@@ -799,13 +944,14 @@ impl Governor {
             }
         }
         let old = std::mem::replace(&mut *write(&books.policy), Arc::clone(&policy));
+        drop(changes);
         tracing::info!(device = %device, old = old.name(), new = policy.name(), reserves = ?new_targets, "admission policy installed");
         Ok(old)
     }
 
     /// The name of `device`'s policy.
     pub fn policy_name(&self, device: DeviceKey) -> String {
-        read(&self.books(device).policy).name().to_owned()
+        self.books(device).policy().name().to_owned()
     }
 
     /// Registers a reclaim holder on `device`; holders are asked in ascending `order`
@@ -877,11 +1023,12 @@ impl Governor {
                     tier: books.key.tier().name().to_owned(),
                     index: books.key.index(),
                     limit: limit_of(counters.budget.limit()),
-                    current: authorities.iter().map(|a| a.current).sum(),
+                    current: stats::sum(authorities.iter().map(|a| a.current)),
                     used: counters.budget.used(),
-                    peak: counters.budget.peak(),
-                    cached_credit: authorities.iter().map(|a| a.cached_credit).sum(),
-                    policy: read(&books.policy).name().to_owned(),
+                    peak: books.charges.peak(),
+                    peak_used: counters.budget.peak(),
+                    cached_credit: stats::sum(authorities.iter().map(|a| a.cached_credit)),
+                    policy: books.policy().name().to_owned(),
                     reserves: MemoryRole::ALL
                         .iter()
                         .filter(|role| counters.roles[role.ordinal()].target() > 0)
@@ -891,9 +1038,10 @@ impl Governor {
                             held: counters.roles[role.ordinal()].held(),
                         })
                         .collect(),
-                    holders: read(&books.holders)
-                        .iter()
-                        .map(|entry| HolderSnapshot { name: entry.holder.name().to_owned(), order: entry.order })
+                    holders: books
+                        .holders()
+                        .into_iter()
+                        .map(|(order, holder)| HolderSnapshot { name: holder.name().to_owned(), order })
                         .collect(),
                     totals: Totals::of(&roles),
                     roles,
@@ -919,12 +1067,9 @@ impl Governor {
         self.inner.timeline.events()
     }
 
-    /// The timeline in the Chrome trace-event format (see [`Governor::enable_timeline`]).
-    pub fn chrome_trace(&self) -> serde_json::Value {
-        self.inner.timeline.chrome_trace()
-    }
-
-    /// [`Governor::chrome_trace`] as a JSON string, ready to save as `trace.json`.
+    /// The timeline in the Chrome trace-event format (see [`Governor::enable_timeline`])
+    /// as a JSON string, ready to save as `trace.json` and open in a trace viewer. (A
+    /// string, so no JSON library's type appears in this crate's API.)
     pub fn chrome_trace_json(&self) -> String {
         self.inner.timeline.chrome_trace().to_string()
     }

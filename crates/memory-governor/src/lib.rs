@@ -38,16 +38,24 @@
 //!   credit return and limit lowering live in `src/loom_credit.rs` and run with
 //!   `RUSTFLAGS="--cfg memory_loom" cargo test --release -p memory-governor --lib loom`.
 //!   Every atomic and lock comes from the `sync` module, which swaps in loom's.
-//! - No lock is held across a callback (policy, reclaim holder, inner allocator).
+//! - No lock is held across a callback (policy, reclaim holder, inner allocator):
+//!   policies and holders are copied out of their locks before they are called, so
+//!   they may call back into the governor. A nested admission inside a holder's
+//!   reclaim never reclaims again ([`AdmissionError::ReentrantReclaim`]).
 //!   Lock order: a device's change lock (limit, quota and policy changes; cold) may be
 //!   held while a slot list is copied or the policy swapped; every other lock (slot
-//!   lists, policy, holders, account and device tables, timeline) is a leaf, held for a
-//!   copy or an insert only. A panic poisons nothing into a permanent error.
+//!   lists, policy, holders, account and device tables, timeline, a governed
+//!   allocator's record shards) is a leaf, held for a copy or an insert only. A panic
+//!   poisons nothing into a permanent error.
+//! - Trust: a governed allocator takes role, charge and quarantine state from its own
+//!   records, never from a block's `provider_tag`, and believes no release answer
+//!   about another block than the one it sent (see [`GovernedAllocator`]).
 //! - Tests: concurrent admission hammering one limit and checking it after every step,
 //!   refund exactly once, reclaim order and a stingy holder, per-role reserves, limit
 //!   lowering under load, refund rules through the registry (complete, quarantined,
-//!   device-lost), the JSON shapes, and a property test comparing the books with a
-//!   sequential model.
+//!   device-lost), the JSON shapes, a property test comparing the books (peaks
+//!   included) with a sequential model, and `tests/hostile.rs`: lying inner
+//!   allocators, forged tags, re-entrant policies and holders, each on a deadline.
 //!
 //! # Quickstart
 //! ```
@@ -63,7 +71,7 @@
 //! let governor = Governor::new();
 //! governor.set_device_limit(gpu, 1 << 20)?;
 //! governor.set_policy(gpu, Arc::new(GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, 256 << 10)))?;
-//! let account = governor.open_account(AccountConfig::new(gpu, tenant).quota(512 << 10).label("tenant-a"))?;
+//! let account = governor.open_account(AccountConfig::new(gpu, tenant).with_quota(512 << 10).with_label("tenant-a"))?;
 //!
 //! // Governed allocation through the registry: identity and governance compose.
 //! let allocator: Arc<dyn DeviceAllocator> = Arc::new(allocator_cpu::SystemAllocator::for_device(gpu));
@@ -95,6 +103,7 @@ mod governor;
 mod lease;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod peaks;
 mod policy;
 mod reclaim;
 mod stats;

@@ -6,6 +6,13 @@
 //! lock, each for what is still missing, and stops once enough was freed. A holder that
 //! frees less than asked ("stingy") is taken at its word: it is not asked again, and the
 //! request retries once and fails cleanly if it still does not fit.
+//!
+//! A holder may call back into the governor, and may even ask it for memory. But an
+//! admission made on a thread that is already inside a holder's `reclaim` never
+//! reclaims again (that would ask the same holder, which asks again, until the stack
+//! overflows): it is admitted if it fits as things stand, and otherwise refused with
+//! [`AdmissionError::ReentrantReclaim`](crate::AdmissionError::ReentrantReclaim)
+//! without asking any holder.
 
 use std::fmt;
 
@@ -58,5 +65,28 @@ impl HolderId {
     /// The device the holder was registered on.
     pub fn device(&self) -> DeviceKey {
         self.device
+    }
+}
+
+/// Marks the calling thread as inside a reclaim until dropped; `None` when it already
+/// is (a nested admission must not reclaim again).
+///
+/// A `const` thread-local of a type without a destructor stays readable during thread
+/// teardown, so the mark works everywhere. Not part of any cross-thread protocol.
+pub(crate) struct Reclaiming(());
+
+std::thread_local! {
+    static RECLAIMING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl Reclaiming {
+    pub(crate) fn enter() -> Option<Reclaiming> {
+        (!RECLAIMING.replace(true)).then_some(Reclaiming(()))
+    }
+}
+
+impl Drop for Reclaiming {
+    fn drop(&mut self) {
+        RECLAIMING.set(false);
     }
 }

@@ -7,9 +7,14 @@
 //! - `used`: bytes drawn from the budget: `current`, plus credit threads cache
 //!   (`cached_credit`), plus for a device the reserves held aside. This is what the
 //!   limit bounds.
-//! - `peak`: the high-water mark of `used` (for a role: of its charges plus its cached
-//!   credit). An upper bound on the peak of `current`, exceeding it by at most the
-//!   credit cached at that moment (two credit chunks per thread and role).
+//! - `peak`: the high-water mark of `current`, the bytes really charged (cached credit
+//!   and reserves are not charges). Exact when a single thread charges the account,
+//!   role or device, and always with `credit_chunk(0)`; otherwise charges another
+//!   thread has not yet published (at most 64 KiB, or the credit chunk if smaller,
+//!   per thread) can make it off, either way, but never above `peak_used` (see
+//!   `src/peaks.rs`). A device's per-role peak is the sum of its authorities' (an
+//!   upper bound).
+//! - `peak_used`: the high-water mark of `used` (what the limit bounded).
 //!
 //! Counts: `allocations` charges opened (leases, governed allocations), `releases`
 //! charges closed, `live` the difference, `failures` refused admissions. Memory the
@@ -34,8 +39,10 @@ pub struct RoleSnapshot {
     pub role: String,
     /// Bytes charged right now.
     pub current: u64,
-    /// High-water mark of charges plus cached credit.
+    /// High-water mark of the bytes charged (see the module docs for its precision).
     pub peak: u64,
+    /// High-water mark of charges plus cached credit (what the budgets bounded).
+    pub peak_used: u64,
     /// Credit cached by threads for this role.
     pub cached_credit: u64,
     /// Charges opened.
@@ -59,19 +66,26 @@ impl RoleSnapshot {
         RoleSnapshot { role: role.name().to_owned(), ..RoleSnapshot::default() }
     }
 
-    /// Adds `other`'s counts to these (peaks are summed: an upper bound).
+    /// Adds `other`'s counts to these (peaks are summed: an upper bound). Saturating:
+    /// a snapshot never panics, whatever the books hold.
     pub(crate) fn absorb(&mut self, other: &RoleSnapshot) {
-        self.current += other.current;
-        self.peak += other.peak;
-        self.cached_credit += other.cached_credit;
-        self.allocations += other.allocations;
-        self.releases += other.releases;
-        self.live += other.live;
-        self.failures += other.failures;
-        self.quarantined_bytes += other.quarantined_bytes;
-        self.lost_bytes += other.lost_bytes;
-        self.lost_allocations += other.lost_allocations;
+        self.current = self.current.saturating_add(other.current);
+        self.peak = self.peak.saturating_add(other.peak);
+        self.peak_used = self.peak_used.saturating_add(other.peak_used);
+        self.cached_credit = self.cached_credit.saturating_add(other.cached_credit);
+        self.allocations = self.allocations.saturating_add(other.allocations);
+        self.releases = self.releases.saturating_add(other.releases);
+        self.live = self.live.saturating_add(other.live);
+        self.failures = self.failures.saturating_add(other.failures);
+        self.quarantined_bytes = self.quarantined_bytes.saturating_add(other.quarantined_bytes);
+        self.lost_bytes = self.lost_bytes.saturating_add(other.lost_bytes);
+        self.lost_allocations = self.lost_allocations.saturating_add(other.lost_allocations);
     }
+}
+
+/// Sums `values`, saturating (snapshots never panic).
+pub(crate) fn sum(values: impl IntoIterator<Item = u64>) -> u64 {
+    values.into_iter().fold(0, u64::saturating_add)
 }
 
 /// Totals over roles.
@@ -96,17 +110,15 @@ pub struct Totals {
 
 impl Totals {
     pub(crate) fn of(roles: &[RoleSnapshot]) -> Totals {
-        let mut totals = Totals::default();
-        for role in roles {
-            totals.allocations += role.allocations;
-            totals.releases += role.releases;
-            totals.live += role.live;
-            totals.failures += role.failures;
-            totals.quarantined_bytes += role.quarantined_bytes;
-            totals.lost_bytes += role.lost_bytes;
-            totals.lost_allocations += role.lost_allocations;
+        Totals {
+            allocations: sum(roles.iter().map(|r| r.allocations)),
+            releases: sum(roles.iter().map(|r| r.releases)),
+            live: sum(roles.iter().map(|r| r.live)),
+            failures: sum(roles.iter().map(|r| r.failures)),
+            quarantined_bytes: sum(roles.iter().map(|r| r.quarantined_bytes)),
+            lost_bytes: sum(roles.iter().map(|r| r.lost_bytes)),
+            lost_allocations: sum(roles.iter().map(|r| r.lost_allocations)),
         }
-        totals
     }
 }
 
@@ -124,8 +136,10 @@ pub struct AccountSnapshot {
     pub current: u64,
     /// Bytes drawn from the quota (charges plus cached credit).
     pub used: u64,
-    /// High-water mark of `used`.
+    /// High-water mark of the bytes charged (see the module docs for its precision).
     pub peak: u64,
+    /// High-water mark of `used`.
+    pub peak_used: u64,
     /// Credit cached by threads.
     pub cached_credit: u64,
     /// Counts over roles.
@@ -172,8 +186,11 @@ pub struct DeviceSnapshot {
     pub current: u64,
     /// Bytes drawn from the budget (charges, cached credit, reserves held).
     pub used: u64,
-    /// High-water mark of `used`.
+    /// High-water mark of the bytes charged, over every authority (see the module
+    /// docs for its precision).
     pub peak: u64,
+    /// High-water mark of `used`.
+    pub peak_used: u64,
     /// Credit cached by threads.
     pub cached_credit: u64,
     /// The admission policy's name.

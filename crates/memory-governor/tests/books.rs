@@ -70,8 +70,8 @@ fn limits_are_kept_per_device_key() {
 fn authority_quotas_nest_inside_the_device_budget() {
     let governor = governor(0);
     governor.set_device_limit(GPU, 10).unwrap();
-    let a = governor.open_account(AccountConfig::new(GPU, authority()).quota(6).label("a")).unwrap();
-    let b = governor.open_account(AccountConfig::new(GPU, authority()).quota(6).label("b")).unwrap();
+    let a = governor.open_account(AccountConfig::new(GPU, authority()).with_quota(6).with_label("a")).unwrap();
+    let b = governor.open_account(AccountConfig::new(GPU, authority()).with_quota(6).with_label("b")).unwrap();
     let a_lease = a.lease(MemoryRole::KvCache, 6).unwrap();
     let err = a.lease(MemoryRole::KvCache, 1).unwrap_err();
     assert_eq!(err.exhaustion().unwrap().scope, LimitScope::Authority, "{err}");
@@ -197,4 +197,78 @@ fn a_governed_allocator_must_serve_the_account_device() {
     assert!(matches!(err.failure, GovernFailure::DeviceMismatch { .. }));
     assert!(Arc::ptr_eq(&err.allocator, &host));
     assert!(err.to_string().contains("host:0") && err.to_string().contains("device:0"), "{err}");
+    let debug = format!("{err:?}");
+    assert!(debug.contains("DeviceMismatch") && debug.contains("allocator"), "{debug}");
+}
+
+#[test]
+fn a_role_whose_usage_would_pass_the_largest_charge_is_an_overflow() {
+    let (_governor, account) = one_account(GPU, u64::MAX, u64::MAX, 0);
+    let full = account.lease(MemoryRole::KvCache, MAX_CHARGE).unwrap();
+    let err = account.lease(MemoryRole::KvCache, 1).unwrap_err();
+    assert!(matches!(err, AdmissionError::Overflow { requested: 1, held, .. } if held == MAX_CHARGE), "{err}");
+    assert!(err.exhaustion().is_none());
+    // Another role is not affected.
+    drop(account.lease(MemoryRole::Weights, 1).unwrap());
+    drop(full);
+    assert_eq!(current(&account, MemoryRole::KvCache), 0);
+}
+
+#[test]
+fn handles_and_tunables_describe_themselves() {
+    let config = GovernorConfig::default().with_credit_chunk(1 << 10);
+    assert_eq!(config.chunk(), 1 << 10);
+    assert_eq!(
+        GovernorConfig::default().with_credit_chunk(u64::MAX).chunk(),
+        GovernorConfig::default().with_credit_chunk(u64::MAX / 2).chunk(),
+        "capped"
+    );
+    let governor = Governor::with_config(config);
+    assert_eq!(governor.config(), config);
+    assert!(format!("{governor:?}").contains("credit_chunk: 1024"), "{governor:?}");
+    assert_eq!(Governor::default().config(), GovernorConfig::default());
+    let who = authority();
+    let account = governor.open_account(AccountConfig::new(GPU, who).with_label("tenant-a")).unwrap();
+    assert_eq!((account.label(), account.device(), account.quota()), ("tenant-a", GPU, None));
+    let debug = format!("{account:?}");
+    assert!(debug.contains("tenant-a") && debug.contains(&who.to_string()), "{debug}");
+    let lease = account.lease(MemoryRole::Workspace, 5).unwrap();
+    assert_eq!(lease.role(), MemoryRole::Workspace);
+    assert!(format!("{lease:?}").contains("Workspace"), "{lease:?}");
+    let unlabelled = governor.open_account(AccountConfig::new(GPU, authority())).unwrap();
+    assert!(unlabelled.label().starts_with("auth:"), "{}", unlabelled.label());
+}
+
+#[test]
+fn charges_made_while_a_thread_is_torn_down_balance_the_books() {
+    use std::cell::RefCell;
+    /// Takes a lease, grows it and drops it from a thread-local destructor that runs
+    /// after the governor's own per-thread state is gone.
+    struct LateCharge(Option<Account>);
+    impl Drop for LateCharge {
+        fn drop(&mut self) {
+            if let Some(account) = self.0.take() {
+                let mut lease = account.lease(MemoryRole::Staging, 100).unwrap();
+                lease.grow(50).unwrap();
+                lease.shrink(20).unwrap();
+            }
+        }
+    }
+    thread_local! {
+        static LATE: RefCell<LateCharge> = const { RefCell::new(LateCharge(None)) };
+    }
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 64);
+    let late = account.clone();
+    std::thread::spawn(move || {
+        // Registered before the governor's thread state, so destroyed after it.
+        LATE.with(|cell| cell.borrow_mut().0 = Some(late.clone()));
+        drop(late.lease(MemoryRole::Staging, 10).unwrap());
+    })
+    .join()
+    .unwrap();
+    governor.return_idle_credit();
+    let snapshot = account.snapshot();
+    let role = snapshot.role(MemoryRole::Staging);
+    assert_eq!((role.current, role.allocations, role.releases, role.live), (0, 2, 2, 0));
+    assert_eq!((role.peak, account.used()), (150, 0));
 }

@@ -32,7 +32,7 @@ fn setup(inner: Arc<dyn DeviceAllocator>, limit: u64, chunk: u64) -> Setup {
     let authority = registry.register_authority(DEV, Arc::new("tenant")).unwrap();
     let governor = governor(chunk);
     governor.set_device_limit(DEV, limit).unwrap();
-    let account = governor.open_account(AccountConfig::new(DEV, authority).label("tenant")).unwrap();
+    let account = governor.open_account(AccountConfig::new(DEV, authority).with_label("tenant")).unwrap();
     let governed = governor.govern(inner, authority).unwrap();
     let mechanism = registry.register_allocator(&context, &authority, Arc::new(governed)).unwrap();
     let binding = registry.bind(DEV).unwrap();
@@ -237,4 +237,126 @@ fn an_allocator_that_panics_leaves_no_charge_behind() {
     let block = s.binding.allocate(request(4096, MemoryRole::KvCache)).unwrap();
     assert_eq!(s.account.snapshot().current, 4096);
     s.binding.release(block).unwrap();
+}
+
+#[test]
+fn stats_and_trim_are_forwarded_to_the_inner_allocator() {
+    use allocator_cpu::PooledAllocator;
+    let (governor, account) = one_account(DEV, 1 << 20, u64::MAX, 0);
+    let pooled = Arc::new(PooledAllocator::new(SystemAllocator::for_device(DEV)));
+    let governed = governor.govern(Arc::clone(&pooled) as Arc<dyn DeviceAllocator>, account.authority()).unwrap();
+    let block = governed.allocate(&request(1000, MemoryRole::KvCache)).unwrap();
+    assert_eq!(account.snapshot().current, 1000);
+    assert!(governed.release(block).is_complete());
+    assert_eq!(account.used(), 0);
+    let stats = governed.stats().expect("the pool keeps stats");
+    assert_eq!(Some(stats), pooled.stats());
+    assert!(stats.cached_bytes > 0, "the pool cached the released block: {stats:?}");
+    assert_eq!(governed.trim() as u64, stats.cached_bytes, "trim returned what the pool cached");
+    assert_eq!(governed.stats().unwrap().cached_bytes, 0);
+    // An inner allocator without stats has none through the governor either.
+    let plain = governor
+        .open_account(AccountConfig::new(DeviceKey::host(8), IdentityIssuer::new().unwrap().authority().unwrap()))
+        .unwrap();
+    let counter = GovernedAllocator::new(Arc::new(NoStats), plain).unwrap();
+    assert_eq!((counter.stats(), counter.trim()), (None, 0));
+}
+
+/// An allocator without stats or capabilities (the trait's defaults).
+struct NoStats;
+
+impl DeviceAllocator for NoStats {
+    fn device(&self) -> DeviceKey {
+        DeviceKey::host(8)
+    }
+    fn name(&self) -> &str {
+        "no-stats"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        Ok(RawAllocation::new(DeviceAddress::new(1 << 20).unwrap(), request.bytes(), request.align(), self.device(), 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+}
+
+#[test]
+fn the_governed_allocator_names_its_inner_allocator_and_account() {
+    let (governor, account) = one_account(DEV, 1 << 20, u64::MAX, 0);
+    let inner: Arc<dyn DeviceAllocator> = Arc::new(SystemAllocator::for_device(DEV));
+    let governed = governor.govern(Arc::clone(&inner), account.authority()).unwrap();
+    assert!(Arc::ptr_eq(governed.inner(), &inner));
+    assert_eq!(governed.account().authority(), account.authority());
+    assert_eq!(governed.name(), format!("governed({})", inner.name()));
+    assert_eq!(governed.device(), DEV);
+    let debug = format!("{governed:?}");
+    assert!(debug.contains(inner.name()) && debug.contains("tenant"), "{debug}");
+    assert!(governed.virtual_backing().is_none() && governed.shared_mapping().is_none());
+    // An allocator for another device than the account is handed back.
+    let other: Arc<dyn DeviceAllocator> = Arc::new(SystemAllocator::for_device(DeviceKey::host(9)));
+    let refused = GovernedAllocator::new(Arc::clone(&other), account.clone()).unwrap_err();
+    assert!(Arc::ptr_eq(&refused.allocator, &other));
+    assert!(refused.to_string().contains("host:9"), "{refused}");
+}
+
+#[test]
+fn a_failed_inner_release_changes_nothing_and_the_handle_releases_later() {
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    let block = s.binding.allocate(request(2048, MemoryRole::Activations)).unwrap();
+    faulty.fail_nth(Callback::Release, 1);
+    let rejected = s.binding.release(block).unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::ReleaseFailed(_)), "{}", rejected.reason);
+    let role = s.account.snapshot().role(MemoryRole::Activations).clone();
+    assert_eq!((role.current, role.quarantined_bytes, role.live, role.releases), (2048, 0, 1, 0));
+    assert!(matches!(s.binding.release(rejected.handle).unwrap(), ReleaseSummary::Complete { .. }));
+    let role = s.account.snapshot().role(MemoryRole::Activations).clone();
+    assert_eq!((role.current, role.live, role.releases), (0, 0, 1));
+}
+
+#[test]
+fn shared_mappings_are_forwarded_with_the_inner_view_of_each_block() {
+    use allocator_cpu::SharedHostAllocator;
+    let (governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
+    let inner = Arc::new(SharedHostAllocator::for_device(DEV));
+    let governed = governor.govern(inner, account.authority()).unwrap();
+    let mapping = governed.shared_mapping().expect("the governed allocator forwards SharedMapping");
+    let page = mapping.granularity();
+    assert!(page >= 4096, "{page}");
+    let backing = mapping.create_backing(2 * page).unwrap();
+    let (a, b) = (
+        governed.allocate(&request(2 * page, MemoryRole::KvCache)).unwrap(),
+        governed.allocate(&request(2 * page, MemoryRole::KvCache)).unwrap(),
+    );
+    let placement = SharedPlacement { target: ByteRange::new(0, 2 * page), backing_offset: 0 };
+    mapping.map(&backing, &a, placement, MappingAccess::ReadWrite).unwrap();
+    mapping.map(&backing, &b, placement, MappingAccess::ReadOnly).unwrap();
+    assert_eq!(mapping.unmap(&a, ByteRange::new(0, 2 * page)).unwrap(), 2 * page);
+    // A block the governor did not hand out is refused before the inner allocator.
+    let forged = RawAllocation::new(b.address(), b.bytes(), b.align(), b.device(), b.provider_tag() ^ 1);
+    let refused = mapping.map(&backing, &forged, placement, MappingAccess::ReadWrite);
+    assert!(matches!(refused, Err(CapabilityError::NotOwned { .. })), "{refused:?}");
+    assert!(matches!(mapping.unmap(&forged, ByteRange::new(0, page)), Err(CapabilityError::NotOwned { .. })));
+    drop(backing);
+    assert!(governed.release(a).is_complete());
+    assert!(governed.release(b).is_complete());
+    assert_eq!(account.used(), 0);
+}
+
+#[test]
+fn lost_blocks_refunded_at_termination_show_on_the_timeline() {
+    let recording = Arc::new(RecordingAllocator::on_device(DEV));
+    let s = setup(Arc::clone(&recording) as Arc<dyn DeviceAllocator>, 1 << 20, 0);
+    s.governor.enable_timeline(64);
+    let block = s.binding.allocate(request(1500, MemoryRole::KvCache)).unwrap();
+    s.registry.invalidate_device(DEV, "xid 79");
+    s.registry.confirm_context_terminated(&s.context).unwrap();
+    drop(block);
+    let (events, _) = s.governor.timeline_events();
+    let lost: Vec<_> = events.iter().filter(|e| e.kind == TimelineEventKind::Lost).collect();
+    assert_eq!(lost.len(), 1, "{events:?}");
+    assert_eq!((lost[0].role, lost[0].bytes), (MemoryRole::KvCache, 1500));
+    let trace = s.governor.chrome_trace_json();
+    assert!(trace.contains("lost kv-cache"), "{trace}");
+    assert_eq!(s.account.snapshot().totals.lost_bytes, 1500);
 }

@@ -2,6 +2,8 @@
 //! quota and reserve changes, applied to the governor and to a plain sequential model
 //! of the books; after every step both must agree on every admission and every
 //! figure, and at the end the books must be exactly empty.
+//!
+//! Cases: `PROPTEST_CASES` (default 256), each up to 60 operations.
 
 mod common;
 
@@ -45,9 +47,24 @@ struct Model {
     quotas: [u64; 2],
     reserve: u64,
     leases: Vec<(usize, usize, u64)>,
+    /// Highest charges seen: of the device, per account, per account and role.
+    peak: u64,
+    account_peaks: [u64; 2],
+    role_peaks: [[u64; ROLES.len()]; 2],
 }
 
 impl Model {
+    fn note_peaks(&mut self) {
+        self.peak = self.peak.max(self.leases.iter().map(|l| l.2).sum());
+        for account in 0..2 {
+            self.account_peaks[account] = self.account_peaks[account].max(self.account_usage(account));
+            for role in 0..ROLES.len() {
+                let usage = self.leases.iter().filter(|l| l.0 == account && l.1 == role).map(|l| l.2).sum();
+                self.role_peaks[account][role] = self.role_peaks[account][role].max(usage);
+            }
+        }
+    }
+
     fn role_usage(&self, role: usize) -> u64 {
         self.leases.iter().filter(|l| l.1 == role).map(|l| l.2).sum()
     }
@@ -81,12 +98,20 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
     governor.set_device_limit(GPU, limit).unwrap();
     let accounts: Vec<Account> = quotas
         .iter()
-        .map(|&quota| governor.open_account(AccountConfig::new(GPU, authority()).quota(quota)).unwrap())
+        .map(|&quota| governor.open_account(AccountConfig::new(GPU, authority()).with_quota(quota)).unwrap())
         .collect();
     let reserve_policy = |bytes| -> Arc<dyn AdmissionPolicy> {
         Arc::new(GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, bytes))
     };
-    let mut model = Model { limit, quotas, reserve: 0, leases: Vec::new() };
+    let mut model = Model {
+        limit,
+        quotas,
+        reserve: 0,
+        leases: Vec::new(),
+        peak: 0,
+        account_peaks: [0; 2],
+        role_peaks: [[0; ROLES.len()]; 2],
+    };
     if reserve <= limit {
         governor.set_policy(GPU, reserve_policy(reserve)).unwrap();
         model.reserve = reserve;
@@ -160,19 +185,24 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
             }
             _ => {}
         }
-        // Every figure agrees with the model after every step.
+        // Every figure agrees with the model after every step (one thread charges, so
+        // the peaks of real charges are exact whatever the credit chunk).
+        model.note_peaks();
         let snapshot = governor.snapshot();
         let device = snapshot.device(GPU).unwrap();
         prop_assert_eq!(device.current, model.leases.iter().map(|l| l.2).sum::<u64>());
+        prop_assert_eq!(device.peak, model.peak);
         for (i, account) in accounts.iter().enumerate() {
             let books = device.authority(account.authority()).unwrap();
             prop_assert_eq!(books.current, model.account_usage(i));
+            prop_assert_eq!(books.peak, model.account_peaks[i]);
             prop_assert_eq!(books.quota, Some(model.quotas[i]).filter(|&q| q != u64::MAX));
             for (r, role) in ROLES.iter().enumerate() {
                 let expected: u64 = model.leases.iter().filter(|l| l.0 == i && l.1 == r).map(|l| l.2).sum();
                 prop_assert_eq!(books.role(*role).current, expected);
                 let live = model.leases.iter().filter(|l| l.0 == i && l.1 == r).count() as u64;
                 prop_assert_eq!(books.role(*role).live, live);
+                prop_assert_eq!(books.role(*role).peak, model.role_peaks[i][r]);
             }
         }
         let occupied = model.device_occupied(0, 0, model.reserve);
@@ -192,7 +222,9 @@ fn run(chunk: u64, limit: u64, quotas: [u64; 2], reserve: u64, ops: Vec<Op>) -> 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // `ProptestConfig::default()` reads `PROPTEST_CASES` (and the `proptest!` macro
+    // applies the environment over any config given here, too).
+    #![proptest_config(ProptestConfig::default())]
 
     #[test]
     fn the_books_match_a_sequential_model(

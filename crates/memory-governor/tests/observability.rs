@@ -23,7 +23,7 @@ fn assert_roles(roles: &Value) {
     let names: Vec<_> = roles.iter().map(|r| r["role"].as_str().unwrap()).collect();
     assert_eq!(names, MemoryRole::ALL.map(|r| r.name()));
     for role in roles {
-        for key in ["current", "peak", "cached_credit"].iter().chain(COUNTS.iter()) {
+        for key in ["current", "peak", "peak_used", "cached_credit"].iter().chain(COUNTS.iter()) {
             assert_u64(role, key);
         }
     }
@@ -57,7 +57,8 @@ fn the_snapshot_serialises_to_the_documented_json_shape() {
     assert_eq!(assert_u64(gpu, "current"), 2300);
     // Charges, plus the 200 bytes of the weights reserve not in use, plus cached credit.
     assert!(assert_u64(gpu, "used") >= 2300 + 200);
-    assert!(assert_u64(gpu, "peak") >= assert_u64(gpu, "used"));
+    assert!(assert_u64(gpu, "peak") >= assert_u64(gpu, "current"));
+    assert!(assert_u64(gpu, "peak_used") >= assert_u64(gpu, "used"));
     assert_u64(gpu, "cached_credit");
     assert_eq!(gpu["policy"], "guaranteed-reserve(reclaim-then-fail)");
     assert_eq!(gpu["reserves"][0]["role"], "weights");
@@ -77,7 +78,7 @@ fn the_snapshot_serialises_to_the_documented_json_shape() {
     assert_eq!(tenant["authority"], account.authority().to_string());
     assert_eq!(tenant["label"], "tenant");
     assert_eq!(tenant["quota"], 4000);
-    for key in ["current", "used", "peak", "cached_credit"] {
+    for key in ["current", "used", "peak", "peak_used", "cached_credit"] {
         assert_u64(tenant, key);
     }
     assert_roles(&tenant["roles"]);
@@ -98,6 +99,61 @@ fn peaks_bound_the_highest_charge() {
     assert_eq!(snapshot.peak, 5000);
     assert_eq!(snapshot.role(MemoryRole::KvCache).peak, 5000);
     assert_eq!(snapshot.current, 100);
+}
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn peaks_count_real_charges_not_the_credit_threads_cache() {
+    // Default tunables: each thread draws 4 MiB of credit at a time.
+    let governor = Governor::new();
+    governor.set_device_limit(GPU, 1 << 30).unwrap();
+    let account = governor.open_account(AccountConfig::new(GPU, authority())).unwrap();
+    let kv = account.lease(MemoryRole::KvCache, MIB).unwrap();
+    let held = account.lease(MemoryRole::Weights, 2 * MIB).unwrap();
+    let peaks = |governor: &Governor| {
+        let snapshot = governor.snapshot();
+        let device = snapshot.device(GPU).unwrap().clone();
+        let tenant = device.authorities[0].clone();
+        (
+            device.peak,
+            tenant.peak,
+            device.role(MemoryRole::KvCache).peak,
+            tenant.role(MemoryRole::Weights).peak,
+            device.cached_credit,
+        )
+    };
+    assert_eq!(peaks(&governor), (3 * MIB, 3 * MIB, MIB, 2 * MIB, 8 * MIB), "(device, tenant, kv, weights, credit)");
+    // What the budget bounded, cached credit included, is reported beside it.
+    assert_eq!(governor.snapshot().device(GPU).unwrap().peak_used, 11 * MIB);
+    // Charges served from cached credit (no shared write) still raise the peak.
+    drop(kv);
+    let small: Vec<_> = (0..4).map(|_| account.lease(MemoryRole::KvCache, MIB / 4).unwrap()).collect();
+    assert_eq!(peaks(&governor).0, 3 * MIB, "the peak is not lowered, nor raised by a refund");
+    let more = account.lease(MemoryRole::Weights, MIB).unwrap();
+    let (device, tenant, kv, weights, _) = peaks(&governor);
+    assert_eq!((device, tenant, kv, weights), (4 * MIB, 4 * MIB, MIB, 3 * MIB));
+    drop((small, more, held));
+}
+
+#[test]
+fn charges_published_by_other_threads_count_in_the_peak() {
+    let governor = Governor::new();
+    let account = governor.open_account(AccountConfig::new(GPU, authority())).unwrap();
+    // Each thread holds 1 MiB (past the publishing slack) until all have charged.
+    let barrier = std::sync::Barrier::new(4);
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                let lease = account.lease(MemoryRole::Activations, MIB).unwrap();
+                barrier.wait();
+                drop(lease);
+            });
+        }
+    });
+    let snapshot = governor.snapshot();
+    let device = snapshot.device(GPU).unwrap();
+    assert_eq!((device.peak, device.role(MemoryRole::Activations).peak, device.current), (4 * MIB, 4 * MIB, 0));
 }
 
 #[test]
@@ -149,6 +205,21 @@ fn the_timeline_keeps_the_latest_events_and_counts_the_dropped() {
     }
     let (events, dropped) = governor.timeline_events();
     assert_eq!((events.len(), dropped), (3, 5));
-    let trace = governor.chrome_trace();
+    let trace: serde_json::Value = serde_json::from_str(&governor.chrome_trace_json()).unwrap();
     assert_eq!(trace["otherData"]["dropped_events"], 5);
+}
+
+#[test]
+fn timeline_events_serialise_and_a_smaller_capacity_keeps_the_latest() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    governor.enable_timeline(10);
+    for bytes in 1..=5 {
+        drop(account.lease(MemoryRole::Weights, bytes).unwrap());
+    }
+    governor.enable_timeline(2);
+    let (events, dropped) = governor.timeline_events();
+    assert_eq!((events.len(), dropped), (2, 8));
+    let json: Value = serde_json::to_value(&events[1]).unwrap();
+    assert_eq!((json["kind"].as_str(), json["bytes"].as_u64()), (Some("refund"), Some(5)), "{json}");
+    assert_eq!((json["device"].as_str(), json["role"].as_str()), (Some("device:2"), Some("weights")));
 }

@@ -195,3 +195,40 @@ fn a_reserve_that_does_not_fit_hands_the_policy_back_and_changes_nothing() {
     governor.set_policy(GPU, Arc::new(HardLimit)).unwrap();
     assert_eq!(governor.snapshot().device(GPU).unwrap().used, 700);
 }
+
+#[test]
+fn a_second_reserve_that_does_not_fit_undoes_the_first_and_changes_nothing() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    let _held = account.lease(MemoryRole::KvCache, 600).unwrap();
+    // Together the reserves fit the limit, but not on top of what is charged: weights
+    // are raised first, then activations do not fit, and weights are put back.
+    let policy: Arc<dyn AdmissionPolicy> = Arc::new(
+        GuaranteedReserve::new(Arc::new(HardLimit))
+            .with_reserve(MemoryRole::Weights, 300)
+            .with_reserve(MemoryRole::Activations, 300),
+    );
+    let err = governor.set_policy(GPU, Arc::clone(&policy)).unwrap_err();
+    assert_eq!((err.role, err.reserve, err.available), (MemoryRole::Activations, 300, 100));
+    assert!(Arc::ptr_eq(&err.policy, &policy));
+    let snapshot = governor.snapshot();
+    let device = snapshot.device(GPU).unwrap();
+    assert_eq!((device.used, device.reserves.len(), device.policy.as_str()), (600, 0, "hard-limit"));
+    let debug = format!("{err:?}");
+    assert!(debug.contains("Activations") && debug.contains("guaranteed-reserve(hard-limit)"), "{debug}");
+    assert!(format!("{policy:?}").contains("AdmissionPolicy(guaranteed-reserve(hard-limit))"));
+    let reserve = GuaranteedReserve::new(Arc::new(ReclaimThenFail)).with_reserve(MemoryRole::Weights, 7);
+    assert!(format!("{reserve:?}").contains("reclaim-then-fail"), "{reserve:?}");
+}
+
+#[test]
+fn holders_are_named_in_debug_output_and_ids_name_their_device() {
+    let (governor, account) = one_account(GPU, 100, u64::MAX, 0);
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let holder: Arc<dyn ReclaimHolder> =
+        LeaseHolder::new("kv", leases(&account, MemoryRole::KvCache, &[10]), 10, asked);
+    assert_eq!(format!("{holder:?}"), "ReclaimHolder(kv)");
+    let id = governor.register_holder(GPU, 0, holder);
+    assert_eq!(id.device(), GPU);
+    assert!(governor.unregister_holder(id).is_some());
+    assert!(governor.unregister_holder(id).is_none(), "unregistered once");
+}

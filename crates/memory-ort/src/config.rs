@@ -71,6 +71,10 @@ impl OrtAllocatorConfig {
     /// allocator, not the environment's, so with prepacking on those bytes (most of a
     /// convolutional model's weights) escape the books; off, every weight byte is
     /// reserved through the governed allocator and charged.
+    ///
+    /// What it costs, measured with ONNX Runtime 1.31 (instructions per run under
+    /// callgrind, so machine load does not blur it): Silero VAD runs 1.8% more
+    /// instructions without prepacking, PP-OCRv4 detection none more.
     #[must_use]
     pub fn prepacking(mut self, enabled: bool) -> OrtAllocatorConfig {
         self.prepacking = enabled;

@@ -30,10 +30,10 @@ fn gpu_cuda_ort_allocator_charges_the_pool_and_orders_frees_on_the_stream() {
     let key: DeviceKey = device.key();
 
     let registry = BindingRegistry::new();
-    let governor = Governor::with_config(GovernorConfig::default().credit_chunk(0));
+    let governor = Governor::with_config(GovernorConfig::default().with_credit_chunk(0));
     let context = registry.register_provider_context(key, Arc::new("cuda ctx")).unwrap();
     let tenant = registry.register_authority(key, Arc::new("gpu-tenant")).unwrap();
-    let account = governor.open_account(AccountConfig::new(key, tenant).quota(64 << 20)).unwrap();
+    let account = governor.open_account(AccountConfig::new(key, tenant).with_quota(64 << 20)).unwrap();
     let mechanism =
         registry.register_allocator(&context, &tenant, Arc::new(governor.govern(pool, tenant).unwrap())).unwrap();
     let binding = registry.bind_registered(&mechanism).unwrap();

@@ -328,8 +328,9 @@ pub type MpPollDeferredFn = Option<
 >;
 
 /// One allocator instance: its description and its slots. Built by the plugin,
-/// copied by the host (the prefix of the negotiated minor) during the call that
-/// handed it over; `instance` stays the plugin's until `destroy`.
+/// which keeps it valid until the instance is destroyed; the host copies the prefix of
+/// the negotiated minor right after the entry call returns; `instance` stays the
+/// plugin's until `destroy`.
 ///
 /// Slots up to `destroy` are minor 0 and required. Later slots are minor 1 and
 /// optional (null: unsupported), except that a claimed capability requires its slots.
@@ -343,7 +344,8 @@ pub struct MpAllocator {
     pub capabilities: u64,
     /// The plugin's instance state, passed to every slot.
     pub instance: *mut c_void,
-    /// NUL-terminated UTF-8 name for messages (null: "plugin"); copied by the host.
+    /// NUL-terminated UTF-8 name for messages (null: "plugin"), valid as long as the
+    /// table; the host copies at most 128 bytes of it.
     pub name: *const c_char,
     /// The device this instance serves.
     pub device: MpDevice,
@@ -387,8 +389,10 @@ pub struct MpAllocator {
 }
 
 /// The library's entry point ([`MP_ENTRY_SYMBOL`]): checks `host`, creates an
-/// instance and writes a pointer to its table to `out`. The table must stay valid
-/// until the call returns (the host copies it). A plugin that does not speak the
+/// instance and writes a pointer to its table to `out`. The table (and its `name`)
+/// must stay valid until the instance is destroyed; the host copies the agreed prefix
+/// right after the call returns, and never runs two entry calls of one library at once
+/// (a plugin may refill one static table per call). A plugin that does not speak the
 /// host's major version returns `MP_ERR_VERSION_MISMATCH`.
 pub type MpEntryFn = unsafe extern "C" fn(host: *const MpHost, out: *mut *const MpAllocator) -> MpStatus;
 

@@ -68,6 +68,9 @@ pub(crate) struct LoadedLibrary {
     /// NUL-terminated copy of `path`: the `host_data` of every instance's log lines.
     log_label: CString,
     entry: MpEntryFn,
+    /// Serialises the entry point and the copy of its table: a plugin may build its
+    /// table in one static it refills on every call.
+    entry_lock: Mutex<()>,
     tally: Option<MpTallyFn>,
     instances: Mutex<Vec<Weak<Instance>>>,
     library: ManuallyDrop<libloading::Library>,
@@ -99,6 +102,8 @@ impl Drop for LoadedLibrary {
         // or objects it still owns), keep it mapped rather than pull code from under it.
         if let Some(tally) = self.plugin_tally().filter(|tally| !tally.is_empty()) {
             tracing::warn!(plugin = %self.path, %tally, "plugin still holds objects; its library stays mapped");
+            // Its instances may still log with our label as `host_data`: keep it too.
+            std::mem::forget(std::mem::take(&mut self.log_label));
             return;
         }
         // SAFETY: dropped exactly once, here; every instance (each holding an `Arc` of
@@ -174,6 +179,7 @@ impl PluginLibrary {
                 path,
                 log_label,
                 entry,
+                entry_lock: Mutex::new(()),
                 tally,
                 instances: Mutex::new(Vec::new()),
                 library: ManuallyDrop::new(library),
@@ -204,6 +210,8 @@ impl PluginLibrary {
             log: Some(host_log),
         };
         let mut table: *const MpAllocator = std::ptr::null();
+        // One entry call at a time per library, until its table has been copied.
+        let entered = self.shared.entry_lock.lock().unwrap_or_else(PoisonError::into_inner);
         // SAFETY: the entry point has this signature (resolved at load); `host` and
         // `table` are live locals; `host_data` is the library's label, which lives as
         // long as the library (and so as long as any instance may log).
@@ -217,7 +225,9 @@ impl PluginLibrary {
         // SAFETY: the plugin answered MP_OK, so by the ABI `table` points to its table
         // (size and layout checked by `negotiate`); the library stays mapped while the
         // instance lives (it holds an `Arc` of it).
-        let negotiated = unsafe { negotiate(table, options.offered, &self.shared.path) }?;
+        let negotiated = unsafe { negotiate(table, options.offered, &self.shared.path) };
+        drop(entered);
+        let negotiated = negotiated?;
         let allocator = PluginAllocator::new(negotiated, Some(Arc::clone(&self.shared)));
         let mut instances = self.shared.instances();
         instances.retain(|weak| weak.strong_count() > 0);

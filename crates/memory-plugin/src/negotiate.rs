@@ -1,7 +1,6 @@
 //! Reading a plugin's table: major must match, minor negotiates down, the agreed
 //! prefix is copied and nothing past it (or past the table's own size) is read.
 
-use std::ffi::CStr;
 use std::mem::MaybeUninit;
 
 use memory_api::DeviceKey;
@@ -96,9 +95,20 @@ unsafe fn read_name(name: *const std::ffi::c_char) -> Option<String> {
     if name.is_null() {
         return None;
     }
-    // SAFETY: non-null and NUL-terminated (the caller's guarantee).
-    let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
-    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_NAME)]).into_owned();
+    // Scan at most MAX_NAME bytes: a name without a NUL there is cut, never read past.
+    let mut bytes = Vec::with_capacity(MAX_NAME);
+    for offset in 0..MAX_NAME {
+        // SAFETY: the caller's guarantee: readable up to its NUL, and `offset` is at
+        // most the NUL's position (the loop stops there).
+        let at = unsafe { name.add(offset) };
+        // SAFETY: as above, `at` is inside the NUL-terminated name.
+        let byte = unsafe { at.cast::<u8>().read() };
+        if byte == 0 {
+            break;
+        }
+        bytes.push(byte);
+    }
+    let text = String::from_utf8_lossy(&bytes).into_owned();
     Some(text)
 }
 

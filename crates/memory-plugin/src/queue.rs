@@ -79,6 +79,7 @@ impl PluginReleaseQueue {
         loop {
             let mut batch = [0u64; POLL_BATCH];
             let mut count = 0usize;
+            let ready_before = ready.len();
             // SAFETY: non-null slot (checked with the capability); `batch` holds
             // POLL_BATCH writable tickets and `count` is a live local.
             let status = unsafe { poll(instance.ptr(), batch.as_mut_ptr(), POLL_BATCH, &mut count) };
@@ -102,7 +103,9 @@ impl PluginReleaseQueue {
                 }
             }
             drop(pending);
-            if count < POLL_BATCH {
+            // A short batch is the end; so is a full batch that named nothing we
+            // issued (a plugin repeating bogus tickets must not keep us here forever).
+            if count < POLL_BATCH || ready.len() == ready_before {
                 break;
             }
         }
@@ -147,7 +150,6 @@ impl DeferredReleaseQueue for PluginReleaseQueue {
         if status == MP_OK {
             return Ok(());
         }
-        instance.queued.fetch_sub(1, Ordering::AcqRel);
         let Some(release) = self.pending().remove(&ticket) else {
             // A dishonest plugin reported the ticket ready before accepting it, and a
             // concurrent poll ran it: the release happened, so there is nothing to hand back.
@@ -155,6 +157,8 @@ impl DeferredReleaseQueue for PluginReleaseQueue {
             self.dishonest.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         };
+        // Counted out here only: the poll that ran a ticket already counted it out.
+        instance.queued.fetch_sub(1, Ordering::AcqRel);
         let reason = if status == MP_ERR_REFUSED {
             QueueRefusalReason::Full { capacity: self.capacity }
         } else {

@@ -186,11 +186,11 @@ impl Device {
         governor.set_policy(key, Arc::new(policy)).map_err(|e| SimError::Setup(e.to_string()))?;
         let mut authorities = Vec::new();
         let platform = registry.register_authority(key, Arc::new("platform"))?;
-        governor.open_account(AccountConfig::new(key, platform).quota(WEIGHTS).label("platform"))?;
+        governor.open_account(AccountConfig::new(key, platform).with_quota(WEIGHTS).with_label("platform"))?;
         authorities.push(platform);
         for (tenant, quota) in TENANTS {
             let authority = registry.register_authority(key, Arc::new(tenant))?;
-            governor.open_account(AccountConfig::new(key, authority).quota(quota).label(tenant))?;
+            governor.open_account(AccountConfig::new(key, authority).with_quota(quota).with_label(tenant))?;
             authorities.push(authority);
         }
         let kv = Arc::new(KvCache::new(key));

@@ -12,14 +12,15 @@ pub fn authority() -> AuthorityIdentity {
 
 /// A governor whose threads cache `chunk` bytes of credit at a time.
 pub fn governor(chunk: u64) -> Governor {
-    Governor::with_config(GovernorConfig::default().credit_chunk(chunk))
+    Governor::with_config(GovernorConfig::default().with_credit_chunk(chunk))
 }
 
 /// A governor with a device limit and one account with a quota.
 pub fn one_account(device: DeviceKey, limit: u64, quota: u64, chunk: u64) -> (Governor, Account) {
     let governor = governor(chunk);
     governor.set_device_limit(device, limit).unwrap();
-    let account = governor.open_account(AccountConfig::new(device, authority()).quota(quota).label("tenant")).unwrap();
+    let account =
+        governor.open_account(AccountConfig::new(device, authority()).with_quota(quota).with_label("tenant")).unwrap();
     (governor, account)
 }
 

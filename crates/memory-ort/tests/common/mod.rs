@@ -56,7 +56,7 @@ impl Tenant {
     /// (credit chunk 0, so the books are exact at every instant).
     pub fn new(name: &'static str, quota: u64, backing: Backing) -> Tenant {
         let registry = Arc::new(BindingRegistry::new());
-        let governor = Arc::new(Governor::with_config(GovernorConfig::default().credit_chunk(0)));
+        let governor = Arc::new(Governor::with_config(GovernorConfig::default().with_credit_chunk(0)));
         Tenant::on(registry, governor, name, quota, backing)
     }
 
@@ -71,7 +71,8 @@ impl Tenant {
         let device = DeviceKey::HOST;
         let context = registry.register_provider_context(device, Arc::new(name)).unwrap();
         let authority = registry.register_authority(device, Arc::new(name)).unwrap();
-        let account = governor.open_account(AccountConfig::new(device, authority).quota(quota).label(name)).unwrap();
+        let account =
+            governor.open_account(AccountConfig::new(device, authority).with_quota(quota).with_label(name)).unwrap();
         let inner: Arc<dyn DeviceAllocator> = match backing {
             Backing::Pooled => Arc::new(PooledAllocator::new(SystemAllocator::new())),
             Backing::System => Arc::new(SystemAllocator::new()),
