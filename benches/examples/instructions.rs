@@ -73,7 +73,8 @@ fn main() {
             });
         }
         "shared" | "setup" | "own" => {
-            let setup = [registry.bind(DeviceKey::host(1)).expect("bind"), registry.bind(DeviceKey::host(1)).expect("bind")];
+            let setup =
+                [registry.bind(DeviceKey::host(1)).expect("bind"), registry.bind(DeviceKey::host(1)).expect("bind")];
             let start = std::sync::Barrier::new(2);
             std::thread::scope(|scope| {
                 for worker in 0..2 {
