@@ -12,7 +12,12 @@
 //! Operations: `raw` (allocate + release through `&dyn`, the floor), `pair` (through a
 //! binding), `drop` (allocate, then drop a host allocation), `bind` (bind + drop, one
 //! device), `bind64` (the 64th of 64 devices), `remote` (allocate on this thread,
-//! release on another: counted on both).
+//! release on another: counted on both). And, for CPU time rather than instructions
+//! (`/usr/bin/time -f %U`), N pairs on each of two threads at once: `shared` (one
+//! binding by reference), `setup` (two bindings made on this thread), `own` (each
+//! thread binds for itself). CPU time per pair that grows from one thread to two is
+//! time spent waiting for cache lines the threads share; unlike wall-clock throughput it
+//! does not depend on the machine being otherwise idle (only on the threads overlapping).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -67,6 +72,32 @@ fn main() {
                 drop(send);
             });
         }
-        other => panic!("unknown operation {other}: raw, pair, drop, bind, bind64 or remote"),
+        "shared" | "setup" | "own" => {
+            let setup =
+                [registry.bind(DeviceKey::host(1)).expect("bind"), registry.bind(DeviceKey::host(1)).expect("bind")];
+            let start = std::sync::Barrier::new(2);
+            std::thread::scope(|scope| {
+                for worker in 0..2 {
+                    let (binding, setup, start, registry, what) = (&binding, &setup, &start, &registry, what.as_str());
+                    scope.spawn(move || {
+                        let own;
+                        let using = match what {
+                            "shared" => binding,
+                            "setup" => &setup[worker],
+                            _ => {
+                                own = registry.bind(DeviceKey::host(1)).expect("bind");
+                                &own
+                            }
+                        };
+                        start.wait();
+                        for _ in 0..n {
+                            let block = using.allocate(black_box(request)).expect("allocate");
+                            black_box(using.release(block).expect("release"));
+                        }
+                    });
+                }
+            });
+        }
+        other => panic!("unknown operation {other}: raw, pair, drop, bind, bind64, remote, shared, setup or own"),
     }
 }
