@@ -21,6 +21,15 @@
 //! - Release outcomes can only be built through constructors that enforce the
 //!   honesty rules (see [`ReleaseOutcome`]).
 //!
+//! # Release results, on one page
+//! | type | who makes it | what it says |
+//! |------|--------------|--------------|
+//! | [`ReleaseOutcome`] | an allocator's `release` | complete, quarantined (with the block and the exact residual) or failed (with the block, untouched) |
+//! | [`Completion`], [`Quarantine`], [`FailedRelease`] | the constructors of `ReleaseOutcome` | the payload of each outcome |
+//! | [`ReleaseSummary`] | the registry (`MemoryBinding::release`), or `ReleaseOutcome::summary` | the sizes alone, `Copy`: complete or quarantined bytes |
+//! | [`ReleaseError`] | inside a quarantine or failure | why |
+//! | [`ReleaseCompletion`] | the registry, for a deferred queue | the callback a [`PreparedRelease`] calls exactly once with the outcome |
+//!
 //! # Quickstart
 //! A minimal allocator over host memory, checked by its contract:
 //! ```
