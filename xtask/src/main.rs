@@ -45,7 +45,10 @@ fn main() -> ExitCode {
     let root = tasks::project_root();
     let result = match command {
         Command::Demo(demo) => return run_demo(&demo, &root),
-        Command::Test(test) => step::run_steps("xtask test", &root, &tasks::test_steps(&test)),
+        Command::Test(test) => {
+            tasks::clear_stale_package_sources();
+            step::run_steps("xtask test", &root, &tasks::test_steps(&test))
+        }
         Command::Loom(loom) => step::run_steps("xtask loom", &root, &tasks::loom_steps(&loom)),
         Command::Stress(stress) => step::run_steps("xtask stress", &root, &tasks::stress_steps(&stress)),
         Command::Miri => step::run_steps("xtask miri", &root, &tasks::miri_steps()),

@@ -101,6 +101,37 @@ pub(crate) fn package_step() -> Step {
     Step::new("package", Cmd::cargo(args))
 }
 
+/// Removes what an earlier `package` step unpacked of our own crates. Cargo verifies a
+/// package against the others through a local registry and unpacks each into
+/// `$CARGO_HOME/registry/src/-<hash>/<crate>-<version>`; it reuses that directory when
+/// it exists, so after a change at the same version it would build the old sources.
+/// Only directories of local registries (named `-<hash>`) and of our published crates
+/// are touched; a missing or unreadable directory is not an error.
+pub(crate) fn clear_stale_package_sources() {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cargo")));
+    let Some(sources) = home.map(|home| home.join("registry").join("src")) else { return };
+    let Ok(registries) = std::fs::read_dir(&sources) else { return };
+    for registry in registries.filter_map(Result::ok) {
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue; // a remote registry's sources: never ours to touch
+        }
+        let Ok(unpacked) = std::fs::read_dir(registry.path()) else { continue };
+        for dir in unpacked.filter_map(Result::ok) {
+            let name = dir.file_name().to_string_lossy().into_owned();
+            let ours = PUBLISHED_CRATES.iter().any(|krate| {
+                name.strip_prefix(krate)
+                    .and_then(|rest| rest.strip_prefix('-'))
+                    .is_some_and(|v| v.starts_with(|c: char| c.is_ascii_digit()))
+            });
+            if ours {
+                let _ = std::fs::remove_dir_all(dir.path());
+            }
+        }
+    }
+}
+
 /// The loom step: the `--lib` tests of [`LOOM_CRATES`] whose names contain `loom`, in
 /// release mode with `--cfg memory_loom`, built in `target_dir` so that the changed
 /// `RUSTFLAGS` never invalidate the normal build.
