@@ -315,6 +315,7 @@ fn a_failed_inner_release_changes_nothing_and_the_handle_releases_later() {
 }
 
 #[test]
+#[cfg(unix)] // the shared host allocator needs mmap
 fn shared_mappings_are_forwarded_with_the_inner_view_of_each_block() {
     use allocator_cpu::SharedHostAllocator;
     let (governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);

@@ -330,6 +330,7 @@ fn forged_blocks_handed_to_forget_lost_refund_nothing_and_the_real_one_refunds_o
 }
 
 #[test]
+#[cfg(unix)] // the virtual and shared host allocators need mmap
 fn a_forged_block_is_refused_by_every_forwarded_capability() {
     let (_governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
     let inner = Arc::new(allocator_cpu::VirtualHostAllocator::for_device(DEV));
@@ -709,12 +710,14 @@ fn a_released_block_leaves_no_record_behind() {
 }
 
 /// Reports capabilities when asked at wrapping time, then loses them.
+#[cfg(unix)] // its inner allocators need mmap
 struct Fickle {
     inner: allocator_cpu::SharedHostAllocator,
     virtual_inner: allocator_cpu::VirtualHostAllocator,
     lost: std::sync::atomic::AtomicBool,
 }
 
+#[cfg(unix)]
 impl DeviceAllocator for Fickle {
     fn device(&self) -> DeviceKey {
         DEV
@@ -737,6 +740,7 @@ impl DeviceAllocator for Fickle {
 }
 
 #[test]
+#[cfg(unix)] // the virtual and shared host allocators need mmap
 fn a_capability_the_inner_allocator_lost_is_reported_unsupported() {
     let (_governor, account) = one_account(DEV, 1 << 30, u64::MAX, 0);
     let fickle = Arc::new(Fickle {
