@@ -12,27 +12,23 @@ fn manifest() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A fresh static library. `cargo test` builds only the rlib of this crate for its
-/// tests, so the static library is built here, by cargo, in a target directory of its
-/// own (the outer cargo holds the lock of the main one while tests run).
+/// The static library cargo built for this test run. The library declares
+/// `crate-type = ["cdylib", "staticlib", "rlib"]`, so the one rustc invocation that makes
+/// the rlib this test links against also writes `libmemory_capi.a` beside the test
+/// executable (`target/<profile>/deps`): the same sources and features, and no second
+/// build of the dependency tree in a target directory of its own.
 fn static_library() -> &'static Path {
     static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
     LIBRARY.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("capi-staticlib");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let output = Command::new(cargo)
-            .args(["build", "--quiet", "--offline", "-p", "memory-capi", "--lib", "--target-dir"])
-            .arg(&dir)
-            .current_dir(manifest().join("../.."))
-            .output()
-            .expect("cargo starts");
+        let exe = std::env::current_exe().expect("the test knows its own path");
+        let deps = exe.parent().expect("the test executable lives in a directory");
+        let library = deps.join("libmemory_capi.a");
         assert!(
-            output.status.success(),
-            "building the static library failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
+            library.exists(),
+            "cargo built no {} beside this test; build it with `cargo test -p memory-capi --no-run` \
+             (memory-capi's Cargo.toml must keep \"staticlib\" in [lib] crate-type)",
+            library.display()
         );
-        let library = dir.join("debug").join("libmemory_capi.a");
-        assert!(library.exists(), "cargo built no {}", library.display());
         library
     })
 }
