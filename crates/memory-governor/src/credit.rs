@@ -890,6 +890,27 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_holding_enough_credit_serves_the_slow_path_from_it() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        slot.admit_slow(30, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (70, 110));
+    }
+
+    #[test]
+    fn setting_the_same_limit_again_leaves_cached_credit_alone() {
+        let books = books(1000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        let list = Mutex::new(vec![Arc::clone(&slot)]);
+        assert_eq!(set_limit(&books.1.budget, 1000, &list), 1000);
+        assert_eq!(slot.credit(), 100, "an unchanged limit sweeps nothing");
+        assert_eq!(return_credit(&books.1.budget, &list), 100, "return_credit reports what it returned");
+        assert_eq!(return_credit(&books.1.budget, &list), 0);
+    }
+
+    #[test]
     fn a_new_slot_asked_for_more_than_two_chunks_draws_exactly_and_stays_closed() {
         let books = books(10_000, UNLIMITED);
         let slot = slot(&books, KV);

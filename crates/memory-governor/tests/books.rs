@@ -260,7 +260,8 @@ fn charges_made_while_a_thread_is_torn_down_balance_the_books() {
     thread_local! {
         static LATE: RefCell<LateCharge> = const { RefCell::new(LateCharge(None)) };
     }
-    let (governor, account) = one_account(GPU, 1000, u64::MAX, 64);
+    // Chunks of 1000: the later charge below is cached credit, not an exact draw.
+    let (governor, account) = one_account(GPU, 10_000, u64::MAX, 1000);
     let late = account.clone();
     std::thread::spawn(move || {
         // Registered before the governor's thread state, so destroyed after it.
