@@ -851,6 +851,97 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_slot_is_left_alone_and_its_owner_uses_the_books() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (100, 110));
+        // Another thread is moving this slot's credit (a sweep in progress).
+        slot.word.fetch_or(BUSY, Ordering::AcqRel);
+        assert!(!slot.admit_fast(5), "the fast path must not touch a busy slot");
+        slot.admit_slow(5, 100).unwrap();
+        slot.refund(7, 100, true);
+        assert_eq!(slot.word.load(Ordering::Acquire), BUSY | 100, "the busy slot was written");
+        assert_eq!(books.1.budget.used(), 110 + 5 - 7, "drawn from and refunded to the books instead");
+        let list = Mutex::new(vec![Arc::clone(&slot)]);
+        assert_eq!(slot.sweep(), None);
+        assert_eq!(sweep(&list), Sweep { returned: 0, busy: true });
+        slot.word.fetch_and(!BUSY, Ordering::AcqRel);
+        assert_eq!(sweep(&list), Sweep { returned: 100, busy: false });
+        assert_eq!(slot.word.load(Ordering::Acquire), CLOSED);
+        assert_eq!(slot.sweep(), Some(0), "a closed empty slot sweeps to nothing");
+        assert_eq!(slot.counts(), (2, 1));
+    }
+
+    #[test]
+    fn a_slot_short_of_a_request_draws_only_what_it_lacks_and_one_chunk() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        assert!(slot.admit_fast(80));
+        assert_eq!((slot.credit(), books.1.budget.used()), (20, 110));
+        // 50 asked, 20 cached: 30 more plus one chunk.
+        slot.admit_slow(50, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (100, 240));
+        // A request beyond two chunks is drawn exactly, using up the cached credit.
+        slot.admit_slow(500, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 640));
+        assert_eq!(books.0.roles[KV].peak(), 640, "the role's high-water mark of what it drew");
+    }
+
+    #[test]
+    fn a_slot_holding_enough_credit_serves_the_slow_path_from_it() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        slot.admit_slow(30, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (70, 110));
+    }
+
+    #[test]
+    fn setting_the_same_limit_again_leaves_cached_credit_alone() {
+        let books = books(1000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        let list = Mutex::new(vec![Arc::clone(&slot)]);
+        assert_eq!(set_limit(&books.1.budget, 1000, &list), 1000);
+        assert_eq!(slot.credit(), 100, "an unchanged limit sweeps nothing");
+        assert_eq!(return_credit(&books.1.budget, &list), 100, "return_credit reports what it returned");
+        assert_eq!(return_credit(&books.1.budget, &list), 0);
+    }
+
+    #[test]
+    fn a_new_slot_asked_for_more_than_two_chunks_draws_exactly_and_stays_closed() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(500, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 500));
+        assert_ne!(slot.word.load(Ordering::Acquire) & CLOSED, 0);
+    }
+
+    #[test]
+    fn a_draw_of_a_role_waits_while_its_reserve_is_changing() {
+        let books = books(1000, UNLIMITED);
+        // What `set_target` does first: freeze the role's word.
+        books.1.roles[KV].word.fetch_or(FROZEN, Ordering::AcqRel);
+        let drawn = Arc::new(AtomicBool::new(false));
+        let worker = {
+            let (books, drawn) = (books.clone(), Arc::clone(&drawn));
+            std::thread::spawn(move || {
+                Path { account: &books.0, device: &books.1, role: KV }.draw(10, 0).unwrap();
+                drawn.store(true, Ordering::Release);
+            })
+        };
+        // Not a timing assumption: however long we wait, a frozen role admits nothing.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!drawn.load(Ordering::Acquire), "a draw committed while the role was frozen");
+        assert_eq!(books.1.budget.used(), 0);
+        books.1.roles[KV].word.fetch_and(!FROZEN, Ordering::AcqRel);
+        worker.join().unwrap();
+        assert_eq!((books.1.budget.used(), books.1.roles[KV].used()), (10, 10));
+    }
+
+    #[test]
     fn role_usage_past_the_word_is_an_overflow() {
         let books = books(UNLIMITED, UNLIMITED);
         let path = Path { account: &books.0, device: &books.1, role: KV };

@@ -224,6 +224,33 @@ mod tests {
     }
 
     #[test]
+    fn a_thread_leasing_and_dropping_pages_touches_no_shared_line() {
+        let charges = charges(u64::MAX >> 8);
+        let tally = Tally::new(Arc::clone(&charges));
+        for _ in 0..1000 {
+            tally.charge(4096, PEAK_SLACK);
+            tally.refund(4096, PEAK_SLACK);
+        }
+        assert_eq!((charges.published.load(Ordering::Relaxed), charges.peak()), (0, 4096));
+        assert_eq!(PEAK_SLACK, 64 << 10, "the slack the docs promise");
+    }
+
+    #[test]
+    fn drift_up_to_the_slack_stays_with_the_thread() {
+        let charges = charges(u64::MAX >> 8);
+        let tally = Tally::new(Arc::clone(&charges));
+        tally.charge(PEAK_SLACK, PEAK_SLACK);
+        assert_eq!((tally.drift.get(), charges.published.load(Ordering::Relaxed)), (PEAK_SLACK as i64, 0));
+        assert_eq!(charges.peak(), PEAK_SLACK, "seen, though not published");
+        tally.charge(1, PEAK_SLACK);
+        assert_eq!((tally.drift.get(), charges.published.load(Ordering::Relaxed)), (0, PEAK_SLACK + 1));
+        tally.refund(PEAK_SLACK, PEAK_SLACK);
+        assert_eq!(tally.drift.get(), -(PEAK_SLACK as i64), "a refund of exactly the slack stays too");
+        tally.refund(1, PEAK_SLACK);
+        assert_eq!((tally.drift.get(), charges.published.load(Ordering::Relaxed)), (0, 0));
+    }
+
+    #[test]
     fn the_peak_never_exceeds_what_the_budget_holds() {
         let charges = charges(1000);
         let (a, b) = (Tally::new(Arc::clone(&charges)), Tally::new(Arc::clone(&charges)));

@@ -160,6 +160,9 @@ fn oversized_requests_are_overflow_errors_and_charge_nothing() {
     assert!(matches!(err, AdmissionError::Overflow { held: 10, .. }), "{err}");
     assert_eq!(lease.bytes(), 10);
     assert_eq!(current(&account, MemoryRole::Weights), 10);
+    // Growing to exactly the largest charge is allowed.
+    lease.grow(MAX_CHARGE - 10).unwrap();
+    assert_eq!(lease.bytes(), MAX_CHARGE);
 }
 
 #[test]
@@ -257,7 +260,8 @@ fn charges_made_while_a_thread_is_torn_down_balance_the_books() {
     thread_local! {
         static LATE: RefCell<LateCharge> = const { RefCell::new(LateCharge(None)) };
     }
-    let (governor, account) = one_account(GPU, 1000, u64::MAX, 64);
+    // Chunks of 1000: the later charge below is cached credit, not an exact draw.
+    let (governor, account) = one_account(GPU, 10_000, u64::MAX, 1000);
     let late = account.clone();
     std::thread::spawn(move || {
         // Registered before the governor's thread state, so destroyed after it.
@@ -271,4 +275,8 @@ fn charges_made_while_a_thread_is_torn_down_balance_the_books() {
     let role = snapshot.role(MemoryRole::Staging);
     assert_eq!((role.current, role.allocations, role.releases, role.live), (0, 2, 2, 0));
     assert_eq!((role.peak, account.used()), (150, 0));
+    // What the torn-down thread published nets to zero: a later charge peaks at itself.
+    let big = account.lease(MemoryRole::Staging, 500).unwrap();
+    assert_eq!(account.snapshot().role(MemoryRole::Staging).peak, 500);
+    drop(big);
 }

@@ -102,7 +102,18 @@ fn threads_hammering_one_limit_never_overcommit_it() {
 
 #[test]
 fn idle_credit_of_a_live_thread_is_pulled_back_for_an_admission_that_needs_it() {
-    let (_governor, account) = one_account(GPU, 1000, u64::MAX, 256);
+    idle_credit_is_pulled_back(one_account(GPU, 1000, u64::MAX, 256).1);
+}
+
+#[test]
+fn idle_credit_of_a_live_thread_is_pulled_back_when_the_quota_is_short() {
+    // The device has room; the authority's quota is what the idle credit fills.
+    idle_credit_is_pulled_back(one_account(GPU, u64::MAX, 1000, 256).1);
+}
+
+/// An idle thread caches credit of `account`, whose limit (device or quota) is 1000;
+/// a lease of the whole 1000 on another thread must get that credit back.
+fn idle_credit_is_pulled_back(account: Account) {
     let (cached_tx, cached_rx) = mpsc::channel();
     let (finish_tx, finish_rx) = mpsc::channel::<()>();
     let worker = account.clone();

@@ -120,3 +120,16 @@ fn a_thread_that_ends_returns_its_credit() {
     assert_eq!((role.allocations, role.releases), (10, 10), "counts of ended threads are kept");
     assert_eq!(governor.snapshot().device(GPU).unwrap().used, 0);
 }
+
+#[test]
+fn a_lease_shrinks_to_zero_and_a_zero_shrink_is_no_refund() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    governor.enable_timeline(8);
+    let mut lease = account.lease(MemoryRole::Workspace, 300).unwrap();
+    lease.shrink(0).unwrap();
+    lease.shrink(300).expect("shrinking by everything it holds is allowed");
+    assert_eq!((lease.bytes(), current(&account, MemoryRole::Workspace)), (0, 0));
+    let kinds: Vec<_> = governor.timeline_events().0.iter().map(|e| (e.kind, e.bytes)).collect();
+    assert_eq!(kinds, [(TimelineEventKind::Charge, 300), (TimelineEventKind::Refund, 300)]);
+    drop(lease);
+}

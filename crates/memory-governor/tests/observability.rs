@@ -125,7 +125,11 @@ fn peaks_count_real_charges_not_the_credit_threads_cache() {
     };
     assert_eq!(peaks(&governor), (3 * MIB, 3 * MIB, MIB, 2 * MIB, 8 * MIB), "(device, tenant, kv, weights, credit)");
     // What the budget bounded, cached credit included, is reported beside it.
-    assert_eq!(governor.snapshot().device(GPU).unwrap().peak_used, 11 * MIB);
+    let snapshot = governor.snapshot();
+    let device = snapshot.device(GPU).unwrap();
+    assert_eq!((device.peak_used, device.authorities[0].peak_used), (11 * MIB, 11 * MIB));
+    let roles = (device.role(MemoryRole::KvCache).peak_used, device.role(MemoryRole::Weights).peak_used);
+    assert_eq!(roles, (5 * MIB, 6 * MIB));
     // Charges served from cached credit (no shared write) still raise the peak.
     drop(kv);
     let small: Vec<_> = (0..4).map(|_| account.lease(MemoryRole::KvCache, MIB / 4).unwrap()).collect();
@@ -222,4 +226,32 @@ fn timeline_events_serialise_and_a_smaller_capacity_keeps_the_latest() {
     let json: Value = serde_json::to_value(&events[1]).unwrap();
     assert_eq!((json["kind"].as_str(), json["bytes"].as_u64()), (Some("refund"), Some(5)), "{json}");
     assert_eq!((json["device"].as_str(), json["role"].as_str()), (Some("device:2"), Some("weights")));
+}
+
+#[test]
+fn timeline_events_carry_their_thread_and_microseconds_since_the_governor_began() {
+    let started = std::time::Instant::now();
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    governor.enable_timeline(8);
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    drop(account.lease(MemoryRole::Weights, 1).unwrap());
+    let other = account.clone();
+    std::thread::spawn(move || drop(other.lease(MemoryRole::Weights, 2).unwrap())).join().unwrap();
+    let events = governor.timeline_events().0;
+    let elapsed_us = started.elapsed().as_secs_f64() * 1e6;
+    assert!(events.iter().all(|e| e.ts_us >= 5000.0 && e.ts_us <= elapsed_us), "{events:?}");
+    let threads: Vec<u64> = events.iter().map(|e| e.thread).collect();
+    assert_eq!(threads.len(), 4);
+    assert!(threads.iter().all(|&t| t > 0), "{threads:?}");
+    assert_eq!((threads[0], threads[2]), (threads[1], threads[3]), "one number per thread");
+    assert_ne!(threads[0], threads[2], "two threads, two numbers");
+    // Each device is a process of the trace, numbered from 1.
+    let host = governor.open_account(AccountConfig::new(DeviceKey::HOST, authority())).unwrap();
+    drop(host.lease(MemoryRole::Staging, 1).unwrap());
+    let trace: Value = serde_json::from_str(&governor.chrome_trace_json()).unwrap();
+    let mut pids: Vec<u64> =
+        trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["pid"].as_u64()).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    assert_eq!(pids, [1, 2]);
 }

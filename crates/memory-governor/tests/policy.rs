@@ -232,3 +232,46 @@ fn holders_are_named_in_debug_output_and_ids_name_their_device() {
     assert!(governor.unregister_holder(id).is_some());
     assert!(governor.unregister_holder(id).is_none(), "unregistered once");
 }
+
+#[test]
+fn a_device_refusal_counts_the_roles_own_reserve_as_available_and_a_quota_refusal_does_not() {
+    let (governor, account) = one_account(GPU, 1000, u64::MAX, 0);
+    let policy = GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, 300);
+    governor.set_policy(GPU, Arc::new(policy)).unwrap();
+    assert_eq!(account.device_used(), 300, "the idle reserve is held on the device");
+    let _kv = account.lease(MemoryRole::KvCache, 700).unwrap();
+    assert_eq!((account.device_used(), account.used()), (1000, 700));
+    // The device is full, but weights still have their 300.
+    let err = account.lease(MemoryRole::Weights, 400).unwrap_err();
+    let exhaustion = err.exhaustion().unwrap();
+    assert_eq!((exhaustion.scope, exhaustion.available), (LimitScope::Device, 300), "{err}");
+    // With a quota of 900 (700 used) the quota refuses first: no reserve counts.
+    governor.set_quota(account.authority(), 900).unwrap();
+    let err = account.lease(MemoryRole::Weights, 250).unwrap_err();
+    let exhaustion = err.exhaustion().unwrap();
+    assert_eq!((exhaustion.scope, exhaustion.available), (LimitScope::Authority, 200), "{err}");
+}
+
+#[test]
+fn reserves_may_add_up_to_exactly_the_limit() {
+    let (governor, _account) = one_account(GPU, 1000, u64::MAX, 0);
+    let policy = GuaranteedReserve::new(Arc::new(HardLimit))
+        .with_reserve(MemoryRole::Weights, 600)
+        .with_reserve(MemoryRole::KvCache, 400);
+    governor.set_policy(GPU, Arc::new(policy)).expect("600 + 400 fit a limit of 1000");
+    assert_eq!(governor.snapshot().device(GPU).unwrap().used, 1000);
+}
+
+#[test]
+fn refusals_say_which_holder_could_help_and_what_to_install() {
+    let (governor, account) = one_account(GPU, 100, u64::MAX, 0);
+    let _all = account.lease(MemoryRole::KvCache, 100).unwrap();
+    let message = account.lease(MemoryRole::Weights, 1).unwrap_err().to_string();
+    assert!(message.contains("register a reclaim holder"), "no holder: say so: {message}");
+    // A holder that could free nothing is named, but no reclaiming policy is advised.
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    governor.register_holder(GPU, 0, LeaseHolder::new("empty", Vec::new(), u64::MAX, asked));
+    let message = account.lease(MemoryRole::Weights, 1).unwrap_err().to_string();
+    assert!(message.contains("\"empty\" (0 bytes"), "{message}");
+    assert!(!message.contains("install a policy that reclaims") && !message.contains("register a reclaim holder"));
+}
