@@ -52,6 +52,7 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
     steps.push(Step::new("features", Cmd::cargo(features)).check(Check::Tests));
     // The loom models with a low preemption bound (seconds per model); `cargo xtask
     // loom` explores deeper.
+    steps.push(loom_lint_step(&loom_target_dir()));
     steps.push(loom_step(LOOM_PREEMPTIONS_IN_TEST, &loom_target_dir()));
     steps.push(Step::new(
         "docs",
@@ -150,9 +151,32 @@ pub(crate) fn loom_step(preemptions: u32, target_dir: &Path) -> Step {
     .check(Check::LoomModels)
 }
 
+/// Clippy's configuration for [`loom_lint_step`], relative to the project root.
+pub(crate) const LOOM_LINT_CONFIG_DIR: &str = "xtask/loom-lint";
+
+/// Clippy over the libraries of [`LOOM_CRATES`] built with `--cfg memory_loom`, with
+/// the configuration in [`LOOM_LINT_CONFIG_DIR`]: there every synchronisation
+/// primitive should come from loom through the crate's `sync` shim, so each std one
+/// left (a `disallowed-types` hit) is a bypass the models would never see. Shares the
+/// loom step's target directory, whose flags it matches.
+pub(crate) fn loom_lint_step(target_dir: &Path) -> Step {
+    let mut args = vec!["clippy".to_owned(), "--locked".to_owned(), "--no-deps".to_owned(), "--lib".to_owned()];
+    for krate in LOOM_CRATES {
+        args.extend(["-p".to_owned(), krate.to_owned()]);
+    }
+    args.extend(["--target-dir".to_owned(), target_dir.display().to_string()]);
+    args.extend(["--".to_owned(), "-D".to_owned(), "warnings".to_owned()]);
+    Step::new(
+        "loom-lint",
+        Cmd::cargo(args)
+            .env("RUSTFLAGS", extend_flags(std::env::var("RUSTFLAGS").ok(), "--cfg memory_loom"))
+            .env("CLIPPY_CONF_DIR", project_root().join(LOOM_LINT_CONFIG_DIR).display().to_string()),
+    )
+}
+
 /// The steps of `cargo xtask loom`.
 pub(crate) fn loom_steps(flags: &flags::Loom) -> Vec<Step> {
-    vec![loom_step(flags.preemptions, &loom_target_dir())]
+    vec![loom_lint_step(&loom_target_dir()), loom_step(flags.preemptions, &loom_target_dir())]
 }
 
 /// The package that holds the criterion benches.
@@ -322,7 +346,7 @@ mod tests {
         let steps = test_steps(&flags::Test { gpu: false });
         assert_eq!(
             names(&steps),
-            ["fmt", "ort-fetch", "tidy", "clippy", "tests", "features", "loom", "docs", "package"]
+            ["fmt", "ort-fetch", "tidy", "clippy", "tests", "features", "loom-lint", "loom", "docs", "package"]
         );
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
@@ -334,13 +358,14 @@ mod tests {
                 Check::Success,
                 Check::Tests,
                 Check::Tests,
+                Check::Success,
                 Check::LoomModels,
                 Check::Success,
                 Check::Success
             ]
         );
         assert_eq!(steps[4].cmd.env_value(crate::ort::REQUIRED_ENV), Some("1"), "real-model tests never skip");
-        let loom = &steps[6];
+        let loom = &steps[7];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
@@ -357,6 +382,7 @@ mod tests {
                 "clippy",
                 "tests",
                 "features",
+                "loom-lint",
                 "loom",
                 "docs",
                 "package",
@@ -396,6 +422,26 @@ mod tests {
         }
         assert!(line.ends_with(" loom"), "{line}");
         assert!(loom_target_dir().ends_with("loom"));
+    }
+
+    #[test]
+    fn loom_lint_lints_only_our_libraries_under_the_loom_cfg_with_its_own_config() {
+        let step = loom_lint_step(Path::new("/tmp/t/loom"));
+        assert!(step.cmd.env_value("RUSTFLAGS").unwrap().ends_with("--cfg memory_loom"));
+        let config = PathBuf::from(step.cmd.env_value("CLIPPY_CONF_DIR").unwrap());
+        let toml = std::fs::read_to_string(config.join("clippy.toml")).expect("the loom lint config exists");
+        for banned in ["std::sync::Mutex", "std::sync::atomic::AtomicU64", "std::sync::atomic::fence"] {
+            assert!(toml.contains(&format!("\"{banned}\"")), "the loom lint config does not ban {banned}");
+        }
+        let line = step.cmd.to_string();
+        for part in
+            ["clippy", "--no-deps", "--lib", "-p memory-binding", "-p memory-governor", "--target-dir /tmp/t/loom"]
+        {
+            assert!(line.contains(part), "{line} lacks {part}");
+        }
+        assert!(line.ends_with("-- -D warnings"), "{line}");
+        let names: Vec<_> = loom_steps(&flags::Loom { preemptions: 3 }).iter().map(|step| step.name).collect();
+        assert_eq!(names, ["loom-lint", "loom"]);
     }
 
     #[test]

@@ -52,6 +52,15 @@ impl<S> Default for Shard<S> {
     }
 }
 
+/// Why [`RegionTable::release_with`]'s `unmap` could not give a reservation back.
+pub(crate) enum UnmapFailure {
+    /// Nothing was unmapped: the block is handed back whole.
+    Nothing(BackendError),
+    /// Part of the reservation is gone for good and `residual` bytes may still be
+    /// mapped: the block is quarantined.
+    Partly { unmapped: usize, residual: usize, error: BackendError },
+}
+
 /// The reservations of one allocator.
 pub(crate) struct RegionTable<S> {
     pub(crate) name: &'static str,
@@ -137,8 +146,45 @@ impl<S> RegionTable<S> {
         ReleaseOutcome::failed(allocation, ReleaseError::Backend(error))
     }
 
+    /// The release protocol both reservation allocators share. Finds the live region
+    /// behind `allocation` (a block that is not exactly one of ours is refused and handed
+    /// back) and runs `unmap` on it under the region's lock. When `unmap` returns the
+    /// bytes it gave back, the region is marked dead, its record dropped, and the answer
+    /// is `Complete` for at most the block's bytes (page rounding beyond the block is
+    /// this allocator's own business, and the registry flags a larger claim as
+    /// dishonest). When it fails, the region stays as `unmap` left it and the failure
+    /// becomes the answer.
+    pub(crate) fn release_with(
+        &self,
+        allocation: RawAllocation,
+        unmap: impl FnOnce(&Region<S>, &mut S) -> Result<usize, UnmapFailure>,
+    ) -> ReleaseOutcome {
+        let Some(region) = self.find(&allocation) else { return self.refuse(allocation) };
+        let mut state = region.lock();
+        if !state.alive {
+            drop(state);
+            return self.refuse(allocation);
+        }
+        let freed = unmap(&region, &mut state.inner);
+        if freed.is_ok() {
+            state.alive = false;
+        }
+        drop(state);
+        match freed {
+            Ok(bytes) => {
+                self.forget(&allocation, &region);
+                ReleaseOutcome::complete(bytes.min(allocation.bytes()))
+            }
+            Err(UnmapFailure::Nothing(error)) => self.failed(allocation, error),
+            Err(UnmapFailure::Partly { unmapped, residual, error }) => {
+                tracing::warn!(%error, unmapped, residual, allocator = self.name, "release quarantined");
+                ReleaseOutcome::quarantined(allocation, unmapped, residual, ReleaseError::Backend(error))
+            }
+        }
+    }
+
     /// Drops the record of a region whose address space is gone.
-    pub(crate) fn forget(&self, allocation: &RawAllocation, region: &Region<S>) {
+    fn forget(&self, allocation: &RawAllocation, region: &Region<S>) {
         let (index, slot) = untag(allocation.provider_tag());
         if let Some(mut shard) = self.shards.lock(index) {
             shard.regions.remove(slot);

@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memory_api::{
     AllocError, AllocationRequest, AllocatorStats, BackendError, ByteRange, CapabilityError, DeviceAllocator,
-    DeviceKey, MappingAccess, RawAllocation, ReleaseError, ReleaseOutcome, SharedBacking, SharedBackingResource,
-    SharedMapping, SharedPlacement,
+    DeviceKey, MappingAccess, RawAllocation, ReleaseOutcome, SharedBacking, SharedBackingResource, SharedMapping,
+    SharedPlacement,
 };
 
 use crate::ranges::RangeMap;
-use crate::region::{Region, RegionTable};
+use crate::region::{Region, RegionTable, UnmapFailure};
 use crate::sys;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -117,49 +117,38 @@ impl DeviceAllocator for SharedHostAllocator {
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        let Some(region) = self.table.find(&allocation) else { return self.table.refuse(allocation) };
-        let mut guard = region.lock();
-        if !guard.alive {
-            drop(guard);
-            return self.table.refuse(allocation);
-        }
         let page = self.table.page;
-        let state = &mut guard.inner;
-        let mapped = state.mapped.total() * page;
-        // Unmap everything but holes: normally the whole reservation in one call.
-        let runs = state.holes.gaps(0, region.len / page);
-        let mut unmapped = 0;
-        for (i, &(lo, hi)) in runs.iter().enumerate() {
-            let run_mapped = state.mapped.covered(lo, hi).iter().map(|(l, h, _)| h - l).sum::<usize>() * page;
-            // SAFETY: the run lies inside the live reservation (checked under its lock,
-            // held until the end); by the release contract its owner no longer uses it;
-            // holes are skipped because they may not be ours any more.
-            if let Err(e) = unsafe { sys::unmap(region.base + lo * page, (hi - lo) * page) } {
-                let error = e.backend("releasing a shared reservation");
-                if i == 0 {
-                    drop(guard);
-                    return self.table.failed(allocation, error);
+        let block = allocation.bytes();
+        self.table.release_with(allocation, |region, state| {
+            let mapped = state.mapped.total() * page;
+            // Unmap everything but holes: normally the whole reservation in one call.
+            let runs = state.holes.gaps(0, region.len / page);
+            let mut unmapped = 0;
+            for (i, &(lo, hi)) in runs.iter().enumerate() {
+                let run_mapped = state.mapped.covered(lo, hi).iter().map(|(l, h, _)| h - l).sum::<usize>() * page;
+                // SAFETY: the run lies inside the live reservation (checked under its
+                // lock, which `release_with` holds while this runs); by the release
+                // contract its owner no longer uses it; holes are skipped because they
+                // may not be ours any more.
+                if let Err(e) = unsafe { sys::unmap(region.base + lo * page, (hi - lo) * page) } {
+                    let error = e.backend("releasing a shared reservation");
+                    if i == 0 {
+                        return Err(UnmapFailure::Nothing(error));
+                    }
+                    // Earlier runs are gone: never touch them again, and say what is left.
+                    for &(lo, hi) in &runs[..i] {
+                        state.mapped.remove(lo, hi);
+                        state.holes.insert(lo, hi, ());
+                    }
+                    let residual = (mapped - unmapped).min(block);
+                    let unmapped = unmapped.min(block - residual);
+                    return Err(UnmapFailure::Partly { unmapped, residual, error });
                 }
-                // Earlier runs are gone: never touch them again, and say what is left.
-                for &(lo, hi) in &runs[..i] {
-                    state.mapped.remove(lo, hi);
-                    state.holes.insert(lo, hi, ());
-                }
-                let residual = (mapped - unmapped).min(allocation.bytes());
-                let unmapped = unmapped.min(allocation.bytes() - residual);
-                drop(guard);
-                tracing::warn!(%error, unmapped, residual, "shared-host release quarantined");
-                return ReleaseOutcome::quarantined(allocation, unmapped, residual, ReleaseError::Backend(error));
+                unmapped += run_mapped;
             }
-            unmapped += run_mapped;
-        }
-        guard.alive = false;
-        guard.inner = SharedState::default();
-        drop(guard);
-        self.table.forget(&allocation, &region);
-        // Complete may not claim more than the block (the registry flags it as dishonest):
-        // page or granule rounding beyond the block is the allocator's own business.
-        ReleaseOutcome::complete(mapped.min(allocation.bytes()))
+            *state = SharedState::default();
+            Ok(mapped)
+        })
     }
 
     fn shared_mapping(&self) -> Option<&dyn SharedMapping> {

@@ -9,7 +9,7 @@ use memory_api::{
 };
 
 use crate::ranges::RangeMap;
-use crate::region::{Region, RegionTable};
+use crate::region::{Region, RegionTable, UnmapFailure};
 use crate::sys;
 
 /// Committed page runs of one reservation.
@@ -121,28 +121,20 @@ impl DeviceAllocator for VirtualHostAllocator {
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        let Some(region) = self.table.find(&allocation) else { return self.table.refuse(allocation) };
-        let mut state = region.lock();
-        if !state.alive {
-            drop(state);
-            return self.table.refuse(allocation);
-        }
-        let committed = state.inner.total() * self.table.page;
-        // SAFETY: the reservation is ours and alive (checked under its lock, which stays
-        // held so no capability call can race), and by the release contract its owner
-        // no longer uses it; after success `alive` is cleared and the record dropped.
-        if let Err(e) = unsafe { sys::unmap(region.base, region.len) } {
-            drop(state);
-            return self.table.failed(allocation, e.backend("releasing a reservation"));
-        }
-        state.alive = false;
-        drop(state);
-        self.committed.fetch_sub(committed as u64, Ordering::Relaxed);
-        self.table.forget(&allocation, &region);
-        tracing::trace!(committed, "virtual-host release");
-        // Complete may not claim more than the block (the registry flags it as dishonest):
-        // page or granule rounding beyond the block is the allocator's own business.
-        ReleaseOutcome::complete(committed.min(allocation.bytes()))
+        let page = self.table.page;
+        self.table.release_with(allocation, |region, committed_pages| {
+            let committed = committed_pages.total() * page;
+            // SAFETY: the reservation is ours and alive (checked under its lock, which
+            // `release_with` holds while this runs, so no capability call can race), and
+            // by the release contract its owner no longer uses it; after success the
+            // region is marked dead and its record dropped.
+            if let Err(e) = unsafe { sys::unmap(region.base, region.len) } {
+                return Err(UnmapFailure::Nothing(e.backend("releasing a reservation")));
+            }
+            self.committed.fetch_sub(committed as u64, Ordering::Relaxed);
+            tracing::trace!(committed, "virtual-host release");
+            Ok(committed)
+        })
     }
 
     fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {

@@ -5,7 +5,7 @@
 //! enters the mechanism's lifecycle (see [`crate::lifecycle`]). No lock is taken here:
 //! an allocation is recorded in the calling thread's pin (whichever thread made the
 //! binding), and a release, from any thread, marks the record in transit, calls the
-//! allocator, and frees the record back to its owner (see [`crate::entry::Pin`]).
+//! allocator, and frees the record back to its owner (see [`crate::entry::MechanismPin`]).
 
 use std::fmt;
 use std::num::NonZeroU64;
@@ -17,7 +17,7 @@ use memory_api::{
     RawAllocation, ReleaseError, ReleaseOutcome, ReleaseSummary,
 };
 
-use crate::entry::{Anchor, DropPolicy, MechanismCore, Pin, QuarantinedAllocation, Record};
+use crate::entry::{Anchor, DropPolicy, MechanismCore, MechanismPin, QuarantinedAllocation, Record};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
 use crate::handle_ref::PinRef;
 use crate::lifecycle::{Admit, MechanismState};
@@ -45,7 +45,7 @@ impl MemoryBinding {
 
     /// The calling thread's pin of this binding's mechanism.
     #[inline]
-    pub(crate) fn local_pin(&self) -> &Arc<Pin> {
+    pub(crate) fn local_pin(&self) -> &Arc<MechanismPin> {
         self.anchor.table.pin()
     }
 
@@ -267,7 +267,7 @@ impl BoundAllocation {
     }
 
     #[inline]
-    fn pin(&self) -> Option<&Pin> {
+    fn pin(&self) -> Option<&MechanismPin> {
         self.pin.as_ref().map(PinRef::get)
     }
 
@@ -321,7 +321,7 @@ impl BoundAllocation {
     }
 
     /// Checks the allocation can still be used (device not lost, metadata not retired).
-    pub(crate) fn check_usable(&self) -> Result<&Pin, HandleError> {
+    pub(crate) fn check_usable(&self) -> Result<&MechanismPin, HandleError> {
         let pin = self.pin().ok_or(HandleError::StaleAllocation)?;
         match pin.core.lifecycle.state() {
             MechanismState::DeviceLost => Err(HandleError::DeviceLost {
@@ -340,13 +340,13 @@ impl BoundAllocation {
         RawAllocation::new(self.address, self.bytes, self.align(), device, self.provider_tag)
     }
 
-    pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&Pin, HandleError> {
+    pub(crate) fn belongs_to(&self, binding: &MemoryBinding) -> Result<&MechanismPin, HandleError> {
         binding.check_owns(self)?;
         self.check_usable()
     }
 
-    fn parts(&self) -> HandleParts {
-        HandleParts {
+    fn parts(&self) -> BlockInTransit {
+        BlockInTransit {
             address: self.address,
             bytes: self.bytes,
             provider_tag: self.provider_tag,
@@ -421,9 +421,10 @@ impl AllocationView<'_> {
     }
 }
 
-/// The plain-data part of a handle, kept while its block is away in a callback.
+/// The plain data of a handle whose block is in transit: kept while the block is away in
+/// a release callback, to book the outcome or to hand the handle back.
 #[derive(Copy, Clone)]
-struct HandleParts {
+struct BlockInTransit {
     address: DeviceAddress,
     bytes: usize,
     provider_tag: u64,
@@ -433,7 +434,7 @@ struct HandleParts {
     align_log2: u8,
 }
 
-impl HandleParts {
+impl BlockInTransit {
     fn raw(&self, device: DeviceKey) -> RawAllocation {
         RawAllocation::new(self.address, self.bytes, 1usize << self.align_log2, device, self.provider_tag)
     }
@@ -543,7 +544,7 @@ impl Refusal {
 /// only when the state admits releases (a lost device is reported first, as before
 /// any record is touched).
 #[inline]
-fn take(pin: &Pin, slot: u32, generation: NonZeroU64) -> Result<&Record, Refusal> {
+fn take(pin: &MechanismPin, slot: u32, generation: NonZeroU64) -> Result<&Record, Refusal> {
     let lifecycle = &pin.core.lifecycle;
     let admit = Admit::ActiveOrRetired;
     loop {
@@ -599,11 +600,11 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
             Ok(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes })
         }
         Some(outcome) => match settle(pin, slot, record, &parts, outcome) {
-            Settled::Done(report) => {
+            Settlement::Released(report) => {
                 std::mem::forget(allocation);
                 Ok(report)
             }
-            Settled::Refused(error) => {
+            Settlement::Refused(error) => {
                 // Nothing was released: the record is live again, the handle goes back.
                 record.restore(parts.generation);
                 allocation.pin = Some(held);
@@ -617,7 +618,7 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
 /// the whole block (then frees its record), then unwinds, unless this thread is
 /// unwinding already (then `None`: see [`reraise_unless_unwinding`]).
 #[inline]
-fn call_release(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts) -> Option<ReleaseOutcome> {
+fn call_release(pin: &MechanismPin, slot: u32, record: &Record, parts: &BlockInTransit) -> Option<ReleaseOutcome> {
     let core = &*pin.core;
     let allocator: &dyn DeviceAllocator = &*core.allocator;
     match catch_unwind(AssertUnwindSafe(|| allocator.release(parts.raw(core.device)))) {
@@ -654,11 +655,13 @@ pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, cal
     std::mem::forget(panic);
 }
 
-enum Settled {
-    Done(ReleaseSummary),
+/// What booking a release outcome came to.
+enum Settlement {
+    /// The release is booked: complete, partial or quarantined.
+    Released(ReleaseSummary),
     /// Nothing was released; the record is still in transit, for the caller to put
     /// back (a handle returns) or to quarantine (nobody holds a handle).
-    // Boxed: refusals are rare, and a small `Settled` keeps the common path in
+    // Boxed: refusals are rare, and a small `Settlement` keeps the common path in
     // registers.
     Refused(Box<ReleaseError>),
 }
@@ -667,13 +670,19 @@ enum Settled {
 /// registry's list first (so it is never in neither place), a refusal leaves the
 /// record in transit for the caller. An outcome about another block than the one
 /// given is not believed: the block given stays quarantined as wholly owned.
-fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: ReleaseOutcome) -> Settled {
+fn settle(
+    pin: &MechanismPin,
+    slot: u32,
+    record: &Record,
+    parts: &BlockInTransit,
+    outcome: ReleaseOutcome,
+) -> Settlement {
     let core = &*pin.core;
     let expected = parts.raw(core.device);
     let settled = match outcome {
         ReleaseOutcome::Complete(done) => {
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
-            Settled::Done(ReleaseSummary::Complete {
+            Settlement::Released(ReleaseSummary::Complete {
                 unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
             })
         }
@@ -690,12 +699,12 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
                 residual_bytes: entry.residual_bytes,
             };
             core.quarantine(entry);
-            Settled::Done(report)
+            Settlement::Released(report)
         }
         ReleaseOutcome::Failed(failed) => {
             let (raw, error) = failed.into_parts();
             if raw.same_block(&expected) {
-                return Settled::Refused(Box::new(error));
+                return Settlement::Refused(Box::new(error));
             }
             let entry = mismatched(core, parts, expected, 0, parts.bytes);
             let report = ReleaseSummary::Quarantined {
@@ -703,7 +712,7 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
                 residual_bytes: entry.residual_bytes,
             };
             core.quarantine(entry);
-            Settled::Done(report)
+            Settlement::Released(report)
         }
     };
     pin.free(slot, record);
@@ -713,7 +722,7 @@ fn settle(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, outcome: R
 /// A refused release nobody holds a handle for (a drop, a queued release): the block
 /// is quarantined, then its record freed.
 #[cold]
-fn quarantine_in_transit(pin: &Pin, slot: u32, record: &Record, parts: &HandleParts, error: ReleaseError) {
+fn quarantine_in_transit(pin: &MechanismPin, slot: u32, record: &Record, parts: &BlockInTransit, error: ReleaseError) {
     let core = &*pin.core;
     let raw = parts.raw(core.device);
     let bytes = raw.bytes();
@@ -723,7 +732,7 @@ fn quarantine_in_transit(pin: &Pin, slot: u32, record: &Record, parts: &HandlePa
 
 fn mismatched(
     core: &MechanismCore,
-    parts: &HandleParts,
+    parts: &BlockInTransit,
     expected: RawAllocation,
     claimed_unmapped: usize,
     claimed_residual: usize,
@@ -780,9 +789,9 @@ fn release_deferred(
 /// refusal, with the record still in transit: the caller puts it back or quarantines
 /// it.
 fn enqueue(
-    pin: &Arc<Pin>,
+    pin: &Arc<MechanismPin>,
     slot: u32,
-    parts: &HandleParts,
+    parts: &BlockInTransit,
     queue: &dyn DeferredReleaseQueue,
 ) -> Result<(), QueueRefusalReason> {
     let core = &pin.core;
@@ -812,11 +821,13 @@ fn enqueue(
         let lost =
             matches!(&outcome, ReleaseOutcome::Failed(f) if matches!(f.error(), ReleaseError::DeviceLost { .. }));
         match settle(pin, slot, record, &completion_parts, outcome) {
-            Settled::Done(report) => tracing::trace!(mechanism = %pin.core.identity, ?report, "deferred release ran"),
+            Settlement::Released(report) => {
+                tracing::trace!(mechanism = %pin.core.identity, ?report, "deferred release ran")
+            }
             // Nobody holds a handle any more: a lost block stays recorded (retired at
             // termination); any other refusal becomes a quarantine.
-            Settled::Refused(_) if lost => record.restore(completion_parts.generation),
-            Settled::Refused(error) => quarantine_in_transit(pin, slot, record, &completion_parts, *error),
+            Settlement::Refused(_) if lost => record.restore(completion_parts.generation),
+            Settlement::Refused(error) => quarantine_in_transit(pin, slot, record, &completion_parts, *error),
         }
     });
     let releaser: Arc<dyn DeviceAllocator> = Arc::clone(&queued) as Arc<dyn DeviceAllocator>;
@@ -845,9 +856,9 @@ fn enqueue(
 /// already ran, or one that runs later, finds the claim taken and does nothing).
 #[cold]
 fn refused_with_another_release(
-    pin: &Pin,
+    pin: &MechanismPin,
     slot: u32,
-    parts: &HandleParts,
+    parts: &BlockInTransit,
     queued: &QueuedRelease,
     reason: &QueueRefusalReason,
 ) {
@@ -940,7 +951,7 @@ impl DeviceAllocator for QueuedRelease {
 /// Drop policy: see [`BoundAllocation`]. The host case (`Release`) runs the same
 /// inlined path as an explicit release.
 #[inline]
-fn drop_release(held: &PinRef, parts: HandleParts, slot: u32) {
+fn drop_release(held: &PinRef, parts: BlockInTransit, slot: u32) {
     let pin = held.get();
     // Lost, terminated or stale: no callback; termination retires the record.
     let Ok(record) = take(pin, slot, parts.generation) else { return };
@@ -955,7 +966,7 @@ fn drop_release(held: &PinRef, parts: HandleParts, slot: u32) {
             Some(outcome) => {
                 // Nobody holds a handle any more: a refused drop-time release is
                 // quarantined.
-                if let Settled::Refused(error) = settle(pin, slot, record, &parts, outcome) {
+                if let Settlement::Refused(error) = settle(pin, slot, record, &parts, outcome) {
                     quarantine_in_transit(pin, slot, record, &parts, *error);
                 }
             }
@@ -967,7 +978,13 @@ fn drop_release(held: &PinRef, parts: HandleParts, slot: u32) {
 }
 
 #[cold]
-fn drop_deferred(pin: &Arc<Pin>, slot: u32, record: &Record, parts: &HandleParts, queue: &dyn DeferredReleaseQueue) {
+fn drop_deferred(
+    pin: &Arc<MechanismPin>,
+    slot: u32,
+    record: &Record,
+    parts: &BlockInTransit,
+    queue: &dyn DeferredReleaseQueue,
+) {
     if let Err(reason) = enqueue(pin, slot, parts, queue) {
         tracing::warn!(mechanism = %pin.core.identity, %reason, "drop-time deferred release refused");
         quarantine_in_transit(pin, slot, record, parts, ReleaseError::Abandoned);

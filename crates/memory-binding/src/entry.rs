@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! registry ──▶ Mechanism ──▶ anchors (one per thread) ──▶ PinTable ──▶ pins (one per thread) ──▶ MechanismCore
-//! MemoryBinding ──▶ its binder's Anchor ──▶ PinTable          BoundAllocation ──▶ its allocator's Pin ──▶ MechanismCore
+//! MemoryBinding ──▶ its binder's Anchor ──▶ PinTable          BoundAllocation ──▶ its allocator's MechanismPin ──▶ MechanismCore
 //! ```
 //!
 //! A binding reaches the calling thread's pin through the table, so whichever thread
@@ -293,7 +293,7 @@ impl Mechanism {
     }
 
     /// Every pin ever created for this mechanism.
-    pub(crate) fn pins(&self) -> impl Iterator<Item = &Arc<Pin>> {
+    pub(crate) fn pins(&self) -> impl Iterator<Item = &Arc<MechanismPin>> {
         self.table.pins.iter()
     }
 
@@ -326,7 +326,7 @@ pub(crate) struct Census {
 /// pick the calling thread's pin; it is read-only on the hot path.
 pub(crate) struct PinTable {
     pub(crate) core: Arc<MechanismCore>,
-    pins: PerThread<Arc<Pin>>,
+    pins: PerThread<Arc<MechanismPin>>,
 }
 
 impl PinTable {
@@ -337,10 +337,10 @@ impl PinTable {
     /// The calling thread's pin (created on first use: one heap allocation per thread
     /// and mechanism, then reused).
     #[inline]
-    pub(crate) fn pin(&self) -> &Arc<Pin> {
+    pub(crate) fn pin(&self) -> &Arc<MechanismPin> {
         let index = thread_index();
         self.pins.get_or(index, || {
-            let pin = Arc::new(Pin::new(Arc::clone(&self.core), index));
+            let pin = Arc::new(MechanismPin::new(Arc::clone(&self.core), index));
             take_handle_share(&pin);
             pin
         })
@@ -520,7 +520,7 @@ struct OwnerState {
 /// Aligned to two cache lines, like every part that one thread writes, so that pins of
 /// different threads never share a line.
 #[repr(align(128))]
-pub(crate) struct Pin {
+pub(crate) struct MechanismPin {
     pub(crate) core: Arc<MechanismCore>,
     /// Segment 0, made with the pin; the rest on demand.
     first: Box<[Record]>,
@@ -535,9 +535,9 @@ pub(crate) struct Pin {
     remote_free: CachePadded<AtomicU32>,
 }
 
-impl Pin {
-    pub(crate) fn new(core: Arc<MechanismCore>, owner: usize) -> Pin {
-        Pin {
+impl MechanismPin {
+    pub(crate) fn new(core: Arc<MechanismCore>, owner: usize) -> MechanismPin {
+        MechanismPin {
             core,
             first: new_records(FIRST_SEGMENT),
             segments: std::array::from_fn(|_| OnceLock::new()),
@@ -638,7 +638,7 @@ impl Pin {
 
     /// Announces a release of the record at `slot`: marks it in transit if it is live
     /// under `generation`. `None` for a stale key. The caller then passes the Dekker
-    /// point ([`Lifecycle::admit_announced`]) and either finishes ([`Pin::free`]) or
+    /// point ([`Lifecycle::admit_announced`]) and either finishes ([`MechanismPin::free`]) or
     /// withdraws ([`Record::restore`]).
     ///
     /// Exactly once: a record is announced only through the one handle that carries
@@ -813,17 +813,17 @@ mod loom_records {
     }
 
     /// A pin owned by the calling (model) thread.
-    fn pin() -> Arc<Pin> {
-        Arc::new(Pin::new(core(), thread_index()))
+    fn pin() -> Arc<MechanismPin> {
+        Arc::new(MechanismPin::new(core(), thread_index()))
     }
 
-    fn insert(pin: &Pin) -> (u32, NonZeroU64) {
+    fn insert(pin: &MechanismPin) -> (u32, NonZeroU64) {
         pin.insert(DeviceAddress::new(0x1000).unwrap(), 64, 3, 0).unwrap()
     }
 
     /// The whole release protocol as `binding.rs` runs it: announce, Dekker point,
     /// then free (or withdraw when the state refuses). Returns whether it released.
-    fn release(pin: &Pin, slot: u32, generation: NonZeroU64) -> bool {
+    fn release(pin: &MechanismPin, slot: u32, generation: NonZeroU64) -> bool {
         let Some(record) = pin.announce(slot, generation) else { return false };
         match pin.core.lifecycle.admit_announced(Admit::ActiveOrRetired) {
             Ok(()) => {

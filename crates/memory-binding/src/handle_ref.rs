@@ -30,7 +30,7 @@
 
 use std::ptr::NonNull;
 
-use crate::entry::Pin;
+use crate::entry::MechanismPin;
 use crate::sync::{
     Arc, AtomicBool, AtomicIsize, AtomicUsize, BarrierMode, CachePadded, Ordering, heavy_barrier, light_barrier,
     yield_now,
@@ -125,7 +125,7 @@ impl Units {
         self.returned.fetch_add(handed, Ordering::AcqRel) + handed == 0
     }
 
-    #[cfg(memory_loom)]
+    #[cfg(all(test, memory_loom))]
     fn mark_freed(&self) {
         assert!(!self.freed.swap(true, Ordering::Relaxed), "the handle share was dropped twice");
     }
@@ -134,24 +134,24 @@ impl Units {
 /// What a [`BoundAllocation`](crate::BoundAllocation) holds: its pin, kept alive by a
 /// unit instead of an `Arc` strong reference.
 pub(crate) struct PinRef {
-    pin: NonNull<Pin>,
+    pin: NonNull<MechanismPin>,
 }
 
-// SAFETY: a `PinRef` is a shared reference to a `Pin`, which is `Send + Sync` (every
+// SAFETY: a `PinRef` is a shared reference to a `MechanismPin`, which is `Send + Sync` (every
 // field is an atomic, a lock or an `Arc` of `Sync` data); its unit keeps the pin alive
 // from any thread, and giving the unit back is thread-safe (`Units`).
 unsafe impl Send for PinRef {}
-// SAFETY: as for `Send`: `&PinRef` only gives out `&Pin`.
+// SAFETY: as for `Send`: `&PinRef` only gives out `&MechanismPin`.
 unsafe impl Sync for PinRef {}
 
 impl PinRef {
     /// Hands out a unit of `pin`, which must be the calling thread's own pin (its
     /// owner hands units out with plain stores).
     #[inline]
-    pub(crate) fn new(pin: &Arc<Pin>) -> PinRef {
+    pub(crate) fn new(pin: &Arc<MechanismPin>) -> PinRef {
         debug_assert!(pin.owned_here(), "units are handed out by the pin's owner only");
         pin.units.hand_out();
-        // From `Arc::as_ptr`, not from `&Pin`: the pointer must carry the provenance of
+        // From `Arc::as_ptr`, not from `&MechanismPin`: the pointer must carry the provenance of
         // the whole allocation, counts included (`to_arc`, the share's drop).
         let pin = NonNull::new(Arc::as_ptr(pin).cast_mut()).unwrap_or_else(|| unreachable!("an Arc is never null"));
         PinRef { pin }
@@ -159,8 +159,8 @@ impl PinRef {
 
     /// The pin.
     #[inline]
-    pub(crate) fn get(&self) -> &Pin {
-        // SAFETY: the pointer came from a live `Arc<Pin>` (`new`), and the pin cannot
+    pub(crate) fn get(&self) -> &MechanismPin {
+        // SAFETY: the pointer came from a live `Arc<MechanismPin>` (`new`), and the pin cannot
         // be freed while this `PinRef`'s unit is outstanding: the table's strong
         // reference holds it until the table drops, the handle share after that, and
         // the share is dropped only once every unit came back (`Units`). The unit
@@ -169,9 +169,9 @@ impl PinRef {
     }
 
     /// A strong reference to the pin, for what outlives the handle (a queued release).
-    pub(crate) fn to_arc(&self) -> Arc<Pin> {
+    pub(crate) fn to_arc(&self) -> Arc<MechanismPin> {
         let ptr = self.pin.as_ptr().cast_const();
-        // SAFETY: `ptr` is the data pointer of a live `Arc<Pin>` allocation (see
+        // SAFETY: `ptr` is the data pointer of a live `Arc<MechanismPin>` allocation (see
         // `get`), so raising its strong count and owning the new count through
         // `from_raw` is exactly `Arc::clone`.
         unsafe {
@@ -202,13 +202,13 @@ impl Drop for PinRef {
 }
 
 /// Takes the handle share of a new pin (see the module docs).
-pub(crate) fn take_handle_share(pin: &Arc<Pin>) {
+pub(crate) fn take_handle_share(pin: &Arc<MechanismPin>) {
     std::mem::forget(Arc::clone(pin));
 }
 
 /// The table is dropping: orphans `pin`, dropping its handle share when no handle is
 /// left (otherwise the last handle does).
-pub(crate) fn orphan(pin: &Arc<Pin>) {
+pub(crate) fn orphan(pin: &Arc<MechanismPin>) {
     if pin.units.orphan(pin.core.lifecycle.barrier()) {
         // SAFETY: no unit is outstanding and the pin is orphaned, so this is the one
         // drop of the handle share taken by `take_handle_share`; the table's own

@@ -28,31 +28,34 @@
 //! models run the fence variant; the asymmetric one differs only in who pays for the
 //! barrier, which is the kernel's documented guarantee.
 
-#[cfg(not(memory_loom))]
-pub(crate) use std::sync::{
-    Arc, Mutex, MutexGuard, PoisonError,
-    atomic::{AtomicBool, AtomicIsize, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence},
-};
-
-// `Arc` stays std under loom: public signatures carry `Arc<dyn DeviceAllocator>` and
-// `Arc<dyn Any>` resources (loom's `Arc` cannot unsize), and the protocols under
-// check live in the atomics and locks, which loom does replace.
-#[cfg(memory_loom)]
-pub(crate) use loom::sync::{
-    Mutex, MutexGuard,
-    atomic::{AtomicBool, AtomicIsize, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence},
-};
-#[cfg(memory_loom)]
-pub(crate) use std::sync::Arc;
-#[cfg(memory_loom)]
-pub(crate) use std::sync::PoisonError;
-
 pub(crate) use crossbeam_utils::CachePadded;
+pub(crate) use primitives::*;
 
-#[cfg(memory_loom)]
-pub(crate) use loom::thread::yield_now;
+/// Normal builds: `std`'s primitives.
 #[cfg(not(memory_loom))]
-pub(crate) use std::thread::yield_now;
+mod primitives {
+    pub(crate) use std::sync::{
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{
+            AtomicBool, AtomicIsize, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence,
+        },
+    };
+    pub(crate) use std::thread::yield_now;
+}
+
+/// `--cfg memory_loom`: loom's atomics and locks. `Arc` stays std: public signatures
+/// carry `Arc<dyn DeviceAllocator>` and `Arc<dyn Any>` resources (loom's `Arc` cannot
+/// unsize), and the protocols under check live in the atomics and locks, which loom does
+/// replace.
+#[cfg(memory_loom)]
+mod primitives {
+    pub(crate) use loom::sync::{
+        Mutex, MutexGuard,
+        atomic::{AtomicBool, AtomicIsize, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence},
+    };
+    pub(crate) use loom::thread::yield_now;
+    pub(crate) use std::sync::{Arc, PoisonError};
+}
 
 /// Locks `mutex`, recovering the guard if a previous holder panicked.
 ///
@@ -67,8 +70,9 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum BarrierMode {
     /// Hot side: compiler fence; cold side: `membarrier(PRIVATE_EXPEDITED)`.
-    // Chosen only on Linux (membarrier); elsewhere the fence mode is the only one.
-    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    // Chosen only on Linux (membarrier); elsewhere, and in the loom models, the fence
+    // mode is the only one.
+    #[cfg_attr(any(not(target_os = "linux"), memory_loom), allow(dead_code))]
     Asymmetric,
     /// Both sides: `fence(SeqCst)`.
     Fence,

@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
+use std::sync::atomic::Ordering as StdOrdering;
 
 use memory_api::{AuthorityIdentity, DeviceAllocator, DeviceKey, MemoryRole};
 
@@ -19,7 +19,7 @@ use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
 use crate::stats::{
     self, AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
 };
-use crate::sync::{Arc, AtomicU64, Mutex, Ordering, RwLock, lock, read, thread_local, write};
+use crate::sync::{Arc, AtomicU64, IdCounter, Mutex, Ordering, RwLock, lock, read, thread_local, write};
 use crate::timeline::{Timeline, TimelineEvent, TimelineEventKind};
 
 /// The largest charge one lease or allocation may hold: 2^56 - 1 bytes (64 PiB), the
@@ -221,7 +221,7 @@ impl RoleStats {
 }
 
 /// Uids for accounts, so a thread can find its slots (not part of any protocol).
-static NEXT_ACCOUNT: StdAtomicU64 = StdAtomicU64::new(1);
+static NEXT_ACCOUNT: IdCounter = IdCounter::new(1);
 
 pub(crate) struct AccountShared {
     uid: u64,
@@ -725,7 +725,7 @@ struct GovernorInner {
     devices: RwLock<BTreeMap<DeviceKey, Arc<DeviceBooks>>>,
     accounts: RwLock<HashMap<AuthorityIdentity, Account>>,
     timeline: Arc<Timeline>,
-    next_holder: StdAtomicU64,
+    next_holder: IdCounter,
 }
 
 /// Books for every device, with accounts per authority. Cheap to clone (shared).
@@ -762,7 +762,7 @@ impl Governor {
                 devices: RwLock::new(BTreeMap::new()),
                 accounts: RwLock::new(HashMap::new()),
                 timeline: Arc::new(Timeline::new()),
-                next_holder: StdAtomicU64::new(1),
+                next_holder: IdCounter::new(1),
             }),
         }
     }

@@ -109,15 +109,21 @@ pub struct Totals {
 }
 
 impl Totals {
+    /// The counts of `roles` added up: the roles are summed the one way every
+    /// aggregate is ([`RoleSnapshot::absorb`]), then the counts are taken out.
     pub(crate) fn of(roles: &[RoleSnapshot]) -> Totals {
+        let mut all = RoleSnapshot::default();
+        for role in roles {
+            all.absorb(role);
+        }
         Totals {
-            allocations: sum(roles.iter().map(|r| r.allocations)),
-            releases: sum(roles.iter().map(|r| r.releases)),
-            live: sum(roles.iter().map(|r| r.live)),
-            failures: sum(roles.iter().map(|r| r.failures)),
-            quarantined_bytes: sum(roles.iter().map(|r| r.quarantined_bytes)),
-            lost_bytes: sum(roles.iter().map(|r| r.lost_bytes)),
-            lost_allocations: sum(roles.iter().map(|r| r.lost_allocations)),
+            allocations: all.allocations,
+            releases: all.releases,
+            live: all.live,
+            failures: all.failures,
+            quarantined_bytes: all.quarantined_bytes,
+            lost_bytes: all.lost_bytes,
+            lost_allocations: all.lost_allocations,
         }
     }
 }

@@ -9,60 +9,75 @@
 //! reclaim holders, allocators), which loom's `Arc` cannot unsize, and no protocol
 //! decision ever reads a reference count.
 
-pub(crate) use std::sync::Arc;
-
-#[cfg(not(memory_loom))]
-pub(crate) use std::sync::{
-    Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
-    atomic::{AtomicBool, AtomicU64, Ordering},
-};
-
-#[cfg(memory_loom)]
-pub(crate) use loom::sync::{
-    Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
-    atomic::{AtomicBool, AtomicU64, Ordering},
-};
-#[cfg(memory_loom)]
-pub(crate) use std::sync::PoisonError;
-
-#[cfg(not(memory_loom))]
-pub(crate) use std::thread_local;
-
-#[cfg(memory_loom)]
-pub(crate) use loom::thread_local;
-
 pub(crate) use crossbeam_utils::CachePadded;
+pub(crate) use primitives::*;
 
-/// The leaf lock of a governed allocator's record shard: held for a few instructions,
-/// almost never contended (only a release on another thread than the allocation meets
-/// the owner). A spin lock unlocks with a plain release store where a futex mutex
-/// needs an atomic swap: one read-modify-write less per allocation and release.
+/// Normal builds: `std`'s primitives, and a spin lock for the record shards' leaf lock.
 #[cfg(not(memory_loom))]
-pub(crate) type LeafMutex<T> = spin::Mutex<T>;
-#[cfg(not(memory_loom))]
-pub(crate) type LeafGuard<'a, T> = spin::MutexGuard<'a, T>;
-#[cfg(memory_loom)]
-pub(crate) type LeafMutex<T> = loom::sync::Mutex<T>;
-#[cfg(memory_loom)]
-pub(crate) type LeafGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
+mod primitives {
+    pub(crate) use std::sync::{
+        Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    };
+    pub(crate) use std::thread_local;
 
-/// Locks a leaf mutex (never poisoned: a spin lock has no poisoning, and no callback
-/// runs under it).
-pub(crate) fn lock_leaf<T>(mutex: &LeafMutex<T>) -> LeafGuard<'_, T> {
-    #[cfg(not(memory_loom))]
-    {
+    /// The leaf lock of a governed allocator's record shard: held for a few
+    /// instructions, almost never contended (only a release on another thread than the
+    /// allocation meets the owner). A spin lock unlocks with a plain release store where
+    /// a futex mutex needs an atomic swap: one read-modify-write less per allocation and
+    /// release.
+    pub(crate) type LeafMutex<T> = spin::Mutex<T>;
+    pub(crate) type LeafGuard<'a, T> = spin::MutexGuard<'a, T>;
+
+    /// Locks a leaf mutex (a spin lock has no poisoning, and no callback runs under it).
+    pub(crate) fn lock_leaf<T>(mutex: &LeafMutex<T>) -> LeafGuard<'_, T> {
         mutex.lock()
     }
-    #[cfg(memory_loom)]
-    {
-        mutex.lock().unwrap_or_else(PoisonError::into_inner)
+
+    /// Tells the scheduler this thread waits for another one to finish a short,
+    /// callback-free window (a credit move another thread has marked busy).
+    pub(crate) fn wait_for_other_thread() {
+        std::thread::yield_now();
     }
 }
+
+/// `--cfg memory_loom`: loom's atomics, locks and thread-locals, so the admission,
+/// refund, credit return and limit-change protocols are model-checked.
+#[cfg(memory_loom)]
+mod primitives {
+    pub(crate) use loom::sync::{
+        Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    };
+    pub(crate) use loom::thread_local;
+    pub(crate) use std::sync::{Arc, PoisonError};
+
+    /// The leaf lock is loom's mutex under the model.
+    pub(crate) type LeafMutex<T> = loom::sync::Mutex<T>;
+    pub(crate) type LeafGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
+
+    /// Locks a leaf mutex, recovering from poisoning (no callback runs under it).
+    pub(crate) fn lock_leaf<T>(mutex: &LeafMutex<T>) -> LeafGuard<'_, T> {
+        mutex.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Yields to the model's scheduler while another thread finishes a short window.
+    pub(crate) fn wait_for_other_thread() {
+        loom::thread::yield_now();
+    }
+}
+
+/// A counter that hands out ids (accounts, reclaim holders, trace thread numbers). Ids
+/// are never part of a protocol under check, so this is std's atomic under loom too (a
+/// loom atomic cannot live in a `static`, and would only multiply the models' states).
+#[allow(clippy::disallowed_types, reason = "ids, not a protocol under check")]
+pub(crate) type IdCounter = std::sync::atomic::AtomicU64;
 
 /// A small number that stays the same for the calling thread and differs between
 /// threads that started one after the other: which record shard a thread uses. A
 /// placement hint only (two threads sharing a shard is correct, just slower), so it is
 /// std's thread-local under loom too.
+#[allow(clippy::disallowed_types, reason = "a placement hint, not part of any protocol")]
 pub(crate) fn thread_number() -> usize {
     use std::cell::Cell;
     use std::sync::atomic::AtomicUsize as StdAtomicUsize;
@@ -79,15 +94,6 @@ pub(crate) fn thread_number() -> usize {
         })
         // During thread teardown: any shard will do.
         .unwrap_or(0)
-}
-
-/// Tells the scheduler this thread waits for another one to finish a short,
-/// callback-free window (a credit move another thread has marked busy).
-pub(crate) fn wait_for_other_thread() {
-    #[cfg(not(memory_loom))]
-    std::thread::yield_now();
-    #[cfg(memory_loom)]
-    loom::thread::yield_now();
 }
 
 /// Locks `mutex`, recovering the guard if a previous holder panicked.

@@ -86,8 +86,8 @@ pub(crate) struct Timeline {
 /// A small number per thread for the trace's `tid` (not part of any protocol).
 fn thread_number() -> u64 {
     use std::cell::Cell;
-    use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering as StdOrdering};
-    static NEXT: StdAtomicU64 = StdAtomicU64::new(1);
+    use std::sync::atomic::Ordering as StdOrdering;
+    static NEXT: crate::sync::IdCounter = crate::sync::IdCounter::new(1);
     std::thread_local! {
         static NUMBER: Cell<u64> = const { Cell::new(0) };
     }

@@ -1,9 +1,9 @@
-//! [`Gate`]: holds callbacks in flight until the test lets them go.
+//! [`CallbackGate`]: holds callbacks in flight until the test lets them go.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-/// How long [`Gate::wait_until_blocked`] waits before declaring the test deadlocked.
+/// How long [`CallbackGate::wait_until_blocked`] waits before declaring the test deadlocked.
 /// A guard against hangs, not a timing assumption: correct tests never come near it.
 const DEADLOCK_GUARD: Duration = Duration::from_secs(120);
 
@@ -14,7 +14,7 @@ struct GateInner {
     passed: u64,
 }
 
-/// The shared state between a [`Gate`] and the wrapper that waits on it.
+/// The shared state between a [`CallbackGate`] and the wrapper that waits on it.
 #[derive(Debug, Default)]
 pub(crate) struct GateState {
     inner: Mutex<GateInner>,
@@ -45,15 +45,15 @@ impl GateState {
 ///
 /// While closed, every call to that callback is counted and then blocks before
 /// reaching the inner allocator, so a test can hold a callback in flight and observe
-/// what the caller does meanwhile. [`Gate::wait_until_blocked`] synchronises without
+/// what the caller does meanwhile. [`CallbackGate::wait_until_blocked`] synchronises without
 /// sleeping. Dropping the gate opens it and uninstalls it, so a failing test never
 /// leaves a thread blocked.
-pub struct Gate {
+pub struct CallbackGate {
     pub(crate) state: Arc<GateState>,
     pub(crate) uninstall: Option<Box<dyn FnOnce() + Send>>,
 }
 
-impl Gate {
+impl CallbackGate {
     /// Lets every blocked call and every later call through.
     pub fn open(&self) {
         let mut inner = self.state.lock();
@@ -95,7 +95,7 @@ impl Gate {
         }
     }
 
-    /// Waits until at least `count` calls have passed the gate (after [`Gate::open`]).
+    /// Waits until at least `count` calls have passed the gate (after [`CallbackGate::open`]).
     ///
     /// # Panics
     /// If that does not happen within two minutes.
@@ -114,10 +114,10 @@ impl Gate {
     }
 }
 
-impl std::fmt::Debug for Gate {
+impl std::fmt::Debug for CallbackGate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let inner = self.state.lock();
-        f.debug_struct("Gate")
+        f.debug_struct("CallbackGate")
             .field("open", &inner.open)
             .field("blocked", &inner.blocked)
             .field("passed", &inner.passed)
@@ -125,7 +125,7 @@ impl std::fmt::Debug for Gate {
     }
 }
 
-impl Drop for Gate {
+impl Drop for CallbackGate {
     fn drop(&mut self) {
         if let Some(uninstall) = self.uninstall.take() {
             uninstall();

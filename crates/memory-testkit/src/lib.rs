@@ -3,7 +3,7 @@
 //!
 //! | item | use it to |
 //! |------|-----------|
-//! | [`RecordingAllocator`] | count every callback (allocate, release, capability calls, trim, forget_lost) and hold one in flight with a [`Gate`] |
+//! | [`RecordingAllocator`] | count every callback (allocate, release, capability calls, trim, forget_lost) and hold one in flight with a [`CallbackGate`] |
 //! | [`FaultyAllocator`] | fail the n-th call, return a partial (quarantined) or failed release, or panic inside a chosen callback |
 //! | [`HostHeap`] | real host memory in safe Rust, labelled with any [`DeviceKey`](memory_api::DeviceKey), optionally with a byte limit |
 //! | [`conformance`] | the contract checks, individually or all at once, with skips reported by name |
@@ -22,7 +22,7 @@
 //! - The conformance suite is tested against a bookkeeping model allocator and a set of
 //!   deliberately broken variants: every check must pass on the model and fail on the
 //!   variant that breaks its behaviour.
-//! - No test here relies on timing: [`Gate`] synchronises with a condition variable
+//! - No test here relies on timing: [`CallbackGate`] synchronises with a condition variable
 //!   (with a deadlock guard that only fires if a test is already broken).
 //!
 //! # Quickstart
@@ -64,6 +64,6 @@ mod tap;
 pub use access::{AccessError, MemoryAccess};
 pub use callback::Callback;
 pub use faulty::{FaultyAllocator, INJECTED_BACKEND, is_injected};
-pub use gate::Gate;
+pub use gate::CallbackGate;
 pub use heap::{HostHeap, HostHeapAccess};
 pub use recording::{CallCounts, RecordingAllocator};

@@ -11,7 +11,7 @@ use memory_api::{
 };
 
 use crate::callback::Callback;
-use crate::gate::{Gate, GateState};
+use crate::gate::{CallbackGate, GateState};
 use crate::heap::HostHeap;
 use crate::tap::{CapabilityTap, Interposer};
 
@@ -139,7 +139,7 @@ impl<A: DeviceAllocator> RecordingAllocator<A> {
         self.core.forgotten.load(Ordering::SeqCst)
     }
 
-    /// Installs a closed [`Gate`] on `callback`: calls to it are counted, then block
+    /// Installs a closed [`CallbackGate`] on `callback`: calls to it are counted, then block
     /// until the gate is opened or dropped. Installing a second gate on the same
     /// callback replaces the first for later calls.
     ///
@@ -158,7 +158,7 @@ impl<A: DeviceAllocator> RecordingAllocator<A> {
     ///     assert!(recorder.release(block).is_complete());
     /// });
     /// ```
-    pub fn gate(&self, callback: Callback) -> Gate {
+    pub fn gate(&self, callback: Callback) -> CallbackGate {
         let state = Arc::new(GateState::default());
         let table = Arc::clone(&self.core.gates);
         table.lock().unwrap_or_else(PoisonError::into_inner)[callback.index()] = Some(Arc::clone(&state));
@@ -170,7 +170,7 @@ impl<A: DeviceAllocator> RecordingAllocator<A> {
                 *slot = None;
             }
         });
-        Gate { state, uninstall: Some(uninstall) }
+        CallbackGate { state, uninstall: Some(uninstall) }
     }
 }
 
