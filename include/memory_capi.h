@@ -318,7 +318,9 @@ McStatus mc_register_plugin(struct McRegistry *registry, struct McGovernor *gove
 
 // Registers an allocator the caller implements as an `MpAllocator` vtable (the plugin
 // ABI, without a library). The table is negotiated like a plugin's (every capability
-// is offered) and copied; `instance` stays the caller's until `destroy` is called.
+// is offered) and copied. On success the library owns `instance` and calls `destroy`
+// once, after the mechanism is removed and its last block released; on any error
+// nothing of the table was called and `instance` is still the caller's.
 //
 // # Safety
 // `table` is null or points to a readable `MpAllocator` of at least its `struct_size`

@@ -607,7 +607,9 @@ pub unsafe extern "C" fn mc_register_plugin(
 
 /// Registers an allocator the caller implements as an `MpAllocator` vtable (the plugin
 /// ABI, without a library). The table is negotiated like a plugin's (every capability
-/// is offered) and copied; `instance` stays the caller's until `destroy` is called.
+/// is offered) and copied. On success the library owns `instance` and calls `destroy`
+/// once, after the mechanism is removed and its last block released; on any error
+/// nothing of the table was called and `instance` is still the caller's.
 ///
 /// # Safety
 /// `table` is null or points to a readable `MpAllocator` of at least its `struct_size`
@@ -629,10 +631,22 @@ pub unsafe extern "C" fn mc_register_vtable(
         }
         // SAFETY: forwarded from the caller's contract.
         let plugin = unsafe { PluginAllocator::from_table(table, MP_CAP_ALL) }?;
-        let handle = register(registry, governor, context, authority, Arc::new(plugin.clone()), Some(plugin))?;
-        // SAFETY: checked above.
-        unsafe { write(out, handle) };
-        Ok(())
+        match register(registry, governor, context, authority, Arc::new(plugin.clone()), Some(plugin.clone())) {
+            Ok(handle) => {
+                // SAFETY: checked above.
+                unsafe { write(out, handle) };
+                Ok(())
+            }
+            Err(failure) => {
+                // Refused: the instance goes back to the caller without `destroy`
+                // (the clones given to the registry died with the refusal).
+                if let Err(still_held) = plugin.relinquish() {
+                    tracing::error!("a refused vtable's instance is still referenced; it is destroyed when that ends");
+                    drop(still_held);
+                }
+                Err(failure)
+            }
+        }
     })
 }
 

@@ -19,7 +19,7 @@ use memory_plugin_abi::{
 
 use crate::error::{PluginError, StatusCode};
 use crate::library::LoadedLibrary;
-use crate::negotiate::{Negotiated, abi_device, negotiate};
+use crate::negotiate::{InstanceOrigin, Negotiated, abi_device, negotiate};
 use crate::queue::PluginReleaseQueue;
 use crate::records::Records;
 use crate::tally::{HostTally, PluginTally};
@@ -43,7 +43,6 @@ pub(crate) struct Instance {
     /// This instance, for handles made through it (shared backings).
     pub(crate) me: Weak<Instance>,
     /// Declared last: the library stays mapped until `destroy` (in `Drop`) returned.
-    #[expect(dead_code, reason = "held only to keep the plugin's library mapped")]
     pub(crate) library: Option<Arc<LoadedLibrary>>,
 }
 
@@ -147,8 +146,10 @@ impl PluginAllocator {
     /// negotiated like a plugin's: major must match, the minor's prefix must fit.
     ///
     /// # Errors
-    /// As for a plugin's table (see [`PluginError`]); on a content error the instance
-    /// has been destroyed through its `destroy` slot.
+    /// As for a plugin's table (see [`PluginError`]). On every error nothing of the
+    /// table was called: the instance is still the caller's. On success it belongs to
+    /// the returned allocator, which calls `destroy` once, when its last clone drops
+    /// (or never, if [`PluginAllocator::relinquish`] hands it back).
     ///
     /// # Safety
     /// `table` is null or points to a readable, aligned [`MpAllocator`] of at least the
@@ -157,7 +158,7 @@ impl PluginAllocator {
     /// thread-safe), and whose code stays callable until `destroy` has returned.
     pub unsafe fn from_table(table: *const MpAllocator, offered: u64) -> Result<PluginAllocator, PluginError> {
         // SAFETY: forwarded from the caller.
-        let negotiated = unsafe { negotiate(table, offered, "C vtable") }?;
+        let negotiated = unsafe { negotiate(table, offered, "C vtable", InstanceOrigin::Caller) }?;
         Ok(PluginAllocator::new(negotiated, None))
     }
 
@@ -178,6 +179,32 @@ impl PluginAllocator {
                 me: me.clone(),
                 library,
             }),
+        }
+    }
+
+    /// Hands a caller's instance (one from [`PluginAllocator::from_table`]) back
+    /// without calling `destroy`: for a host that took a table, then failed to register
+    /// it, and must leave the caller's instance as it found it. Only the last clone of
+    /// an instance that holds no block can; otherwise the allocator comes back
+    /// unchanged. An instance a plugin library made is never handed back.
+    ///
+    /// # Errors
+    /// The allocator itself, when another clone is alive, a block is live, or the
+    /// instance came from a library.
+    pub fn relinquish(self) -> Result<(), PluginAllocator> {
+        let shared = self.shared;
+        let returnable = shared.library.is_none() && shared.records.count().0 == 0;
+        if !returnable {
+            return Err(PluginAllocator { shared });
+        }
+        match Arc::try_unwrap(shared) {
+            Ok(mut instance) => {
+                // No `destroy`: the instance goes back to its caller untouched.
+                instance.table.destroy = None;
+                tracing::info!(plugin = %instance.name, "plugin allocator instance handed back to its caller");
+                Ok(())
+            }
+            Err(shared) => Err(PluginAllocator { shared }),
         }
     }
 

@@ -16,7 +16,7 @@ use memory_plugin_abi::{
 
 use crate::allocator::{Instance, PluginAllocator};
 use crate::error::{PluginError, StatusCode, UnloadRefused};
-use crate::negotiate::negotiate;
+use crate::negotiate::{InstanceOrigin, negotiate};
 use crate::tally::{HostTally, PluginTally};
 
 /// What an instance is created with.
@@ -225,7 +225,7 @@ impl PluginLibrary {
         // SAFETY: the plugin answered MP_OK, so by the ABI `table` points to its table
         // (size and layout checked by `negotiate`); the library stays mapped while the
         // instance lives (it holds an `Arc` of it).
-        let negotiated = unsafe { negotiate(table, options.offered, &self.shared.path) };
+        let negotiated = unsafe { negotiate(table, options.offered, &self.shared.path, InstanceOrigin::Entry) };
         drop(entered);
         let negotiated = negotiated?;
         let allocator = PluginAllocator::new(negotiated, Some(Arc::clone(&self.shared)));

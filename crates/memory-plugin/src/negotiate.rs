@@ -24,12 +24,24 @@ pub(crate) struct Negotiated {
 /// The longest name kept from a table (longer names are cut, not rejected).
 const MAX_NAME: usize = 128;
 
+/// Who made the instance a table carries, and so who frees it when the table is refused.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum InstanceOrigin {
+    /// A plugin library's entry point made it for this host: a refused table's
+    /// instance is destroyed here, since nobody else holds it.
+    Entry,
+    /// The caller made it and keeps it until a registration succeeds.
+    Caller,
+}
+
 /// Reads and checks the table at `table`.
 ///
 /// On a layout error (null, misaligned, wrong major, short) nothing of the table is
 /// called, not even `destroy`: its layout is not known to be ours. On a content error
-/// (a missing slot, an unoffered capability, an unknown device) the instance is
-/// destroyed through its `destroy` slot before the error is returned.
+/// (a missing slot, an unoffered capability, an unknown device) an instance a plugin's
+/// entry point made for us ([`InstanceOrigin::Entry`]) is destroyed through its
+/// `destroy` slot before the error is returned; a caller's own table
+/// ([`InstanceOrigin::Caller`]) is left as it was, the instance still the caller's.
 ///
 /// # Safety
 /// `table`, when non-null and aligned, points to readable memory of at least
@@ -40,6 +52,7 @@ pub(crate) unsafe fn negotiate(
     table: *const MpAllocator,
     offered: u64,
     label: &str,
+    origin: InstanceOrigin,
 ) -> Result<Negotiated, PluginError> {
     if table.is_null() || !table.is_aligned() {
         return Err(PluginError::BadTable { plugin: label.to_owned(), found: format!("{table:p}") });
@@ -78,7 +91,7 @@ pub(crate) unsafe fn negotiate(
     match check_content(&table, offered, &name) {
         Ok(device) => Ok(Negotiated { table, minor, name, device }),
         Err(error) => {
-            if let Some(destroy) = table.destroy {
+            if let (InstanceOrigin::Entry, Some(destroy)) = (origin, table.destroy) {
                 // SAFETY: the layout is ours and the slot non-null; the instance was
                 // handed to us and is destroyed exactly once, here, since no
                 // `Negotiated` (which would own it) is built.

@@ -91,6 +91,21 @@ int main() {
     EXPECT(mc_register_vtable(registry, governor, context, tenant, &short_table, &mechanism), MC_ERR_PLUGIN);
     TRUE(std::string(mc_last_error_message()).find("needs at least") != std::string::npos);
 
+    // A refused registration leaves the instance the caller's: `destroy` is not called,
+    // whether the table's content is refused (no allocate slot) or the registry refuses
+    // it after negotiation (a context of another registry).
+    MpAllocator no_allocate = table;
+    no_allocate.allocate = nullptr;
+    EXPECT(mc_register_vtable(registry, governor, context, tenant, &no_allocate, &mechanism), MC_ERR_PLUGIN);
+    TRUE(arena.destroyed == 0);
+    McRegistry *other_registry = nullptr;
+    McContext *other_context = nullptr;
+    OK(mc_registry_create(&other_registry));
+    OK(mc_context_register(other_registry, arena.device, nullptr, nullptr, &other_context));
+    EXPECT(mc_register_vtable(registry, governor, other_context, tenant, &table, &mechanism), MC_ERR_FOREIGN);
+    TRUE(arena.destroyed == 0);
+    TRUE(mechanism == nullptr);
+
     OK(mc_register_vtable(registry, governor, context, tenant, &table, &mechanism));
     OK(mc_bind_mechanism(registry, mechanism, &binding));
 
@@ -137,6 +152,8 @@ int main() {
     OK(mc_authority_remove(registry, tenant));
     OK(mc_registry_destroy(registry));
     OK(mc_governor_destroy(governor));
+    OK(mc_context_remove(other_registry, other_context));
+    OK(mc_registry_destroy(other_registry));
     TRUE(arena.destroyed == 1);
     std::printf("c++ smoke: %d checks passed\n", checks);
     return 0;
