@@ -157,7 +157,8 @@ impl<T: Send + Sync + 'static> Slots<T> {
     }
 
     fn free_cell(&'static self) -> Option<u32> {
-        let local = self.local.with(|list| list.borrow_mut().cells.pop());
+        // A call from a thread's TLS destructors finds its list gone: the shared one serves.
+        let local = self.local.try_with(|list| list.borrow_mut().cells.pop()).ok().flatten();
         if local.is_some() {
             return local;
         }

@@ -106,12 +106,14 @@ pub(crate) struct PhaseGuard(Phase);
 impl Drop for PhaseGuard {
     fn drop(&mut self) {
         let previous = std::mem::take(&mut self.0);
-        PHASE.with(|phase| *phase.borrow_mut() = previous);
+        // During thread teardown the phase is gone with the thread: nothing to restore.
+        let _ = PHASE.try_with(|phase| *phase.borrow_mut() = previous);
     }
 }
 
 fn enter(next: Phase) -> PhaseGuard {
-    PhaseGuard(PHASE.with(|phase| std::mem::replace(&mut *phase.borrow_mut(), next)))
+    // During thread teardown there is no phase to enter: such a call runs as Idle.
+    PhaseGuard(PHASE.try_with(|phase| std::mem::replace(&mut *phase.borrow_mut(), next)).unwrap_or_default())
 }
 
 /// How a refused run-time `Alloc` is answered. ONNX Runtime's tensors do not check the
@@ -267,11 +269,14 @@ impl GovernedBlocks {
 
     fn phase(&self) -> Phase {
         let owner = self.owner();
-        PHASE.with(|phase| match &*phase.borrow() {
-            Phase::Committing(id, watch) if *id == owner => Phase::Committing(owner, Arc::clone(watch)),
-            Phase::Running(id, watch) if *id == owner => Phase::Running(owner, Arc::clone(watch)),
-            _ => Phase::Idle,
-        })
+        PHASE
+            .try_with(|phase| match &*phase.borrow() {
+                Phase::Committing(id, watch) if *id == owner => Phase::Committing(owner, Arc::clone(watch)),
+                Phase::Running(id, watch) if *id == owner => Phase::Running(owner, Arc::clone(watch)),
+                _ => Phase::Idle,
+            })
+            // A call from a thread's TLS destructors: no session phase is active there.
+            .unwrap_or(Phase::Idle)
     }
 
     /// Allocates `size` bytes for `kind`, charged to its role: `Reserve`, and `Alloc`

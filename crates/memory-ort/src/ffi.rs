@@ -225,10 +225,17 @@ unsafe extern "system" fn free(this: *mut OrtAllocator, p: *mut c_void) {
     match freed {
         Ok(Freed::Unknown) => {}
         Ok(Freed::Released | Freed::AfterLoss | Freed::Refused) => {
-            // SAFETY: this block held one strong count, taken in `allocate_entry`; it is
-            // given back exactly once (the block left the live table above), and `core`
-            // is not used after this line (it may be the last count).
-            unsafe { Arc::decrement_strong_count(this.cast::<Core>().cast_const()) };
+            // The last count drops the core, its binding and whatever they release: a
+            // panic there must not unwind into ONNX Runtime.
+            let dropped = catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: this block held one strong count, taken in `allocate_entry`; it
+                // is given back exactly once (the block left the live table above), and
+                // `core` is not used after this line (it may be the last count).
+                unsafe { Arc::decrement_strong_count(this.cast::<Core>().cast_const()) };
+            }));
+            if dropped.is_err() {
+                tracing::error!("panic while dropping the ort allocator's core after its last block");
+            }
         }
         Err(_) => {
             // Whether the block left the table is unknown; keep its count (the core then
@@ -253,14 +260,15 @@ unsafe extern "system" fn get_stats(this: *const OrtAllocator, out: *mut *mut Or
     }
     // SAFETY: as `alloc`.
     let core = unsafe { core(this) };
-    match catch_unwind(AssertUnwindSafe(|| core.stats())) {
-        Ok(stats) => {
-            // SAFETY: `out` is non-null and points to writable storage (ONNX Runtime's
-            // contract); the pairs are created by the API and handed to the caller, who
-            // releases them.
-            unsafe { write_stats(&stats, out) };
-            OrtStatusPtr(ptr::null_mut::<OrtStatus>())
-        }
+    let written = catch_unwind(AssertUnwindSafe(|| {
+        let stats = core.stats();
+        // SAFETY: `out` is non-null and points to writable storage (ONNX Runtime's
+        // contract); the pairs are created by the API and handed to the caller, who
+        // releases them.
+        unsafe { write_stats(&stats, out) };
+    }));
+    match written {
+        Ok(()) => OrtStatusPtr(ptr::null_mut::<OrtStatus>()),
         Err(_) => error_status("panic while reading the governed allocator's stats"),
     }
 }

@@ -392,7 +392,8 @@ impl DeviceAllocator for PluginAllocator {
             && block.device == shared.abi_device
             && block.align.is_power_of_two()
             && block.bytes >= abi_request.bytes
-            && block.address.is_multiple_of(abi_request.align);
+            && block.align >= abi_request.align
+            && block.address.is_multiple_of(block.align);
         if !fits {
             let detail = format!(
                 "; it returned {block:?} for {} bytes aligned to {} on {} (the block was handed back)",
@@ -447,8 +448,14 @@ impl DeviceAllocator for PluginAllocator {
                 keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
             };
         }
-        let unmapped = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
-        let residual = usize::try_from(out.residual_bytes).unwrap_or(usize::MAX);
+        // The plugin's figures, held to the block: it cannot give back more than it
+        // had, and what it says is gone and what is left never add up past the block.
+        let claimed = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
+        let unmapped = claimed.min(bytes);
+        let residual = usize::try_from(out.residual_bytes).unwrap_or(usize::MAX).min(bytes - unmapped);
+        if claimed > bytes {
+            tracing::warn!(plugin = %shared.name, claimed, bytes, "plugin release claimed more than the block; held to the block");
+        }
         if out.block != record {
             let detail = format!("; the outcome is about {:?}, not the block given ({record:?})", out.block);
             let error = ReleaseError::Backend(shared.backend("release", status, &detail));

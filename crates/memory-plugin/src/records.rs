@@ -26,7 +26,8 @@ fn thread_shard() -> usize {
     thread_local! {
         static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
     }
-    SHARD.with(|shard| *shard)
+    // During thread teardown any shard will do (a placement hint only).
+    SHARD.try_with(|shard| *shard).unwrap_or(0)
 }
 
 fn untag(tag: u64) -> (usize, usize) {
@@ -76,7 +77,9 @@ impl Records {
     pub(crate) fn count(&self) -> (usize, usize) {
         self.shards.iter().fold((0, 0), |(count, bytes), shard| {
             let records = shard.lock();
-            (count + records.len(), bytes + records.iter().map(|(_, r)| r.bytes as usize).sum::<usize>())
+            // Saturating: block sizes are the plugin's word, and a tally never panics.
+            let held = records.iter().fold(0usize, |sum, (_, r)| sum.saturating_add(r.bytes as usize));
+            (count + records.len(), bytes.saturating_add(held))
         })
     }
 }
