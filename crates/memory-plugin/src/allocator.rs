@@ -448,14 +448,8 @@ impl DeviceAllocator for PluginAllocator {
                 keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
             };
         }
-        // The plugin's figures, held to the block: it cannot give back more than it
-        // had, and what it says is gone and what is left never add up past the block.
-        let claimed = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
-        let unmapped = claimed.min(bytes);
-        let residual = usize::try_from(out.residual_bytes).unwrap_or(usize::MAX).min(bytes - unmapped);
-        if claimed > bytes {
-            tracing::warn!(plugin = %shared.name, claimed, bytes, "plugin release claimed more than the block; held to the block");
-        }
+        let unmapped = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
+        let residual = usize::try_from(out.residual_bytes).unwrap_or(usize::MAX);
         if out.block != record {
             let detail = format!("; the outcome is about {:?}, not the block given ({record:?})", out.block);
             let error = ReleaseError::Backend(shared.backend("release", status, &detail));
@@ -464,7 +458,13 @@ impl DeviceAllocator for PluginAllocator {
         match out.kind {
             MP_RELEASE_COMPLETE => {
                 tracing::trace!(plugin = %shared.name, bytes, "plugin release");
-                ReleaseOutcome::complete(unmapped)
+                // A plugin cannot give back more than the block: its claim is held to it.
+                // (An overclaiming quarantine is corrected the conservative way, to all
+                // still owned, by `ReleaseOutcome::quarantined`.)
+                if unmapped > bytes {
+                    tracing::warn!(plugin = %shared.name, claimed = unmapped, bytes, "plugin release claimed more than the block");
+                }
+                ReleaseOutcome::complete(unmapped.min(bytes))
             }
             MP_RELEASE_QUARANTINED => {
                 let error =
