@@ -19,9 +19,9 @@ use memory_api::{
 
 use crate::entry::{Anchor, DropPolicy, MechanismCore, MechanismPin, QuarantinedAllocation, Record};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
-use crate::handle_ref::PinRef;
 use crate::lifecycle::{Admit, MechanismState};
 use crate::sync::{Arc, AtomicU8, Ordering};
+use crate::unit_ref::UnitRef;
 
 /// A binding: the right to allocate through one mechanism, pinned to its allocator,
 /// provider context and authority. Cheap to clone; a clone is the same binding.
@@ -31,7 +31,8 @@ use crate::sync::{Arc, AtomicU8, Ordering};
 /// own per-thread pin of the mechanism, so threads share no written cache line.
 #[derive(Clone)]
 pub struct MemoryBinding {
-    pub(crate) anchor: Arc<Anchor>,
+    /// This binding's unit of the binder's anchor (see `unit_ref`).
+    pub(crate) anchor: UnitRef<Anchor>,
     /// The binding id's serial (the issuer's, so it is recognised back).
     pub(crate) binding: NonZeroU64,
     pub(crate) generation: BindingGeneration,
@@ -40,7 +41,7 @@ pub struct MemoryBinding {
 impl MemoryBinding {
     #[inline]
     pub(crate) fn core(&self) -> &MechanismCore {
-        &self.anchor.table.core
+        &self.anchor.core
     }
 
     /// The calling thread's pin of this binding's mechanism.
@@ -124,7 +125,7 @@ impl MemoryBinding {
                 drop(in_flight);
                 tracing::trace!(mechanism = %core.identity, bytes, "allocate");
                 Ok(BoundAllocation {
-                    pin: Some(PinRef::new(pin)),
+                    pin: Some(UnitRef::new_live(pin)),
                     address,
                     bytes,
                     provider_tag: tag,
@@ -192,9 +193,9 @@ impl MemoryBinding {
         // Fast path: the same core (hence the same registry, mechanism, authority,
         // context and device) and the same binding. Everything else is an error,
         // classified off the hot path.
-        match allocation.pin.as_ref().map(PinRef::get) {
+        match allocation.pin.as_ref().map(UnitRef::get) {
             Some(pin)
-                if Arc::ptr_eq(&self.anchor.table.core, &pin.core)
+                if Arc::ptr_eq(&self.anchor.core, &pin.core)
                     && allocation.binding == self.binding
                     && allocation.binding_generation == self.generation.serial() =>
             {
@@ -206,7 +207,7 @@ impl MemoryBinding {
 
     #[cold]
     fn ownership_error(&self, allocation: &BoundAllocation) -> HandleError {
-        let Some(pin) = allocation.pin.as_ref().map(PinRef::get) else { return HandleError::StaleAllocation };
+        let Some(pin) = allocation.pin.as_ref().map(UnitRef::get) else { return HandleError::StaleAllocation };
         let (expected, found) = (self.core().issuer.registry(), pin.core.issuer.registry());
         if expected != found {
             return HandleError::ForeignRegistry { expected, found };
@@ -232,7 +233,7 @@ impl fmt::Debug for MemoryBinding {
 #[must_use = "dropping a live allocation releases, defers or quarantines it by the drop policy; release it through its binding"]
 pub struct BoundAllocation {
     /// The pin of the thread that allocated it (where its record lives).
-    pin: Option<PinRef>,
+    pin: Option<UnitRef<MechanismPin>>,
     address: DeviceAddress,
     bytes: usize,
     provider_tag: u64,
@@ -268,7 +269,7 @@ impl BoundAllocation {
 
     #[inline]
     fn pin(&self) -> Option<&MechanismPin> {
-        self.pin.as_ref().map(PinRef::get)
+        self.pin.as_ref().map(UnitRef::get)
     }
 
     /// Everything that identifies this allocation (`None` only for a handle whose
@@ -951,7 +952,7 @@ impl DeviceAllocator for QueuedRelease {
 /// Drop policy: see [`BoundAllocation`]. The host case (`Release`) runs the same
 /// inlined path as an explicit release.
 #[inline]
-fn drop_release(held: &PinRef, parts: BlockInTransit, slot: u32) {
+fn drop_release(held: &UnitRef<MechanismPin>, parts: BlockInTransit, slot: u32) {
     let pin = held.get();
     // Lost, terminated or stale: no callback; termination retires the record.
     let Ok(record) = take(pin, slot, parts.generation) else { return };

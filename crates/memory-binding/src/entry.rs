@@ -26,10 +26,10 @@ use memory_api::{
 };
 
 use crate::error::ContextState;
-use crate::handle_ref::{Units, orphan, take_handle_share};
 use crate::lifecycle::{InFlightSlot, Lifecycle};
 use crate::per_thread::{PerThread, thread_index};
 use crate::sync::{Arc, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, CachePadded, Mutex, Ordering, lock};
+use crate::unit_ref::{UnitHolder, Units, orphan, take_unit_share};
 
 /// An opaque resource pinned by a context or authority (a CUDA context owner, a
 /// tenant account). Its destructor runs when the last handle pinning it is gone.
@@ -289,7 +289,11 @@ impl Mechanism {
     #[inline]
     pub(crate) fn anchor(&self) -> &Arc<Anchor> {
         let index = thread_index();
-        self.anchors.get_or(index, || Arc::new(Anchor::new(Arc::clone(&self.table), index)))
+        self.anchors.get_or(index, || {
+            let anchor = Arc::new(Anchor::new(Arc::clone(&self.table), index));
+            take_unit_share(&anchor);
+            anchor
+        })
     }
 
     /// Every pin ever created for this mechanism.
@@ -311,6 +315,17 @@ impl Mechanism {
             pin.count_into(&mut census);
         }
         census
+    }
+}
+
+impl Drop for Mechanism {
+    /// The registry no longer holds this mechanism: nobody can bind through its anchors
+    /// any more, so from now on their bindings keep them alive, and the last one frees
+    /// each (see `unit_ref`).
+    fn drop(&mut self) {
+        for anchor in self.anchors.iter() {
+            orphan(anchor);
+        }
     }
 }
 
@@ -341,7 +356,7 @@ impl PinTable {
         let index = thread_index();
         self.pins.get_or(index, || {
             let pin = Arc::new(MechanismPin::new(Arc::clone(&self.core), index));
-            take_handle_share(&pin);
+            take_unit_share(&pin);
             pin
         })
     }
@@ -349,7 +364,7 @@ impl PinTable {
 
 impl Drop for PinTable {
     /// Nobody can allocate on these pins any more: from now on their handles keep
-    /// them alive, and the last one frees each (see `handle_ref`).
+    /// them alive, and the last one frees each (see `unit_ref`).
     fn drop(&mut self) {
         for pin in self.pins.iter() {
             orphan(pin);
@@ -362,21 +377,34 @@ impl Drop for PinTable {
 /// Aligned to two cache lines so anchors of different threads never share one.
 #[repr(align(128))]
 pub(crate) struct Anchor {
+    /// The mechanism, one hop closer than through the table: `bind` and every
+    /// allocation read it first.
+    pub(crate) core: Arc<MechanismCore>,
     pub(crate) table: Arc<PinTable>,
     binding_ids: OwnerBlock,
-    /// The thread index whose anchor this is: the only thread that mints from it.
-    pub(crate) owner: usize,
+    /// What keeps the anchor alive for its bindings once its mechanism is gone; also
+    /// names the thread whose anchor this is, the only one that mints from it.
+    units: Units,
+}
+
+impl UnitHolder for Anchor {
+    #[inline]
+    fn units(&self) -> &Units {
+        &self.units
+    }
 }
 
 impl Anchor {
     fn new(table: Arc<PinTable>, owner: usize) -> Anchor {
-        Anchor { table, binding_ids: OwnerBlock::new(), owner }
+        let core = Arc::clone(&table.core);
+        let barrier = core.lifecycle.barrier();
+        Anchor { core, table, binding_ids: OwnerBlock::new(), units: Units::new(owner, barrier) }
     }
 
     /// Mints a binding id serial from this anchor's block (owner thread only).
     #[inline]
     pub(crate) fn next_binding_id(&self) -> Result<NonZeroU64, IdentityError> {
-        self.binding_ids.next::<BindingId>(&self.table.core.issuer)
+        self.binding_ids.next::<BindingId>(&self.core.issuer)
     }
 }
 
@@ -525,9 +553,8 @@ pub(crate) struct MechanismPin {
     /// Segment 0, made with the pin; the rest on demand.
     first: Box<[Record]>,
     segments: [OnceLock<Box<[Record]>>; SEGMENTS],
-    /// The thread index that owns this pin (fixed: a recycled index inherits the pin).
-    owner: usize,
-    /// What keeps the pin alive for its handles once its table is gone.
+    /// What keeps the pin alive for its handles once its table is gone; also names the
+    /// thread index that owns this pin (fixed: a recycled index inherits the pin).
     pub(crate) units: Units,
     pub(crate) in_flight: InFlightSlot,
     local: CachePadded<OwnerState>,
@@ -535,14 +562,21 @@ pub(crate) struct MechanismPin {
     remote_free: CachePadded<AtomicU32>,
 }
 
+impl UnitHolder for MechanismPin {
+    #[inline]
+    fn units(&self) -> &Units {
+        &self.units
+    }
+}
+
 impl MechanismPin {
     pub(crate) fn new(core: Arc<MechanismCore>, owner: usize) -> MechanismPin {
+        let barrier = core.lifecycle.barrier();
         MechanismPin {
             core,
             first: new_records(FIRST_SEGMENT),
             segments: std::array::from_fn(|_| OnceLock::new()),
-            owner,
-            units: Units::new(),
+            units: Units::new(owner, barrier),
             in_flight: InFlightSlot::default(),
             local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
             generations: CachePadded::new(OwnerBlock::new()),
@@ -575,7 +609,7 @@ impl MechanismPin {
     /// Whether the calling thread owns this pin.
     #[inline]
     pub(crate) fn owned_here(&self) -> bool {
-        self.owner == thread_index()
+        self.units.owned_here()
     }
 
     /// Records a new allocation (owner thread only); returns its slot and generation.

@@ -20,11 +20,12 @@
 //!   or lost with its device ([`AllocationState`]).
 //!
 //! # Correctness
-//! - `unsafe` lives in one module, `handle_ref`: a handle's pointer to the per-thread
-//!   pin that records it, kept valid by a *unit* of that pin instead of an `Arc` clone
-//!   per allocation, and the one drop of the pins' handle share. The unit protocol is
-//!   safe code checked by loom; the pointer use is checked by Miri (`cargo xtask
-//!   miri`). [`BindingRegistry::register_trusted_composite`] is an `unsafe fn` only to
+//! - `unsafe` lives in one module, `unit_ref`: a handle's pointer to the per-thread
+//!   pin that records it, and a binding's to the per-thread anchor that made it, each
+//!   kept valid by a *unit* of that object (a biased reference count: no atomic
+//!   read-modify-write on the owner thread) instead of an `Arc` clone, and the one drop
+//!   of each object's unit share. The unit protocol is safe code checked by loom; the
+//!   pointer use is checked by Miri (`cargo xtask miri`). [`BindingRegistry::register_trusted_composite`] is an `unsafe fn` only to
 //!   make a trust boundary explicit, and contains no unsafe code. The safe registration
 //!   path admits only capability objects that are part of the allocator's own value; a
 //!   composite whose capabilities live in other objects needs the caller's word.
@@ -86,12 +87,12 @@ mod binding;
 mod capability;
 mod entry;
 mod error;
-mod handle_ref;
 mod lifecycle;
 mod per_thread;
 mod registry;
 mod snapshot;
 mod sync;
+mod unit_ref;
 
 // The public interface. Modules are private: every name is here, grouped by what it is
 // for.

@@ -27,9 +27,9 @@ use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectIdentity, ObjectKind, RegistryError};
 use crate::lifecycle::{Admit, MechanismState};
-use crate::per_thread::thread_index;
 use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
+use crate::unit_ref::UnitRef;
 
 /// The registry: sole issuer of identities, owner of every lifecycle.
 ///
@@ -426,10 +426,8 @@ impl BindingRegistry {
             .ok()
             .flatten();
         match cached {
-            // The anchor must be the calling thread's own (its binding-id block is
-            // single-writer); a recycled thread index means a refill.
-            Some((anchor, generation)) if anchor.owner == thread_index() => bind_anchor(anchor, generation),
-            _ => self.bind_uncached(device, epoch),
+            Some((anchor, generation)) => bind_anchor(anchor, generation),
+            None => self.bind_uncached(device, epoch),
         }
     }
 
@@ -437,14 +435,15 @@ impl BindingRegistry {
     /// selection, fill the cache, bind.
     #[cold]
     fn bind_uncached(&self, device: DeviceKey, epoch: u64) -> Result<MemoryBinding, BindError> {
-        let (anchor, generation) = {
+        let (anchor, weak, generation) = {
             let selection = self.inner.selection.load();
             let Some(selected) = selection.get(&device) else {
                 return Err(BindError::NoSelection { device });
             };
-            (Arc::clone(selected.mechanism.anchor()), selected.generation)
+            let anchor = selected.mechanism.anchor();
+            (unit_of(&selected.mechanism, anchor)?, Arc::downgrade(anchor), selected.generation)
         };
-        let entry = CachedSelection { registry: self.id(), device, epoch, generation, anchor: Arc::downgrade(&anchor) };
+        let entry = CachedSelection { registry: self.id(), device, epoch, generation, anchor: weak };
         let slot = BindCache::slot(self.inner.bind_salt, device);
         // A thread in its TLS destructors may find the cache gone: it binds uncached.
         let _ = BIND_CACHE.try_with(|cache| {
@@ -462,7 +461,7 @@ impl BindingRegistry {
     pub fn bind_registered(&self, mechanism: &MechanismIdentity) -> Result<MemoryBinding, BindError> {
         let entry = self.mechanism(mechanism)?;
         let generation = entry.core.registered_generation;
-        bind_anchor(Arc::clone(entry.anchor()), generation)
+        bind_anchor(unit_of(&entry, entry.anchor())?, generation)
     }
 
     /// One-call adapter for code that still holds a bare allocator: registers an
@@ -857,17 +856,38 @@ impl BindingRegistry {
     }
 }
 
-/// Mints a binding through `anchor` (the calling thread's anchor of the mechanism).
+/// A unit of `anchor`, the calling thread's anchor of `mechanism`, which the caller
+/// holds: a mechanism held is never orphaned (that happens in its drop), so the refusal
+/// below is only a typed answer for what cannot happen.
+fn unit_of(mechanism: &Mechanism, anchor: &Arc<Anchor>) -> Result<UnitRef<Anchor>, BindError> {
+    UnitRef::try_new(anchor).ok_or_else(|| BindError::Inactive {
+        mechanism: mechanism.core.identity,
+        state: mechanism.core.lifecycle.state(),
+    })
+}
+
+/// Mints a binding through `anchor` (a unit of the calling thread's anchor of the
+/// mechanism).
 #[inline]
-fn bind_anchor(anchor: Arc<Anchor>, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
-    let core = &anchor.table.core;
-    let state = core.lifecycle.state();
-    if state != MechanismState::Active {
-        return Err(BindError::Inactive { mechanism: core.identity, state });
+fn bind_anchor(anchor: UnitRef<Anchor>, generation: BindingGeneration) -> Result<MemoryBinding, BindError> {
+    let core = &anchor.core;
+    // On the encoded word: only a refusal is decoded, out of line.
+    if let Err(state) = core.lifecycle.check(Admit::ActiveOnly) {
+        return Err(inactive(core, state));
     }
-    let binding = anchor.next_binding_id().map_err(RegistryError::from)?;
+    let binding = match anchor.next_binding_id() {
+        Ok(binding) => binding,
+        Err(exhausted) => return Err(RegistryError::from(exhausted).into()),
+    };
     tracing::trace!(mechanism = %core.identity, "bind");
     Ok(MemoryBinding { anchor, binding, generation })
+}
+
+/// `bind`'s refusal of a mechanism that is not active (kept out of the hot path).
+#[cold]
+#[inline(never)]
+fn inactive(core: &MechanismCore, state: MechanismState) -> BindError {
+    BindError::Inactive { mechanism: core.identity, state }
 }
 
 /// Entries of a thread's bind cache (direct-mapped: a colliding device replaces the
@@ -912,8 +932,9 @@ impl BindCache {
         (salt.wrapping_add(u64::from(device.index())).wrapping_add(tier) as usize) % BIND_CACHE_ENTRIES
     }
 
-    /// The cached anchor and generation at `slot`, if it is `device`'s of `registry`,
-    /// filled under `epoch`, and the mechanism is still alive.
+    /// A unit of the cached anchor and the generation at `slot`, if it is `device`'s of
+    /// `registry`, filled under `epoch`, this thread's own (a recycled thread index
+    /// means a refill), and not orphaned (its mechanism is still registered).
     #[inline]
     fn hit(
         &self,
@@ -921,12 +942,12 @@ impl BindCache {
         registry: RegistryId,
         device: DeviceKey,
         epoch: u64,
-    ) -> Option<(Arc<Anchor>, BindingGeneration)> {
+    ) -> Option<(UnitRef<Anchor>, BindingGeneration)> {
         let entry = self.entries[slot].as_ref()?;
         if entry.epoch != epoch || entry.device != device || entry.registry != registry {
             return None;
         }
-        Some((entry.anchor.upgrade()?, entry.generation))
+        Some((UnitRef::try_from_weak(&entry.anchor)?, entry.generation))
     }
 }
 

@@ -355,3 +355,53 @@ fn removal_after_cross_thread_use_drops_the_allocator_once_bindings_are_gone() {
     assert_eq!(dropped.load(Ordering::SeqCst), 1, "no cache or pin keeps a removed mechanism alive");
     assert!(registry.bind(HOST).is_err());
 }
+
+#[test]
+fn bindings_cloned_on_any_thread_outlive_removal_and_the_last_one_drops_the_allocator() {
+    // The maker's anchor counts its bindings in units: clones made on the maker thread
+    // take plain units, clones made elsewhere take shared ones, and either kind may be
+    // dropped anywhere, before or after the mechanism is removed (its anchors orphaned).
+    for case in 0..4 {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let registry = BindingRegistry::new();
+        let (_, _, mechanism) = register(&registry, Arc::new(Watched(Caps::new(HOST), dropped.clone())));
+        registry.select(&mechanism).unwrap();
+        // Through the bind cache (the second bind hits it).
+        let made_here = registry.bind(HOST).unwrap();
+        let cached = registry.bind(HOST).unwrap();
+        assert_eq!(cached.identity().mechanism(), mechanism);
+        let clone_here = made_here.clone();
+        let (clone_there, clone_there_kept) =
+            std::thread::scope(|scope| scope.spawn(|| (made_here.clone(), made_here.clone())).join().unwrap());
+        // A clone dropped on another thread before removal, one after.
+        std::thread::spawn(move || drop(clone_there)).join().unwrap();
+        drop(cached);
+        if case % 2 == 0 {
+            drop(made_here.allocate(request(64)).unwrap());
+        }
+        registry.retire(&mechanism).unwrap();
+        registry.remove(&mechanism).unwrap();
+        // This thread's cache still names the removed mechanism: nothing binds through it.
+        assert!(registry.bind(HOST).is_err(), "case {case}: bound through a removed mechanism");
+        assert_eq!(dropped.load(Ordering::SeqCst), 0, "case {case}: live bindings pin the allocator");
+        match case {
+            0 | 1 => {
+                drop(made_here);
+                drop(clone_here);
+                assert_eq!(dropped.load(Ordering::SeqCst), 0, "case {case}: a clone on a worker is still live");
+                std::thread::spawn(move || drop(clone_there_kept)).join().unwrap();
+            }
+            _ => {
+                std::thread::spawn(move || drop(clone_there_kept)).join().unwrap();
+                drop(made_here);
+                assert_eq!(dropped.load(Ordering::SeqCst), 0, "case {case}: a clone here is still live");
+                drop(clone_here);
+            }
+        }
+        assert_eq!(dropped.load(Ordering::SeqCst), 1, "case {case}: the last binding did not drop the allocator");
+        // A new mechanism on the device binds, cache or not.
+        let (_, _, next) = register(&registry, Arc::new(Caps::new(HOST)));
+        registry.select(&next).unwrap();
+        assert_eq!(registry.bind(HOST).unwrap().identity().mechanism(), next);
+    }
+}
