@@ -1264,9 +1264,10 @@ impl World {
         // Another registry's handle is refused as foreign before anything else.
         let expected = index.map_or(Out::Handle(Handle::Foreign), |i| self.model.release(i, through));
         self.allowed = Allowed::Only(&[Callback::Release]);
-        let actual = match self.guard(|_| b.release(handle)) {
+        // Boxed: a rejection carries the whole handle back.
+        let actual = match self.guard(|_| b.release(handle).map_err(Box::new)) {
             Ok(Ok(report)) => Out::Released(report),
-            Ok(Err(rejected)) => self.rejected(rejected, index),
+            Ok(Err(rejected)) => self.rejected(*rejected, index),
             Err(panicked) => panicked,
         };
         self.agree(expected, actual, None);

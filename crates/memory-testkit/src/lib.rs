@@ -7,7 +7,7 @@
 //! | [`FaultyAllocator`] | fail the n-th call, return a partial (quarantined) or failed release, or panic inside a chosen callback |
 //! | [`HostHeap`] | real host memory in safe Rust, labelled with any [`DeviceKey`](memory_api::DeviceKey), optionally with a byte limit |
 //! | [`conformance`] | the contract checks, individually or all at once, with skips reported by name |
-//! | [`reference`] | the sequential reference model of the registry that the property test and the fuzz harness both check against |
+//! | [`reference`](mod@reference) | the sequential reference model of the registry that the property test and the fuzz harness both check against |
 //! | [`MemoryAccess`] | fault-safe reads and writes so memory checks never crash and run on device memory too |
 //!
 //! # Correctness
