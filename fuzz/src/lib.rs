@@ -24,16 +24,23 @@
 //!    makes only the callbacks its kind allows (a view or an invalidation makes none;
 //!    an allocation at most one allocate, plus one release when its identity cannot be
 //!    recorded).
-//! 3. Success and failure of each cold-path operation agree with a small model of the
-//!    lifecycles (select, bind, retire, invalidate, confirm, remove, ...).
+//! 3. Every operation's answer (the success with its payload, or the error variant
+//!    with the payload that matters, or a planned panic) is the one the reference
+//!    model `memory_testkit::reference` predicts, the same model the property test
+//!    in `crates/memory-binding/tests/model.rs` runs; so are every allocation's
+//!    state, each allocator's allocate / release / forget_lost counts, its heap's
+//!    live blocks, its pending faults, and each queue's contents. Identity
+//!    exhaustion (inputs with a serial limit) is the one answer the model does not
+//!    predict: the harness then restores the model as it was before the operation.
 //! 4. Every allocation ever made is, by its registry-issued identity, in exactly one of:
 //!    live (a handle is held), queued (a deferred release is pending), quarantined,
 //!    lost (device lost) or gone, and the ledger agrees (gone = released exactly once
 //!    or forgotten at termination); a record with no handle is never live.
-//! 5. Snapshots agree with the allocations' states: live counts and bytes, quarantine
-//!    entries (unmapped + residual never above the block), in-flight counts (only
-//!    queued releases are in flight in this single-threaded harness), selection,
-//!    lifecycle states of mechanisms and contexts, registered identities.
+//! 5. Snapshots agree with the model: live counts and bytes, quarantine entries
+//!    (bytes, unmapped, residual, reason; unmapped + residual never above the block),
+//!    in-flight counts (only queued releases are in flight in this single-threaded
+//!    harness), selection, lost reasons, lifecycle states of mechanisms, contexts
+//!    and bindings, registered identities.
 //! 6. At the end, after dropping every handle, running every queue, retrying every
 //!    quarantine and confirming every lost context, the ledgers hold no live block.
 
@@ -43,6 +50,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, Once, PoisonError};
 
 use arbitrary::Arbitrary;
+use memory_api::ReleaseSummary;
 use memory_api::{
     AllocError, AllocationIdentity, AllocationRequest, AllocatorStats, AuthorityIdentity, DeferredReleaseQueue,
     DeviceAllocator, DeviceKey, IdentityIssuer, MaybeBytes, MechanismIdentity, PreparedRelease,
@@ -51,9 +59,9 @@ use memory_api::{
 };
 use memory_binding::{
     AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, ContextState, DropPolicy, HandleError,
-    MechanismOptions, MechanismState, MemoryBinding, RegistryError, Rejected, ViewError,
+    MechanismOptions, MechanismState, MemoryBinding, ObjectKind, RegistryError, Rejected, ViewError,
 };
-use memory_api::ReleaseSummary;
+use memory_testkit::reference::{self, FaultOn, Handle, Model, Out, Place, Reason, Ref, Reg, Through};
 use memory_testkit::{CallCounts, Callback, FaultyAllocator, HostHeap, RecordingAllocator};
 
 /// Bytes each heap may hold at once: arbitrary sizes beyond it are out-of-memory
@@ -532,40 +540,119 @@ impl HeldQueue {
 }
 
 // ---------------------------------------------------------------------------------
-// The model
+// The registry's answers in the reference model's terms
 // ---------------------------------------------------------------------------------
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Life {
-    Active,
-    Retired,
-    Lost,
-    Terminated,
-}
+/// The devices in the order the model indexes them (the order of [`Dev::ALL`]).
+const DEVICES: [DeviceKey; 3] = [DeviceKey::HOST, DeviceKey::device(0), DeviceKey::device(1)];
 
-impl Life {
-    fn state(self) -> MechanismState {
-        match self {
-            Life::Active => MechanismState::Active,
-            Life::Retired => MechanismState::Retired,
-            Life::Lost => MechanismState::DeviceLost,
-            Life::Terminated => MechanismState::Terminated,
-        }
+fn mechanism_state(state: MechanismState) -> reference::MechanismState {
+    match state {
+        MechanismState::Active => reference::MechanismState::Active,
+        MechanismState::Retired => reference::MechanismState::Retired,
+        MechanismState::DeviceLost => reference::MechanismState::DeviceLost,
+        MechanismState::Terminated => reference::MechanismState::Terminated,
+        other => panic!("a mechanism state the model does not know: {other:?}"),
     }
 }
 
-struct Ctx {
-    id: ProviderContextIdentity,
-    device: DeviceKey,
-    state: ContextState,
-    removed: bool,
+fn context_state(state: ContextState) -> reference::ContextState {
+    match state {
+        ContextState::Live => reference::ContextState::Live,
+        ContextState::Lost => reference::ContextState::Lost,
+        ContextState::Terminated => reference::ContextState::Terminated,
+        other => panic!("a context state the model does not know: {other:?}"),
+    }
 }
 
-struct Auth {
-    id: AuthorityIdentity,
-    device: DeviceKey,
-    removed: bool,
+fn allocation_state(state: AllocationState) -> reference::AllocationState {
+    match state {
+        AllocationState::Live => reference::AllocationState::Live,
+        AllocationState::Quarantined => reference::AllocationState::Quarantined,
+        AllocationState::Lost => reference::AllocationState::Lost,
+        AllocationState::Gone => reference::AllocationState::Gone,
+        other => panic!("an allocation state the model does not know: {other:?}"),
+    }
 }
+
+fn object_kind(kind: ObjectKind) -> reference::ObjectKind {
+    match kind {
+        ObjectKind::ProviderContext => reference::ObjectKind::ProviderContext,
+        ObjectKind::Authority => reference::ObjectKind::Authority,
+        ObjectKind::Mechanism => reference::ObjectKind::Mechanism,
+        ObjectKind::Binding => reference::ObjectKind::Binding,
+        ObjectKind::Allocation => reference::ObjectKind::Allocation,
+        other => panic!("an object kind the model does not know: {other:?}"),
+    }
+}
+
+/// A cold-path error; identity exhaustion (which the model does not predict) apart.
+fn registry_out(error: &RegistryError) -> Out {
+    Out::Registry(match error {
+        RegistryError::Identity(_) => return Out::IdentityExhausted,
+        RegistryError::ForeignRegistry { kind, .. } => Reg::Foreign(object_kind(*kind)),
+        RegistryError::Unknown { kind, .. } => Reg::Unknown(object_kind(*kind)),
+        RegistryError::DeviceMismatch { what, .. } => Reg::DeviceMismatch(what),
+        RegistryError::ContextNotLive { state, .. } => Reg::ContextNotLive(context_state(*state)),
+        RegistryError::ContextStillLive { .. } => Reg::ContextStillLive,
+        RegistryError::ContextNotQuiescent { in_flight, .. } => Reg::ContextNotQuiescent(*in_flight),
+        RegistryError::InvalidState { state, .. } => Reg::InvalidState(mechanism_state(*state)),
+        RegistryError::NotQuiescent { kind, live, quarantined, in_flight, dependents, .. } => Reg::NotQuiescent {
+            kind: object_kind(*kind),
+            live: *live,
+            quarantined: *quarantined,
+            in_flight: *in_flight,
+            dependents: *dependents,
+        },
+        other => Reg::Other(other.to_string()),
+    })
+}
+
+fn handle_error(error: &HandleError) -> Handle {
+    match error {
+        HandleError::ForeignRegistry { .. } => Handle::Foreign,
+        HandleError::BindingMismatch { .. } => Handle::Mismatch,
+        HandleError::StaleAllocation => Handle::Stale,
+        HandleError::DeviceLost { reason, .. } => Handle::DeviceLost(reason.clone()),
+        HandleError::Inactive { state, .. } => Handle::Inactive(mechanism_state(*state)),
+        HandleError::ReleaseFailed(_) => Handle::ReleaseFailed,
+        HandleError::QueueRefused(QueueRefusalReason::Full { .. }) => Handle::QueueFull,
+        HandleError::QueueRefused(QueueRefusalReason::WrongDevice { .. }) => Handle::QueueWrongDevice,
+        other => Handle::Other(other.to_string()),
+    }
+}
+
+fn bind_out(error: &BindError) -> Out {
+    match error {
+        BindError::NoSelection { .. } => Out::BindNoSelection,
+        BindError::Inactive { state, .. } => Out::BindInactive(mechanism_state(*state)),
+        BindError::Registry(RegistryError::Identity(_)) => Out::IdentityExhausted,
+        BindError::Registry(error) => match registry_out(error) {
+            Out::Registry(reg) => Out::BindRegistry(reg),
+            other => other,
+        },
+        other => Out::Other(other.to_string()),
+    }
+}
+
+/// Why a block is quarantined, from the snapshot's reason text.
+fn reason_of(text: &str) -> Reason {
+    if text.contains("fault-injection") {
+        Reason::Injected
+    } else if text.contains("dropped without a release path") {
+        Reason::Abandoned
+    } else if text.contains("treating all of it as owned") {
+        Reason::Dishonest
+    } else if text.contains("panicked while releasing") {
+        Reason::Panicked
+    } else {
+        panic!("unexpected quarantine reason: {text}")
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The world: the real registry beside the reference model
+// ---------------------------------------------------------------------------------
 
 struct Mech {
     id: MechanismIdentity,
@@ -573,20 +660,17 @@ struct Mech {
     context: ProviderContextIdentity,
     authority: AuthorityIdentity,
     ledger: Arc<Ledger>,
-    life: Life,
-    removed: bool,
 }
 
 struct Bound {
     binding: MemoryBinding,
-    mech: usize,
+    /// The model's key for this binding.
+    key: usize,
 }
 
 struct Alloc {
     identity: AllocationIdentity,
-    mech: usize,
     serial: u64,
-    bytes: usize,
     handle: Option<BoundAllocation>,
 }
 
@@ -629,18 +713,19 @@ enum Allowed {
     Anything,
 }
 
-/// The harness state for one input.
+/// The harness state for one input: the real registry, the identities it issued (by
+/// the model's indices), and the reference model that predicts every answer.
 pub struct World {
     limited: bool,
     registry: BindingRegistry,
+    model: Model,
     foreign: Foreign,
     queues: [Arc<HeldQueue>; 3],
-    contexts: Vec<Ctx>,
-    authorities: Vec<Auth>,
+    contexts: Vec<ProviderContextIdentity>,
+    authorities: Vec<AuthorityIdentity>,
     mechs: Vec<Mech>,
     bindings: Vec<Bound>,
     allocs: Vec<Alloc>,
-    selection: [Option<usize>; 3],
     /// What the operation being run may call.
     allowed: Allowed,
     /// Human-readable trace of the operations run (printed on a failed invariant).
@@ -649,10 +734,6 @@ pub struct World {
 
 fn pick(index: u8, len: usize) -> Option<usize> {
     (len > 0).then(|| usize::from(index) % len)
-}
-
-fn is_identity_error(error: &RegistryError) -> bool {
-    matches!(error, RegistryError::Identity(_))
 }
 
 /// Whether a panic payload is one the input planned.
@@ -679,6 +760,42 @@ pub fn install_panic_hook() {
     });
 }
 
+/// The name `note` counts an outcome under: its variant.
+fn outcome_name(out: &Out) -> &'static str {
+    match out {
+        Out::Skipped => "skipped",
+        Out::Done => "done",
+        Out::Registered => "registered",
+        Out::Bound { .. } => "bound",
+        Out::Allocated { .. } => "allocated",
+        Out::Released(ReleaseSummary::Complete { .. }) => "released: complete",
+        Out::Released(_) => "released: quarantined",
+        Out::Deferred => "deferred",
+        Out::Viewed { .. } => "viewed",
+        Out::Invalidated { .. } => "invalidated",
+        Out::Terminated { already: false, .. } => "terminated",
+        Out::Terminated { already: true, .. } => "terminated already",
+        Out::Retried { .. } => "retried",
+        Out::Registry(_) => "registry error",
+        Out::BindNoSelection => "bind: no selection",
+        Out::BindInactive(_) => "bind: inactive",
+        Out::BindRegistry(_) => "bind: registry error",
+        Out::AllocInactive(_) => "allocate: inactive",
+        Out::AllocDeviceLost(_) => "allocate: device lost",
+        Out::AllocAllocator => "allocate: allocator error",
+        Out::Handle(Handle::ReleaseFailed) => "handle: release failed",
+        Out::Handle(Handle::QueueFull | Handle::QueueWrongDevice) => "handle: queue refused",
+        Out::Handle(Handle::DeviceLost(_)) => "handle: device lost",
+        Out::Handle(Handle::Stale) => "handle: stale",
+        Out::Handle(_) => "handle: wrong binding or registry",
+        Out::ViewOutOfBounds => "view: out of bounds",
+        Out::ViewHandle(_) => "view: refused",
+        Out::Panicked => "planned panic",
+        Out::IdentityExhausted => "identities exhausted",
+        _ => "other",
+    }
+}
+
 impl World {
     fn new(input: &Input) -> World {
         let registry = match input.serial_limit {
@@ -692,6 +809,7 @@ impl World {
         World {
             limited: input.serial_limit.is_some(),
             registry,
+            model: Model::new(&DEVICES, capacity).with_heap_limit(HEAP_LIMIT),
             foreign: Foreign::new(),
             queues: [queue(Dev::Host), queue(Dev::Gpu0), queue(Dev::Gpu1)],
             contexts: Vec::new(),
@@ -699,14 +817,9 @@ impl World {
             mechs: Vec::new(),
             bindings: Vec::new(),
             allocs: Vec::new(),
-            selection: [None; 3],
             allowed: Allowed::Nothing,
             trace: Vec::new(),
         }
-    }
-
-    fn dev_index(device: DeviceKey) -> usize {
-        Dev::ALL.iter().position(|d| d.key() == device).expect("one of the three devices")
     }
 
     fn stacks(&self) -> impl Iterator<Item = &Arc<Ledger>> {
@@ -730,6 +843,10 @@ impl World {
         (0..self.allocs.len()).filter(|&i| self.allocs[i].handle.is_some()).collect()
     }
 
+    fn mech_index(&self, id: MechanismIdentity) -> usize {
+        self.mechs.iter().position(|m| m.id == id).expect("one of our mechanisms")
+    }
+
     // --- running one operation --------------------------------------------------
 
     /// Runs `op`, catching a planned panic, then checks every invariant.
@@ -737,8 +854,8 @@ impl World {
         self.checked(format!("{op:?}"), |world| world.apply(op));
     }
 
-    /// Runs `f` (one operation), catching a planned panic, then checks that it made
-    /// only the callbacks it may make and every invariant.
+    /// Runs `f` (one operation), catching a planned panic it did not catch itself,
+    /// then checks that it made only the callbacks it may make and every invariant.
     fn checked(&mut self, label: String, f: impl FnOnce(&mut World)) {
         self.trace.push(label);
         let before = self.counts();
@@ -747,32 +864,102 @@ impl World {
             if !injected(&*payload) {
                 resume_unwind(payload);
             }
-            // Every operation that can panic took its handle out of the model before
-            // the call; the invariant check finds where the block went.
-            self.trace.push("  (planned panic)".to_owned());
-            note("planned panic caught");
-            self.allowed = Allowed::Anything;
+            panic!("invariant: a planned panic escaped where the model did not expect one");
         }
         self.check_callbacks(&before);
         self.check();
     }
 
+    /// Runs one real registry call; a planned panic becomes `Err(Out::Panicked)`.
+    fn guard<T>(&mut self, f: impl FnOnce(&mut World) -> T) -> Result<T, Out> {
+        match catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(value) => Ok(value),
+            Err(payload) if injected(&*payload) => {
+                self.trace.push("  (planned panic)".to_owned());
+                self.allowed = Allowed::Anything;
+                Err(Out::Panicked)
+            }
+            Err(payload) => resume_unwind(payload),
+        }
+    }
+
+    /// The registry answered `actual` where the model predicted `expected` (after
+    /// changing itself as the registry must have). Identity exhaustion, which the
+    /// model does not predict, is admitted on a registry with a serial limit: then
+    /// nothing changed in the registry, and the model goes back to `saved`.
+    fn agree(&mut self, expected: Out, actual: Out, saved: Option<Model>) {
+        note(outcome_name(&actual));
+        if actual == Out::IdentityExhausted && expected != Out::IdentityExhausted {
+            assert!(self.limited, "identities ran out without a serial limit");
+            self.model = saved.expect("a limited registry saves the model before each operation");
+            return;
+        }
+        assert_eq!(
+            actual,
+            expected,
+            "invariant: the registry and the reference model disagree on {}",
+            self.trace.last().map_or("the operation", String::as_str)
+        );
+        if expected.is_error() && !expected.called_back() {
+            self.allowed = Allowed::Nothing;
+        }
+    }
+
+    /// A copy of the model to go back to if the registry runs out of identities.
+    fn save(&self) -> Option<Model> {
+        self.limited.then(|| self.model.clone())
+    }
+
     fn apply(&mut self, op: Op) {
         match op {
-            Op::RegisterContext(dev) => match self.registry.register_provider_context(dev.key(), Arc::new(())) {
-                Ok(id) => self.contexts.push(Ctx { id, device: dev.key(), state: ContextState::Live, removed: false }),
-                Err(e) => assert!(self.limited && is_identity_error(&e), "register_provider_context: {e}"),
-            },
-            Op::RegisterAuthority(dev) => match self.registry.register_authority(dev.key(), Arc::new(())) {
-                Ok(id) => self.authorities.push(Auth { id, device: dev.key(), removed: false }),
-                Err(e) => assert!(self.limited && is_identity_error(&e), "register_authority: {e}"),
-            },
+            Op::RegisterContext(dev) => {
+                let saved = self.save();
+                let expected = self.model.register_context(dev.key());
+                let actual = match self.registry.register_provider_context(dev.key(), Arc::new(())) {
+                    Ok(id) => {
+                        self.contexts.push(id);
+                        Out::Registered
+                    }
+                    Err(e) => registry_out(&e),
+                };
+                self.agree(expected, actual, saved);
+            }
+            Op::RegisterAuthority(dev) => {
+                let saved = self.save();
+                let expected = self.model.register_authority(dev.key());
+                let actual = match self.registry.register_authority(dev.key(), Arc::new(())) {
+                    Ok(id) => {
+                        self.authorities.push(id);
+                        Out::Registered
+                    }
+                    Err(e) => registry_out(&e),
+                };
+                self.agree(expected, actual, saved);
+            }
             Op::RegisterAllocator { context, authority, device, policy } => {
                 self.register_allocator(context, authority, device, policy)
             }
-            Op::Select(mech) => self.select(mech),
-            Op::Bind(dev) => self.bind(dev),
-            Op::BindRegistered(mech) => self.bind_registered(mech),
+            Op::Select(mech) => {
+                let Some((id, r)) = self.mech_id(mech) else { return };
+                let expected = self.model.select(r);
+                let actual = self.registry.select(&id).map_or_else(|e| registry_out(&e), |_| Out::Done);
+                self.agree(expected, actual, None);
+            }
+            Op::Bind(dev) => {
+                let saved = self.save();
+                let expected = self.model.bind(dev.key());
+                let result = self.registry.bind(dev.key());
+                let actual = self.bound(result);
+                self.agree(expected, actual, saved);
+            }
+            Op::BindRegistered(mech) => {
+                let Some((id, r)) = self.mech_id(mech) else { return };
+                let saved = self.save();
+                let expected = self.model.bind_registered(r);
+                let result = self.registry.bind_registered(&id);
+                let actual = self.bound(result);
+                self.agree(expected, actual, saved);
+            }
             Op::WithMemory(dev) => self.with_memory(dev),
             Op::Allocate { binding, size, align_log2 } => self.allocate(binding, size, align_log2),
             Op::Release { binding, allocation } => self.release(binding, allocation),
@@ -785,49 +972,92 @@ impl World {
                 }
             }
             Op::RunQueued { queue, count } => {
+                let (q, count) = (queue.index(), usize::from(count % 4) + 1);
+                let due = count.min(self.model.queues[q].len());
+                let expected = self.model.run_queued(q, count);
                 self.allowed = Allowed::Only(&[Callback::Release]);
-                for release in self.queues[queue.index()].take(usize::from(count % 4) + 1) {
-                    release.execute();
-                }
+                let taken = self.queues[q].take(count);
+                assert_eq!(taken.len(), due, "queue {q} held another number of releases than the model");
+                let run = |_: &mut World| {
+                    for release in taken {
+                        release.execute();
+                    }
+                };
+                let actual = self.guard(run).map_or_else(|e| e, |()| Out::Done);
+                self.agree(expected, actual, None);
             }
             Op::AbandonQueued { queue, count } => {
-                drop(self.queues[queue.index()].take(usize::from(count % 4) + 1));
+                let (q, count) = (queue.index(), usize::from(count % 4) + 1);
+                let expected = self.model.drop_queued(q, count);
+                drop(self.queues[q].take(count));
+                self.agree(expected, Out::Done, None);
             }
-            Op::Retire(mech) => self.retire(mech),
-            Op::InvalidateDevice(dev) => self.invalidate(dev),
-            Op::ConfirmTerminated(context) => self.confirm(context),
-            Op::Remove(mech) => self.remove(mech),
-            Op::RemoveContext(context) => self.remove_context(context),
-            Op::RemoveAuthority(authority) => self.remove_authority(authority),
-            Op::RetryQuarantined(mech) => self.retry(mech),
+            Op::Retire(mech) => {
+                let Some((id, r)) = self.mech_id(mech) else { return };
+                let expected = self.model.retire(r);
+                let actual = self.registry.retire(&id).map_or_else(|e| registry_out(&e), |()| Out::Done);
+                self.agree(expected, actual, None);
+            }
+            Op::InvalidateDevice(dev) => {
+                let (expected, reason) = self.model.invalidate(dev.key());
+                let report = self.registry.invalidate_device(dev.key(), &reason);
+                let actual = Out::Invalidated {
+                    mechanisms: report.mechanisms,
+                    contexts: report.contexts,
+                    selection_dropped: report.selection_dropped,
+                };
+                self.agree(expected, actual, None);
+            }
+            Op::ConfirmTerminated(context) => {
+                let Some((id, r)) = self.context_id(context) else { return };
+                self.confirm_at(id, r);
+            }
+            Op::Remove(mech) => {
+                let Some((id, r)) = self.mech_id(mech) else { return };
+                let expected = self.model.remove(r);
+                let actual = self.registry.remove(&id).map_or_else(|e| registry_out(&e), |()| Out::Done);
+                self.agree(expected, actual, None);
+            }
+            Op::RemoveContext(context) => {
+                let Some((id, r)) = self.context_id(context) else { return };
+                let expected = self.model.remove_context(r);
+                let actual =
+                    self.registry.remove_provider_context(&id).map_or_else(|e| registry_out(&e), |()| Out::Done);
+                self.agree(expected, actual, None);
+            }
+            Op::RemoveAuthority(authority) => {
+                let Some((id, r)) = self.authority_id(authority) else { return };
+                let expected = self.model.remove_authority(r);
+                let actual = self.registry.remove_authority(&id).map_or_else(|e| registry_out(&e), |()| Out::Done);
+                self.agree(expected, actual, None);
+            }
+            Op::RetryQuarantined(mech) => {
+                let Some((id, r)) = self.mech_id(mech) else { return };
+                self.retry_at(id, r);
+            }
             Op::Inject { mechanism, fault, nth } => self.inject(mechanism, fault, nth),
         }
     }
 
-    fn context_id(&self, pick_: Pick) -> Option<(ProviderContextIdentity, Option<usize>)> {
+    fn context_id(&self, pick_: Pick) -> Option<(ProviderContextIdentity, Ref)> {
         match pick_ {
-            Pick::Foreign => Some((self.foreign.context, None)),
-            Pick::Ours(i) => pick(i, self.contexts.len()).map(|i| (self.contexts[i].id, Some(i))),
+            Pick::Foreign => Some((self.foreign.context, Ref::Foreign)),
+            Pick::Ours(i) => pick(i, self.contexts.len()).map(|i| (self.contexts[i], Ref::Ours(i))),
         }
     }
 
-    fn authority_id(&self, pick_: Pick) -> Option<(AuthorityIdentity, Option<usize>)> {
+    fn authority_id(&self, pick_: Pick) -> Option<(AuthorityIdentity, Ref)> {
         match pick_ {
-            Pick::Foreign => Some((self.foreign.authority, None)),
-            Pick::Ours(i) => pick(i, self.authorities.len()).map(|i| (self.authorities[i].id, Some(i))),
+            Pick::Foreign => Some((self.foreign.authority, Ref::Foreign)),
+            Pick::Ours(i) => pick(i, self.authorities.len()).map(|i| (self.authorities[i], Ref::Ours(i))),
         }
     }
 
-    fn mech_id(&self, pick_: Pick) -> Option<(MechanismIdentity, Option<usize>)> {
+    fn mech_id(&self, pick_: Pick) -> Option<(MechanismIdentity, Ref)> {
         match pick_ {
-            Pick::Foreign => Some((self.foreign.mechanism, None)),
-            Pick::Ours(i) => pick(i, self.mechs.len()).map(|i| (self.mechs[i].id, Some(i))),
+            Pick::Foreign => Some((self.foreign.mechanism, Ref::Foreign)),
+            Pick::Ours(i) => pick(i, self.mechs.len()).map(|i| (self.mechs[i].id, Ref::Ours(i))),
         }
-    }
-
-    /// A live (registered, not removed) mechanism of ours.
-    fn registered(&self, index: Option<usize>) -> Option<usize> {
-        index.filter(|&i| !self.mechs[i].removed)
     }
 
     fn register_allocator(&mut self, context: Pick, authority: Pick, device: Dev, policy: Policy) {
@@ -836,23 +1066,19 @@ impl World {
             return;
         };
         let ledger = Arc::new(Ledger::new(device.key()));
-        let drop_policy = match policy {
-            Policy::Default => None,
-            Policy::Release => Some(DropPolicy::Release),
-            Policy::Quarantine => Some(DropPolicy::Quarantine),
-            Policy::Defer(dev) => {
-                Some(DropPolicy::Defer(Arc::clone(&self.queues[dev.index()]) as Arc<dyn DeferredReleaseQueue>))
-            }
+        let (drop_policy, model_policy) = match policy {
+            Policy::Default => (None, None),
+            Policy::Release => (Some(DropPolicy::Release), Some(reference::Policy::Release)),
+            Policy::Quarantine => (Some(DropPolicy::Quarantine), Some(reference::Policy::Quarantine)),
+            Policy::Defer(dev) => (
+                Some(DropPolicy::Defer(Arc::clone(&self.queues[dev.index()]) as Arc<dyn DeferredReleaseQueue>)),
+                Some(reference::Policy::Defer(dev.index())),
+            ),
         };
         let options = MechanismOptions::default().with_drop_policy(drop_policy);
-        // Registered and every precondition holds: the model expects success.
-        let ctx_entry = ctx.map(|i| &self.contexts[i]).filter(|c| !c.removed);
-        let auth_ok = auth.is_some_and(|i| !self.authorities[i].removed);
-        let auth_device = auth.map(|i| self.authorities[i].device);
-        let expect_ok = ctx_entry.is_some_and(|c| {
-            c.state == ContextState::Live && auth_ok && auth_device == Some(c.device) && c.device == device.key()
-        });
-        if expect_ok {
+        let saved = self.save();
+        let expected = self.model.register_allocator(ctx, auth, device.key(), model_policy);
+        if expected == Out::Registered {
             // Admitted registrations ask once for each capability (the safe path checks
             // that they are part of the allocator); refused ones make no callback.
             self.allowed = Allowed::Only(&[Callback::VirtualBacking, Callback::SharedMapping]);
@@ -863,129 +1089,88 @@ impl World {
             Arc::clone(&ledger) as Arc<dyn DeviceAllocator>,
             options,
         );
-        match result {
+        let actual = match result {
             Ok(id) => {
-                assert!(expect_ok, "register_allocator succeeded against the model: {id}");
-                note("register_allocator: ok");
-                self.push_mech(id, device.key(), ctx_id, auth_id, ledger);
+                self.mechs.push(Mech { id, device: device.key(), context: ctx_id, authority: auth_id, ledger });
+                Out::Registered
             }
-            Err(e) => {
-                note("register_allocator: refused");
-                assert!(
-                    !expect_ok || (self.limited && is_identity_error(&e)),
-                    "register_allocator failed although every precondition holds: {e}"
-                )
-            }
-        }
+            Err(e) => registry_out(&e),
+        };
+        self.agree(expected, actual, saved);
     }
 
-    fn push_mech(
-        &mut self,
-        id: MechanismIdentity,
-        device: DeviceKey,
-        context: ProviderContextIdentity,
-        authority: AuthorityIdentity,
-        ledger: Arc<Ledger>,
-    ) {
-        let d = World::dev_index(device);
-        let index = self.mechs.len();
-        self.mechs.push(Mech { id, device, context, authority, ledger, life: Life::Active, removed: false });
-        if self.selection[d].is_none() {
-            self.selection[d] = Some(index);
-        }
-    }
-
-    fn select(&mut self, mech: Pick) {
-        let Some((id, index)) = self.mech_id(mech) else { return };
-        let index = self.registered(index);
-        let expect_ok = index.is_some_and(|i| self.mechs[i].life == Life::Active);
-        match self.registry.select(&id) {
-            Ok(_) => {
-                assert!(expect_ok, "select succeeded against the model");
-                let i = index.expect("expected");
-                self.selection[World::dev_index(self.mechs[i].device)] = Some(i);
-            }
-            Err(e) => assert!(!expect_ok || (self.limited && is_identity_error(&e)), "select failed: {e}"),
-        }
-    }
-
-    fn push_binding(&mut self, binding: MemoryBinding) {
-        let id = binding.identity().mechanism();
-        let mech = self.mechs.iter().position(|m| m.id == id).expect("a binding of one of our mechanisms");
-        self.bindings.push(Bound { binding, mech });
-    }
-
-    fn bind(&mut self, dev: Dev) {
-        let selected = self.selection[dev.index()];
-        match self.registry.bind(dev.key()) {
+    /// A bind's answer in the model's terms; a new binding takes the model's newest key.
+    fn bound(&mut self, result: Result<MemoryBinding, BindError>) -> Out {
+        match result {
             Ok(binding) => {
-                let mech = binding.identity().mechanism();
-                assert_eq!(selected.map(|i| self.mechs[i].id), Some(mech), "bind used another mechanism");
-                self.push_binding(binding);
+                let mechanism = self.mech_index(binding.identity().mechanism());
+                let key = self.model.bindings.len().saturating_sub(1);
+                self.bindings.push(Bound { binding, key });
+                Out::Bound { mechanism }
             }
-            Err(BindError::NoSelection { .. }) => assert!(selected.is_none(), "bind found no selection"),
-            Err(BindError::Registry(e)) if self.limited && is_identity_error(&e) => {}
-            Err(e) => panic!("bind failed with a selection in place: {e}"),
-        }
-    }
-
-    fn bind_registered(&mut self, mech: Pick) {
-        let Some((id, index)) = self.mech_id(mech) else { return };
-        if index.is_none() {
-            // A foreign mechanism must be refused as foreign.
-            let err = self.registry.bind_registered(&id).expect_err("a foreign mechanism was bound");
-            assert!(
-                matches!(err, BindError::Registry(RegistryError::ForeignRegistry { .. })),
-                "foreign mechanism: {err}"
-            );
-            return;
-        }
-        let index = self.registered(index);
-        let expect_ok = index.is_some_and(|i| self.mechs[i].life == Life::Active);
-        match self.registry.bind_registered(&id) {
-            Ok(binding) => {
-                assert!(expect_ok, "bind_registered succeeded against the model");
-                self.push_binding(binding);
-            }
-            Err(BindError::Registry(e)) if self.limited && is_identity_error(&e) => {}
-            Err(e) => assert!(!expect_ok, "bind_registered failed: {e}"),
+            Err(e) => bind_out(&e),
         }
     }
 
     fn with_memory(&mut self, dev: Dev) {
         let ledger = Arc::new(Ledger::new(dev.key()));
         self.allowed = Allowed::Only(&[Callback::VirtualBacking, Callback::SharedMapping]);
+        let saved = self.model.clone();
+        let expected = self.model.with_memory(dev.key());
         let result = self.registry.with_memory(Arc::clone(&ledger) as Arc<dyn DeviceAllocator>);
         // Pick up whatever was registered (all of it on success; a prefix when
         // identities ran out).
         let snapshot = self.registry.snapshots();
+        let (mut contexts, mut authorities, mut mechanisms) = (0, 0, 0);
         for c in &snapshot.contexts {
-            if !self.contexts.iter().any(|k| k.id == c.identity) {
-                self.contexts.push(Ctx { id: c.identity, device: c.device, state: c.state, removed: false });
+            if !self.contexts.contains(&c.identity) {
+                self.contexts.push(c.identity);
+                contexts += 1;
             }
         }
         for a in &snapshot.authorities {
-            if !self.authorities.iter().any(|k| k.id == a.identity) {
-                self.authorities.push(Auth { id: a.identity, device: a.device, removed: false });
+            if !self.authorities.contains(&a.identity) {
+                self.authorities.push(a.identity);
+                authorities += 1;
             }
         }
         for m in &snapshot.mechanisms {
             if !self.mechs.iter().any(|k| k.id == m.identity) {
-                self.push_mech(m.identity, m.device, m.context, m.authority, Arc::clone(&ledger));
+                let ledger = Arc::clone(&ledger);
+                self.mechs.push(Mech {
+                    id: m.identity,
+                    device: m.device,
+                    context: m.context,
+                    authority: m.authority,
+                    ledger,
+                });
+                mechanisms += 1;
             }
         }
-        match result {
-            Ok(binding) => self.push_binding(binding),
-            Err(BindError::Registry(e)) if self.limited && is_identity_error(&e) => {}
-            Err(e) => panic!("with_memory failed: {e}"),
+        let actual = match result {
+            Ok(binding) => self.bound(Ok(binding)),
+            Err(e) => bind_out(&e),
+        };
+        if actual == Out::IdentityExhausted {
+            // The model books the prefix the registry managed, step by step.
+            assert!(self.limited, "identities ran out without a serial limit");
+            self.model = saved;
+            for _ in 0..contexts {
+                self.model.register_context(dev.key());
+            }
+            for _ in 0..authorities {
+                self.model.register_authority(dev.key());
+            }
+            if mechanisms > 0 {
+                let (c, a) = (self.model.contexts.len() - 1, self.model.authorities.len() - 1);
+                let out = self.model.register_allocator(Ref::Ours(c), Ref::Ours(a), dev.key(), None);
+                assert_eq!(out, Out::Registered, "with_memory's own mechanism");
+            }
+            note(outcome_name(&actual));
+            return;
         }
-    }
-
-    fn binding(&self, pick_: Pick) -> Option<(&MemoryBinding, Option<usize>)> {
-        match pick_ {
-            Pick::Foreign => Some((&self.foreign.binding, None)),
-            Pick::Ours(i) => pick(i, self.bindings.len()).map(|i| (&self.bindings[i].binding, Some(i))),
-        }
+        assert_eq!((contexts, authorities, mechanisms), (1, 1, 1), "with_memory registers one of each");
+        self.agree(expected, actual, None);
     }
 
     fn allocate(&mut self, binding: Pick, size: Size, align_log2: u8) {
@@ -994,52 +1179,45 @@ impl World {
         let Ok(request) = AllocationRequest::new(size.bytes(), 1usize << (align_log2 % (MAX_ALIGN_LOG2 + 1))) else {
             return;
         };
-        let mech = self.bindings[b].mech;
-        let life = self.mechs[mech].life;
+        let (key, binding) = (self.bindings[b].key, self.bindings[b].binding.clone());
+        let saved = self.save();
+        let expected = self.model.allocate(key, request.bytes());
         self.allowed = Allowed::Only(&[Callback::Allocate]);
-        match self.bindings[b].binding.allocate(request) {
-            Ok(handle) => {
-                assert_eq!(life, Life::Active, "allocate succeeded on a {life:?} mechanism");
-                assert!(handle.bytes() >= request.bytes() && handle.address().is_aligned_to(request.align()));
+        if self.limited {
+            // An allocation that cannot be recorded is given straight back.
+            self.allowed = Allowed::Only(&[Callback::Allocate, Callback::Release]);
+        }
+        let actual = match self.guard(|_| binding.allocate(request)) {
+            Ok(Ok(handle)) => {
+                assert!(handle.address().is_aligned_to(request.align()));
                 let identity = handle.identity().expect("a live handle has an identity");
-                assert_eq!(
-                    *identity.binding(),
-                    self.bindings[b].binding.identity(),
-                    "allocation names another binding"
-                );
-                let ledger = &self.mechs[mech].ledger;
-                let serial = ledger
+                assert_eq!(*identity.binding(), binding.identity(), "allocation names another binding");
+                let mechanism = self.mech_index(identity.binding().mechanism());
+                let serial = self.mechs[mechanism]
+                    .ledger
                     .serial_at(handle.address().get())
                     .unwrap_or_else(|| panic!("invariant: allocation {identity} is not a live block of its allocator"));
                 let bytes = handle.bytes();
-                self.allocs.push(Alloc { identity, mech, serial, bytes, handle: Some(handle) });
-                note("allocate: ok");
+                self.allocs.push(Alloc { identity, serial, handle: Some(handle) });
+                Out::Allocated { mechanism, bytes }
             }
-            Err(AllocateError::Inactive { state, .. }) => {
-                assert_eq!(life, Life::Retired, "allocate refused as {state}");
-                note("allocate: inactive");
-                self.allowed = Allowed::Nothing;
-            }
-            Err(AllocateError::DeviceLost { .. }) => {
-                assert!(matches!(life, Life::Lost | Life::Terminated), "allocate refused as device lost on {life:?}");
-                note("allocate: device lost");
-                self.allowed = Allowed::Nothing;
-            }
-            Err(AllocateError::Allocator(e)) => {
-                assert_eq!(life, Life::Active, "the allocator was called on a {life:?} mechanism ({e})");
-                note("allocate: allocator error");
-            }
-            Err(AllocateError::Identity(e)) => {
-                assert!(self.limited, "identity exhaustion without a limit: {e}");
-                note("allocate: identities exhausted");
-                // The block was made, then given straight back.
-                self.allowed = Allowed::Only(&[Callback::Allocate, Callback::Release]);
-            }
-            Err(e) => panic!("allocate failed unexpectedly: {e}"),
+            Ok(Err(AllocateError::Inactive { state, .. })) => Out::AllocInactive(mechanism_state(state)),
+            Ok(Err(AllocateError::DeviceLost { reason, .. })) => Out::AllocDeviceLost(reason),
+            Ok(Err(AllocateError::Allocator(_))) => Out::AllocAllocator,
+            Ok(Err(AllocateError::Identity(_))) => Out::IdentityExhausted,
+            Ok(Err(e)) => Out::Other(e.to_string()),
+            Err(panicked) => panicked,
+        };
+        if self.limited && expected != actual && matches!(actual, Out::IdentityExhausted | Out::Panicked) {
+            // Made, not recorded, given back (and that release may have panicked).
+            self.model = saved.expect("saved");
+            let expected = self.model.allocate_unrecorded(key, request.bytes());
+            return self.agree(expected, actual, None);
         }
+        self.agree(expected, actual, None);
     }
 
-    /// Takes a held allocation out of the model (ours or the foreign one).
+    /// Takes a held allocation out (ours, by model index, or the foreign one).
     fn take_handle(&mut self, allocation: Pick) -> Option<(BoundAllocation, Option<usize>)> {
         match allocation {
             Pick::Foreign => self.foreign.allocation.take().map(|h| (h, None)),
@@ -1061,352 +1239,181 @@ impl World {
         }
     }
 
-    /// Whether `binding` made allocation `index` (the foreign ones are never ours).
-    fn owns(&self, binding: Option<usize>, index: Option<usize>) -> bool {
-        match (binding, index) {
-            (Some(b), Some(i)) => self.bindings[b].binding.identity() == *self.allocs[i].identity.binding(),
-            (None, None) => true,
-            _ => false,
+    /// The binding an operation goes through, and what the model calls it.
+    fn through(&self, binding: Pick) -> Option<(MemoryBinding, Through)> {
+        match binding {
+            Pick::Foreign => Some((self.foreign.binding.clone(), Through::Foreign)),
+            Pick::Ours(i) => pick(i, self.bindings.len())
+                .map(|i| (self.bindings[i].binding.clone(), Through::Binding(self.bindings[i].key))),
         }
+    }
+
+    /// A refused handle operation: the handle comes back intact.
+    fn rejected(&mut self, rejected: Rejected<BoundAllocation>, index: Option<usize>) -> Out {
+        let Rejected { handle, reason } = rejected;
+        self.put_back(handle, index);
+        Out::Handle(handle_error(&reason))
     }
 
     fn release(&mut self, binding: Pick, allocation: Pick) {
         if matches!((binding, allocation), (Pick::Foreign, Pick::Foreign)) {
             return;
         }
-        let Some((b, b_index)) = self.binding(binding).map(|(b, i)| (b.clone(), i)) else { return };
+        let Some((b, through)) = self.through(binding) else { return };
         let Some((handle, index)) = self.take_handle(allocation) else { return };
-        let owns = self.owns(b_index, index);
-        let life = index.map(|i| self.mechs[self.allocs[i].mech].life);
+        // Another registry's handle is refused as foreign before anything else.
+        let expected = index.map_or(Out::Handle(Handle::Foreign), |i| self.model.release(i, through));
         self.allowed = Allowed::Only(&[Callback::Release]);
-        match b.release(handle) {
-            Ok(report) => {
-                assert!(owns, "a release through the wrong binding was accepted");
-                assert!(matches!(life, Some(Life::Active | Life::Retired)), "release accepted on {life:?}");
-                let i = index.expect("ours");
-                let state = self.registry.allocation_state(&self.allocs[i].identity);
-                match report {
-                    ReleaseSummary::Complete { .. } => {
-                        note("release: complete");
-                        assert_eq!(state, AllocationState::Gone)
-                    }
-                    ReleaseSummary::Quarantined { unmapped_bytes, residual_bytes } => {
-                        note("release: quarantined");
-                        assert_eq!(state, AllocationState::Quarantined);
-                        assert!(unmapped_bytes.checked_add(residual_bytes).is_some_and(|t| t <= self.allocs[i].bytes));
-                    }
-                    _ => panic!("unknown release report {report:?}"),
-                }
-            }
-            Err(Rejected { handle, reason }) => {
-                match &reason {
-                    HandleError::ReleaseFailed(_) => {
-                        note("release: refused by the allocator");
-                        assert!(owns && matches!(life, Some(Life::Active | Life::Retired)), "refused by the allocator")
-                    }
-                    HandleError::ForeignRegistry { .. } | HandleError::BindingMismatch { .. } => {
-                        note("release: wrong binding or registry");
-                        assert!(!owns, "the right binding was refused: {reason}");
-                        self.allowed = Allowed::Nothing;
-                    }
-                    HandleError::DeviceLost { .. } => {
-                        note("release: device lost");
-                        assert!(owns && life == Some(Life::Lost), "refused as device lost on {life:?}");
-                        self.allowed = Allowed::Nothing;
-                    }
-                    HandleError::StaleAllocation => {
-                        note("release: stale after termination");
-                        assert!(owns && life == Some(Life::Terminated), "refused as stale on {life:?}");
-                        self.allowed = Allowed::Nothing;
-                    }
-                    other => panic!("release refused unexpectedly: {other}"),
-                }
-                self.put_back(handle, index);
-            }
-        }
+        // Boxed: a rejection carries the whole handle back.
+        let actual = match self.guard(|_| b.release(handle).map_err(Box::new)) {
+            Ok(Ok(report)) => Out::Released(report),
+            Ok(Err(rejected)) => self.rejected(*rejected, index),
+            Err(panicked) => panicked,
+        };
+        self.agree(expected, actual, None);
     }
 
     fn release_deferred(&mut self, binding: Pick, allocation: Pick, queue: Dev) {
         if matches!((binding, allocation), (Pick::Foreign, Pick::Foreign)) {
             return;
         }
-        let Some((b, b_index)) = self.binding(binding).map(|(b, i)| (b.clone(), i)) else { return };
+        let Some((b, through)) = self.through(binding) else { return };
         let Some((handle, index)) = self.take_handle(allocation) else { return };
-        let owns = self.owns(b_index, index);
-        let life = index.map(|i| self.mechs[self.allocs[i].mech].life);
-        let queue = Arc::clone(&self.queues[queue.index()]);
-        let full = lock(&queue.held).len() >= queue.capacity;
-        let same_device = queue.device == b.device();
+        let expected =
+            index.map_or(Out::Handle(Handle::Foreign), |i| self.model.release_deferred(i, through, queue.index()));
         // A deferral makes no allocator callback at all: the queue runs it later.
         self.allowed = Allowed::Nothing;
-        match b.release_deferred(handle, &*queue) {
+        let held = Arc::clone(&self.queues[queue.index()]);
+        let actual = match b.release_deferred(handle, &*held) {
             Ok(()) => {
-                assert!(owns && same_device && !full, "a deferral was accepted against the model");
-                assert!(matches!(life, Some(Life::Active | Life::Retired)), "deferral accepted on {life:?}");
-                let i = index.expect("ours");
-                assert!(queue.contains(&self.allocs[i].identity), "the queue does not hold the deferred release");
-                note("defer: queued");
+                let i = index.expect("only our handles can be deferred");
+                assert!(held.contains(&self.allocs[i].identity), "the queue does not hold the deferred release");
+                Out::Deferred
             }
-            Err(Rejected { handle, reason }) => {
-                let expected = match &reason {
-                    HandleError::ForeignRegistry { .. } | HandleError::BindingMismatch { .. } => !owns,
-                    HandleError::QueueRefused(QueueRefusalReason::WrongDevice { .. }) => owns && !same_device,
-                    HandleError::DeviceLost { .. } => owns && life == Some(Life::Lost),
-                    HandleError::StaleAllocation => owns && life == Some(Life::Terminated),
-                    HandleError::QueueRefused(QueueRefusalReason::Full { .. }) => owns && full,
-                    _ => false,
-                };
-                assert!(expected, "deferral refused against the model: {reason} (life {life:?})");
-                note("defer: refused");
-                self.put_back(handle, index);
-            }
-        }
+            Err(rejected) => self.rejected(rejected, index),
+        };
+        self.agree(expected, actual, None);
     }
 
     fn view(&mut self, allocation: Pick, offset: usize, len: usize) {
-        let (handle, life) = match allocation {
+        let (handle, expected) = match allocation {
             Pick::Foreign => match &self.foreign.allocation {
-                Some(h) => (h, Life::Active),
+                // Viewing checks the handle's own registry: the foreign one is live there.
+                Some(h) => {
+                    let inside = offset.checked_add(len).is_some_and(|end| end <= h.bytes());
+                    (h, if inside { Out::Viewed { len } } else { Out::ViewOutOfBounds })
+                }
                 None => return,
             },
             Pick::Ours(i) => {
                 let held = self.held();
                 let Some(k) = pick(i, held.len()) else { return };
-                let a = &self.allocs[held[k]];
-                (a.handle.as_ref().expect("held"), self.mechs[a.mech].life)
+                (self.allocs[held[k]].handle.as_ref().expect("held"), self.model.view(held[k], offset, len))
             }
         };
-        let inside = offset.checked_add(len).is_some_and(|end| end <= handle.bytes());
-        match handle.view(offset, len) {
+        let actual = match handle.view(offset, len) {
             Ok(view) => {
-                assert!(inside, "a view outside the allocation was made");
-                assert!(matches!(life, Life::Active | Life::Retired), "a view was made on a {life:?} mechanism");
-                assert_eq!((view.offset(), view.len()), (offset, len));
+                assert_eq!(view.offset(), offset);
                 assert_eq!(view.address().get(), handle.address().get() + offset as u64);
-                note("view: ok");
+                Out::Viewed { len: view.len() }
             }
-            Err(ViewError::OutOfBounds { .. }) => {
-                note("view: out of bounds");
-                assert!(!inside, "an in-bounds view was refused")
-            }
-            Err(ViewError::Handle(HandleError::DeviceLost { .. })) => assert_eq!(life, Life::Lost),
-            Err(ViewError::Handle(HandleError::StaleAllocation)) => assert_eq!(life, Life::Terminated),
-            Err(e) => panic!("view failed unexpectedly: {e}"),
-        }
+            Err(ViewError::OutOfBounds { .. }) => Out::ViewOutOfBounds,
+            Err(ViewError::Handle(e)) => Out::ViewHandle(handle_error(&e)),
+            Err(e) => Out::Other(e.to_string()),
+        };
+        self.agree(expected, actual, None);
     }
 
     fn drop_allocation(&mut self, i: u8) {
         let held = self.held();
         let Some(k) = pick(i, held.len()) else { return };
         let handle = self.allocs[held[k]].handle.take().expect("held");
+        let expected = self.model.drop_handle(held[k]);
         // Drop policy Release calls release; Defer and Quarantine call nothing.
         self.allowed = Allowed::Only(&[Callback::Release]);
-        drop(handle);
+        let actual = self.guard(|_| drop(handle)).map_or_else(|e| e, |()| Out::Done);
+        self.agree(expected, actual, None);
     }
 
-    fn retire(&mut self, mech: Pick) {
-        let Some((id, index)) = self.mech_id(mech) else { return };
-        let index = self.registered(index);
-        let expect_ok = index.is_some_and(|i| self.mechs[i].life == Life::Active);
-        match self.registry.retire(&id) {
-            Ok(()) => {
-                assert!(expect_ok, "retire succeeded against the model");
-                let i = index.expect("expected");
-                self.mechs[i].life = Life::Retired;
-                let d = World::dev_index(self.mechs[i].device);
-                if self.selection[d] == Some(i) {
-                    self.selection[d] = None;
-                }
-            }
-            Err(e) => assert!(!expect_ok, "retire failed: {e}"),
-        }
-    }
-
-    fn invalidate(&mut self, dev: Dev) {
-        let report = self.registry.invalidate_device(dev.key(), "fuzzed device loss");
-        let mut moved = 0;
-        for m in self.mechs.iter_mut().filter(|m| !m.removed && m.device == dev.key()) {
-            if matches!(m.life, Life::Active | Life::Retired) {
-                m.life = Life::Lost;
-                moved += 1;
-            }
-        }
-        let mut contexts = 0;
-        for c in self.contexts.iter_mut().filter(|c| !c.removed && c.device == dev.key()) {
-            if c.state == ContextState::Live {
-                c.state = ContextState::Lost;
-                contexts += 1;
-            }
-        }
-        let dropped = self.selection[dev.index()].take().is_some();
-        assert_eq!(
-            (report.mechanisms, report.contexts, report.selection_dropped),
-            (moved, contexts, dropped),
-            "invalidation report disagrees with the model"
-        );
-    }
-
-    fn confirm(&mut self, context: Pick) {
-        let Some((id, index)) = self.context_id(context) else { return };
-        self.confirm_at(id, index, matches!(context, Pick::Foreign));
-    }
-
-    fn confirm_at(&mut self, id: ProviderContextIdentity, index: Option<usize>, foreign: bool) {
-        let index = index.filter(|&i| !self.contexts[i].removed);
-        let mechs: Vec<usize> =
-            (0..self.mechs.len()).filter(|&m| !self.mechs[m].removed && self.mechs[m].context == id).collect();
-        let queued: usize = mechs.iter().map(|&m| self.queued_for(&self.mechs[m].id)).sum();
-        let state = index.map(|i| self.contexts[i].state);
+    fn confirm_at(&mut self, id: ProviderContextIdentity, context: Ref) {
+        let expected = self.model.confirm(context);
         // Lost blocks and discharged quarantine go to forget_lost, one call per mechanism.
         self.allowed = Allowed::Only(&[Callback::ForgetLost]);
-        // Mark the transition before the call: a planned panic in forget_lost comes
-        // after the registry has terminated everything.
-        let terminates = state == Some(ContextState::Lost) && queued == 0;
-        if terminates {
-            for &m in &mechs {
-                self.mechs[m].life = Life::Terminated;
-            }
-            self.contexts[index.expect("known")].state = ContextState::Terminated;
-        }
-        match self.registry.confirm_context_terminated(&id) {
-            Ok(report) => {
-                assert!(
-                    terminates || state == Some(ContextState::Terminated),
-                    "confirm succeeded on a {state:?} context with {queued} queued"
-                );
-                assert_eq!(report.already_terminated, !terminates);
-                note(if terminates { "confirm: terminated" } else { "confirm: already terminated" });
-                if terminates {
-                    assert_eq!(report.mechanisms, mechs.len(), "termination report: {report:?}");
+        let actual = match self.guard(|world| world.registry.confirm_context_terminated(&id)) {
+            Ok(Ok(report)) => {
+                assert_eq!(report.context, id);
+                Out::Terminated {
+                    already: report.already_terminated,
+                    mechanisms: report.mechanisms,
+                    lost_allocations: report.lost_allocations,
+                    lost_bytes: report.lost_bytes,
+                    discharged: report.discharged_quarantine,
                 }
             }
-            Err(e) => {
-                self.allowed = Allowed::Nothing;
-                let expected = match &e {
-                    RegistryError::ForeignRegistry { .. } => foreign,
-                    RegistryError::Unknown { .. } => !foreign && state.is_none(),
-                    RegistryError::ContextStillLive { .. } => state == Some(ContextState::Live),
-                    RegistryError::ContextNotQuiescent { in_flight, .. } => {
-                        state == Some(ContextState::Lost) && *in_flight == queued && queued > 0
-                    }
-                    _ => false,
-                };
-                assert!(expected, "confirm failed against the model: {e}");
-                note("confirm: refused");
-            }
-        }
+            Ok(Err(e)) => registry_out(&e),
+            Err(panicked) => panicked,
+        };
+        self.agree(expected, actual, None);
     }
 
-    /// Live, quarantined and in-flight counts of mechanism `m`, from the allocations'
-    /// states (themselves checked against the ledger after every step).
-    fn busy(&self, m: usize) -> usize {
-        let id = self.mechs[m].id;
-        let recorded = self
-            .allocs
-            .iter()
-            .filter(|a| a.mech == m)
-            .filter(|a| {
-                matches!(
-                    self.registry.allocation_state(&a.identity),
-                    AllocationState::Live | AllocationState::Lost | AllocationState::Quarantined
-                )
-            })
-            .count();
-        recorded + self.queued_for(&id)
-    }
-
-    fn remove(&mut self, mech: Pick) {
-        let Some((id, index)) = self.mech_id(mech) else { return };
-        let index = self.registered(index);
-        let expect_ok =
-            index.is_some_and(|i| matches!(self.mechs[i].life, Life::Retired | Life::Terminated) && self.busy(i) == 0);
-        match self.registry.remove(&id) {
-            Ok(()) => {
-                assert!(expect_ok, "remove succeeded against the model");
-                note("remove: ok");
-                self.mechs[index.expect("expected")].removed = true;
-            }
-            Err(e) => assert!(!expect_ok, "remove of a quiescent retired or terminated mechanism failed: {e}"),
-        }
-    }
-
-    fn remove_context(&mut self, context: Pick) {
-        let Some((id, index)) = self.context_id(context) else { return };
-        let index = index.filter(|&i| !self.contexts[i].removed);
-        let dependents = self.mechs.iter().any(|m| !m.removed && m.context == id);
-        let expect_ok = index.is_some() && !dependents;
-        match self.registry.remove_provider_context(&id) {
-            Ok(()) => {
-                assert!(expect_ok, "remove_provider_context succeeded against the model");
-                self.contexts[index.expect("expected")].removed = true;
-            }
-            Err(e) => assert!(!expect_ok, "remove_provider_context failed: {e}"),
-        }
-    }
-
-    fn remove_authority(&mut self, authority: Pick) {
-        let Some((id, index)) = self.authority_id(authority) else { return };
-        let index = index.filter(|&i| !self.authorities[i].removed);
-        let dependents = self.mechs.iter().any(|m| !m.removed && m.authority == id);
-        let expect_ok = index.is_some() && !dependents;
-        match self.registry.remove_authority(&id) {
-            Ok(()) => {
-                assert!(expect_ok, "remove_authority succeeded against the model");
-                self.authorities[index.expect("expected")].removed = true;
-            }
-            Err(e) => assert!(!expect_ok, "remove_authority failed: {e}"),
-        }
-    }
-
-    fn retry(&mut self, mech: Pick) {
-        let Some((id, index)) = self.mech_id(mech) else { return };
-        self.retry_at(id, index);
-    }
-
-    fn retry_at(&mut self, id: MechanismIdentity, index: Option<usize>) {
-        let index = self.registered(index);
-        let expect_ok = index.is_some_and(|i| matches!(self.mechs[i].life, Life::Active | Life::Retired));
-        let before = index.and_then(|_| self.registry.snapshot(&id).ok()).map_or(0, |s| s.quarantined.len());
+    fn retry_at(&mut self, id: MechanismIdentity, mechanism: Ref) {
+        let expected = self.model.retry(mechanism);
         self.allowed = Allowed::Only(&[Callback::Release]);
-        match self.registry.retry_quarantined(&id) {
-            Ok(report) => {
-                assert!(expect_ok, "retry_quarantined succeeded against the model");
-                assert_eq!(report.released + report.still_quarantined, before, "retry report {report:?}");
-                if report.released > 0 {
-                    note("retry: released some");
-                }
-            }
-            Err(e) => {
-                assert!(!expect_ok, "retry_quarantined failed: {e}");
-                self.allowed = Allowed::Nothing;
-            }
-        }
+        let actual = match self.guard(|world| world.registry.retry_quarantined(&id)) {
+            Ok(Ok(report)) => Out::Retried { released: report.released, still: report.still_quarantined },
+            Ok(Err(e)) => registry_out(&e),
+            Err(panicked) => panicked,
+        };
+        self.agree(expected, actual, None);
     }
 
     fn inject(&mut self, mechanism: u8, fault: Fault, nth: u8) {
         let Some(m) = pick(mechanism, self.mechs.len()) else { return };
         let faulty = self.mechs[m].ledger.faulty();
         let n = u64::from(nth % 4) + 1;
-        match fault {
-            Fault::FailAllocate => faulty.fail_nth(Callback::Allocate, n),
-            Fault::OutOfMemory => faulty.fail_nth_allocate_with(
-                n,
-                AllocError::OutOfMemory {
+        let planned = match fault {
+            Fault::FailAllocate => {
+                faulty.fail_nth(Callback::Allocate, n);
+                (FaultOn::Allocate, reference::Fault::Fail)
+            }
+            Fault::OutOfMemory => {
+                let oom = AllocError::OutOfMemory {
                     device: self.mechs[m].device,
                     requested: 0,
                     align: 1,
                     available: MaybeBytes(None),
-                },
-            ),
-            Fault::FailRelease => faulty.fail_nth(Callback::Release, n),
-            Fault::QuarantineRelease { unmapped, residual } => {
-                faulty.quarantine_nth_release(n, usize::from(unmapped), usize::from(residual))
+                };
+                faulty.fail_nth_allocate_with(n, oom);
+                (FaultOn::Allocate, reference::Fault::Fail)
             }
-            Fault::PanicAllocate => faulty.panic_on_nth(Callback::Allocate, n),
-            Fault::PanicRelease => faulty.panic_on_nth(Callback::Release, n),
-            Fault::PanicForgetLost => faulty.panic_on_nth(Callback::ForgetLost, n),
-            Fault::Clear => faulty.clear(),
-        }
+            Fault::FailRelease => {
+                faulty.fail_nth(Callback::Release, n);
+                (FaultOn::Release, reference::Fault::Fail)
+            }
+            Fault::QuarantineRelease { unmapped, residual } => {
+                let (unmapped, residual) = (usize::from(unmapped), usize::from(residual));
+                faulty.quarantine_nth_release(n, unmapped, residual);
+                (FaultOn::Release, reference::Fault::Quarantine { unmapped, residual })
+            }
+            Fault::PanicAllocate => {
+                faulty.panic_on_nth(Callback::Allocate, n);
+                (FaultOn::Allocate, reference::Fault::Panic)
+            }
+            Fault::PanicRelease => {
+                faulty.panic_on_nth(Callback::Release, n);
+                (FaultOn::Release, reference::Fault::Panic)
+            }
+            Fault::PanicForgetLost => {
+                faulty.panic_on_nth(Callback::ForgetLost, n);
+                (FaultOn::ForgetLost, reference::Fault::Panic)
+            }
+            Fault::Clear => {
+                faulty.clear();
+                self.model.clear_faults(m);
+                return;
+            }
+        };
+        self.model.plan_fault(m, planned.0, n, planned.1);
     }
 
     // --- invariants -------------------------------------------------------------
@@ -1437,39 +1444,33 @@ impl World {
 
     /// Every invariant of the module docs (4 and 5), after every operation.
     pub fn check(&self) {
-        let mut per_mech: Vec<(usize, usize, usize)> = vec![(0, 0, 0); self.mechs.len()]; // (records, bytes, quarantined)
+        self.model.check_conservation();
         let mut ledger_live = vec![0usize; self.mechs.len()];
-        for a in &self.allocs {
-            let mech = &self.mechs[a.mech];
+        for (i, a) in self.allocs.iter().enumerate() {
+            let m = self.model.allocations[i].mechanism;
+            let mech_state = self.model.mechanisms[m].state;
+            let mech = &self.mechs[m];
             let state = self.registry.allocation_state(&a.identity);
             let status = mech.ledger.status(a.serial).expect("every allocation has a ledger entry");
             let queued = self.queued(&a.identity);
-            let ctx = || format!("allocation {} ({:?} mechanism, queued {queued})", a.identity, mech.life);
+            let ctx = || format!("allocation {} ({mech_state:?} mechanism, queued {queued})", a.identity);
+            assert_eq!(allocation_state(state), self.model.allocation_state(i), "{}: allocation_state", ctx());
+            assert_eq!(queued, matches!(self.model.allocations[i].place, Place::Queued(_)), "{}: queued", ctx());
             match &a.handle {
                 Some(handle) => {
                     assert_eq!(handle.identity(), Some(a.identity), "{}: handle identity changed", ctx());
-                    assert!(!queued, "{}: held and queued at once", ctx());
-                    let (expected_state, expected_status) = match mech.life {
-                        Life::Active | Life::Retired => (AllocationState::Live, BlockStatus::Live),
-                        Life::Lost => (AllocationState::Lost, BlockStatus::Live),
-                        Life::Terminated => (AllocationState::Gone, BlockStatus::Forgotten),
+                    let (expected_place, expected_status) = match mech_state {
+                        reference::MechanismState::Terminated => (Place::Forgotten, BlockStatus::Forgotten),
+                        _ => (Place::Record, BlockStatus::Live),
                     };
-                    assert_eq!(state, expected_state, "{}: registry state of a held handle", ctx());
+                    assert_eq!(self.model.allocations[i].place, expected_place, "{}: a held handle's block", ctx());
                     assert_eq!(status, expected_status, "{}: ledger status of a held handle", ctx());
-                    assert_eq!(handle.is_valid(), mech.life != Life::Terminated, "{}: is_valid", ctx());
+                    assert_eq!(handle.is_valid(), self.model.handle_valid(i), "{}: is_valid", ctx());
                 }
                 None => match state {
                     AllocationState::Live => panic!("invariant: {} is live with no handle (leaked)", ctx()),
-                    AllocationState::Lost => {
-                        note("state: lost with no handle");
-                        assert_eq!(mech.life, Life::Lost, "{}: lost on a healthy mechanism", ctx());
-                        assert_eq!(status, BlockStatus::Live, "{}: a lost record's block", ctx());
-                        assert!(!queued, "{}: lost and queued", ctx());
-                    }
-                    AllocationState::Quarantined => {
-                        note("state: quarantined");
-                        assert_eq!(status, BlockStatus::Live, "{}: a quarantined block was freed", ctx());
-                        assert!(!queued, "{}: quarantined and queued", ctx());
+                    AllocationState::Lost | AllocationState::Quarantined => {
+                        assert_eq!(status, BlockStatus::Live, "{}: a lost or quarantined block was freed", ctx())
                     }
                     AllocationState::Gone if queued => {
                         assert_eq!(status, BlockStatus::Live, "{}: a queued block was freed", ctx())
@@ -1478,7 +1479,7 @@ impl World {
                         BlockStatus::Freed => {}
                         BlockStatus::Forgotten => {
                             note("state: forgotten at termination");
-                            assert_eq!(mech.life, Life::Terminated, "{}: forgotten before termination", ctx())
+                            assert_eq!(mech_state, reference::MechanismState::Terminated, "{}: forgotten early", ctx())
                         }
                         BlockStatus::Live => {
                             panic!("invariant: {} is gone from the registry but its block was never released", ctx())
@@ -1487,38 +1488,43 @@ impl World {
                     other => panic!("{}: unknown allocation state {other:?}", ctx()),
                 },
             }
-            if matches!(state, AllocationState::Live | AllocationState::Lost) {
-                per_mech[a.mech].0 += 1;
-                per_mech[a.mech].1 += a.bytes;
-            }
-            if state == AllocationState::Quarantined {
-                per_mech[a.mech].2 += 1;
-            }
             if status == BlockStatus::Live {
-                ledger_live[a.mech] += 1;
+                ledger_live[m] += 1;
             }
         }
-        // No block is live in a ledger without an allocation of ours accounting for it
-        // (a block made but never recorded, for example).
         for (m, mech) in self.mechs.iter().enumerate() {
+            // No block is live in a ledger without an allocation of ours accounting for it.
             assert_eq!(
                 mech.ledger.live_count(),
                 ledger_live[m],
                 "invariant: mechanism {} holds blocks no allocation accounts for",
                 mech.id
             );
+            // The callbacks and the heap agree with the model's books.
+            let (counts, calls) = (mech.ledger.counts(), self.model.mechanisms[m].calls);
+            assert_eq!(
+                (counts.get(Callback::Allocate), counts.get(Callback::Release), counts.get(Callback::ForgetLost)),
+                (calls.allocate, calls.release, calls.forget_lost),
+                "mechanism {}: allocate, release and forget_lost callbacks",
+                mech.id
+            );
+            let heap = mech.ledger.faulty().inner().stats().expect("the heap keeps stats");
+            assert_eq!(heap.live_allocations, calls.heap_live, "mechanism {}: blocks in the heap", mech.id);
+            assert_eq!(mech.ledger.faulty().pending(), self.model.mechanisms[m].pending_faults(), "pending faults");
+        }
+        for (q, queue) in self.queues.iter().enumerate() {
+            let held: Vec<_> = lock(&queue.held).iter().map(|r| *r.identity()).collect();
+            let expected: Vec<_> = self.model.queues[q].iter().map(|&i| self.allocs[i].identity).collect();
+            assert_eq!(held, expected, "queue {q} holds other releases than the model");
         }
 
         let snapshot = self.registry.snapshots();
         assert_eq!(snapshot.registry, self.registry.id());
-        let registered: Vec<_> = self.mechs.iter().filter(|m| !m.removed).map(|m| m.id).collect();
-        let mut found: Vec<_> = snapshot.mechanisms.iter().map(|m| m.identity).collect();
-        let mut expected = registered.clone();
-        found.sort();
-        expected.sort();
-        assert_eq!(found, expected, "snapshot mechanisms disagree with the model");
+        let mut found: Vec<_> = snapshot.mechanisms.iter().map(|m| self.mech_index(m.identity)).collect();
+        found.sort_unstable();
+        assert_eq!(found, self.model.registered().collect::<Vec<_>>(), "snapshot mechanisms disagree with the model");
         for (m, mech) in self.mechs.iter().enumerate() {
-            if mech.removed {
+            if self.model.mechanisms[m].removed {
                 assert!(
                     matches!(self.registry.snapshot(&mech.id), Err(RegistryError::Unknown { .. })),
                     "a removed mechanism is still known"
@@ -1526,56 +1532,76 @@ impl World {
                 continue;
             }
             let s = snapshot.mechanisms.iter().find(|s| s.identity == mech.id).expect("listed");
-            let d = World::dev_index(mech.device);
-            assert_eq!(s.state, mech.life.state(), "mechanism {} state", mech.id);
+            let expected = self.model.view_mechanism(m);
             assert_eq!((s.device, s.context, s.authority), (mech.device, mech.context, mech.authority));
-            assert_eq!(s.selected, self.selection[d] == Some(m), "mechanism {} selection", mech.id);
-            assert_eq!(s.live_allocations, per_mech[m].0, "mechanism {} live count", mech.id);
-            assert_eq!(s.live_bytes, per_mech[m].1, "mechanism {} live bytes", mech.id);
-            assert_eq!(s.quarantined.len(), per_mech[m].2, "mechanism {} quarantine count", mech.id);
+            assert_eq!(self.contexts[expected.context], mech.context, "mechanism {} context", mech.id);
+            assert_eq!(self.authorities[expected.authority], mech.authority, "mechanism {} authority", mech.id);
+            assert_eq!(mechanism_state(s.state), expected.state, "mechanism {} state", mech.id);
+            assert_eq!(s.selected, expected.selected, "mechanism {} selection", mech.id);
+            assert_eq!(
+                (s.live_allocations, s.live_bytes, s.in_flight),
+                (expected.live_allocations, expected.live_bytes, expected.in_flight),
+                "mechanism {} live count, bytes and in-flight count",
+                mech.id
+            );
             assert_eq!(s.in_flight, self.queued_for(&mech.id), "mechanism {} in flight", mech.id);
-            for q in &s.quarantined {
-                let a = self
-                    .allocs
-                    .iter()
-                    .find(|a| a.identity.generation() == q.generation && a.mech == m)
-                    .unwrap_or_else(|| panic!("quarantine entry {q:?} names no allocation of ours"));
-                assert_eq!(q.bytes, a.bytes, "quarantine entry size");
-                assert!(
-                    q.unmapped_bytes.checked_add(q.residual_bytes).is_some_and(|t| t <= q.bytes),
-                    "invariant: quarantine claims more than the block: {q:?}"
-                );
-                assert_eq!(q.binding, a.identity.binding().binding(), "quarantine entry binding");
-            }
-            if mech.life == Life::Terminated {
-                assert!(s.live_allocations == 0 && s.quarantined.is_empty(), "terminated with records: {s:?}");
-            }
+            assert_eq!(s.lost_reason, expected.lost_reason, "mechanism {} lost reason", mech.id);
+            let mut quarantined: Vec<_> = s
+                .quarantined
+                .iter()
+                .map(|q| {
+                    let i = self
+                        .allocs
+                        .iter()
+                        .position(|a| {
+                            a.identity.generation() == q.generation && a.identity.binding().mechanism() == mech.id
+                        })
+                        .unwrap_or_else(|| panic!("quarantine entry {q:?} names no allocation of ours"));
+                    assert!(
+                        q.unmapped_bytes.checked_add(q.residual_bytes).is_some_and(|t| t <= q.bytes),
+                        "invariant: quarantine claims more than the block: {q:?}"
+                    );
+                    assert_eq!(q.binding, self.allocs[i].identity.binding().binding(), "quarantine entry binding");
+                    (i, (q.bytes, q.unmapped_bytes, q.residual_bytes, reason_of(&q.reason)))
+                })
+                .collect();
+            quarantined.sort_unstable_by_key(|q| q.0);
+            assert_eq!(quarantined, expected.quarantined, "mechanism {} quarantine", mech.id);
         }
         for dev in Dev::ALL {
-            let expected = self.selection[dev.index()].map(|i| self.mechs[i].id);
+            let expected = self.model.selection[dev.index()].map(|i| self.mechs[i].id);
             assert_eq!(self.registry.selected(dev.key()), expected, "selection of {}", dev.key());
         }
-        let contexts: Vec<_> = self.contexts.iter().filter(|c| !c.removed).map(|c| (c.id, c.device, c.state)).collect();
-        let mut found: Vec<_> = snapshot.contexts.iter().map(|c| (c.identity, c.device, c.state)).collect();
-        let mut expected = contexts;
-        found.sort_by_key(|c| c.0);
-        expected.sort_by_key(|c| c.0);
-        assert_eq!(found, expected, "snapshot contexts disagree with the model");
-        let mut found: Vec<_> = snapshot.authorities.iter().map(|a| a.identity).collect();
-        let mut expected: Vec<_> = self.authorities.iter().filter(|a| !a.removed).map(|a| a.id).collect();
-        found.sort();
-        expected.sort();
-        assert_eq!(found, expected, "snapshot authorities disagree with the model");
+        let mut found: Vec<_> = snapshot
+            .contexts
+            .iter()
+            .map(|c| {
+                let i = self.contexts.iter().position(|k| *k == c.identity).expect("one of our contexts");
+                (i, c.device, context_state(c.state))
+            })
+            .collect();
+        found.sort_unstable_by_key(|c| c.0);
+        let view = self.model.view_all();
+        assert_eq!(found, view.contexts, "snapshot contexts disagree with the model");
+        let mut found: Vec<_> = snapshot
+            .authorities
+            .iter()
+            .map(|a| (self.authorities.iter().position(|k| *k == a.identity).expect("ours"), a.device))
+            .collect();
+        found.sort_unstable_by_key(|a| a.0);
+        assert_eq!(found, view.authorities, "snapshot authorities disagree with the model");
         for bound in &self.bindings {
-            assert_eq!(bound.binding.state(), self.mechs[bound.mech].life.state(), "binding state");
+            let m = self.model.bindings[bound.key];
+            assert_eq!(mechanism_state(bound.binding.state()), self.model.mechanisms[m].state, "binding state");
         }
     }
 
     /// The end of an input: drop every handle, run every queue, retry every
     /// quarantine, confirm every lost context; then no block may be live anywhere.
     pub fn finish(&mut self) {
-        for m in &self.mechs {
-            m.ledger.faulty().clear();
+        for (m, mech) in self.mechs.iter().enumerate() {
+            mech.ledger.faulty().clear();
+            self.model.clear_faults(m);
         }
         while !self.held().is_empty() {
             self.step(Op::DropAllocation(0));
@@ -1586,31 +1612,32 @@ impl World {
             }
         }
         for m in 0..self.mechs.len() {
-            if !self.mechs[m].removed {
+            if !self.model.mechanisms[m].removed {
                 let id = self.mechs[m].id;
-                self.checked(format!("end: retry_quarantined({id})"), |world| world.retry_at(id, Some(m)));
+                self.checked(format!("end: retry_quarantined({id})"), |world| world.retry_at(id, Ref::Ours(m)));
             }
         }
         for c in 0..self.contexts.len() {
-            if !self.contexts[c].removed && self.contexts[c].state == ContextState::Lost {
-                let id = self.contexts[c].id;
+            let context = &self.model.contexts[c];
+            if !context.removed && context.state == reference::ContextState::Lost {
+                let id = self.contexts[c];
                 self.checked(format!("end: confirm_context_terminated({id})"), |world| {
-                    world.confirm_at(id, Some(c), false)
+                    world.confirm_at(id, Ref::Ours(c))
                 });
                 assert_eq!(
-                    self.contexts[c].state,
-                    ContextState::Terminated,
+                    self.model.contexts[c].state,
+                    reference::ContextState::Terminated,
                     "a drained lost context was not terminated"
                 );
             }
         }
-        for m in &self.mechs {
+        for (m, mech) in self.mechs.iter().enumerate() {
             assert_eq!(
-                m.ledger.live_count(),
+                mech.ledger.live_count(),
                 0,
                 "invariant: at the end mechanism {} ({:?}) still holds blocks released by no path",
-                m.id,
-                m.life
+                mech.id,
+                self.model.mechanisms[m].state
             );
         }
         // The foreign allocation goes back through its own binding.

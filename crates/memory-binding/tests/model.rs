@@ -1,6 +1,6 @@
 //! Property test: random sequences of registry operations run against the real
-//! `BindingRegistry` and against a plain sequential reference model
-//! (`tests/model/reference.rs`). After every step the result kinds (Ok, or which
+//! `BindingRegistry` and against the plain sequential reference model
+//! `memory_testkit::reference` (shared with the fuzz harness). After every step the result kinds (Ok, or which
 //! error variant, with the payload that matters), `registry.snapshots()` (states,
 //! selection, live and in-flight counts, every quarantined block), every issued
 //! allocation's `allocation_state`, every held handle's `is_valid`, and every
@@ -15,28 +15,82 @@
 //! Cases: `PROPTEST_CASES` (default and minimum 256), each up to 48 operations.
 
 mod common;
-#[path = "model/reference.rs"]
-mod reference;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use common::HeldQueue;
+use memory_api::DeviceKey;
 use memory_api::{
     AllocError, AllocationGeneration, AllocationIdentity, AllocationRequest, AuthorityIdentity, DeviceAllocator,
     MechanismIdentity, ProviderContextIdentity, QueueRefusalReason, ReleaseError,
 };
 use memory_binding::{
-    AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, DropPolicy, HandleError,
-    MechanismOptions, MemoryBinding, RegistryError, ViewError,
+    AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, ContextState, DropPolicy, HandleError,
+    MechanismOptions, MechanismState, MemoryBinding, ObjectKind, RegistryError, ViewError,
+};
+use memory_testkit::reference::{
+    self, Fault, FaultOn, Handle, MechanismView, Model, Out, Policy, Reason, Ref, Reg, Through,
 };
 use memory_testkit::{Callback, FaultyAllocator, HostHeap, RecordingAllocator, is_injected};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::select;
-use reference::{DEVICES, Handle, MechanismView, Model, Out, QUEUE_CAPACITY, Reason, Ref, Reg, ReleaseFault, Through};
 
 type Recorder = RecordingAllocator<FaultyAllocator<HostHeap>>;
+
+/// The simulated devices: two accelerators (quarantine on drop) and one host domain
+/// (release on drop).
+const DEVICES: [DeviceKey; 3] = [DeviceKey::device(0), DeviceKey::device(1), DeviceKey::host(1)];
+/// Capacity of each device's deferred-release queue.
+const QUEUE_CAPACITY: usize = 2;
+
+/// Index of `device` in [`DEVICES`].
+fn device_index(device: DeviceKey) -> usize {
+    DEVICES.iter().position(|d| *d == device).expect("model devices only")
+}
+
+// The registry's enums in the model's terms.
+
+fn mechanism_state(state: MechanismState) -> reference::MechanismState {
+    match state {
+        MechanismState::Active => reference::MechanismState::Active,
+        MechanismState::Retired => reference::MechanismState::Retired,
+        MechanismState::DeviceLost => reference::MechanismState::DeviceLost,
+        MechanismState::Terminated => reference::MechanismState::Terminated,
+        other => panic!("a mechanism state the model does not know: {other:?}"),
+    }
+}
+
+fn context_state(state: ContextState) -> reference::ContextState {
+    match state {
+        ContextState::Live => reference::ContextState::Live,
+        ContextState::Lost => reference::ContextState::Lost,
+        ContextState::Terminated => reference::ContextState::Terminated,
+        other => panic!("a context state the model does not know: {other:?}"),
+    }
+}
+
+fn allocation_state(state: AllocationState) -> reference::AllocationState {
+    match state {
+        AllocationState::Live => reference::AllocationState::Live,
+        AllocationState::Quarantined => reference::AllocationState::Quarantined,
+        AllocationState::Lost => reference::AllocationState::Lost,
+        AllocationState::Gone => reference::AllocationState::Gone,
+        other => panic!("an allocation state the model does not know: {other:?}"),
+    }
+}
+
+fn object_kind(kind: ObjectKind) -> reference::ObjectKind {
+    match kind {
+        ObjectKind::ProviderContext => reference::ObjectKind::ProviderContext,
+        ObjectKind::Authority => reference::ObjectKind::Authority,
+        ObjectKind::Mechanism => reference::ObjectKind::Mechanism,
+        ObjectKind::Binding => reference::ObjectKind::Binding,
+        ObjectKind::Allocation => reference::ObjectKind::Allocation,
+        other => panic!("an object kind the model does not know: {other:?}"),
+    }
+}
 
 const ALIGN: usize = 64;
 const SIZES: [usize; 7] = [0, 1, 64, 100, 4096, 8192, 65536];
@@ -193,15 +247,15 @@ fn case() -> impl Strategy<Value = Vec<Op>> {
 
 fn reg(error: &RegistryError) -> Reg {
     match error {
-        RegistryError::ForeignRegistry { kind, .. } => Reg::Foreign(*kind),
-        RegistryError::Unknown { kind, .. } => Reg::Unknown(*kind),
+        RegistryError::ForeignRegistry { kind, .. } => Reg::Foreign(object_kind(*kind)),
+        RegistryError::Unknown { kind, .. } => Reg::Unknown(object_kind(*kind)),
         RegistryError::DeviceMismatch { what, .. } => Reg::DeviceMismatch(what),
-        RegistryError::ContextNotLive { state, .. } => Reg::ContextNotLive(*state),
+        RegistryError::ContextNotLive { state, .. } => Reg::ContextNotLive(context_state(*state)),
         RegistryError::ContextStillLive { .. } => Reg::ContextStillLive,
         RegistryError::ContextNotQuiescent { in_flight, .. } => Reg::ContextNotQuiescent(*in_flight),
-        RegistryError::InvalidState { state, .. } => Reg::InvalidState(*state),
+        RegistryError::InvalidState { state, .. } => Reg::InvalidState(mechanism_state(*state)),
         RegistryError::NotQuiescent { kind, live, quarantined, in_flight, dependents, .. } => Reg::NotQuiescent {
-            kind: *kind,
+            kind: object_kind(*kind),
             live: *live,
             quarantined: *quarantined,
             in_flight: *in_flight,
@@ -217,7 +271,7 @@ fn handle_error(error: &HandleError) -> Handle {
         HandleError::BindingMismatch { .. } => Handle::Mismatch,
         HandleError::StaleAllocation => Handle::Stale,
         HandleError::DeviceLost { reason, .. } => Handle::DeviceLost(reason.clone()),
-        HandleError::Inactive { state, .. } => Handle::Inactive(*state),
+        HandleError::Inactive { state, .. } => Handle::Inactive(mechanism_state(*state)),
         HandleError::ReleaseFailed(ReleaseError::Backend(source)) if is_injected(source) => Handle::ReleaseFailed,
         HandleError::QueueRefused(QueueRefusalReason::Full { capacity }) if *capacity == QUEUE_CAPACITY => {
             Handle::QueueFull
@@ -237,7 +291,7 @@ fn registry_out<T>(result: Result<T, RegistryError>, ok: impl FnOnce(T) -> Out) 
 fn bind_error(error: &BindError) -> Out {
     match error {
         BindError::NoSelection { .. } => Out::BindNoSelection,
-        BindError::Inactive { state, .. } => Out::BindInactive(*state),
+        BindError::Inactive { state, .. } => Out::BindInactive(mechanism_state(*state)),
         BindError::Registry(error) => Out::BindRegistry(reg(error)),
         other => Out::Other(other.to_string()),
     }
@@ -250,6 +304,8 @@ fn reason_of(text: &str) -> Reason {
         Reason::Abandoned
     } else if text.contains("treating all of it as owned") {
         Reason::Dishonest
+    } else if text.contains("panicked while releasing") {
+        Reason::Panicked
     } else {
         panic!("unexpected quarantine reason: {text}")
     }
@@ -306,7 +362,7 @@ impl World {
     fn new() -> World {
         World {
             registry: BindingRegistry::new(),
-            model: Model::default(),
+            model: Model::new(&DEVICES, QUEUE_CAPACITY),
             contexts: Vec::new(),
             authorities: Vec::new(),
             mechanisms: Vec::new(),
@@ -415,7 +471,8 @@ impl World {
             Op::RegisterAllocator { context, authority, device, defer } => {
                 let (context_ref, context) = self.context(context);
                 let (authority_ref, authority) = self.authority(authority);
-                let expected = self.model.register_allocator(context_ref, authority_ref, DEVICES[device], defer);
+                let policy = defer.then_some(Policy::Defer(device));
+                let expected = self.model.register_allocator(context_ref, authority_ref, DEVICES[device], policy);
                 let recorder =
                     Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(DEVICES[device]))));
                 let options = MechanismOptions::default()
@@ -467,7 +524,7 @@ impl World {
                 let expected = self.model.allocate(key, bytes);
                 let actual = match binding.allocate(AllocationRequest::new(bytes, ALIGN).unwrap()) {
                     Ok(handle) => self.allocated(handle, binding),
-                    Err(AllocateError::Inactive { state, .. }) => Out::AllocInactive(state),
+                    Err(AllocateError::Inactive { state, .. }) => Out::AllocInactive(mechanism_state(state)),
                     Err(AllocateError::DeviceLost { reason, .. }) => Out::AllocDeviceLost(reason),
                     Err(AllocateError::Allocator(AllocError::Backend { source, .. })) if is_injected(&source) => {
                         Out::AllocAllocator
@@ -501,7 +558,7 @@ impl World {
                 let index = handle % self.handles.len();
                 let held = self.handles.remove(index);
                 let (binding, through) = self.through(&held, via);
-                let own = held.handle.device().map(reference::device_index);
+                let own = held.handle.device().map(device_index);
                 let queue = queue.or(own).expect("a held handle knows its device");
                 let expected = self.model.release_deferred(held.allocation, through, queue);
                 let actual = match binding.release_deferred(held.handle, &*self.queues[queue]) {
@@ -627,7 +684,7 @@ impl World {
                 }
                 let m = m % self.mechanisms.len();
                 self.mechanisms[m].1.inner().fail_nth(Callback::Allocate, 1);
-                self.model.plan_alloc_fault(m);
+                self.model.plan_fault(m, FaultOn::Allocate, 1, Fault::Fail);
                 (Out::Done, Out::Done)
             }
             Op::FailRelease(m) => {
@@ -636,7 +693,7 @@ impl World {
                 }
                 let m = m % self.mechanisms.len();
                 self.mechanisms[m].1.inner().fail_nth(Callback::Release, 1);
-                self.model.plan_release_fault(m, ReleaseFault::Fail);
+                self.model.plan_fault(m, FaultOn::Release, 1, Fault::Fail);
                 (Out::Done, Out::Done)
             }
             Op::QuarantineRelease { mechanism, unmapped, residual } => {
@@ -645,7 +702,7 @@ impl World {
                 }
                 let m = mechanism % self.mechanisms.len();
                 self.mechanisms[m].1.inner().quarantine_nth_release(1, unmapped, residual);
-                self.model.plan_release_fault(m, ReleaseFault::Quarantine { unmapped, residual });
+                self.model.plan_fault(m, FaultOn::Release, 1, Fault::Quarantine { unmapped, residual });
                 (Out::Done, Out::Done)
             }
         }
@@ -690,8 +747,11 @@ impl World {
     fn observe(&self) -> reference::View {
         let snapshot = self.registry.snapshots();
         assert_eq!(snapshot.registry, self.registry.id());
-        let mut contexts: Vec<_> =
-            snapshot.contexts.iter().map(|c| (self.context_index[&c.identity], c.device, c.state)).collect();
+        let mut contexts: Vec<_> = snapshot
+            .contexts
+            .iter()
+            .map(|c| (self.context_index[&c.identity], c.device, context_state(c.state)))
+            .collect();
         contexts.sort_by_key(|c| c.0);
         let mut authorities: Vec<_> =
             snapshot.authorities.iter().map(|a| (self.authority_index[&a.identity], a.device)).collect();
@@ -701,7 +761,7 @@ impl World {
             .iter()
             .map(|m| {
                 assert_eq!(m.allocator, "testkit-host-heap");
-                let quarantined = m
+                let mut quarantined: Vec<_> = m
                     .quarantined
                     .iter()
                     .map(|q| {
@@ -710,12 +770,13 @@ impl World {
                         (allocation, (q.bytes, q.unmapped_bytes, q.residual_bytes, reason_of(&q.reason)))
                     })
                     .collect();
+                quarantined.sort_unstable_by_key(|q| q.0);
                 MechanismView {
                     index: self.mechanism_index[&m.identity],
                     device: m.device,
                     context: self.context_index[&m.context],
                     authority: self.authority_index[&m.authority],
-                    state: m.state,
+                    state: mechanism_state(m.state),
                     selected: m.selected,
                     live_allocations: m.live_allocations,
                     live_bytes: m.live_bytes,
@@ -726,7 +787,8 @@ impl World {
             })
             .collect();
         mechanisms.sort_by_key(|m| m.index);
-        let selection = DEVICES.map(|device| self.registry.selected(device).map(|m| self.mechanism_index[&m]));
+        let selection =
+            DEVICES.iter().map(|device| self.registry.selected(*device).map(|m| self.mechanism_index[&m])).collect();
         reference::View { contexts, authorities, mechanisms, selection }
     }
 
@@ -735,7 +797,7 @@ impl World {
         self.model.check_conservation();
         assert_eq!(self.observe(), self.model.view_all(), "snapshots disagree with the model");
         for (index, identity) in self.allocations.iter().enumerate() {
-            let state = self.registry.allocation_state(identity);
+            let state = allocation_state(self.registry.allocation_state(identity));
             assert_eq!(state, self.model.allocation_state(index), "allocation_state of allocation {index}");
         }
         for held in &self.handles {
@@ -767,7 +829,7 @@ impl World {
             assert_eq!(heap.live_allocations, calls.heap_live, "mechanism {m}: blocks still in the heap");
             let made = self.model.allocations.iter().filter(|a| a.mechanism == m).count() as u64;
             assert_eq!(heap.allocations_total, made, "mechanism {m}: blocks the heap handed out");
-            let planned = self.model.mechanisms[m].alloc_faults + self.model.mechanisms[m].release_faults.len();
+            let planned = self.model.mechanisms[m].pending_faults();
             assert_eq!(recorder.inner().pending(), planned, "mechanism {m}: faults not yet fired");
         }
         // Nothing we do reaches the other registry's allocator or revives its handle here.

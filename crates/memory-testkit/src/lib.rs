@@ -1,5 +1,5 @@
 //! Test kit for the device-memory workspace: allocators that record and fail on
-//! demand, and the conformance suite every [`DeviceAllocator`](memory_api::DeviceAllocator) must pass.
+//! demand, the reference model of the registry, and the conformance suite every [`DeviceAllocator`](memory_api::DeviceAllocator) must pass.
 //!
 //! | item | use it to |
 //! |------|-----------|
@@ -7,6 +7,7 @@
 //! | [`FaultyAllocator`] | fail the n-th call, return a partial (quarantined) or failed release, or panic inside a chosen callback |
 //! | [`HostHeap`] | real host memory in safe Rust, labelled with any [`DeviceKey`](memory_api::DeviceKey), optionally with a byte limit |
 //! | [`conformance`] | the contract checks, individually or all at once, with skips reported by name |
+//! | [`reference`](mod@reference) | the sequential reference model of the registry that the property test and the fuzz harness both check against |
 //! | [`MemoryAccess`] | fault-safe reads and writes so memory checks never crash and run on device memory too |
 //!
 //! # Correctness
@@ -58,6 +59,7 @@ mod gate;
 mod heap;
 pub mod native;
 mod recording;
+pub mod reference;
 mod tap;
 
 // The public interface.
