@@ -43,6 +43,7 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         Step::new("tests", crate::ort::with_assets(Cmd::cargo(["test", "--workspace", "--locked"])))
             .check(Check::Tests),
     );
+    steps.push(fuzz_seeds_step(&target_dir()));
     // The optional features (serde, metrics) change what compiles and add tests of
     // their own: run the crates that have them with every feature on.
     let mut features = vec!["test", "--locked", "--all-features"];
@@ -80,6 +81,27 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         );
     }
     steps
+}
+
+/// The fuzz harness's own tests on stable Rust: fixed seeds replayed through the same
+/// harness (and the same reference model, `memory_testkit::reference`) that libFuzzer
+/// drives under `cargo xtask fuzz`. `fuzz/` is a workspace of its own (nightly and
+/// libFuzzer stay out of the main lock file); it builds in the main target directory so
+/// the dependencies it shares are not built twice.
+pub(crate) fn fuzz_seeds_step(target_dir: &Path) -> Step {
+    let manifest = project_root().join("fuzz").join("Cargo.toml");
+    Step::new(
+        "fuzz-seeds",
+        Cmd::cargo([
+            "test".to_owned(),
+            "--locked".to_owned(),
+            "--manifest-path".to_owned(),
+            manifest.display().to_string(),
+            "--target-dir".to_owned(),
+            target_dir.display().to_string(),
+        ]),
+    )
+    .check(Check::Tests)
 }
 
 /// The crates with optional features (`serde`, `metrics`) whose tests the `features`
@@ -346,7 +368,19 @@ mod tests {
         let steps = test_steps(&flags::Test { gpu: false });
         assert_eq!(
             names(&steps),
-            ["fmt", "ort-fetch", "tidy", "clippy", "tests", "features", "loom-lint", "loom", "docs", "package"]
+            [
+                "fmt",
+                "ort-fetch",
+                "tidy",
+                "clippy",
+                "tests",
+                "fuzz-seeds",
+                "features",
+                "loom-lint",
+                "loom",
+                "docs",
+                "package"
+            ]
         );
         let checks: Vec<Check> = steps.iter().map(|step| step.check).collect();
         assert_eq!(
@@ -358,6 +392,7 @@ mod tests {
                 Check::Success,
                 Check::Tests,
                 Check::Tests,
+                Check::Tests,
                 Check::Success,
                 Check::LoomModels,
                 Check::Success,
@@ -365,7 +400,7 @@ mod tests {
             ]
         );
         assert_eq!(steps[4].cmd.env_value(crate::ort::REQUIRED_ENV), Some("1"), "real-model tests never skip");
-        let loom = &steps[7];
+        let loom = &steps[8];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
@@ -381,6 +416,7 @@ mod tests {
                 "tidy",
                 "clippy",
                 "tests",
+                "fuzz-seeds",
                 "features",
                 "loom-lint",
                 "loom",
