@@ -12,7 +12,8 @@
 //! Operations: `raw` (allocate + release through `&dyn`, the floor), `pair` (through a
 //! binding), `drop` (allocate, then drop a host allocation), `bind` (bind + drop, one
 //! device), `bind64` (the 64th of 64 devices), `remote` (allocate on this thread,
-//! release on another: counted on both). And, for CPU time rather than instructions
+//! release on another: counted on both), `governed` (a pair through a governed allocator,
+//! as the governor bench's `governed/counter_governed`). And, for CPU time rather than instructions
 //! (`/usr/bin/time -f %U`), N pairs on each of two threads at once: `shared` (one
 //! binding by reference), `setup` (two bindings made on this thread), `own` (each
 //! thread binds for itself). CPU time per pair that grows from one thread to two is
@@ -98,6 +99,30 @@ fn main() {
                 }
             });
         }
-        other => panic!("unknown operation {other}: raw, pair, drop, bind, bind64, remote, shared, setup or own"),
+        "governed" => {
+            // The governor bench's `governed/counter_governed`: a pair through a binding
+            // whose allocator is governed (an account with a limit on the device).
+            let device = DeviceKey::device(100);
+            let governor = memory_governor::Governor::new();
+            let context = registry.register_provider_context(device, Arc::new(())).expect("context");
+            let authority = registry.register_authority(device, Arc::new(())).expect("authority");
+            governor.set_device_limit(device, 64 << 30).expect("limit");
+            governor.open_account(memory_governor::AccountConfig::new(device, authority)).expect("account");
+            let inner: Arc<dyn DeviceAllocator> = Arc::new(CounterAllocator::new(device));
+            let governed: Arc<dyn DeviceAllocator> = Arc::new(governor.govern(inner, authority).expect("govern"));
+            let mechanism = registry.register_allocator(&context, &authority, governed).expect("mechanism");
+            let binding = registry.bind_registered(&mechanism).expect("bind");
+            let request = request.with_role(memory_api::MemoryRole::KvCache);
+            for _ in 0..300 {
+                drop(binding.allocate(request).expect("allocate"));
+            }
+            (0..n).for_each(|_| {
+                let block = binding.allocate(black_box(request)).expect("allocate");
+                black_box(binding.release(block).expect("release"));
+            });
+        }
+        other => {
+            panic!("unknown operation {other}: raw, pair, drop, bind, bind64, remote, governed, shared, setup or own")
+        }
     }
 }
