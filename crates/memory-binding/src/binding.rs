@@ -589,11 +589,15 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
     match call_release(pin, slot, record, &parts) {
         // The common answer needs no bookkeeping beyond freeing the record.
         Some(ReleaseOutcome::Complete(done)) => {
-            pin.free(slot, record);
+            // One ownership question for the record and the unit.
+            let here = pin.owned_here();
+            pin.free_known(slot, record, here);
             tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
+            let unmapped_bytes = core.completed(parts.bytes, done.unmapped_bytes());
+            held.give_back(here);
             // Its pin is taken: nothing is left for `Drop` to do.
             std::mem::forget(allocation);
-            Ok(ReleaseSummary::Complete { unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()) })
+            Ok(ReleaseSummary::Complete { unmapped_bytes })
         }
         // It panicked while this thread unwinds: quarantined, not re-raised.
         None => {

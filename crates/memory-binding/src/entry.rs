@@ -693,8 +693,14 @@ impl MechanismPin {
     /// Frees a record in transit (its release is settled) and returns its slot.
     #[inline]
     pub(crate) fn free(&self, slot: u32, record: &Record) {
+        self.free_known(slot, record, self.owned_here());
+    }
+
+    /// [`MechanismPin::free`] when the caller already asked [`MechanismPin::owned_here`].
+    #[inline]
+    pub(crate) fn free_known(&self, slot: u32, record: &Record, owned_here: bool) {
         record.state.store(FREE, Ordering::Release);
-        if self.owned_here() {
+        if owned_here {
             record.next_free.store(self.local.free_head.load(Ordering::Relaxed), Ordering::Relaxed);
             self.local.free_head.store(slot, Ordering::Relaxed);
         } else {

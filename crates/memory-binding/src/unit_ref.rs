@@ -302,11 +302,21 @@ impl<T: UnitHolder> Clone for UnitRef<T> {
     }
 }
 
-impl<T: UnitHolder> Drop for UnitRef<T> {
+impl<T: UnitHolder> UnitRef<T> {
+    /// Gives the unit back (as `drop` does) when the caller already knows whether the
+    /// calling thread owns the object: `owned_here` must be `units().owned_here()` read
+    /// on this thread (which a hot path that asked once passes on instead of asking again).
     #[inline]
-    fn drop(&mut self) {
+    pub(crate) fn give_back(self, owned_here: bool) {
+        debug_assert_eq!(owned_here, self.get().units().owned_here());
+        let this = std::mem::ManuallyDrop::new(self);
+        this.give_back_unit(owned_here);
+    }
+
+    #[inline]
+    fn give_back_unit(&self, owned_here: bool) {
         let units = self.get().units();
-        let last = if units.owned_here() { units.give_back_owner() } else { units.give_back_remote() };
+        let last = if owned_here { units.give_back_owner() } else { units.give_back_remote() };
         if last {
             // SAFETY: the units came back to zero after orphaning, which happens once
             // (`Units`): this is the one drop of the unit share, the strong count taken
@@ -314,6 +324,13 @@ impl<T: UnitHolder> Drop for UnitRef<T> {
             // touched afterwards.
             unsafe { Arc::decrement_strong_count(self.object.as_ptr().cast_const()) }
         }
+    }
+}
+
+impl<T: UnitHolder> Drop for UnitRef<T> {
+    #[inline]
+    fn drop(&mut self) {
+        self.give_back_unit(self.get().units().owned_here());
     }
 }
 
