@@ -496,18 +496,33 @@ fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAlloc
 /// (still counted in flight, so termination cannot run meanwhile). If the device was
 /// lost while the allocator ran, no callback may run any more: the block is kept for
 /// `forget_lost` at termination instead. (A loss that lands between this check and the
-/// release is the same race as one that lands during the allocator's own call.)
+/// release is the same race as one that lands during the allocator's own call.) A block
+/// the allocator does not take back whole (a failure, a quarantine, a panic) is kept the
+/// same way: it counts as live, so the mechanism is not removed while the allocator
+/// holds memory nobody can name, and termination hands it to `forget_lost`.
 #[cold]
 fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
     if matches!(core.lifecycle.state(), MechanismState::DeviceLost | MechanismState::Terminated) {
         tracing::error!(mechanism = %core.identity, block = ?raw, "device lost during allocate: {what} is kept for forget_lost at termination");
-        core.keep_unrecorded_lost(raw);
+        core.keep_unrecorded(raw);
         return;
     }
-    let outcome = core.allocator.release(raw);
-    if !outcome.is_complete() {
-        tracing::error!(mechanism = %core.identity, outcome = %outcome.summary(), "{what} could not be given back");
-    }
+    // What was handed over, in case the allocator panics with it.
+    let handed = RawAllocation::new(raw.address(), raw.bytes(), raw.align(), raw.device(), raw.provider_tag());
+    let kept = match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
+        Ok(ReleaseOutcome::Complete(_)) => return,
+        Ok(ReleaseOutcome::Failed(failed)) => failed.into_parts(),
+        Ok(ReleaseOutcome::Quarantined(quarantine)) => quarantine.into_parts(),
+        Err(panic) => {
+            tracing::error!(mechanism = %core.identity, block = ?handed, "{what}: the allocator panicked taking it back; it is kept as live");
+            core.keep_unrecorded(handed);
+            reraise_unless_unwinding(panic, "giving back a block");
+            return;
+        }
+    };
+    let (block, error) = kept;
+    tracing::error!(mechanism = %core.identity, %error, block = ?block, "{what} could not be given back; it is kept as live");
+    core.keep_unrecorded(block);
 }
 
 /// An allocation refused by the lifecycle, before any callback.

@@ -135,10 +135,11 @@ pub(crate) struct MechanismCore {
     /// outside the allocator's value.
     pub(crate) trusted_composite: bool,
     quarantine: Mutex<Vec<QuarantinedAllocation>>,
-    /// Blocks an allocator answered after its device was lost that could not be
-    /// recorded (unfit, or no identity left): no callback may give them back, so they
-    /// wait here for `forget_lost` at termination.
-    unrecorded_lost: Mutex<Vec<RawAllocation>>,
+    /// Blocks the allocator holds that have no record (unfit, or no identity left):
+    /// answered after the device was lost (no callback may give them back), or refused
+    /// back by the allocator. They count as live and wait here for `forget_lost` at
+    /// termination.
+    unrecorded: Mutex<Vec<RawAllocation>>,
     quarantined: AtomicUsize,
     /// Release answers the registry did not believe (corrected and traced).
     dishonest_outcomes: AtomicUsize,
@@ -171,7 +172,7 @@ impl MechanismCore {
             allocator_name,
             trusted_composite,
             quarantine: Mutex::new(Vec::new()),
-            unrecorded_lost: Mutex::new(Vec::new()),
+            unrecorded: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
             dishonest_outcomes: AtomicUsize::new(0),
         }
@@ -248,20 +249,21 @@ impl MechanismCore {
         self.quarantined.load(Ordering::SeqCst)
     }
 
-    /// Keeps a block answered after device loss that has no record (see
-    /// `unrecorded_lost`).
-    pub(crate) fn keep_unrecorded_lost(&self, block: RawAllocation) {
-        lock(&self.unrecorded_lost).push(block);
+    /// Keeps a block the allocator still holds that has no record: answered after
+    /// device loss, or one the registry would not record and the allocator would not
+    /// take back (see `unrecorded`).
+    pub(crate) fn keep_unrecorded(&self, block: RawAllocation) {
+        lock(&self.unrecorded).push(block);
     }
 
-    /// Takes the unrecorded lost blocks out (termination hands them to `forget_lost`).
-    pub(crate) fn take_unrecorded_lost(&self) -> Vec<RawAllocation> {
-        std::mem::take(&mut *lock(&self.unrecorded_lost))
+    /// Takes the unrecorded blocks out (termination hands them to `forget_lost`).
+    pub(crate) fn take_unrecorded(&self) -> Vec<RawAllocation> {
+        std::mem::take(&mut *lock(&self.unrecorded))
     }
 
-    /// Unrecorded lost blocks and their bytes.
-    pub(crate) fn unrecorded_lost(&self) -> (usize, usize) {
-        let blocks = lock(&self.unrecorded_lost);
+    /// Unrecorded blocks and their bytes.
+    pub(crate) fn unrecorded(&self) -> (usize, usize) {
+        let blocks = lock(&self.unrecorded);
         (blocks.len(), blocks.iter().map(RawAllocation::bytes).sum())
     }
 
@@ -308,8 +310,8 @@ impl Mechanism {
     /// separate scans could each see it as the other.
     pub(crate) fn census(&self) -> Census {
         let slots = self.core.lifecycle.in_flight(self.pins().map(|pin| &pin.in_flight));
-        // Blocks answered after device loss that could not be recorded count as live.
-        let (live, live_bytes) = self.core.unrecorded_lost();
+        // Blocks the allocator holds without a record count as live.
+        let (live, live_bytes) = self.core.unrecorded();
         let mut census = Census { live, live_bytes, in_flight: slots };
         for pin in self.pins() {
             pin.count_into(&mut census);

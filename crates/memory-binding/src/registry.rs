@@ -609,7 +609,7 @@ impl BindingRegistry {
         let mut handoffs = Vec::with_capacity(mechanisms.len());
         for mechanism in &mechanisms {
             let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.collect_lost()).collect();
-            lost.extend(mechanism.core.take_unrecorded_lost());
+            lost.extend(mechanism.core.take_unrecorded());
             report.lost_allocations += lost.len();
             report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
             let quarantine = mechanism.core.take_quarantine();

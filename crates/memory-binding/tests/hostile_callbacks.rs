@@ -729,7 +729,8 @@ fn an_unrecordable_block_returned_after_device_loss_is_kept_for_forget_lost_not_
 }
 
 /// An unfit block the allocator then refuses to take back is reported as an error
-/// event (the registry has no record to keep it under).
+/// event, and kept as live (the registry has no record to keep it under, but the
+/// allocator still holds it).
 #[test]
 fn an_unfit_block_the_allocator_will_not_take_back_is_traced_as_an_error() {
     let registry = BindingRegistry::new();
@@ -745,7 +746,7 @@ fn an_unfit_block_the_allocator_will_not_take_back_is_traced_as_an_error() {
     let events = collector.take();
     assert!(has(&events, Level::ERROR, "does not fit the request"), "{events:?}");
     assert!(has(&events, Level::ERROR, "an unfit block could not be given back"), "{events:?}");
-    assert_eq!(counts(&registry, &mechanism), (0, 0, 0));
+    assert_eq!(counts(&registry, &mechanism), (1, 0, 0));
 }
 
 /// The control: on a healthy device an unfit block still goes straight back.
@@ -1129,4 +1130,40 @@ fn capabilities_inside_the_allocator_value_pass_the_safe_path() {
     }
     let refused = registry.register_allocator(&context, &authority, Arc::new(TinyElsewhere));
     assert!(matches!(refused, Err(RegistryError::SplitComposite { capability: "shared mapping", .. })), "{refused:?}");
+}
+
+/// An unfit block the allocator will not take back (it refuses, or panics) is memory
+/// the allocator holds and nobody can name: it counts as live, so the mechanism is not
+/// removed over it, and termination hands it to `forget_lost`.
+#[test]
+fn an_unfit_block_the_allocator_will_not_take_back_counts_as_live_until_forget_lost() {
+    for panics in [false, true] {
+        let registry = BindingRegistry::new();
+        let ledger = Ledger::on(GPU0);
+        let (context, _, mechanism) = register(&registry, ledger.clone());
+        let binding = registry.bind_registered(&mechanism).unwrap();
+        ledger.short_blocks.store(true, Ordering::SeqCst);
+        if panics {
+            ledger.panic_on_release.store(true, Ordering::SeqCst);
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| binding.allocate(request(PAGE))));
+            assert!(unwound.is_err(), "the allocator's panic propagates out of allocate");
+        } else {
+            ledger.refuse_releases.store(true, Ordering::SeqCst);
+            let unfit = binding.allocate(request(PAGE));
+            assert!(matches!(unfit, Err(AllocateError::InvalidBlock { .. })), "{unfit:?}");
+        }
+        ledger.short_blocks.store(false, Ordering::SeqCst);
+        ledger.panic_on_release.store(false, Ordering::SeqCst);
+        ledger.refuse_releases.store(false, Ordering::SeqCst);
+        assert_eq!(ledger.live(), 1, "panics {panics}: the allocator still holds the block");
+        assert_eq!(counts(&registry, &mechanism), (1, 0, 0), "panics {panics}: the kept block counts as live");
+        registry.retire(&mechanism).unwrap();
+        assert!(registry.remove(&mechanism).is_err(), "panics {panics}: removed over a block the allocator holds");
+        drop(binding);
+        registry.invalidate_device(GPU0, "reset");
+        registry.confirm_context_terminated(&context).unwrap();
+        assert_eq!(ledger.forgotten().len(), 1, "panics {panics}: termination hands the block to forget_lost");
+        assert_eq!(ledger.live(), 0);
+        registry.remove(&mechanism).unwrap();
+    }
 }

@@ -264,8 +264,15 @@ pub struct Mechanism {
     pub quarantine: Vec<usize>,
     /// Callbacks its allocator must have seen.
     pub calls: Calls,
-    /// Blocks handed back (or leaked) by an allocation that could not be recorded.
+    /// Blocks of allocations that could not be recorded and that the allocator did not
+    /// take back whole: it still holds them, so they count as live (and block removal)
+    /// until termination hands them to `forget_lost`.
     pub unrecorded: u64,
+    /// Their bytes.
+    pub unrecorded_bytes: usize,
+    /// Unrecorded blocks handed to `forget_lost` (they stay in the heap, as forgotten
+    /// recorded blocks do).
+    pub unrecorded_forgotten: u64,
     faults: Vec<Planned>,
 }
 
@@ -431,9 +438,10 @@ impl Model {
         self.allocations.iter().filter(|a| a.mechanism == mechanism && matches(&a.place)).count()
     }
 
-    /// Recorded allocations of `mechanism` (live, or lost with its device).
+    /// Recorded allocations of `mechanism` (live, or lost with its device), and the
+    /// unrecorded blocks its allocator still holds.
     pub fn live(&self, mechanism: usize) -> usize {
-        self.count(mechanism, |p| *p == Place::Record)
+        self.count(mechanism, |p| *p == Place::Record) + self.mechanisms[mechanism].unrecorded as usize
     }
 
     /// Releases of `mechanism` held by queues (its in-flight count in this
@@ -601,6 +609,8 @@ impl Model {
             quarantine: Vec::new(),
             calls: Calls::default(),
             unrecorded: 0,
+            unrecorded_bytes: 0,
+            unrecorded_forgotten: 0,
             faults: Vec::new(),
         });
         let selected = &mut self.selection[self.devices.iter().position(|d| *d == device).expect("a model device")];
@@ -689,25 +699,22 @@ impl Model {
     /// Books an `allocate` through binding `key` that the registry could not record
     /// (its identity serials ran out): the allocator made the block, and the registry
     /// gave it straight back through `release`. A given-back block the allocator does
-    /// not release completely stays in its heap with no record (counted in
-    /// [`Mechanism::unrecorded`]). Returns [`Out::IdentityExhausted`], or
+    /// not release completely stays in its heap with no record; the registry keeps it
+    /// as live ([`Mechanism::unrecorded`]) until termination hands it to `forget_lost`. Returns [`Out::IdentityExhausted`], or
     /// [`Out::Panicked`] when a callback panicked.
     pub fn allocate_unrecorded(&mut self, key: usize, bytes: usize) -> Out {
         let mechanism = self.bindings[key];
         if let Err(out) = self.admit_allocation(mechanism).and_then(|()| self.call_allocate(mechanism, bytes)) {
             return out;
         }
-        match self.call_release(mechanism, bytes) {
-            Released::Complete => Out::IdentityExhausted,
-            Released::Panicked => {
-                self.mechanisms[mechanism].unrecorded += 1;
-                Out::Panicked
-            }
-            _ => {
-                self.mechanisms[mechanism].unrecorded += 1;
-                Out::IdentityExhausted
-            }
-        }
+        let out = match self.call_release(mechanism, bytes) {
+            Released::Complete => return Out::IdentityExhausted,
+            Released::Panicked => Out::Panicked,
+            _ => Out::IdentityExhausted,
+        };
+        self.mechanisms[mechanism].unrecorded += 1;
+        self.mechanisms[mechanism].unrecorded_bytes += bytes;
+        out
     }
 
     /// The checks every handle operation makes first: same registry, same binding.
@@ -951,6 +958,12 @@ impl Model {
                 a.place = Place::Forgotten;
                 blocks += 1;
             }
+            let mech = &mut self.mechanisms[m];
+            lost_allocations += mech.unrecorded as usize;
+            lost_bytes += mech.unrecorded_bytes;
+            blocks += mech.unrecorded;
+            mech.unrecorded_forgotten += std::mem::take(&mut mech.unrecorded);
+            mech.unrecorded_bytes = 0;
             self.mechanisms[m].quarantine.clear();
             self.mechanisms[m].calls.forget_lost += 1;
             self.mechanisms[m].calls.forgotten_blocks += blocks;
@@ -1114,8 +1127,13 @@ impl Model {
             .collect();
         // Snapshots promise no order: compare by allocation index.
         quarantined.sort_unstable_by_key(|q| q.0);
-        let live_bytes =
-            self.allocations.iter().filter(|a| a.mechanism == m && a.place == Place::Record).map(|a| a.bytes).sum();
+        let live_bytes = self
+            .allocations
+            .iter()
+            .filter(|a| a.mechanism == m && a.place == Place::Record)
+            .map(|a| a.bytes)
+            .sum::<usize>()
+            + mech.unrecorded_bytes;
         MechanismView {
             index: m,
             device: mech.device,
@@ -1140,7 +1158,7 @@ impl Model {
     /// When the model's own books disagree (a bug in the model).
     pub fn check_conservation(&self) {
         for (m, mech) in self.mechanisms.iter().enumerate() {
-            let held = self.count(m, |p| *p != Place::Released) as u64 + mech.unrecorded;
+            let held = self.count(m, |p| *p != Place::Released) as u64 + mech.unrecorded + mech.unrecorded_forgotten;
             assert_eq!(held, mech.calls.heap_live, "model conservation broken for mechanism {m}");
             let quarantined = self.count(m, |p| matches!(p, Place::Quarantined { .. }));
             assert_eq!(mech.quarantine.len(), quarantined, "model quarantine list of mechanism {m}");
