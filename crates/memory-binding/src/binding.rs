@@ -717,8 +717,11 @@ pub(crate) fn reraise_unless_unwinding(panic: Box<dyn std::any::Any + Send>, cal
         panic = message,
         "{callback} panicked while the thread was unwinding; not re-raised (it would abort)"
     );
-    // The payload's own destructor could panic too: leak it rather than risk that.
-    std::mem::forget(panic);
+    // The payload's own destructor could panic too: drop it where such a panic is
+    // caught, and leak only what a payload that panicked in its destructor left.
+    if let Err(unruly) = catch_unwind(AssertUnwindSafe(move || drop(panic))) {
+        std::mem::forget(unruly);
+    }
 }
 
 /// What booking a release outcome came to.
