@@ -11,8 +11,8 @@
 //! One shared `used` counter written by every admission does not scale, so each thread
 //! keeps, per (account, role), a `Slot` of *credit*: bytes already drawn from the
 //! account and the device but not yet handed to any charge. An admission that fits the
-//! thread's credit is one uncontended compare-and-swap on a cache line only this thread
-//! writes; so is a refund. Credit is drawn in chunks (the request plus one chunk) and
+//! thread's credit is a few plain loads and stores on a cache line only this thread
+//! writes, with no read-modify-write; so is a refund (see "The owner's section"). Credit is drawn in chunks (the request plus one chunk) and
 //! only while the budget has a chunk to spare; a slot never caches more than two chunks.
 //!
 //! Hence, for every budget, at every instant:
@@ -20,21 +20,31 @@
 //! and `used <= limit` is kept by a compare-and-swap on `used`, so charges never exceed
 //! the limit.
 //!
-//! # Returning credit
-//! A slot word packs the credit with two flags. `CLOSED`: the slot may not cache credit
+//! # The owner's section
+//! A slot word packs the credit with a flag, `CLOSED`: the slot may not cache credit
 //! (refunds go straight to the shared budget, admissions draw exactly what they need).
-//! `BUSY`: some thread is moving this slot's credit to or from the shared budget; nobody
-//! else touches a busy slot.
+//! The word is written only by the slot's owner inside its *section*, or by a sweeper
+//! (below) that holds the slot. The owner enters by storing `active`, passing the hot
+//! side of the Dekker barrier pair ([`light_barrier`]) and reading `sweeping`; a sweeper
+//! claims `sweeping` (a compare-and-swap among sweepers), passes the cold side
+//! ([`heavy_barrier`], one `membarrier` per sweep of a list) and reads `active`. Either the
+//! owner sees the sweeper, leaves the word alone and uses the shared books for that
+//! operation, or the sweeper sees the owner and counts the slot *busy* (it sweeps it again
+//! once the owner is done). The owner's section is a few instructions (a chunk draw at
+//! most: a few atomic operations, no callback, no lock), so the owner's operations are
+//! plain loads and stores and a compiler fence where `membarrier` is offered.
+//!
+//! # Returning credit
 //!
 //! When an admission finds the shared budget short, it becomes a *drainer*: it counts
 //! itself in `drainers` of the account and the device, then *sweeps* the slots of the
 //! short budget: each slot's credit goes back to the shared budget and the slot is
 //! closed. A closed slot reopens only when its owner finds no drainer on either budget
-//! and the budget has room for a chunk to spare. The owner sets `BUSY` before it reads
-//! `drainers`, and a drainer increments `drainers` before it looks at the slot; the
-//! owner's two steps and the drainer's increment are read-modify-writes, so either the
-//! owner sees the drainer and stays closed, or the drainer sees the slot busy and
-//! sweeps it again once the owner is done. A drainer
+//! and the budget has room for a chunk to spare. The owner enters its section (a store
+//! and the light barrier) before it reads `drainers` with a read-modify-write, and a
+//! drainer increments `drainers` before it claims the slot and passes the heavy barrier,
+//! so either the owner sees the drainer and stays closed, or the drainer sees the owner
+//! active and sweeps the slot again once the owner is done. A drainer
 //! that meets a busy slot waits for that window (a few atomic operations, no callback,
 //! no lock) and sweeps again.
 //!
@@ -61,7 +71,10 @@
 
 use memory_api::MemoryRole;
 
-use crate::sync::{Arc, AtomicBool, AtomicU64, CachePadded, Mutex, Ordering, lock, wait_for_other_thread};
+use crate::sync::{
+    Arc, AtomicBool, AtomicU64, BarrierMode, CachePadded, Mutex, Ordering, barrier_mode, heavy_barrier, light_barrier,
+    lock, wait_for_other_thread,
+};
 
 /// Number of roles (per-role arrays).
 pub(crate) const ROLES: usize = MemoryRole::ALL.len();
@@ -71,10 +84,8 @@ pub(crate) const UNLIMITED: u64 = u64::MAX;
 
 /// Slot flag: the slot may not cache credit.
 const CLOSED: u64 = 1 << 63;
-/// Slot flag: a thread is moving this slot's credit; nobody else may touch it.
-const BUSY: u64 = 1 << 62;
 /// Slot bits holding the credit.
-const CREDIT: u64 = BUSY - 1;
+const CREDIT: u64 = (1 << 62) - 1;
 
 /// The largest chunk of credit a slot may draw (a slot holds at most two chunks).
 pub(crate) const MAX_CHUNK: u64 = CREDIT / 4;
@@ -427,15 +438,23 @@ impl Path<'_> {
 
 /// One thread's credit for one role of one account, on its own cache line.
 ///
-/// Only the owning thread admits and refunds through a slot; other threads only sweep
-/// it (see the module docs). `opened` and `closed` count the charges the owner opened
-/// and closed; only the owner writes them.
+/// Only the owning thread admits and refunds through a slot, inside its section; other
+/// threads only sweep it (see the module docs). `opened` and `closed` count the charges
+/// the owner opened and closed; only the owner writes them.
 // Aligned like `CachePadded` (128 bytes covers adjacent-line prefetch), so two threads'
 // slots never share a line.
 #[derive(Debug)]
 #[repr(align(128))]
 pub(crate) struct Slot {
+    /// Credit and `CLOSED`: written by the owner in its section, or by the sweeper that
+    /// holds `sweeping` while the owner is outside it.
     word: AtomicU64,
+    /// The owner is inside its section (written by the owner only).
+    active: AtomicBool,
+    /// A sweeper holds the slot (claimed by compare-and-swap among sweepers).
+    sweeping: AtomicBool,
+    /// The barrier pair of this process (the same for the owner and every sweeper).
+    mode: BarrierMode,
     opened: AtomicU64,
     closed: AtomicU64,
     retired: AtomicBool,
@@ -463,6 +482,9 @@ impl Slot {
     pub(crate) fn new(account: Arc<AccountCounters>, device: Arc<DeviceCounters>, role: usize) -> Slot {
         Slot {
             word: AtomicU64::new(CLOSED),
+            active: AtomicBool::new(false),
+            sweeping: AtomicBool::new(false),
+            mode: barrier_mode(),
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
             retired: AtomicBool::new(false),
@@ -530,19 +552,61 @@ impl Slot {
         self.closed.store(self.closed.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 
+    /// Enters the owner's section (see the module docs): `false` when a sweeper holds
+    /// the slot (the owner must not touch the word then; it uses the shared books).
+    #[inline(always)]
+    fn enter(&self) -> bool {
+        self.active.store(true, Ordering::Relaxed);
+        light_barrier(self.mode);
+        // Acquire: a sweep that ended before this read is seen whole (its word store).
+        if self.sweeping.load(Ordering::Acquire) {
+            self.leave();
+            return false;
+        }
+        true
+    }
+
+    /// Leaves the owner's section; a sweeper that then reads `active` sees the word.
+    #[inline(always)]
+    fn leave(&self) {
+        self.active.store(false, Ordering::Release);
+    }
+
     /// The fast path: takes `n` from this slot's credit. `false` when the slot is
-    /// closed, busy or short (then call [`Slot::admit_slow`]).
+    /// closed, being swept or short (then call [`Slot::admit_slow`]).
     #[inline]
     pub(crate) fn admit_fast(&self, n: u64) -> bool {
-        let word = self.word.load(Ordering::Relaxed);
-        if word & (CLOSED | BUSY) == 0
-            && word >= n
-            && self.word.compare_exchange(word, word - n, Ordering::Acquire, Ordering::Relaxed).is_ok()
-        {
-            self.count_open();
-            return true;
+        // A look before entering: the owner is the word's usual writer.
+        let peek = self.word.load(Ordering::Relaxed);
+        if peek & CLOSED != 0 || peek < n || !self.enter() {
+            return false;
         }
-        false
+        let word = self.word.load(Ordering::Relaxed);
+        let admitted = word & CLOSED == 0 && word >= n;
+        if admitted {
+            self.word.store(word - n, Ordering::Relaxed);
+        }
+        self.leave();
+        if admitted {
+            self.count_open();
+        }
+        admitted
+    }
+
+    /// Whether a closed slot stays closed for an admission of `n`: it may not cache the
+    /// request, or a drainer is visibly at work, or the budget has no room to spare.
+    fn stays_closed(&self, word: u64, cacheable: bool, n: u64, chunk: u64) -> bool {
+        word & CLOSED != 0 && (!cacheable || self.drainers_visible() || !self.room_visible(n + 2 * chunk))
+    }
+
+    /// Admits `n` bytes straight from the shared books (the slot is closed, or a
+    /// sweeper holds it).
+    fn admit_from_books(&self, n: u64) -> Result<(), Short> {
+        let result = self.path().draw(n, 0);
+        if result.is_ok() {
+            self.count_open();
+        }
+        result
     }
 
     /// Admits `n` bytes, refilling the slot with a chunk when it may cache credit;
@@ -550,34 +614,26 @@ impl Slot {
     pub(crate) fn admit_slow(&self, n: u64, chunk: u64) -> Result<(), Short> {
         let cap = 2 * chunk;
         let cacheable = chunk > 0 && n <= cap;
-        let mut word = self.word.load(Ordering::Acquire);
-        loop {
-            // A busy slot is being swept: leave it alone. A closed slot holds no credit
-            // and, while a drainer is visibly at work, will not reopen: leave it alone
-            // too, so that a sweeping drainer never has to wait for it.
-            let stays_closed =
-                word & CLOSED != 0 && (!cacheable || self.drainers_visible() || !self.room_visible(n + 2 * chunk));
-            if word & BUSY != 0 || stays_closed {
-                let result = self.path().draw(n, 0);
-                if result.is_ok() {
-                    self.count_open();
-                }
-                return result;
-            }
-            match self.word.compare_exchange_weak(word, word | BUSY, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => break,
-                Err(now) => word = now,
-            }
+        // A closed slot holds no credit and, while a drainer is visibly at work, will
+        // not reopen: leave it alone, so that a sweeping drainer never waits for it.
+        if self.stays_closed(self.word.load(Ordering::Relaxed), cacheable, n, chunk) || !self.enter() {
+            return self.admit_from_books(n);
         }
-        // The slot is ours until the store below.
+        // The word is ours until `leave`.
+        let word = self.word.load(Ordering::Relaxed);
+        if self.stays_closed(word, cacheable, n, chunk) {
+            self.leave();
+            return self.admit_from_books(n);
+        }
         let credit = word & CREDIT;
         let closed = word & CLOSED;
         let (result, credit, closed) = if credit >= n {
             (Ok(()), credit - n, closed)
         } else {
             let need = n - credit;
-            // Reopening a closed slot is decided under BUSY, with read-modify-writes of
-            // `drainers` (see the module docs): a drainer either sees BUSY or is seen.
+            // Reopening a closed slot is decided inside the section, with
+            // read-modify-writes of `drainers` (see the module docs): a drainer either
+            // sees the owner active or is seen.
             let may_cache = cacheable
                 && (closed == 0 || (!self.account.budget.has_drainers() && !self.device.budget.has_drainers()));
             if may_cache && self.path().draw(need + chunk, chunk).is_ok() {
@@ -590,7 +646,8 @@ impl Slot {
                 }
             }
         };
-        self.word.store(credit | closed, Ordering::Release);
+        self.word.store(credit | closed, Ordering::Relaxed);
+        self.leave();
         if result.is_ok() {
             self.count_open();
         }
@@ -604,46 +661,54 @@ impl Slot {
         if close {
             self.count_close();
         }
-        let word = self.word.load(Ordering::Relaxed);
         let cap = 2 * chunk;
-        if word & (CLOSED | BUSY) == 0
-            && n <= cap
-            && word + n <= cap
-            && self.word.compare_exchange(word, word + n, Ordering::Release, Ordering::Relaxed).is_ok()
-        {
-            return;
+        let peek = self.word.load(Ordering::Relaxed);
+        if peek & CLOSED == 0 && n <= cap && peek + n <= cap && self.enter() {
+            let word = self.word.load(Ordering::Relaxed);
+            let cached = word & CLOSED == 0 && word + n <= cap;
+            if cached {
+                self.word.store(word + n, Ordering::Relaxed);
+            }
+            self.leave();
+            if cached {
+                return;
+            }
         }
         self.path().give_back(n);
     }
 
+    /// First half of a sweep: claims the slot against other sweepers. `false` when
+    /// another sweeper holds it.
+    fn claim_sweep(&self) -> bool {
+        self.sweeping.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// Second half of a sweep, after the heavy barrier: unless the owner is in its
+    /// section, returns the slot's credit to the shared books and closes it. Releases
+    /// the claim. `None` when the owner is active (sweep it again).
+    fn finish_sweep(&self) -> Option<u64> {
+        // Acquire: the owner's last section ended with a release store of `active`.
+        let returned = if self.active.load(Ordering::Acquire) {
+            None
+        } else {
+            let credit = self.word.load(Ordering::Acquire) & CREDIT;
+            self.path().give_back(credit);
+            self.word.store(CLOSED, Ordering::Release);
+            Some(credit)
+        };
+        self.sweeping.store(false, Ordering::Release);
+        returned
+    }
+
     /// Returns this slot's credit to the shared books and closes it. Returns `None`
-    /// when the slot is busy (another thread is moving its credit: sweep it again).
+    /// when the slot is busy (its owner is in its section, or another sweeper holds it:
+    /// sweep it again).
     fn sweep(&self) -> Option<u64> {
-        let mut word = self.word.load(Ordering::Acquire);
-        loop {
-            if word & BUSY != 0 {
-                return None;
-            }
-            let credit = word & CREDIT;
-            if credit == 0 {
-                if word & CLOSED != 0 {
-                    return Some(0);
-                }
-                match self.word.compare_exchange_weak(word, CLOSED, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => return Some(0),
-                    Err(now) => word = now,
-                }
-                continue;
-            }
-            match self.word.compare_exchange_weak(word, CLOSED | BUSY, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    self.path().give_back(credit);
-                    self.word.store(CLOSED, Ordering::Release);
-                    return Some(credit);
-                }
-                Err(now) => word = now,
-            }
+        if !self.claim_sweep() {
+            return None;
         }
+        heavy_barrier(self.mode);
+        self.finish_sweep()
     }
 
     /// The owner is gone: returns the credit, closes the slot for good.
@@ -658,11 +723,17 @@ impl Slot {
 /// Sweeps every slot of `slots` once (see the module docs). The list lock is held
 /// only to copy the list: a slot registered after the copy starts closed and cannot
 /// reopen while the sweeping drainer is counted.
+///
+/// Every slot is claimed first, then one heavy barrier serves them all.
 pub(crate) fn sweep(slots: &Mutex<Vec<Arc<Slot>>>) -> Sweep {
     let slots: Vec<Arc<Slot>> = lock(slots).clone();
     let mut outcome = Sweep::default();
-    for slot in slots.iter() {
-        match slot.sweep() {
+    let claimed: Vec<bool> = slots.iter().map(|slot| slot.claim_sweep()).collect();
+    if claimed.contains(&true) {
+        heavy_barrier(barrier_mode());
+    }
+    for (slot, claimed) in slots.iter().zip(claimed) {
+        match claimed.then(|| slot.finish_sweep()).flatten() {
             Some(returned) => outcome.returned += returned,
             None => outcome.busy = true,
         }
@@ -857,20 +928,37 @@ mod tests {
         slot.admit_slow(10, 100).unwrap();
         assert_eq!((slot.credit(), books.1.budget.used()), (100, 110));
         // Another thread is moving this slot's credit (a sweep in progress).
-        slot.word.fetch_or(BUSY, Ordering::AcqRel);
-        assert!(!slot.admit_fast(5), "the fast path must not touch a busy slot");
+        assert!(slot.claim_sweep());
+        assert!(!slot.admit_fast(5), "the fast path must not touch a slot being swept");
         slot.admit_slow(5, 100).unwrap();
         slot.refund(7, 100, true);
-        assert_eq!(slot.word.load(Ordering::Acquire), BUSY | 100, "the busy slot was written");
+        assert_eq!(slot.word.load(Ordering::Acquire), 100, "the slot being swept was written");
         assert_eq!(books.1.budget.used(), 110 + 5 - 7, "drawn from and refunded to the books instead");
         let list = Mutex::new(vec![Arc::clone(&slot)]);
         assert_eq!(slot.sweep(), None);
         assert_eq!(sweep(&list), Sweep { returned: 0, busy: true });
-        slot.word.fetch_and(!BUSY, Ordering::AcqRel);
+        slot.sweeping.store(false, Ordering::Release);
         assert_eq!(sweep(&list), Sweep { returned: 100, busy: false });
         assert_eq!(slot.word.load(Ordering::Acquire), CLOSED);
         assert_eq!(slot.sweep(), Some(0), "a closed empty slot sweeps to nothing");
         assert_eq!(slot.counts(), (2, 1));
+    }
+
+    #[test]
+    fn a_sweep_leaves_a_slot_whose_owner_is_in_its_section_and_reports_it_busy() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        let list = Mutex::new(vec![Arc::clone(&slot)]);
+        // What `enter` stores first: the owner is between its reads and its write.
+        slot.active.store(true, Ordering::Release);
+        assert_eq!(sweep(&list), Sweep { returned: 0, busy: true });
+        assert_eq!((slot.credit(), books.1.budget.used()), (100, 110), "the owner's credit was moved");
+        assert!(slot.claim_sweep(), "a sweep that met the owner released its claim");
+        slot.sweeping.store(false, Ordering::Release);
+        slot.leave();
+        assert_eq!(sweep(&list), Sweep { returned: 100, busy: false });
+        assert_eq!(books.1.budget.used(), 10);
     }
 
     #[test]

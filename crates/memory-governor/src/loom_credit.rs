@@ -196,7 +196,7 @@ fn hoarding_scenario(register_in_thread: bool) {
 }
 
 /// A closed slot reopens only when no drainer is at work (checked with a
-/// read-modify-write under BUSY), so it cannot hoard credit a drainer needs.
+/// read-modify-write inside its section), so it cannot hoard credit a drainer needs.
 #[test]
 fn loom_closed_slot_does_not_reopen_during_drain() {
     loom::model(|| hoarding_scenario(false));

@@ -5,6 +5,21 @@
 //! return and limit-change protocols of [`credit`](crate::credit) are model-checked
 //! without touching their logic (see `src/loom_credit.rs`).
 //!
+//! # The Dekker barrier pair
+//!
+//! A credit slot is written by its owner thread with plain stores; a sweeping thread
+//! announces itself in the slot's `sweeping` flag and then reads the owner's `active`
+//! flag, while the owner stores `active` and then reads `sweeping`. Each side needs a
+//! store→load barrier between its write and its read: [`light_barrier`] is the owner's
+//! (hot) side, [`heavy_barrier`] the sweeper's (cold) side. Where the kernel offers
+//! `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` (Linux), the hot side is a compiler
+//! fence and the cold side makes the kernel run a full barrier on every CPU running a
+//! thread of this process ("fast path: store A; barrier(); load B / slow path: store B;
+//! membarrier(); load A": either the fast path sees B or the slow path sees A). Elsewhere,
+//! under Miri and under loom, and when the registration is refused, both sides are
+//! `fence(SeqCst)`. The mode is decided once per process ([`barrier_mode`]), so both
+//! sides always agree. The registry uses the same pair for its in-flight slots.
+//!
 //! `Arc` is always `std`'s: the public interface hands out `Arc<dyn Trait>` (policies,
 //! reclaim holders, allocators), which loom's `Arc` cannot unsize, and no protocol
 //! decision ever reads a reference count.
@@ -17,7 +32,7 @@ pub(crate) use primitives::*;
 mod primitives {
     pub(crate) use std::sync::{
         Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering, compiler_fence, fence},
     };
     pub(crate) use std::thread_local;
 
@@ -47,7 +62,7 @@ mod primitives {
 mod primitives {
     pub(crate) use loom::sync::{
         Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering, fence},
     };
     pub(crate) use loom::thread_local;
     pub(crate) use std::sync::{Arc, PoisonError};
@@ -65,6 +80,68 @@ mod primitives {
     pub(crate) fn wait_for_other_thread() {
         loom::thread::yield_now();
     }
+}
+
+/// How the two sides of the Dekker point are fenced (see the module docs).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum BarrierMode {
+    /// Hot side: compiler fence; cold side: `membarrier(PRIVATE_EXPEDITED)`.
+    #[cfg_attr(any(not(target_os = "linux"), memory_loom, miri), allow(dead_code))]
+    Asymmetric,
+    /// Both sides: `fence(SeqCst)`.
+    Fence,
+}
+
+/// The mode this process uses: asymmetric once the `membarrier` registration succeeded
+/// (tried once per process), fences otherwise.
+pub(crate) fn barrier_mode() -> BarrierMode {
+    #[cfg(all(target_os = "linux", not(memory_loom), not(miri)))]
+    {
+        static MODE: std::sync::OnceLock<BarrierMode> = std::sync::OnceLock::new();
+        *MODE.get_or_init(|| {
+            use rustix::thread::{MembarrierCommand, MembarrierQuery, membarrier, membarrier_query};
+            let wanted = MembarrierQuery::PRIVATE_EXPEDITED | MembarrierQuery::REGISTER_PRIVATE_EXPEDITED;
+            if membarrier_query().contains(wanted) && membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok() {
+                BarrierMode::Asymmetric
+            } else {
+                tracing::debug!("membarrier unavailable: credit slot owners fence themselves");
+                BarrierMode::Fence
+            }
+        })
+    }
+    #[cfg(not(all(target_os = "linux", not(memory_loom), not(miri))))]
+    {
+        BarrierMode::Fence
+    }
+}
+
+/// The hot (owner's) side of a Dekker point: between storing `active` and reading
+/// `sweeping`.
+#[inline(always)]
+pub(crate) fn light_barrier(mode: BarrierMode) {
+    match mode {
+        #[cfg(not(memory_loom))]
+        BarrierMode::Asymmetric => compiler_fence(Ordering::SeqCst),
+        _ => fence(Ordering::SeqCst),
+    }
+}
+
+/// The cold (sweeper's) side of a Dekker point: between storing `sweeping` and reading
+/// the owners' `active` flags.
+#[cold]
+pub(crate) fn heavy_barrier(mode: BarrierMode) {
+    #[cfg(all(target_os = "linux", not(memory_loom), not(miri)))]
+    if mode == BarrierMode::Asymmetric {
+        use rustix::thread::{MembarrierCommand, membarrier};
+        // Cannot fail once registered; should it ever, the global variant (slower, needs
+        // no registration) gives the same guarantee.
+        if membarrier(MembarrierCommand::PrivateExpedited).is_ok() || membarrier(MembarrierCommand::Global).is_ok() {
+            return;
+        }
+        tracing::error!("membarrier failed after registration; a sweep may miss a slot's owner");
+    }
+    let _ = mode;
+    fence(Ordering::SeqCst);
 }
 
 /// A counter that hands out ids (accounts, reclaim holders, trace thread numbers). Ids
