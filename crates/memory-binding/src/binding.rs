@@ -639,64 +639,18 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
 /// unwinding already (then `None`: see [`reraise_unless_unwinding`]).
 #[inline]
 fn call_release(pin: &MechanismPin, slot: u32, record: &Record, parts: &BlockInTransit) -> Option<ReleaseOutcome> {
-    if std::thread::panicking() {
-        return call_release_while_unwinding(pin, slot, record, parts);
-    }
-    let core = &*pin.core;
-    let allocator: &dyn DeviceAllocator = &*core.allocator;
-    // Not `catch_unwind`: a guard books a panic while it unwinds past, so the common
-    // path is a plain call the compiler can inline around.
-    let guard = QuarantineOnUnwind { pin, slot, record, parts };
-    let outcome = allocator.release(parts.raw(core.device));
-    std::mem::forget(guard);
-    Some(outcome)
-}
-
-/// [`call_release`] on a thread that is unwinding already: a second panic escaping
-/// here would abort the process, so it is caught, booked and logged.
-#[cold]
-#[inline(never)]
-fn call_release_while_unwinding(
-    pin: &MechanismPin,
-    slot: u32,
-    record: &Record,
-    parts: &BlockInTransit,
-) -> Option<ReleaseOutcome> {
     let core = &*pin.core;
     let allocator: &dyn DeviceAllocator = &*core.allocator;
     match catch_unwind(AssertUnwindSafe(|| allocator.release(parts.raw(core.device)))) {
         Ok(outcome) => Some(outcome),
         Err(panic) => {
-            quarantine_panicked_release(pin, slot, record, parts);
+            let raw = parts.raw(core.device);
+            let bytes = raw.bytes();
+            core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
+            pin.free(slot, record);
             reraise_unless_unwinding(panic, "a release");
             None
         }
-    }
-}
-
-/// A release callback panicked: the whole block is quarantined (nothing is known to be
-/// released), then its record is freed.
-#[cold]
-fn quarantine_panicked_release(pin: &MechanismPin, slot: u32, record: &Record, parts: &BlockInTransit) {
-    let core = &*pin.core;
-    let raw = parts.raw(core.device);
-    let bytes = raw.bytes();
-    core.quarantine(parts.quarantined(core, raw, 0, bytes, ReleaseError::CallbackPanicked));
-    pin.free(slot, record);
-}
-
-/// Books a release callback's panic as it unwinds past (see [`call_release`]).
-struct QuarantineOnUnwind<'a> {
-    pin: &'a MechanismPin,
-    slot: u32,
-    record: &'a Record,
-    parts: &'a BlockInTransit,
-}
-
-impl Drop for QuarantineOnUnwind<'_> {
-    fn drop(&mut self) {
-        // Reached only while unwinding (the normal path forgets the guard).
-        quarantine_panicked_release(self.pin, self.slot, self.record, self.parts);
     }
 }
 
