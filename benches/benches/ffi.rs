@@ -91,6 +91,8 @@ fn example_plugin() -> PathBuf {
         .source(root.join("crates/memory-plugin/tests/c/example_plugin.c"))
         .include(root.join("include"))
         .arg("-lpthread")
+        // Optimised like the Rust side it is compared with (the build's default is -O0).
+        .arg("-O2")
         .shared_library(&root.join("target/bench-plugin"), "libexample_plugin.so")
 }
 
