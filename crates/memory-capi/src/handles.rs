@@ -299,6 +299,116 @@ impl<T: Send + Sync + 'static> Slots<T> {
     }
 }
 
+/// Where a thread keeps its last borrow of one table's handle between its calls (see
+/// [`Slots::borrow_cached`]): the handle (0 for none) whose borrow it still counts. A
+/// thread that ends gives its kept borrow back.
+pub(crate) struct KeptBorrow<T: Send + Sync + 'static> {
+    slots: &'static Slots<T>,
+    handle: std::cell::Cell<u64>,
+}
+
+impl<T: Send + Sync + 'static> KeptBorrow<T> {
+    /// Nothing kept yet, for a borrow of `slots`.
+    pub(crate) const fn new(slots: &'static Slots<T>) -> KeptBorrow<T> {
+        KeptBorrow { slots, handle: std::cell::Cell::new(0) }
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for KeptBorrow<T> {
+    fn drop(&mut self) {
+        self.slots.end_kept(self.handle.replace(0));
+    }
+}
+
+impl<T: Send + Sync + 'static> Slots<T> {
+    /// Borrows the value of `handle` like [`Slots::borrow`], reusing the borrow this
+    /// thread kept from its last call with the same handle: a thread calling again and
+    /// again through one handle counts no borrow in the shared state word (no
+    /// read-modify-write), it only reads it.
+    ///
+    /// A kept borrow counts as a borrow in progress, so the value cannot be dropped nor
+    /// the cell reused under it (its generation cannot change). It is reused only while
+    /// the handle is live, so a removed handle fails (`Stale`) as with [`Slots::borrow`].
+    /// A removal while a thread keeps a borrow marks the handle dying, as with any
+    /// borrow; the value is dropped when that thread next borrows from the table, or
+    /// ends.
+    #[inline]
+    pub(crate) fn borrow_cached(
+        &'static self,
+        kept: &'static LocalKey<KeptBorrow<T>>,
+        handle: u64,
+    ) -> Result<CachedBorrow<T>, Fault> {
+        // Taken out for the call: a call re-entering the library on this thread finds
+        // nothing kept and borrows afresh, so no borrow serves two calls.
+        let last = kept.try_with(|kept| kept.handle.replace(0)).unwrap_or(0);
+        if last != 0 {
+            if last == handle
+                && let Some(cell) = self.cell(handle as u32)
+                && cell.state.load(Ordering::Acquire) & LIVE != 0
+            {
+                let borrow = std::mem::ManuallyDrop::new(Borrow { slots: self, cell, index: handle as u32 });
+                return Ok(CachedBorrow { kept, borrow, handle });
+            }
+            // Another handle, or this one was removed: that borrow ends (dropping the
+            // value if it was the last).
+            self.end_kept(last);
+        }
+        let borrow = std::mem::ManuallyDrop::new(self.borrow(handle)?);
+        Ok(CachedBorrow { kept, borrow, handle })
+    }
+
+    /// Ends the borrow this thread keeps in `kept`, if any (before a removal on this
+    /// thread, so that its value is dropped by the removal itself).
+    pub(crate) fn end_kept_here(&'static self, kept: &'static LocalKey<KeptBorrow<T>>) {
+        if let Ok(last) = kept.try_with(|kept| kept.handle.replace(0)) {
+            self.end_kept(last);
+        }
+    }
+
+    /// Ends the borrow a thread kept of `handle` (0: none).
+    fn end_kept(&'static self, handle: u64) {
+        if handle == 0 {
+            return;
+        }
+        // A kept handle was borrowed, so its cell exists and still counts that borrow.
+        if let Some(cell) = self.cell(handle as u32) {
+            drop(Borrow { slots: self, cell, index: handle as u32 });
+        }
+    }
+}
+
+/// A borrow for one call, which the thread keeps for its next call when this one ends.
+pub(crate) struct CachedBorrow<T: Send + Sync + 'static> {
+    kept: &'static LocalKey<KeptBorrow<T>>,
+    /// The borrow, counted in the cell's state word until it is kept or ended.
+    borrow: std::mem::ManuallyDrop<Borrow<T>>,
+    handle: u64,
+}
+
+impl<T: Send + Sync + 'static> std::ops::Deref for CachedBorrow<T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.borrow
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for CachedBorrow<T> {
+    #[inline]
+    fn drop(&mut self) {
+        let slots = self.borrow.slots;
+        let handle = self.handle;
+        // The count this borrow holds stays, now owned by the thread's slot; whatever a
+        // re-entrant call kept meanwhile ends here.
+        match self.kept.try_with(|kept| kept.handle.replace(handle)) {
+            Ok(replaced) => slots.end_kept(replaced),
+            // This thread is ending (its slot is gone): the borrow ends with the call.
+            // SAFETY: dropped once, here, and the field is not used again.
+            Err(_) => unsafe { std::mem::ManuallyDrop::drop(&mut self.borrow) },
+        }
+    }
+}
+
 /// A value borrowed for the length of one call.
 pub(crate) struct Borrow<T: Send + Sync + 'static> {
     slots: &'static Slots<T>,
