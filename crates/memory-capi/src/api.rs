@@ -19,7 +19,7 @@ use memory_governor::{
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginLibrary, PluginReleaseQueue, abi_device};
 use memory_plugin_abi::{MP_CAP_ALL, MP_TIER_DEVICE, MP_TIER_DISK, MP_TIER_HOST, MpAllocator, MpDevice};
 
-use crate::handles::{CachedBorrow, FreeList, KeptBorrow, Slots, number, pointer};
+use crate::handles::{FreeList, Slots, number, pointer};
 use crate::status::{
     Failure, MC_ERR_BACKEND, MC_ERR_BUFFER_TOO_SMALL, MC_ERR_INVALID_ARGUMENT, MC_ERR_UNLOAD_REFUSED,
     MC_ERR_UNSUPPORTED, McStatus, guard,
@@ -77,8 +77,6 @@ thread_local! {
     static FREE_AUTHORITIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
     static FREE_MECHANISMS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
     static FREE_BINDINGS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    /// This thread's last binding borrow: the hot calls reuse it (no shared write).
-    static KEPT_BINDING: KeptBorrow<MemoryBinding> = const { KeptBorrow::new(&BINDINGS) };
     static FREE_ALLOCATIONS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
     static FREE_LIBRARIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
     static FREE_QUEUES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
@@ -103,13 +101,6 @@ fn borrow<T: Send + Sync + 'static, P>(
 ) -> Result<crate::handles::Borrow<T>, Failure> {
     let number = number(handle);
     slots.borrow(number).map_err(|fault| Failure::handle(slots.name(), number, fault))
-}
-
-/// Borrows a binding handle, reusing this thread's kept borrow of it (see
-/// [`Slots::borrow_cached`]).
-fn borrow_binding(handle: *const McBinding) -> Result<CachedBorrow<MemoryBinding>, Failure> {
-    let number = number(handle);
-    BINDINGS.borrow_cached(&KEPT_BINDING, number).map_err(|fault| Failure::handle(BINDINGS.name(), number, fault))
 }
 
 fn insert<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, value: T) -> Result<*mut P, Failure> {
@@ -765,11 +756,7 @@ pub unsafe extern "C" fn mc_bind_mechanism(
 /// Destroys a binding handle (its allocations stay valid and pinned).
 #[unsafe(no_mangle)]
 pub extern "C" fn mc_binding_destroy(binding: *mut McBinding) -> McStatus {
-    guard("mc_binding_destroy", || {
-        // This thread's kept borrow must not outlive the handle: the value goes now.
-        BINDINGS.end_kept_here(&KEPT_BINDING);
-        remove(&BINDINGS, binding)
-    })
+    guard("mc_binding_destroy", || remove(&BINDINGS, binding))
 }
 
 /// Allocates `bytes` bytes aligned to `align` (a power of two) for `role` (`MP_ROLE_*`).
@@ -786,7 +773,7 @@ pub unsafe extern "C" fn mc_allocate(
 ) -> McStatus {
     guard("mc_allocate", || {
         check_out(out, "out")?;
-        let binding = borrow_binding(binding)?;
+        let binding = borrow(&BINDINGS, binding)?;
         let too_large = |_| {
             Failure::new(MC_ERR_INVALID_ARGUMENT, format!("{bytes} bytes aligned to {align} does not fit this host"))
         };
@@ -841,7 +828,7 @@ pub unsafe extern "C" fn mc_release(
         if !report.is_null() {
             check_out(report, "report")?;
         }
-        let binding = borrow_binding(binding)?;
+        let binding = borrow(&BINDINGS, binding)?;
         let number = number(allocation);
         let (value, reservation) =
             ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
@@ -886,7 +873,7 @@ pub extern "C" fn mc_release_deferred(
     queue: *mut McQueue,
 ) -> McStatus {
     guard("mc_release_deferred", || {
-        let binding = borrow_binding(binding)?;
+        let binding = borrow(&BINDINGS, binding)?;
         let queue = borrow(&QUEUES, queue)?;
         let number = number(allocation);
         let (value, reservation) =
