@@ -64,7 +64,8 @@ typedef struct Instance {
     unsigned fault_at;
     unsigned defer_polls;
     /* counters */
-    atomic_uint_fast64_t allocations;
+    /* live allocations = allocations_total - releases_total (read releases first) */
+    atomic_uint_fast64_t releases_total;
     atomic_uint_fast64_t bytes;
     atomic_uint_fast64_t allocations_total;
     atomic_uint_fast64_t failures_total;
@@ -119,6 +120,13 @@ static int faulted(const Instance *self, const char *name, unsigned call) {
     return self->fault_at == 0 || self->fault_at == call;
 }
 
+/* Blocks issued and not yet released. Releases are read first: every release follows
+ * its allocation, so the total read after them is never smaller. */
+static uint64_t live_allocations(Instance *self) {
+    uint64_t released = atomic_load(&self->releases_total);
+    return atomic_load(&self->allocations_total) - released;
+}
+
 static uint64_t granules(uint64_t bytes) {
     return (bytes + GRANULE - 1) / GRANULE;
 }
@@ -161,7 +169,6 @@ static MpStatus plugin_allocate(void *instance, const MpRequest *request, MpBloc
     out->align = align;
     out->device = self->device;
     out->tag = (uint64_t)(uintptr_t)header;
-    atomic_fetch_add(&self->allocations, 1);
     atomic_fetch_add(&self->bytes, request->bytes);
     atomic_fetch_add(&self->allocations_total, 1);
 
@@ -213,7 +220,7 @@ static void free_block(Instance *self, BlockHeader *header) {
     if (atomic_load_explicit(&self->had_backings, memory_order_acquire)) {
         unmap_and_sweep(self, header);
     }
-    atomic_fetch_sub(&self->allocations, 1);
+    atomic_fetch_add(&self->releases_total, 1);
     atomic_fetch_sub(&self->bytes, header->bytes);
     free(header->committed);
     free(header->mapped);
@@ -297,7 +304,7 @@ static MpStatus plugin_tally(void *instance, MpTally *out) {
     out->backings = self->live_backings;
     out->deferred = self->deferred_count;
     pthread_mutex_unlock(&self->lock);
-    out->allocations = atomic_load(&self->allocations);
+    out->allocations = live_allocations(self);
     out->bytes = atomic_load(&self->bytes);
     return MP_OK;
 }
@@ -305,7 +312,7 @@ static MpStatus plugin_tally(void *instance, MpTally *out) {
 static MpStatus plugin_stats(void *instance, MpStats *out) {
     Instance *self = instance;
     memset(out, 0, sizeof *out);
-    out->live_allocations = atomic_load(&self->allocations);
+    out->live_allocations = live_allocations(self);
     out->live_bytes = atomic_load(&self->bytes);
     out->allocations_total = atomic_load(&self->allocations_total);
     out->failures_total = atomic_load(&self->failures_total);
@@ -588,7 +595,7 @@ static void plugin_destroy(void *instance) {
         *link = self->next_instance;
     }
     live_instances--;
-    orphaned_allocations += atomic_load(&self->allocations);
+    orphaned_allocations += live_allocations(self);
     orphaned_bytes += atomic_load(&self->bytes);
     pthread_mutex_unlock(&instances_lock);
     while (self->backings != NULL) {
