@@ -6,6 +6,12 @@
 //! - `plugin_pair/rust_system` vs `plugin_pair/plugin`: the same pair through a binding
 //!   over the Rust system allocator and over the example C plugin (posix_memalign behind
 //!   the plugin ABI, with the loader's records and checks).
+//!
+//! The same work on both sides: the plugin is built with -O2 like the Rust side (the
+//! native build's default is -O0), and its plain allocate/release does what the Rust
+//! system allocator does (the memory, live counters) without the example's test
+//! machinery: it counts calls only when a fault is scripted and sweeps backings only
+//! once one was made. What remains of the difference is the loader's (records, checks).
 
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
@@ -91,6 +97,8 @@ fn example_plugin() -> PathBuf {
         .source(root.join("crates/memory-plugin/tests/c/example_plugin.c"))
         .include(root.join("include"))
         .arg("-lpthread")
+        // Optimised like the Rust side it is compared with (the build's default is -O0).
+        .arg("-O2")
         .shared_library(&root.join("target/bench-plugin"), "libexample_plugin.so")
 }
 
