@@ -14,7 +14,7 @@ use memory_api::{
 use memory_plugin_abi::{
     MP_ACCESS_READ_ONLY, MP_ACCESS_READ_WRITE, MP_ERR_ALREADY_MAPPED, MP_ERR_DEVICE_LOST, MP_ERR_MISALIGNED,
     MP_ERR_NOT_OWNED, MP_ERR_OUT_OF_BOUNDS, MP_ERR_OUT_OF_MEMORY, MP_ERR_UNSUPPORTED, MP_OK, MpBacking, MpBlock,
-    MpStatus,
+    MpRangeFn, MpStatus,
 };
 
 use crate::allocator::Instance;
@@ -46,6 +46,33 @@ impl Instance {
         }
     }
 
+    /// Calls a range slot (`commit`, `decommit`, `unmap`): checks the block is ours and
+    /// the range fits it at `granularity`, then holds the plugin's answer to the range.
+    fn call_range(
+        &self,
+        operation: &'static str,
+        slot: MpRangeFn,
+        granularity: usize,
+        allocation: &RawAllocation,
+        range: ByteRange,
+    ) -> Result<usize, CapabilityError> {
+        let block = self.owned(allocation)?;
+        range.check_within(allocation.bytes())?;
+        range.check_aligned(granularity)?;
+        let call = slot.ok_or(CapabilityError::Unsupported { allocator: self.name.clone(), what: operation })?;
+        let mut done = 0u64;
+        // SAFETY: a non-null slot of the negotiated table (checked with its capability);
+        // `block` is the plugin's own record of a live block; pointers are to live locals.
+        let status = unsafe { call(self.ptr(), &block, range.offset() as u64, range.len() as u64, &mut done) };
+        if status != MP_OK {
+            return Err(self.capability_error(operation, status, range));
+        }
+        if done > range.len() as u64 {
+            return Err(self.dishonest(operation, done, range));
+        }
+        Ok(to_usize(done))
+    }
+
     fn dishonest(&self, operation: &'static str, claimed: u64, range: ByteRange) -> CapabilityError {
         let detail =
             format!("; it claimed {claimed} bytes for a range of {} bytes (report the plugin's bug)", range.len());
@@ -63,42 +90,11 @@ impl VirtualBacking for Instance {
     }
 
     fn commit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
-        let block = self.owned(allocation)?;
-        range.check_within(allocation.bytes())?;
-        range.check_aligned(VirtualBacking::granularity(self))?;
-        let commit =
-            self.table.commit.ok_or(CapabilityError::Unsupported { allocator: self.name.clone(), what: "commit" })?;
-        let mut newly = 0u64;
-        // SAFETY: non-null slot (checked at negotiation with the capability); `block`
-        // is the plugin's own record of a live block; pointers are to live locals.
-        let status = unsafe { commit(self.ptr(), &block, range.offset() as u64, range.len() as u64, &mut newly) };
-        if status != MP_OK {
-            return Err(self.capability_error("commit", status, range));
-        }
-        if newly > range.len() as u64 {
-            return Err(self.dishonest("commit", newly, range));
-        }
-        Ok(to_usize(newly))
+        self.call_range("commit", self.table.commit, VirtualBacking::granularity(self), allocation, range)
     }
 
     fn decommit(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
-        let block = self.owned(allocation)?;
-        range.check_within(allocation.bytes())?;
-        range.check_aligned(VirtualBacking::granularity(self))?;
-        let decommit = self
-            .table
-            .decommit
-            .ok_or(CapabilityError::Unsupported { allocator: self.name.clone(), what: "decommit" })?;
-        let mut released = 0u64;
-        // SAFETY: as in `commit`.
-        let status = unsafe { decommit(self.ptr(), &block, range.offset() as u64, range.len() as u64, &mut released) };
-        if status != MP_OK {
-            return Err(self.capability_error("decommit", status, range));
-        }
-        if released > range.len() as u64 {
-            return Err(self.dishonest("decommit", released, range));
-        }
-        Ok(to_usize(released))
+        self.call_range("decommit", self.table.decommit, VirtualBacking::granularity(self), allocation, range)
     }
 
     fn committed_bytes(&self, allocation: &RawAllocation) -> Result<usize, CapabilityError> {
@@ -242,21 +238,7 @@ impl SharedMapping for Instance {
     }
 
     fn unmap(&self, allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
-        let block = self.owned(allocation)?;
-        range.check_within(allocation.bytes())?;
-        range.check_aligned(SharedMapping::granularity(self))?;
-        let unmap =
-            self.table.unmap.ok_or(CapabilityError::Unsupported { allocator: self.name.clone(), what: "unmap" })?;
-        let mut unmapped = 0u64;
-        // SAFETY: non-null slot; `block` is the plugin's own record; live locals.
-        let status = unsafe { unmap(self.ptr(), &block, range.offset() as u64, range.len() as u64, &mut unmapped) };
-        if status != MP_OK {
-            return Err(self.capability_error("unmap", status, range));
-        }
-        if unmapped > range.len() as u64 {
-            return Err(self.dishonest("unmap", unmapped, range));
-        }
-        Ok(to_usize(unmapped))
+        self.call_range("unmap", self.table.unmap, SharedMapping::granularity(self), allocation, range)
     }
 }
 
