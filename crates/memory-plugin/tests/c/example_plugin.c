@@ -349,14 +349,22 @@ static MpStatus check_range(const BlockHeader *header, uint64_t offset, uint64_t
     return MP_OK;
 }
 
-static MpStatus plugin_commit(void *instance, const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes) {
-    Instance *self = instance;
-    unsigned call = call_number(self, &self->commit_calls);
+/* The block's header, when the block is this instance's and the range fits it. */
+static MpStatus owned_range(Instance *self, const MpBlock *block, uint64_t offset, uint64_t length,
+                            BlockHeader **out) {
     BlockHeader *header = header_of(block);
     if (header == NULL || header->owner != self) {
         return MP_ERR_NOT_OWNED;
     }
-    MpStatus status = check_range(header, offset, length);
+    *out = header;
+    return check_range(header, offset, length);
+}
+
+static MpStatus plugin_commit(void *instance, const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes) {
+    Instance *self = instance;
+    unsigned call = call_number(self, &self->commit_calls);
+    BlockHeader *header = NULL;
+    MpStatus status = owned_range(self, block, offset, length, &header);
     if (status != MP_OK) {
         return status;
     }
@@ -378,11 +386,8 @@ static MpStatus plugin_commit(void *instance, const MpBlock *block, uint64_t off
 
 static MpStatus plugin_decommit(void *instance, const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes) {
     Instance *self = instance;
-    BlockHeader *header = header_of(block);
-    if (header == NULL || header->owner != self) {
-        return MP_ERR_NOT_OWNED;
-    }
-    MpStatus status = check_range(header, offset, length);
+    BlockHeader *header = NULL;
+    MpStatus status = owned_range(self, block, offset, length, &header);
     if (status != MP_OK) {
         return status;
     }
@@ -490,11 +495,8 @@ static MpStatus plugin_map(void *instance, uint64_t handle, const MpBlock *block
 
 static MpStatus plugin_unmap(void *instance, const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes) {
     Instance *self = instance;
-    BlockHeader *header = header_of(block);
-    if (header == NULL || header->owner != self) {
-        return MP_ERR_NOT_OWNED;
-    }
-    MpStatus status = check_range(header, offset, length);
+    BlockHeader *header = NULL;
+    MpStatus status = owned_range(self, block, offset, length, &header);
     if (status != MP_OK) {
         return status;
     }
