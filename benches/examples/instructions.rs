@@ -99,6 +99,7 @@ fn main() {
                 }
             });
         }
+        "system" | "capi" => system_pairs(what == "capi", n),
         "governed" => {
             // The governor bench's `governed/counter_governed`: a pair through a binding
             // whose allocator is governed (an account with a limit on the device).
@@ -122,7 +123,57 @@ fn main() {
             });
         }
         other => {
-            panic!("unknown operation {other}: raw, pair, drop, bind, bind64, remote, governed, shared, setup or own")
+            panic!(
+                "unknown operation {other}: raw, pair, drop, bind, bind64, remote, governed, system, capi, shared, setup or own"
+            )
         }
     }
+}
+
+/// The ffi bench's `capi_pair`: N pairs of 4 KiB over the system allocator, through a
+/// Rust binding (`system`) or through `mc_allocate` / `mc_release` (`capi`).
+fn system_pairs(through_c: bool, n: u64) {
+    use memory_capi::{
+        MC_CPU_SYSTEM, MC_OK, mc_allocate, mc_authority_register, mc_bind_mechanism, mc_context_register,
+        mc_register_cpu_allocator, mc_registry_create, mc_release,
+    };
+    use std::ptr::null_mut;
+    const BYTES: u64 = 4096;
+    const ALIGN: u64 = 64;
+    if !through_c {
+        let registry = BindingRegistry::new();
+        let allocator = Arc::new(allocator_cpu::SystemAllocator::for_device(DeviceKey::host(5)));
+        let binding = registry.with_memory(allocator).expect("binding");
+        let request = AllocationRequest::new(BYTES as usize, ALIGN as usize).expect("request");
+        (0..n + 300).for_each(|_| {
+            let block = binding.allocate(black_box(request)).expect("allocate");
+            black_box(binding.release(block).expect("release"));
+        });
+        return;
+    }
+    let device = memory_plugin_abi::MpDevice { tier: memory_plugin_abi::MP_TIER_HOST, index: 5 };
+    let (mut registry, mut context, mut authority, mut mechanism, mut binding) =
+        (null_mut(), null_mut(), null_mut(), null_mut(), null_mut());
+    // Every out-pointer is a live local, every handle one an earlier call made.
+    let statuses = [
+        // SAFETY: see above.
+        unsafe { mc_registry_create(&mut registry) },
+        // SAFETY: see above.
+        unsafe { mc_context_register(registry, device, null_mut(), None, &mut context) },
+        // SAFETY: see above.
+        unsafe { mc_authority_register(registry, device, null_mut(), None, &mut authority) },
+        // SAFETY: see above.
+        unsafe { mc_register_cpu_allocator(registry, null_mut(), context, authority, MC_CPU_SYSTEM, &mut mechanism) },
+        // SAFETY: see above.
+        unsafe { mc_bind_mechanism(registry, mechanism, &mut binding) },
+    ];
+    assert!(statuses.iter().all(|&status| status == MC_OK), "{statuses:?}");
+    (0..n + 300).for_each(|_| {
+        let mut block = null_mut();
+        // SAFETY: a live binding handle and out-pointer; the block is released once.
+        let allocated = unsafe { mc_allocate(binding, BYTES, ALIGN, memory_plugin_abi::MP_ROLE_KV_CACHE, &mut block) };
+        // SAFETY: as above.
+        let released = unsafe { mc_release(binding, black_box(block), null_mut()) };
+        assert!(allocated == MC_OK && released == MC_OK);
+    });
 }

@@ -19,6 +19,7 @@ use memory_api::{
 
 use crate::entry::{Anchor, DropPolicy, MechanismCore, MechanismPin, QuarantinedAllocation, Record};
 use crate::error::{AllocateError, HandleError, Rejected, ViewError};
+use crate::hot_trace::{HotEvent, hot_trace};
 use crate::lifecycle::{Admit, MechanismState};
 use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::unit_ref::UnitRef;
@@ -123,7 +124,7 @@ impl MemoryBinding {
         match pin.insert(address, bytes, align_log2, tag) {
             Ok((slot, generation)) => {
                 drop(in_flight);
-                tracing::trace!(mechanism = %core.identity, bytes, "allocate");
+                hot_trace(HotEvent::Allocate, &core.identity, bytes);
                 Ok(BoundAllocation {
                     pin: Some(UnitRef::new_live(pin)),
                     address,
@@ -607,7 +608,7 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
             // One ownership question for the record and the unit.
             let here = pin.owned_here();
             pin.free_known(slot, record, here);
-            tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
+            hot_trace(HotEvent::Release, &core.identity, parts.bytes);
             let unmapped_bytes = core.completed(parts.bytes, done.unmapped_bytes());
             held.give_back(here);
             // Its pin is taken: nothing is left for `Drop` to do.
@@ -704,7 +705,7 @@ fn settle(
     let expected = parts.raw(core.device);
     let settled = match outcome {
         ReleaseOutcome::Complete(done) => {
-            tracing::trace!(mechanism = %core.identity, bytes = parts.bytes, "release");
+            hot_trace(HotEvent::Release, &core.identity, parts.bytes);
             Settlement::Released(ReleaseSummary::Complete {
                 unmapped_bytes: core.completed(parts.bytes, done.unmapped_bytes()),
             })
@@ -982,7 +983,7 @@ fn drop_release(held: &UnitRef<MechanismPin>, parts: BlockInTransit, slot: u32) 
         DropPolicy::Release => match call_release(pin, slot, record, &parts) {
             Some(ReleaseOutcome::Complete(_)) => {
                 pin.free(slot, record);
-                tracing::trace!(mechanism = %pin.core.identity, bytes = parts.bytes, "release on drop");
+                hot_trace(HotEvent::ReleaseOnDrop, &pin.core.identity, parts.bytes);
             }
             // Panicked while unwinding: quarantined and freed already.
             None => {}

@@ -87,6 +87,7 @@ mod binding;
 mod capability;
 mod entry;
 mod error;
+mod hot_trace;
 mod lifecycle;
 mod per_thread;
 mod registry;

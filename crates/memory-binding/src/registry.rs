@@ -26,6 +26,7 @@ use crate::binding::{MemoryBinding, reraise_unless_unwinding};
 use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ContextState, ObjectIdentity, ObjectKind, RegistryError};
+use crate::hot_trace::{HotEvent, hot_trace};
 use crate::lifecycle::{Admit, MechanismState};
 use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
@@ -879,7 +880,7 @@ fn bind_anchor(anchor: UnitRef<Anchor>, generation: BindingGeneration) -> Result
         Ok(binding) => binding,
         Err(exhausted) => return Err(RegistryError::from(exhausted).into()),
     };
-    tracing::trace!(mechanism = %core.identity, "bind");
+    hot_trace(HotEvent::Bind, &core.identity, 0);
     Ok(MemoryBinding { anchor, binding, generation })
 }
 
