@@ -12,7 +12,7 @@ use std::num::NonZeroU64;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
 use memory_api::{
-    AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingIdentity,
+    AllocError, AllocationGeneration, AllocationIdentity, AllocationRequest, BindingGeneration, BindingIdentity,
     DeferredReleaseQueue, DeviceAddress, DeviceAllocator, DeviceKey, Identity, PreparedRelease, QueueRefusalReason,
     RawAllocation, ReleaseError, ReleaseOutcome, ReleaseSummary,
 };
@@ -109,7 +109,12 @@ impl MemoryBinding {
         // Through `&dyn` directly (not the `Arc` forwarding impl): the result is
         // written once.
         let allocator: &dyn DeviceAllocator = &*core.allocator;
-        let raw = allocator.allocate(&request)?;
+        let answer = allocator.allocate(&request);
+        // Read in place: the block is moved out of the answer only on a cold path.
+        let raw = match answer {
+            Ok(ref raw) => raw,
+            Err(error) => return Err(error.into()),
+        };
         let (address, bytes, align, tag) = (raw.address(), raw.bytes(), raw.align(), raw.provider_tag());
         // The registry validates what an allocator reports before it trusts it.
         if raw.device() != core.device
@@ -118,7 +123,7 @@ impl MemoryBinding {
             // `request.align()` is a power of two: a mask, not a division.
             || address.get() & (request.align() as u64 - 1) != 0
         {
-            return Err(reject_block(core, &request, raw));
+            return Err(reject_block(core, &request, answer));
         }
         let align_log2 = align.trailing_zeros() as u8;
         match pin.insert(address, bytes, align_log2, tag) {
@@ -139,7 +144,7 @@ impl MemoryBinding {
             }
             Err(error) => {
                 // Could not record it: give it straight back rather than leak it.
-                give_back(core, raw, "an allocation that cannot be recorded");
+                give_back(core, answered_block(answer), "an allocation that cannot be recorded");
                 Err(AllocateError::Identity(error))
             }
         }
@@ -480,7 +485,12 @@ pub(crate) fn refusal_for(core: &MechanismCore, state: MechanismState) -> Handle
 /// An allocator answered a request with a block that does not fit it: give the block
 /// back and report the allocator's error.
 #[cold]
-fn reject_block(core: &MechanismCore, request: &AllocationRequest, raw: RawAllocation) -> AllocateError {
+fn reject_block(
+    core: &MechanismCore,
+    request: &AllocationRequest,
+    answer: Result<RawAllocation, AllocError>,
+) -> AllocateError {
+    let raw = answered_block(answer);
     let found = format!("{raw:?}");
     tracing::error!(mechanism = %core.identity, block = %found, "allocator returned a block that does not fit the request");
     give_back(core, raw, "an unfit block");
@@ -524,6 +534,13 @@ fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
     let (block, error) = kept;
     tracing::error!(mechanism = %core.identity, %error, block = ?block, "{what} could not be given back; it is kept as live");
     core.keep_unrecorded(block);
+}
+
+/// The block of an allocator's answer that `allocate` already matched as `Ok` (it
+/// reads the answer in place and takes the block out only on its cold paths).
+#[cold]
+fn answered_block(answer: Result<RawAllocation, AllocError>) -> RawAllocation {
+    answer.unwrap_or_else(|_| unreachable!("allocate matched this answer as Ok"))
 }
 
 /// An allocation refused by the lifecycle, before any callback.

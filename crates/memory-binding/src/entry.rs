@@ -428,15 +428,18 @@ impl OwnerBlock {
     #[inline]
     fn next<I: Identity>(&self, issuer: &IdentityIssuer) -> Result<NonZeroU64, IdentityError> {
         let next = self.next.load(Ordering::Relaxed);
-        if next < self.end.load(Ordering::Relaxed) {
+        // Serials start at 1: never zero.
+        if next < self.end.load(Ordering::Relaxed)
+            && let Some(serial) = NonZeroU64::new(next)
+        {
             self.next.store(next + 1, Ordering::Relaxed);
-            // Serials start at 1: never zero.
-            return NonZeroU64::new(next).ok_or(IdentityError::RegistriesExhausted);
+            return Ok(serial);
         }
         self.refill::<I>(issuer)
     }
 
     #[cold]
+    #[inline(never)]
     fn refill<I: Identity>(&self, issuer: &IdentityIssuer) -> Result<NonZeroU64, IdentityError> {
         let mut block = issuer.block::<I>(IDENTITY_BLOCK)?;
         let first = block.next().ok_or(IdentityError::RegistriesExhausted)?.serial();

@@ -96,6 +96,30 @@ impl<T> Default for PerThread<T> {
 #[cfg(not(memory_loom))]
 #[inline]
 pub(crate) fn thread_index() -> usize {
+    // The hot read is a plain thread-local word with no destructor and no lazy-init
+    // check; `NO_INDEX` until the thread's guard is made, and again once it dropped.
+    match CURRENT.get() {
+        NO_INDEX => first_or_late_index(),
+        index => index,
+    }
+}
+
+#[cfg(not(memory_loom))]
+std::thread_local! {
+    /// The calling thread's index while its guard lives (a `const` thread-local with no
+    /// destructor: reading it is one load).
+    static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(NO_INDEX) };
+}
+
+#[cfg(not(memory_loom))]
+const NO_INDEX: usize = usize::MAX;
+
+/// The thread's first call (makes its guard), or a call from its TLS destructors
+/// after the guard dropped.
+#[cfg(not(memory_loom))]
+#[cold]
+#[inline(never)]
+fn first_or_late_index() -> usize {
     std::thread_local!(static INDEX: ThreadIndex = ThreadIndex::acquire());
     INDEX.try_with(|index| index.0).unwrap_or_else(|_| late_index())
 }
@@ -142,13 +166,17 @@ struct ThreadIndex(usize);
 #[cfg(not(memory_loom))]
 impl ThreadIndex {
     fn acquire() -> ThreadIndex {
-        ThreadIndex(manager::acquire())
+        let index = manager::acquire();
+        CURRENT.set(index);
+        ThreadIndex(index)
     }
 }
 
 #[cfg(not(memory_loom))]
 impl Drop for ThreadIndex {
     fn drop(&mut self) {
+        // Stop answering with the index before another thread can receive it.
+        CURRENT.set(NO_INDEX);
         manager::release(self.0);
     }
 }
