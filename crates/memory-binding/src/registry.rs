@@ -419,22 +419,36 @@ impl BindingRegistry {
     /// mechanism was retired or lost concurrently.
     #[inline]
     pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
-        let inner = &*self.inner;
-        let epoch = inner.selection_epoch.load(Ordering::Acquire);
-        let slot = BindCache::slot(inner.bind_salt, device);
-        let cached = BIND_CACHE
-            .try_with(|cache| cache.try_borrow().ok()?.hit(slot, inner.registry, device, epoch))
-            .ok()
-            .flatten();
-        match cached {
-            Some((anchor, generation)) => bind_anchor(anchor, generation),
+        let epoch = self.inner.selection_epoch.load(Ordering::Acquire);
+        match self.bind_cached(device, epoch) {
+            Some(binding) => Ok(binding),
             None => self.bind_uncached(device, epoch),
         }
+    }
+
+    /// `bind` through this thread's cache: a current entry, an active mechanism and a
+    /// binding id at hand. Anything else (a miss, a refusal to report) is `None`, and
+    /// the uncached path reads the selection and answers. No call and no error value
+    /// on this path, so it inlines into the caller and the binding stays in registers.
+    #[inline]
+    fn bind_cached(&self, device: DeviceKey, epoch: u64) -> Option<MemoryBinding> {
+        let inner = &*self.inner;
+        let slot = BindCache::slot(inner.bind_salt, device);
+        let (anchor, generation) =
+            BIND_CACHE.try_with(|cache| cache.try_borrow().ok()?.hit(slot, inner.registry, device, epoch)).ok()??;
+        let core = &anchor.core;
+        if core.lifecycle.check(Admit::ActiveOnly).is_err() {
+            return None;
+        }
+        let binding = anchor.next_binding_id().ok()?;
+        hot_trace(HotEvent::Bind, &core.identity, 0);
+        Some(MemoryBinding { anchor, binding, generation })
     }
 
     /// `bind` when this thread's cache has no current entry for `device`: read the
     /// selection, fill the cache, bind.
     #[cold]
+    #[inline(never)]
     fn bind_uncached(&self, device: DeviceKey, epoch: u64) -> Result<MemoryBinding, BindError> {
         let (anchor, weak, generation) = {
             let selection = self.inner.selection.load();
