@@ -43,6 +43,12 @@
 //! - Callbacks and resource destructors run with no lock held; a panicking callback
 //!   restores the in-flight count on unwind and poisons nothing.
 //!
+//! # Features
+//! - `serde`: `Serialize` for every snapshot and report.
+//! - `hot-path-trace`: a trace-level event for every bind, allocate and release. Off
+//!   by default: even a disabled event's level check costs 1–3 ns on those paths.
+//!   Lifecycle transitions, refusals and faults are traced either way.
+//!
 //! # Quickstart
 //! ```
 //! use std::sync::Arc;
@@ -83,6 +89,7 @@
 //! ```
 #![deny(unsafe_code)]
 
+mod bind_cache;
 mod binding;
 mod capability;
 mod entry;

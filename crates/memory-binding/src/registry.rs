@@ -8,12 +8,10 @@
 //! destructor runs under any of them: values are moved out, locks released, then the
 //! callback runs or the value drops.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Weak;
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -22,6 +20,7 @@ use memory_api::{
     MechanismIdentity, ProviderContextIdentity, RawAllocation, RegistryId, ReleaseOutcome,
 };
 
+use crate::bind_cache;
 use crate::binding::{MemoryBinding, reraise_unless_unwinding};
 use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
@@ -62,7 +61,7 @@ pub(crate) struct RegistryInner {
     /// refcount) when a thread's bind cache misses.
     selection: ArcSwap<Selection>,
     /// Bumped after every change of `selection`: a thread's bind cache entry filled
-    /// under an older epoch is not used (see [`BIND_CACHE`]).
+    /// under an older epoch is not used (see `bind_cache`).
     selection_epoch: AtomicU64,
     cold: Mutex<()>,
 }
@@ -417,7 +416,7 @@ impl BindingRegistry {
     /// # Errors
     /// [`BindError::NoSelection`], or [`BindError::Inactive`] when the selected
     /// mechanism was retired or lost concurrently.
-    #[inline]
+    #[inline(always)]
     pub fn bind(&self, device: DeviceKey) -> Result<MemoryBinding, BindError> {
         let epoch = self.inner.selection_epoch.load(Ordering::Acquire);
         match self.bind_cached(device, epoch) {
@@ -433,9 +432,7 @@ impl BindingRegistry {
     #[inline]
     fn bind_cached(&self, device: DeviceKey, epoch: u64) -> Option<MemoryBinding> {
         let inner = &*self.inner;
-        let slot = BindCache::slot(inner.bind_salt, device);
-        let (anchor, generation) =
-            BIND_CACHE.try_with(|cache| cache.try_borrow().ok()?.hit(slot, inner.registry, device, epoch)).ok()??;
+        let (anchor, generation) = bind_cache::hit(inner.bind_salt, inner.registry, device, epoch)?;
         let core = &anchor.core;
         if core.lifecycle.check(Admit::ActiveOnly).is_err() {
             return None;
@@ -458,14 +455,7 @@ impl BindingRegistry {
             let anchor = selected.mechanism.anchor();
             (unit_of(&selected.mechanism, anchor)?, Arc::downgrade(anchor), selected.generation)
         };
-        let entry = CachedSelection { registry: self.id(), device, epoch, generation, anchor: weak };
-        let slot = BindCache::slot(self.inner.bind_salt, device);
-        // A thread in its TLS destructors may find the cache gone: it binds uncached.
-        let _ = BIND_CACHE.try_with(|cache| {
-            if let Ok(mut cache) = cache.try_borrow_mut() {
-                cache.entries[slot] = Some(entry);
-            }
-        });
+        bind_cache::fill(self.inner.bind_salt, self.id(), device, epoch, generation, weak);
         bind_anchor(anchor, generation)
     }
 
@@ -903,67 +893,6 @@ fn bind_anchor(anchor: UnitRef<Anchor>, generation: BindingGeneration) -> Result
 #[inline(never)]
 fn inactive(core: &MechanismCore, state: MechanismState) -> BindError {
     BindError::Inactive { mechanism: core.identity, state }
-}
-
-/// Entries of a thread's bind cache (direct-mapped: a colliding device replaces the
-/// entry, and a miss costs one read of the selection).
-const BIND_CACHE_ENTRIES: usize = 64;
-
-std::thread_local! {
-    /// Per thread, for every registry: (registry, device) → the selection epoch, the
-    /// binding generation and this thread's anchor of the selected mechanism. `bind`
-    /// reads its own thread's entry and the registry's epoch word: it writes nothing
-    /// another thread reads, and it costs the same however many devices are
-    /// registered.
-    static BIND_CACHE: RefCell<BindCache> = const { RefCell::new(BindCache { entries: [const { None }; BIND_CACHE_ENTRIES] }) };
-}
-
-/// One thread's cached selection for one device of one registry.
-struct CachedSelection {
-    registry: RegistryId,
-    device: DeviceKey,
-    epoch: u64,
-    generation: BindingGeneration,
-    /// Weak: a cache entry never keeps a retired or removed mechanism alive.
-    anchor: Weak<Anchor>,
-}
-
-struct BindCache {
-    entries: [Option<CachedSelection>; BIND_CACHE_ENTRIES],
-}
-
-impl BindCache {
-    /// The entry of `device` of the registry whose hash is `salt`: an add and a mask,
-    /// so consecutive device indices of one tier never collide and the entry's load
-    /// does not wait on a multiply.
-    #[inline]
-    fn slot(salt: u64, device: DeviceKey) -> usize {
-        let tier: u64 = match device.tier() {
-            memory_api::Tier::Device => 0,
-            memory_api::Tier::Host => 21,
-            memory_api::Tier::Disk => 42,
-            _ => 13,
-        };
-        (salt.wrapping_add(u64::from(device.index())).wrapping_add(tier) as usize) % BIND_CACHE_ENTRIES
-    }
-
-    /// A unit of the cached anchor and the generation at `slot`, if it is `device`'s of
-    /// `registry`, filled under `epoch`, this thread's own (a recycled thread index
-    /// means a refill), and not orphaned (its mechanism is still registered).
-    #[inline]
-    fn hit(
-        &self,
-        slot: usize,
-        registry: RegistryId,
-        device: DeviceKey,
-        epoch: u64,
-    ) -> Option<(UnitRef<Anchor>, BindingGeneration)> {
-        let entry = self.entries[slot].as_ref()?;
-        if entry.epoch != epoch || entry.device != device || entry.registry != registry {
-            return None;
-        }
-        Some((UnitRef::try_from_weak(&entry.anchor)?, entry.generation))
-    }
 }
 
 /// A multiplicative hash for device keys (a few integers): cheaper than SipHash, and

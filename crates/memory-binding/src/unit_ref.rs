@@ -37,6 +37,7 @@
 //! `sync` primitives, checked by the loom models below.
 #![allow(unsafe_code)]
 
+use std::cell::Cell;
 use std::ops::Deref;
 use std::ptr::NonNull;
 use std::sync::Weak;
@@ -229,20 +230,21 @@ impl<T: UnitHolder> UnitRef<T> {
         object.units().try_hand_out_owner().then(|| UnitRef { object: Self::pointer(Arc::as_ptr(object)) })
     }
 
-    /// Hands out a unit of the object behind `object`, if the calling thread owns it and
+    /// Hands out a unit of the object behind `pointer`, if the calling thread owns it and
     /// it was not orphaned (its value may then be dropped already: only its units are
     /// read before the unit is in hand).
+    ///
+    /// # Safety
+    /// `pointer` is the data pointer of an `Arc<T>` allocation that a weak (or strong)
+    /// count held by the caller keeps allocated for the length of the call.
     #[inline]
-    pub(crate) fn try_from_weak(object: &Weak<T>) -> Option<UnitRef<T>> {
-        // From `Weak::as_ptr`: the pointer carries the provenance of the whole
-        // allocation, counts included (`to_arc`, the share's drop).
-        let pointer = Self::pointer(object.as_ptr());
-        // SAFETY: the `Weak` keeps the allocation alive, so the pointer is dereferenceable
-        // and aligned. If the value has been dropped, its bytes are as it left them, and
-        // only the units are read: plain fields and atomics without drop glue, nothing
-        // behind a pointer. The unit protocol makes a dropped object read as orphaned
-        // (it is orphaned before its share and its container's reference go), so no
-        // unit is handed out of it.
+    unsafe fn try_from_weak_pointer(pointer: NonNull<T>) -> Option<UnitRef<T>> {
+        // SAFETY: the caller's count keeps the allocation alive, so the pointer is
+        // dereferenceable and aligned. If the value has been dropped, its bytes are as
+        // it left them, and only the units are read: plain fields and atomics without
+        // drop glue, nothing behind a pointer. The unit protocol makes a dropped object
+        // read as orphaned (it is orphaned before its share and its container's
+        // reference go), so no unit is handed out of it.
         let units = unsafe { pointer.as_ref() }.units();
         if !units.owned_here() {
             return None;
@@ -331,6 +333,52 @@ impl<T: UnitHolder> Drop for UnitRef<T> {
     #[inline]
     fn drop(&mut self) {
         self.give_back_unit(self.get().units().owned_here());
+    }
+}
+
+/// A weak reference kept in a `Cell`, for a thread's bind cache: read with no borrow
+/// flag, and with no drop glue, so a `const` thread-local holding it needs no
+/// destructor (and its reads no lazy-registration check). It owns one weak count
+/// while it holds a pointer; whoever owns it must [`clear`](CachedWeak::clear) it
+/// before it goes away, or that count (the allocation, not the value) leaks.
+pub(crate) struct CachedWeak<T> {
+    /// From `Weak::into_raw`, or null.
+    pointer: Cell<*const T>,
+}
+
+impl<T: UnitHolder> CachedWeak<T> {
+    pub(crate) const fn empty() -> CachedWeak<T> {
+        CachedWeak { pointer: Cell::new(std::ptr::null()) }
+    }
+
+    /// Holds `weak` from now on, dropping the weak reference held before.
+    pub(crate) fn set(&self, weak: Weak<T>) {
+        let previous = self.pointer.replace(Weak::into_raw(weak));
+        Self::release(previous);
+    }
+
+    /// Drops the weak reference held, if any.
+    pub(crate) fn clear(&self) {
+        Self::release(self.pointer.replace(std::ptr::null()));
+    }
+
+    fn release(pointer: *const T) {
+        if !pointer.is_null() {
+            // SAFETY: a non-null pointer came from `Weak::into_raw` in `set` and was
+            // just taken out of the cell, so the weak count it owns is dropped once.
+            drop(unsafe { Weak::from_raw(pointer) });
+        }
+    }
+
+    /// A unit of the object held, if the calling thread owns it and it was not
+    /// orphaned (see [`UnitRef::try_from_weak_pointer`]).
+    #[inline]
+    pub(crate) fn try_unit(&self) -> Option<UnitRef<T>> {
+        let pointer = NonNull::new(self.pointer.get().cast_mut())?;
+        // SAFETY: the pointer came from `Weak::into_raw` (its provenance covers the
+        // whole allocation) and the weak count it owns stays in the cell for this call:
+        // nothing here can replace it (no callback runs, and the cell is this thread's).
+        unsafe { UnitRef::try_from_weak_pointer(pointer) }
     }
 }
 

@@ -22,7 +22,8 @@
 //!   ([`Exhaustion`]).
 //! - **Observability**: [`GovernorSnapshot`] (serde JSON), a Chrome trace-event
 //!   timeline ([`Governor::chrome_trace_json`]), and `tracing` events on refusals,
-//!   reclaim and limit changes (nothing above trace level on the hot path).
+//!   reclaim and limit changes (nothing above trace level on the hot path; the
+//!   registry's per-call events need the `hot-path-trace` feature).
 //!
 //! The accounting rules are written down in `docs/ACCOUNTING.md`.
 //!
