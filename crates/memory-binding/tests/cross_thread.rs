@@ -246,6 +246,46 @@ fn an_allocation_dropped_by_a_thread_local_destructor_is_released() {
     assert_eq!(live(&registry, &binding), (0, 0, 0));
 }
 
+/// Binds, allocates and releases three times from a thread-local destructor.
+struct BindOnExit(BindingRegistry, Arc<AtomicUsize>);
+
+impl Drop for BindOnExit {
+    fn drop(&mut self) {
+        for _ in 0..3 {
+            let binding = self.0.bind(HOST).expect("bind from a TLS destructor");
+            drop(binding.allocate(request(64)).expect("allocate from a TLS destructor"));
+            self.1.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+#[test]
+fn a_thread_local_destructor_binds_after_the_bind_cache_and_thread_index_are_gone() {
+    thread_local!(static ON_EXIT: std::cell::RefCell<Option<BindOnExit>> = const { std::cell::RefCell::new(None) });
+    let registry = BindingRegistry::new();
+    let caps = Arc::new(Caps::new(HOST));
+    let (_, _, mechanism) = register(&registry, caps.clone());
+    registry.select(&mechanism).unwrap();
+    let done = Arc::new(AtomicUsize::new(0));
+    let (worker, counted) = (registry.clone(), done.clone());
+    std::thread::spawn(move || {
+        // Registered before the first bind, so its destructor runs after the bind
+        // cache's guard and the thread-index guard (destructors run in reverse order
+        // of registration): it binds through neither.
+        ON_EXIT.with_borrow_mut(|slot| *slot = Some(BindOnExit(worker.clone(), counted)));
+        for _ in 0..3 {
+            drop(worker.bind(HOST).unwrap().allocate(request(64)).unwrap());
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(done.load(Ordering::SeqCst), 3, "every bind from the destructor succeeded");
+    assert_eq!(caps.releases.load(Ordering::SeqCst), 6);
+    // Nothing the exited thread cached keeps the mechanism: it retires and goes.
+    registry.retire(&mechanism).unwrap();
+    registry.remove(&mechanism).unwrap();
+}
+
 /// An allocator whose drop is observable.
 struct Watched(Caps, Arc<AtomicUsize>);
 
