@@ -104,6 +104,21 @@ pub(crate) fn thread_index() -> usize {
     }
 }
 
+/// Whether `index` is the calling thread's: the hot answer is one thread-local load and
+/// a compare; only a thread without a live guard (before its first index, or in its TLS
+/// destructors) asks [`thread_index`].
+#[cfg(not(memory_loom))]
+#[inline]
+pub(crate) fn is_current(index: usize) -> bool {
+    let current = CURRENT.get();
+    current == index || (current == NO_INDEX && index == first_or_late_index())
+}
+
+#[cfg(memory_loom)]
+pub(crate) fn is_current(index: usize) -> bool {
+    index == thread_index()
+}
+
 #[cfg(not(memory_loom))]
 std::thread_local! {
     /// The calling thread's index while its guard lives (a `const` thread-local with no

@@ -42,7 +42,7 @@ use std::ops::Deref;
 use std::ptr::NonNull;
 use std::sync::Weak;
 
-use crate::per_thread::thread_index;
+use crate::per_thread::is_current;
 use crate::sync::{
     Arc, AtomicBool, AtomicIsize, AtomicUsize, BarrierMode, CachePadded, Ordering, heavy_barrier, light_barrier,
     yield_now,
@@ -101,7 +101,7 @@ impl Units {
     /// Whether the calling thread is the one the object serves.
     #[inline]
     pub(crate) fn owned_here(&self) -> bool {
-        self.owner_index == thread_index()
+        is_current(self.owner_index)
     }
 
     #[inline(always)]
