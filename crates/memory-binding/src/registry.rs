@@ -429,7 +429,7 @@ impl BindingRegistry {
     /// binding id at hand. Anything else (a miss, a refusal to report) is `None`, and
     /// the uncached path reads the selection and answers. No call and no error value
     /// on this path, so it inlines into the caller and the binding stays in registers.
-    #[inline]
+    #[inline(always)]
     fn bind_cached(&self, device: DeviceKey, epoch: u64) -> Option<MemoryBinding> {
         let inner = &*self.inner;
         let (anchor, generation) = bind_cache::hit(inner.bind_salt, inner.registry, device, epoch)?;
