@@ -1,0 +1,34 @@
+//! Atomics, locks, thread-locals and the scheduler hint: `std`'s in normal builds,
+//! loom's under `--cfg memory_loom` (with `Arc` and `PoisonError` from `std` in both;
+//! see the crate docs). Code that takes them from here is model-checked unchanged.
+//!
+//! `compiler_fence` exists in normal builds only (loom has none); code that needs it
+//! outside [`crate::light_barrier`] should not.
+
+#[cfg(not(memory_loom))]
+pub use std::sync::atomic::compiler_fence;
+#[cfg(not(memory_loom))]
+pub use std::sync::{
+    Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    atomic::{
+        AtomicBool, AtomicI64, AtomicIsize, AtomicPtr, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence,
+    },
+};
+#[cfg(not(memory_loom))]
+pub use std::thread::yield_now;
+#[cfg(not(memory_loom))]
+pub use std::thread_local;
+
+#[cfg(memory_loom)]
+pub use loom::sync::{
+    Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    atomic::{
+        AtomicBool, AtomicI64, AtomicIsize, AtomicPtr, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence,
+    },
+};
+#[cfg(memory_loom)]
+pub use loom::thread::yield_now;
+#[cfg(memory_loom)]
+pub use loom::thread_local;
+#[cfg(memory_loom)]
+pub use std::sync::{Arc, PoisonError};
