@@ -2,10 +2,9 @@
 //! boundary), checks every pointer it was given before it mutates anything, and
 //! validates every handle through its table (see [`crate::handles`]).
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use allocator_cpu::{PooledAllocator, SystemAllocator};
 #[cfg(unix)]
@@ -19,11 +18,12 @@ use memory_governor::{
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginLibrary, PluginReleaseQueue, abi_device};
 use memory_plugin_abi::{MP_CAP_ALL, MP_TIER_DEVICE, MP_TIER_DISK, MP_TIER_HOST, MpAllocator, MpDevice};
 
-use crate::handles::{FreeList, Slots, number, pointer};
+use crate::handles::{FreeList, Scheme, Slots, number, pointer};
 use crate::status::{
     Failure, MC_ERR_BACKEND, MC_ERR_BUFFER_TOO_SMALL, MC_ERR_INVALID_ARGUMENT, MC_ERR_UNLOAD_REFUSED,
     MC_ERR_UNSUPPORTED, McStatus, guard,
 };
+use crate::sync::{Mutex, lock};
 use crate::types::*;
 
 /// The C API's version: major changes break callers, minor ones only add.
@@ -70,27 +70,47 @@ impl QueueEntry {
     }
 }
 
-thread_local! {
-    static FREE_REGISTRIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_GOVERNORS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_CONTEXTS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_AUTHORITIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_MECHANISMS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_BINDINGS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_ALLOCATIONS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_LIBRARIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_QUEUES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
+crate::sync::thread_local! {
+    static FREE_REGISTRIES: FreeList = const { FreeList::new() };
+    static FREE_GOVERNORS: FreeList = const { FreeList::new() };
+    static FREE_CONTEXTS: FreeList = const { FreeList::new() };
+    static FREE_AUTHORITIES: FreeList = const { FreeList::new() };
+    static FREE_MECHANISMS: FreeList = const { FreeList::new() };
+    static FREE_BINDINGS: FreeList = const { FreeList::new() };
+    static FREE_ALLOCATIONS: FreeList = const { FreeList::new() };
+    static FREE_LIBRARIES: FreeList = const { FreeList::new() };
+    static FREE_QUEUES: FreeList = const { FreeList::new() };
 }
 
-static REGISTRIES: Slots<BindingRegistry> = Slots::new(KIND_REGISTRY, "registry", &FREE_REGISTRIES);
-static GOVERNORS: Slots<Governor> = Slots::new(KIND_GOVERNOR, "governor", &FREE_GOVERNORS);
-static CONTEXTS: Slots<ContextEntry> = Slots::new(KIND_CONTEXT, "context", &FREE_CONTEXTS);
-static AUTHORITIES: Slots<AuthorityEntry> = Slots::new(KIND_AUTHORITY, "authority", &FREE_AUTHORITIES);
-static MECHANISMS: Slots<MechanismEntry> = Slots::new(KIND_MECHANISM, "mechanism", &FREE_MECHANISMS);
-static BINDINGS: Slots<MemoryBinding> = Slots::new(KIND_BINDING, "binding", &FREE_BINDINGS);
-static ALLOCATIONS: Slots<BoundAllocation> = Slots::new(KIND_ALLOCATION, "allocation", &FREE_ALLOCATIONS);
-static LIBRARIES: Slots<PluginLibrary> = Slots::new(KIND_LIBRARY, "plugin library", &FREE_LIBRARIES);
-static QUEUES: Slots<QueueEntry> = Slots::new(KIND_QUEUE, "queue", &FREE_QUEUES);
+/// Declares the handle tables: `static`s, or under loom (whose primitives have no const
+/// constructors) statics built once per model execution.
+macro_rules! tables {
+    ($($name:ident: $value:ty = ($kind:expr, $scheme:expr, $what:literal, $free:ident);)*) => {
+        $(
+            #[cfg(not(memory_loom))]
+            static $name: Slots<$value> = Slots::new($kind, $scheme, $what, &$free);
+        )*
+        #[cfg(memory_loom)]
+        loom::lazy_static! {
+            $(static ref $name: Slots<$value> = Slots::new($kind, $scheme, $what, &$free);)*
+        }
+    };
+}
+
+// Handles borrowed by many calls and consumed by one (destroy, remove) announce their
+// borrows in hazard slots; allocations, consumed by every release, are counted (see
+// `crate::handles`).
+tables! {
+    REGISTRIES: BindingRegistry = (KIND_REGISTRY, Scheme::Hazard, "registry", FREE_REGISTRIES);
+    GOVERNORS: Governor = (KIND_GOVERNOR, Scheme::Hazard, "governor", FREE_GOVERNORS);
+    CONTEXTS: ContextEntry = (KIND_CONTEXT, Scheme::Hazard, "context", FREE_CONTEXTS);
+    AUTHORITIES: AuthorityEntry = (KIND_AUTHORITY, Scheme::Hazard, "authority", FREE_AUTHORITIES);
+    MECHANISMS: MechanismEntry = (KIND_MECHANISM, Scheme::Hazard, "mechanism", FREE_MECHANISMS);
+    BINDINGS: MemoryBinding = (KIND_BINDING, Scheme::Hazard, "binding", FREE_BINDINGS);
+    ALLOCATIONS: BoundAllocation = (KIND_ALLOCATION, Scheme::Counted, "allocation", FREE_ALLOCATIONS);
+    LIBRARIES: PluginLibrary = (KIND_LIBRARY, Scheme::Hazard, "plugin library", FREE_LIBRARIES);
+    QUEUES: QueueEntry = (KIND_QUEUE, Scheme::Hazard, "queue", FREE_QUEUES);
+}
 
 // ---------------------------------------------------------------------------------
 // Helpers
@@ -115,9 +135,7 @@ fn insert<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, value: T) -> Re
 
 fn remove<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, handle: *const P) -> Result<(), Failure> {
     let number = number(handle);
-    let value = slots.remove(number).map_err(|fault| Failure::handle(slots.name(), number, fault))?;
-    drop(value);
-    Ok(())
+    slots.remove(number).map_err(|fault| Failure::handle(slots.name(), number, fault))
 }
 
 /// Checks an out-pointer before anything is mutated.
@@ -921,7 +939,7 @@ impl DeferredReleaseQueue for HostQueue {
             let reason = QueueRefusalReason::WrongDevice { queue: self.device, release: release.device() };
             return Err(QueueRefusal { release, reason });
         }
-        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pending = lock(&self.pending);
         if pending.len() >= self.capacity {
             drop(pending);
             return Err(QueueRefusal { release, reason: QueueRefusalReason::Full { capacity: self.capacity } });
@@ -933,8 +951,7 @@ impl DeferredReleaseQueue for HostQueue {
 
 impl HostQueue {
     fn poll(&self) -> usize {
-        let ready: Vec<PreparedRelease> =
-            self.pending.lock().unwrap_or_else(PoisonError::into_inner).drain(..).collect();
+        let ready: Vec<PreparedRelease> = lock(&self.pending).drain(..).collect();
         let ran = ready.len();
         for release in ready {
             let _summary = release.execute();

@@ -53,7 +53,9 @@
 
 mod api;
 mod handles;
+mod hazard;
 mod status;
+mod sync;
 mod types;
 
 // The public interface: the C API as Rust items (for tests and Rust callers).

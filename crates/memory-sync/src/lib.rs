@@ -55,11 +55,17 @@
 mod barrier;
 mod lock;
 pub mod primitives;
+mod thread_local;
 
 // The public interface.
 pub use barrier::{BarrierMode, heavy_barrier, light_barrier};
 pub use crossbeam_utils::CachePadded;
 pub use lock::{lock, read, write};
+
+/// loom, for [`thread_local!`] under `--cfg memory_loom`.
+#[cfg(memory_loom)]
+#[doc(hidden)]
+pub use loom as __loom;
 
 #[cfg(all(test, memory_loom))]
 mod loom_barrier;

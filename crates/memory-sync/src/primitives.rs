@@ -2,6 +2,9 @@
 //! loom's under `--cfg memory_loom` (with `Arc` and `PoisonError` from `std` in both;
 //! see the crate docs). Code that takes them from here is model-checked unchanged.
 //!
+//! `thread_local!` is [`crate::thread_local!`], which takes `const { ... }` initialisers in
+//! both builds.
+//!
 //! `compiler_fence` exists in normal builds only (loom has none); code that needs it
 //! outside [`crate::light_barrier`] should not.
 
@@ -15,9 +18,7 @@ pub use std::sync::{
     },
 };
 #[cfg(not(memory_loom))]
-pub use std::thread::yield_now;
-#[cfg(not(memory_loom))]
-pub use std::thread_local;
+pub use std::thread::{LocalKey, yield_now};
 
 #[cfg(memory_loom)]
 pub use loom::sync::{
@@ -27,8 +28,8 @@ pub use loom::sync::{
     },
 };
 #[cfg(memory_loom)]
-pub use loom::thread::yield_now;
-#[cfg(memory_loom)]
-pub use loom::thread_local;
+pub use loom::thread::{LocalKey, yield_now};
 #[cfg(memory_loom)]
 pub use std::sync::{Arc, PoisonError};
+
+pub use crate::thread_local;
