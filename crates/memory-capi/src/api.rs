@@ -18,7 +18,7 @@ use memory_governor::{
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginLibrary, PluginReleaseQueue, abi_device};
 use memory_plugin_abi::{MP_CAP_ALL, MP_TIER_DEVICE, MP_TIER_DISK, MP_TIER_HOST, MpAllocator, MpDevice};
 
-use crate::handles::{FreeList, Scheme, Slots, number, pointer};
+use crate::handles::{FreeList, Scheme, Slots, Store, number, pointer};
 use crate::status::{
     Failure, MC_ERR_BACKEND, MC_ERR_BUFFER_TOO_SMALL, MC_ERR_INVALID_ARGUMENT, MC_ERR_UNLOAD_REFUSED,
     MC_ERR_UNSUPPORTED, McStatus, guard,
@@ -82,17 +82,23 @@ crate::sync::thread_local! {
     static FREE_QUEUES: FreeList = const { FreeList::new() };
 }
 
-/// Declares the handle tables: `static`s, or under loom (whose primitives have no const
-/// constructors) statics built once per model execution.
+/// Declares the handle tables: each a constant front (`Slots`) over its cells (`Store`,
+/// named after `in`); under loom (whose primitives have no const constructors) both are
+/// built once per model execution.
 macro_rules! tables {
-    ($($name:ident: $value:ty = ($kind:expr, $scheme:expr, $what:literal, $free:ident);)*) => {
+    ($($name:ident in $cells:ident: $value:ty = ($kind:expr, $scheme:expr, $what:literal, $free:ident);)*) => {
         $(
             #[cfg(not(memory_loom))]
-            static $name: Slots<$value> = Slots::new($kind, $scheme, $what, &$free);
+            static $name: Slots<$value> = Slots::new($kind, $scheme, $what, &$free, &$cells);
+            #[cfg(not(memory_loom))]
+            static $cells: Store<$value> = Store::new();
         )*
         #[cfg(memory_loom)]
         loom::lazy_static! {
-            $(static ref $name: Slots<$value> = Slots::new($kind, $scheme, $what, &$free);)*
+            $(
+                static ref $name: Slots<$value> =
+                    Slots::new($kind, $scheme, $what, &$free, Box::leak(Box::new(Store::new())));
+            )*
         }
     };
 }
@@ -101,26 +107,31 @@ macro_rules! tables {
 // borrows in hazard slots; allocations, consumed by every release, are counted (see
 // `crate::handles`).
 tables! {
-    REGISTRIES: BindingRegistry = (KIND_REGISTRY, Scheme::Hazard, "registry", FREE_REGISTRIES);
-    GOVERNORS: Governor = (KIND_GOVERNOR, Scheme::Hazard, "governor", FREE_GOVERNORS);
-    CONTEXTS: ContextEntry = (KIND_CONTEXT, Scheme::Hazard, "context", FREE_CONTEXTS);
-    AUTHORITIES: AuthorityEntry = (KIND_AUTHORITY, Scheme::Hazard, "authority", FREE_AUTHORITIES);
-    MECHANISMS: MechanismEntry = (KIND_MECHANISM, Scheme::Hazard, "mechanism", FREE_MECHANISMS);
-    BINDINGS: MemoryBinding = (KIND_BINDING, Scheme::Hazard, "binding", FREE_BINDINGS);
-    ALLOCATIONS: BoundAllocation = (KIND_ALLOCATION, Scheme::Counted, "allocation", FREE_ALLOCATIONS);
-    LIBRARIES: PluginLibrary = (KIND_LIBRARY, Scheme::Hazard, "plugin library", FREE_LIBRARIES);
-    QUEUES: QueueEntry = (KIND_QUEUE, Scheme::Hazard, "queue", FREE_QUEUES);
+    REGISTRIES in REGISTRY_CELLS: BindingRegistry = (KIND_REGISTRY, Scheme::Hazard, "registry", FREE_REGISTRIES);
+    GOVERNORS in GOVERNOR_CELLS: Governor = (KIND_GOVERNOR, Scheme::Hazard, "governor", FREE_GOVERNORS);
+    CONTEXTS in CONTEXT_CELLS: ContextEntry = (KIND_CONTEXT, Scheme::Hazard, "context", FREE_CONTEXTS);
+    AUTHORITIES in AUTHORITY_CELLS: AuthorityEntry = (KIND_AUTHORITY, Scheme::Hazard, "authority", FREE_AUTHORITIES);
+    MECHANISMS in MECHANISM_CELLS: MechanismEntry = (KIND_MECHANISM, Scheme::Hazard, "mechanism", FREE_MECHANISMS);
+    BINDINGS in BINDING_CELLS: MemoryBinding = (KIND_BINDING, Scheme::Hazard, "binding", FREE_BINDINGS);
+    ALLOCATIONS in ALLOCATION_CELLS: BoundAllocation =
+        (KIND_ALLOCATION, Scheme::Counted, "allocation", FREE_ALLOCATIONS);
+    LIBRARIES in LIBRARY_CELLS: PluginLibrary = (KIND_LIBRARY, Scheme::Hazard, "plugin library", FREE_LIBRARIES);
+    QUEUES in QUEUE_CELLS: QueueEntry = (KIND_QUEUE, Scheme::Hazard, "queue", FREE_QUEUES);
 }
 
 // ---------------------------------------------------------------------------------
 // Helpers
 
+#[inline(always)]
 fn borrow<T: Send + Sync + 'static, P>(
     slots: &'static Slots<T>,
     handle: *const P,
 ) -> Result<crate::handles::Borrow<T>, Failure> {
     let number = number(handle);
-    slots.borrow(number).map_err(|fault| Failure::handle(slots.name(), number, fault))
+    match slots.borrow(number) {
+        Ok(borrowed) => Ok(borrowed),
+        Err(fault) => Err(Failure::handle(slots.name(), number, fault)),
+    }
 }
 
 fn insert<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, value: T) -> Result<*mut P, Failure> {

@@ -55,12 +55,14 @@
 //! write on the hot path); a thread's list goes to the table's orphans when the thread
 //! ends, and a thread whose list is empty adopts an orphaned one.
 
-use std::cell::{Cell, UnsafeCell};
+use std::cell::{Cell, RefCell, UnsafeCell};
 use std::marker::PhantomData;
-use std::mem::MaybeUninit;
+use std::mem::{ManuallyDrop, MaybeUninit};
 
 use crate::hazard::{self, Hazard};
-use crate::sync::{AtomicPtr, AtomicU32, AtomicU64, BarrierMode, LocalKey, Mutex, Ordering, heavy_barrier, lock};
+use crate::sync::{
+    AtomicPtr, AtomicU32, AtomicU64, BarrierMode, LocalKey, Mutex, Ordering, heavy_barrier, lock, thread_local,
+};
 
 #[cfg(not(memory_loom))]
 const CHUNK_BITS: u32 = 10;
@@ -113,26 +115,41 @@ pub(crate) enum Scheme {
 }
 
 /// One thread's free cells of one table: the head of a list linked through the cells.
-/// Handed to the table's orphans when the thread exits.
+///
+/// No destructor, so its thread-local is a plain load away (a thread-local with a
+/// destructor is checked and registered on each access). The first time a thread puts
+/// a cell on it, the table joins the thread's [`ExitHook`], which hands the list to the
+/// table's orphans when the thread exits.
 pub(crate) struct FreeList {
     head: Cell<u32>,
-    orphans: Cell<Option<&'static Mutex<Vec<u32>>>>,
+    hooked: Cell<bool>,
 }
 
 impl FreeList {
     pub(crate) const fn new() -> FreeList {
-        FreeList { head: Cell::new(NO_CELL), orphans: Cell::new(None) }
+        FreeList { head: Cell::new(NO_CELL), hooked: Cell::new(false) }
     }
 }
 
-impl Drop for FreeList {
+/// A table whose free list a thread can hand over.
+trait HandOver {
+    /// Moves this thread's free list of the table to the table's orphans.
+    fn hand_over(&self);
+}
+
+/// The tables whose free lists this thread holds; hands them over when it exits.
+struct ExitHook(RefCell<Vec<&'static dyn HandOver>>);
+
+impl Drop for ExitHook {
     fn drop(&mut self) {
-        if let Some(orphans) = self.orphans.get()
-            && self.head.get() != NO_CELL
-        {
-            lock(orphans).push(self.head.get());
+        for table in self.0.take() {
+            table.hand_over();
         }
     }
+}
+
+thread_local! {
+    static EXIT_HOOK: ExitHook = const { ExitHook(RefCell::new(Vec::new())) };
 }
 
 struct Entry<T> {
@@ -143,11 +160,21 @@ struct Entry<T> {
 }
 
 /// A type-stable table of `T` values named by handles of one kind.
+///
+/// What never changes (kind, scheme, name, the free-list key) lives here, in a value
+/// without interior mutability, and the cells in a separate [`Store`]: a `static` table
+/// is then a constant the compiler folds into each call (no load of the scheme, a
+/// direct thread-local access instead of a call through the key).
 pub(crate) struct Slots<T: 'static> {
     kind: u8,
     scheme: Scheme,
     name: &'static str,
     local: &'static LocalKey<FreeList>,
+    store: &'static Store<T>,
+}
+
+/// The cells of a table, and its bookkeeping.
+pub(crate) struct Store<T: 'static> {
     chunks: [AtomicPtr<Entry<T>>; CHUNKS],
     grow: Mutex<()>,
     next: AtomicU32,
@@ -161,28 +188,15 @@ pub(crate) struct Slots<T: 'static> {
 // compare-and-swap took or claimed it), and shared only as `&T` between borrowers,
 // which needs `T: Sync`; a value may be dropped on another thread than it was made on,
 // which needs `T: Send`.
-unsafe impl<T: Send + Sync> Sync for Slots<T> {}
+unsafe impl<T: Send + Sync> Sync for Store<T> {}
 // SAFETY: as above.
-unsafe impl<T: Send + Sync> Send for Slots<T> {}
+unsafe impl<T: Send + Sync> Send for Store<T> {}
 
-fn generation_of(handle: u64) -> u64 {
-    (handle >> 32) & GENERATION_MASK
-}
-
-impl<T: Send + Sync + 'static> Slots<T> {
-    /// An empty table whose handles carry `kind` (non-zero) in their top byte.
+impl<T: Send + Sync + 'static> Store<T> {
+    /// An empty store.
     #[cfg(not(memory_loom))]
-    pub(crate) const fn new(
-        kind: u8,
-        scheme: Scheme,
-        name: &'static str,
-        local: &'static LocalKey<FreeList>,
-    ) -> Slots<T> {
-        Slots {
-            kind,
-            scheme,
-            name,
-            local,
+    pub(crate) const fn new() -> Store<T> {
+        Store {
             chunks: [const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNKS],
             grow: Mutex::new(()),
             next: AtomicU32::new(0),
@@ -191,15 +205,11 @@ impl<T: Send + Sync + 'static> Slots<T> {
         }
     }
 
-    /// An empty table (loom's primitives have no const constructors: under loom the
+    /// An empty store (loom's primitives have no const constructors: under loom the
     /// tables are built lazily, once per model execution).
     #[cfg(memory_loom)]
-    pub(crate) fn new(kind: u8, scheme: Scheme, name: &'static str, local: &'static LocalKey<FreeList>) -> Slots<T> {
-        Slots {
-            kind,
-            scheme,
-            name,
-            local,
+    pub(crate) fn new() -> Store<T> {
+        Store {
             chunks: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
             grow: Mutex::new(()),
             next: AtomicU32::new(0),
@@ -207,15 +217,34 @@ impl<T: Send + Sync + 'static> Slots<T> {
             _values: PhantomData,
         }
     }
+}
+
+fn generation_of(handle: u64) -> u64 {
+    (handle >> 32) & GENERATION_MASK
+}
+
+impl<T: Send + Sync + 'static> Slots<T> {
+    /// A table whose handles carry `kind` (non-zero) in their top byte, over `store`
+    /// (which no other table may use) and the thread-local free lists `local` (one key
+    /// per table).
+    pub(crate) const fn new(
+        kind: u8,
+        scheme: Scheme,
+        name: &'static str,
+        local: &'static LocalKey<FreeList>,
+        store: &'static Store<T>,
+    ) -> Slots<T> {
+        Slots { kind, scheme, name, local, store }
+    }
 
     /// What this table's handles name ("binding", "allocation", ...).
     pub(crate) fn name(&self) -> &'static str {
         self.name
     }
 
-    #[inline]
+    #[inline(always)]
     fn entry(&self, index: u32) -> Option<&'static Entry<T>> {
-        let chunk = self.chunks.get((index >> CHUNK_BITS) as usize)?.load(Ordering::Acquire);
+        let chunk = self.store.chunks.get((index >> CHUNK_BITS) as usize)?.load(Ordering::Acquire);
         // SAFETY: a non-null chunk pointer was published (Release) after the chunk of
         // CHUNK initialised cells was built, and chunks are never freed; the offset is
         // below CHUNK.
@@ -223,11 +252,11 @@ impl<T: Send + Sync + 'static> Slots<T> {
     }
 
     fn ensure_chunk(&self, index: u32) -> bool {
-        let Some(slot) = self.chunks.get((index >> CHUNK_BITS) as usize) else { return false };
+        let Some(slot) = self.store.chunks.get((index >> CHUNK_BITS) as usize) else { return false };
         if !slot.load(Ordering::Acquire).is_null() {
             return true;
         }
-        let _grow = lock(&self.grow);
+        let _grow = lock(&self.store.grow);
         if slot.load(Ordering::Acquire).is_null() {
             let chunk: Box<[Entry<T>]> = (0..CHUNK)
                 .map(|_| Entry {
@@ -243,7 +272,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
     }
 
     /// A free cell: this thread's list first, then an orphaned list, then a new cell.
-    #[inline]
+    #[inline(always)]
     fn free_entry(&'static self) -> Option<(u32, &'static Entry<T>)> {
         let popped = self.local.try_with(|list| {
             let head = list.head.get();
@@ -260,7 +289,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
     #[cold]
     #[inline(never)]
     fn free_entry_slow(&'static self) -> Option<(u32, &'static Entry<T>)> {
-        let orphan = lock(&self.orphans).pop();
+        let orphan = lock(&self.store.orphans).pop();
         if let Some(head) = orphan
             && let Some(entry) = self.entry(head)
         {
@@ -269,18 +298,21 @@ impl<T: Send + Sync + 'static> Slots<T> {
             let rest = entry.next_free.load(Ordering::Relaxed);
             if rest != NO_CELL {
                 let adopted = self.local.try_with(|list| {
-                    list.orphans.set(Some(&self.orphans));
-                    list.head.set(rest);
+                    let hooked = list.hooked.get() || self.hook(list);
+                    if hooked {
+                        list.head.set(rest);
+                    }
+                    hooked
                 });
-                if adopted.is_err() {
-                    lock(&self.orphans).push(rest);
+                if adopted != Ok(true) {
+                    lock(&self.store.orphans).push(rest);
                 }
             }
             return Some((head, entry));
         }
-        let index = self.next.fetch_add(1, Ordering::Relaxed);
+        let index = self.store.next.fetch_add(1, Ordering::Relaxed);
         if index >= MAX_CELLS {
-            self.next.store(MAX_CELLS, Ordering::Relaxed);
+            self.store.next.store(MAX_CELLS, Ordering::Relaxed);
             return None;
         }
         if !self.ensure_chunk(index) {
@@ -290,19 +322,30 @@ impl<T: Send + Sync + 'static> Slots<T> {
     }
 
     /// Puts a freed cell on this thread's list (the orphans' while the thread exits).
-    #[inline]
+    #[inline(always)]
     fn recycle(&'static self, index: u32, entry: &Entry<T>) {
         let pushed = self.local.try_with(|list| {
-            if list.orphans.get().is_none() {
-                list.orphans.set(Some(&self.orphans));
+            if !list.hooked.get() && !self.hook(list) {
+                return false;
             }
             entry.next_free.store(list.head.get(), Ordering::Relaxed);
             list.head.set(index);
+            true
         });
-        if pushed.is_err() {
+        if pushed != Ok(true) {
             entry.next_free.store(NO_CELL, Ordering::Relaxed);
-            lock(&self.orphans).push(index);
+            lock(&self.store.orphans).push(index);
         }
+    }
+
+    /// Joins this thread's exit hook, so that `list` is handed over when the thread
+    /// exits; `false` if the thread is exiting already (keep no cell on `list` then).
+    #[cold]
+    #[inline(never)]
+    fn hook(&'static self, list: &FreeList) -> bool {
+        let hooked = EXIT_HOOK.try_with(|hook| hook.0.borrow_mut().push(self)).is_ok();
+        list.hooked.set(hooked);
+        hooked
     }
 
     #[inline]
@@ -312,7 +355,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
 
     /// The cell `handle` names and the generation it expects. Any value is safe to
     /// pass: an index beyond every chunk is stale, and a cell never used is not `LIVE`.
-    #[inline]
+    #[inline(always)]
     fn decode(&self, handle: u64) -> Result<(&'static Entry<T>, u64), Fault> {
         let kind = (handle >> 56) as u8;
         if kind != self.kind {
@@ -336,7 +379,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
 
     /// Borrows the value of `handle` for the length of a call: through this thread's
     /// hazard slot when the table uses them and the slot is free, counted otherwise.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn borrow(&'static self, handle: u64) -> Result<Borrow<T>, Fault> {
         let (entry, generation) = self.decode(handle)?;
         if self.scheme == Scheme::Hazard
@@ -355,7 +398,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
         self.borrow_counted_at(entry, handle, generation)
     }
 
-    #[inline]
+    #[inline(always)]
     fn borrow_through(
         &'static self,
         hazard: &'static Hazard,
@@ -396,7 +439,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
 
     /// Withdraws a hazard announcement of `handle`, then reclaims the value if the
     /// handle was removed meanwhile (a reclaimer that saw the slot left it to us).
-    #[inline]
+    #[inline(always)]
     fn end_hazard_borrow(&'static self, hazard: &Hazard, entry: &'static Entry<T>, handle: u64) {
         hazard.withdraw();
         let state = entry.state.load(Ordering::Acquire);
@@ -407,6 +450,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
 
     /// Takes the value of `handle` out; the cell stays reserved until the returned
     /// [`Reservation`] frees it or puts a value back under the same handle.
+    #[inline(always)]
     pub(crate) fn take(&'static self, handle: u64) -> Result<(T, Reservation<T>), Fault> {
         let (entry, generation) = self.decode(handle)?;
         let live = generation | LIVE;
@@ -423,7 +467,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
                 // value and nobody can take it again; the value was written before LIVE
                 // was published (Acquire above).
                 let value = unsafe { entry.value.get().cast::<T>().read() };
-                Ok((value, Reservation { slots: self, entry, index: handle as u32, done: false }))
+                Ok((value, Reservation { slots: self, entry, index: handle as u32 }))
             }
             Err(state) if state & GENERATION_MASK != generation || state & LIVE == 0 => Err(Fault::Stale),
             Err(_) => Err(Fault::Busy),
@@ -496,13 +540,27 @@ impl<T: Send + Sync + 'static> Slots<T> {
 
     /// Frees a cell whose value is gone: the next generation, back on a free list
     /// unless the generation would wrap (then the cell is retired).
-    #[inline]
+    #[inline(always)]
     fn release_cell(&'static self, entry: &'static Entry<T>, index: u32) {
         let generation = entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
         let next = (generation + 1) & GENERATION_MASK;
         entry.state.store(next, Ordering::Release);
         if next != 0 {
             self.recycle(index, entry);
+        }
+    }
+}
+
+impl<T: Send + Sync + 'static> HandOver for Slots<T> {
+    fn hand_over(&self) {
+        let head = self.local.try_with(|list| {
+            list.hooked.set(false);
+            list.head.replace(NO_CELL)
+        });
+        if let Ok(head) = head
+            && head != NO_CELL
+        {
+            lock(&self.store.orphans).push(head);
         }
     }
 }
@@ -544,37 +602,37 @@ impl<T: Send + Sync + 'static> Drop for Borrow<T> {
     }
 }
 
-/// A cell whose value was taken out; its handle is reserved until this is consumed.
+/// A cell whose value was taken out; its handle is reserved until this is consumed
+/// (or dropped, which frees it, as on a panic between take and free).
 pub(crate) struct Reservation<T: Send + Sync + 'static> {
     slots: &'static Slots<T>,
     entry: &'static Entry<T>,
     index: u32,
-    done: bool,
 }
 
 impl<T: Send + Sync + 'static> Reservation<T> {
     /// Frees the handle: it is stale from now on.
-    #[inline]
-    pub(crate) fn free(mut self) {
-        self.done = true;
-        self.slots.release_cell(self.entry, self.index);
+    #[inline(always)]
+    pub(crate) fn free(self) {
+        // Consumed here, not by `Drop` (whose call would keep the table in memory
+        // rather than a constant the compiler folds).
+        let this = ManuallyDrop::new(self);
+        this.slots.release_cell(this.entry, this.index);
     }
 
     /// Puts `value` back under the same handle (an operation refused without effect).
-    pub(crate) fn restore(mut self, value: T) {
-        self.done = true;
+    pub(crate) fn restore(self, value: T) {
+        let this = ManuallyDrop::new(self);
         // SAFETY: the cell is TAKEN by us: nobody else reads or writes its value.
-        unsafe { self.entry.value.get().cast::<T>().write(value) };
-        let generation = self.entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
-        self.entry.state.store(generation | LIVE, Ordering::Release);
+        unsafe { this.entry.value.get().cast::<T>().write(value) };
+        let generation = this.entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
+        this.entry.state.store(generation | LIVE, Ordering::Release);
     }
 }
 
 impl<T: Send + Sync + 'static> Drop for Reservation<T> {
     fn drop(&mut self) {
-        if !self.done {
-            self.slots.release_cell(self.entry, self.index);
-        }
+        self.slots.release_cell(self.entry, self.index);
     }
 }
 
@@ -602,17 +660,22 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::AtomicUsize;
 
-    thread_local! {
+    std::thread_local! {
         static FREE: FreeList = const { FreeList::new() };
         static FREE_HAZARD: FreeList = const { FreeList::new() };
         static FREE_OTHER: FreeList = const { FreeList::new() };
         static FREE_ADOPT: FreeList = const { FreeList::new() };
     }
-    static TABLE: Slots<Arc<AtomicUsize>> = Slots::new(0x71, Scheme::Counted, "test", &FREE);
-    static HAZARD_TABLE: Slots<Arc<AtomicUsize>> = Slots::new(0x73, Scheme::Hazard, "hazard test", &FREE_HAZARD);
-    static OTHER: Slots<u32> = Slots::new(0x72, Scheme::Counted, "other", &FREE_OTHER);
+    static TABLE: Slots<Arc<AtomicUsize>> = Slots::new(0x71, Scheme::Counted, "test", &FREE, &TABLE_CELLS);
+    static TABLE_CELLS: Store<Arc<AtomicUsize>> = Store::new();
+    static HAZARD_TABLE: Slots<Arc<AtomicUsize>> =
+        Slots::new(0x73, Scheme::Hazard, "hazard test", &FREE_HAZARD, &HAZARD_CELLS);
+    static HAZARD_CELLS: Store<Arc<AtomicUsize>> = Store::new();
+    static OTHER: Slots<u32> = Slots::new(0x72, Scheme::Counted, "other", &FREE_OTHER, &OTHER_CELLS);
+    static OTHER_CELLS: Store<u32> = Store::new();
     /// Used by one test only, so no other test adopts its orphaned cells.
-    static ADOPT: Slots<Arc<AtomicUsize>> = Slots::new(0x74, Scheme::Hazard, "adopt test", &FREE_ADOPT);
+    static ADOPT: Slots<Arc<AtomicUsize>> = Slots::new(0x74, Scheme::Hazard, "adopt test", &FREE_ADOPT, &ADOPT_CELLS);
+    static ADOPT_CELLS: Store<Arc<AtomicUsize>> = Store::new();
 
     #[test]
     fn released_handles_are_stale_and_never_validate_again() {

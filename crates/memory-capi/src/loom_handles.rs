@@ -14,7 +14,7 @@ use loom::sync::Arc;
 use loom::sync::atomic::AtomicUsize;
 use loom::thread;
 
-use super::{Fault, FreeList, Scheme, Slots};
+use super::{Fault, FreeList, Scheme, Slots, Store};
 use crate::sync::Ordering;
 
 /// What the models store: which value it is, a payload the borrowers read, and a
@@ -71,7 +71,8 @@ crate::sync::thread_local! {
 
 /// A fresh hazard table for one execution of a model.
 fn table() -> &'static Slots<Probe> {
-    Box::leak(Box::new(Slots::new(0x7e, Scheme::Hazard, "probe", &FREE)))
+    let store = Box::leak(Box::new(Store::new()));
+    Box::leak(Box::new(Slots::new(0x7e, Scheme::Hazard, "probe", &FREE, store)))
 }
 
 /// Borrows `handle` the table's way and reads it (the probe `id`); `Stale` is the only

@@ -104,6 +104,8 @@ impl Failure {
     }
 
     /// A handle that did not validate.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn handle(what: &str, handle: u64, fault: Fault) -> Failure {
         match fault {
             Fault::Null => Failure::null(what),
