@@ -812,10 +812,13 @@ pub unsafe extern "C" fn mc_allocate(
         )
         .map_err(|error| Failure::new(MC_ERR_INVALID_ARGUMENT, error.to_string()))?
         .with_role(role(role_code)?);
-        let allocation = binding.allocate(request)?;
-        let handle = insert(&ALLOCATIONS, allocation)?;
+        let vacancy = ALLOCATIONS.vacancy().map_err(|fault| Failure::handle("allocation", 0, fault))?;
+        let handle = match binding.allocate(request) {
+            Ok(allocation) => vacancy.fill(allocation),
+            Err(error) => return Err(error.into()),
+        };
         // SAFETY: checked above.
-        unsafe { write(out, handle) };
+        unsafe { write(out, pointer::<McAllocation>(handle)) };
         Ok(())
     })
 }
@@ -859,8 +862,8 @@ pub unsafe extern "C" fn mc_release(
         }
         let binding = borrow(&BINDINGS, binding)?;
         let number = number(allocation);
-        let (value, reservation) =
-            ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let (value, reservation) = taken.into_parts();
         match binding.release(value) {
             Ok(done) => {
                 reservation.free();
@@ -905,8 +908,8 @@ pub extern "C" fn mc_release_deferred(
         let binding = borrow(&BINDINGS, binding)?;
         let queue = borrow(&QUEUES, queue)?;
         let number = number(allocation);
-        let (value, reservation) =
-            ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let (value, reservation) = taken.into_parts();
         match binding.release_deferred(value, queue.queue()) {
             Ok(()) => {
                 reservation.free();
@@ -1114,7 +1117,7 @@ pub extern "C" fn mc_plugin_unload(library: *mut McPluginLibrary) -> McStatus {
     guard("mc_plugin_unload", || {
         let number = number(library);
         let (value, reservation) =
-            LIBRARIES.take(number).map_err(|fault| Failure::handle("plugin library", number, fault))?;
+            LIBRARIES.take(number).map_err(|fault| Failure::handle("plugin library", number, fault))?.into_parts();
         match value.unload() {
             Ok(()) => {
                 reservation.free();

@@ -368,13 +368,22 @@ impl<T: Send + Sync + 'static> Slots<T> {
     /// Stores `value`; returns its handle, or the value back when the table is full.
     #[inline]
     pub(crate) fn insert(&'static self, value: T) -> Result<u64, (T, Fault)> {
-        let Some((index, entry)) = self.free_entry() else { return Err((value, Fault::Exhausted)) };
-        let generation = entry.state.load(Ordering::Acquire) & GENERATION_MASK;
-        // SAFETY: the cell came off a free list (or was never used): no handle names its
-        // current generation with LIVE set, so nothing else reads or writes the value.
-        unsafe { entry.value.get().cast::<T>().write(value) };
-        entry.state.store(generation | LIVE, Ordering::Release);
-        Ok(self.handle(index, generation))
+        match self.vacancy() {
+            Ok(vacancy) => Ok(vacancy.fill(value)),
+            Err(fault) => Err((value, fault)),
+        }
+    }
+
+    /// Reserves a free cell for a value still to be made; dropping the [`Vacancy`]
+    /// unused puts the cell back. Reserving first lets a value that is costly to make
+    /// (an allocation) be made only when it has a place, and go there in one move (a
+    /// `Result` that could hand it back would stage it once more on the way).
+    #[inline(always)]
+    pub(crate) fn vacancy(&'static self) -> Result<Vacancy<T>, Fault> {
+        match self.free_entry() {
+            Some((index, entry)) => Ok(Vacancy { slots: self, entry, index }),
+            None => Err(Fault::Exhausted),
+        }
     }
 
     /// Borrows the value of `handle` for the length of a call: through this thread's
@@ -448,10 +457,11 @@ impl<T: Send + Sync + 'static> Slots<T> {
         }
     }
 
-    /// Takes the value of `handle` out; the cell stays reserved until the returned
-    /// [`Reservation`] frees it or puts a value back under the same handle.
+    /// Takes the value of `handle`: from now on only the returned [`Taken`] reaches it
+    /// (its [`Taken::into_parts`] moves it out; the cell stays reserved until the
+    /// [`Reservation`] frees it or puts a value back under the same handle).
     #[inline(always)]
-    pub(crate) fn take(&'static self, handle: u64) -> Result<(T, Reservation<T>), Fault> {
+    pub(crate) fn take(&'static self, handle: u64) -> Result<Taken<T>, Fault> {
         let (entry, generation) = self.decode(handle)?;
         let live = generation | LIVE;
         match entry.state.compare_exchange(live, live | TAKEN, Ordering::Acquire, Ordering::Relaxed) {
@@ -461,13 +471,10 @@ impl<T: Send + Sync + 'static> Slots<T> {
                     entry.state.store(live, Ordering::Release);
                     return Err(Fault::Busy);
                 }
-                // SAFETY: our compare-and-swap moved the cell from LIVE with no counted
-                // borrows to TAKEN, and no hazard borrow reads it (checked above for a
-                // hazard table; a counted table has none), so nobody else reads the
-                // value and nobody can take it again; the value was written before LIVE
-                // was published (Acquire above).
-                let value = unsafe { entry.value.get().cast::<T>().read() };
-                Ok((value, Reservation { slots: self, entry, index: handle as u32 }))
+                // Our compare-and-swap moved the cell from LIVE with no counted borrows
+                // to TAKEN, and no hazard borrow reads it (checked above for a hazard
+                // table; a counted table has none): nobody else reaches the value now.
+                Ok(Taken { slots: self, entry, index: handle as u32 })
             }
             Err(state) if state & GENERATION_MASK != generation || state & LIVE == 0 => Err(Fault::Stale),
             Err(_) => Err(Fault::Busy),
@@ -602,6 +609,62 @@ impl<T: Send + Sync + 'static> Drop for Borrow<T> {
     }
 }
 
+/// A free cell reserved for a value; back on the free list if dropped unfilled.
+pub(crate) struct Vacancy<T: Send + Sync + 'static> {
+    slots: &'static Slots<T>,
+    entry: &'static Entry<T>,
+    index: u32,
+}
+
+impl<T: Send + Sync + 'static> Vacancy<T> {
+    /// Stores `value` in the cell; returns its handle.
+    #[inline(always)]
+    pub(crate) fn fill(self, value: T) -> u64 {
+        let this = ManuallyDrop::new(self);
+        let generation = this.entry.state.load(Ordering::Acquire) & GENERATION_MASK;
+        // SAFETY: the cell came off a free list (or was never used): no handle names its
+        // current generation with LIVE set, so nothing else reads or writes the value.
+        unsafe { this.entry.value.get().cast::<T>().write(value) };
+        this.entry.state.store(generation | LIVE, Ordering::Release);
+        this.slots.handle(this.index, generation)
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for Vacancy<T> {
+    fn drop(&mut self) {
+        self.slots.recycle(self.index, self.entry);
+    }
+}
+
+/// A taken cell whose value is still in place (so that it moves once, straight to
+/// where the caller consumes it). Dropped unused, it drops the value and frees the cell.
+pub(crate) struct Taken<T: Send + Sync + 'static> {
+    slots: &'static Slots<T>,
+    entry: &'static Entry<T>,
+    index: u32,
+}
+
+impl<T: Send + Sync + 'static> Taken<T> {
+    /// The value, and the reservation of its cell.
+    #[inline(always)]
+    pub(crate) fn into_parts(self) -> (T, Reservation<T>) {
+        let this = ManuallyDrop::new(self);
+        // SAFETY: the cell is TAKEN by us (see `Slots::take`): nobody else reads or
+        // writes its value, which was written before LIVE was published (read with
+        // Acquire by the taking compare-and-swap); `ManuallyDrop` makes this the one move.
+        let value = unsafe { this.entry.value.get().cast::<T>().read() };
+        (value, Reservation { slots: this.slots, entry: this.entry, index: this.index })
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for Taken<T> {
+    fn drop(&mut self) {
+        let (value, reservation) = Taken { slots: self.slots, entry: self.entry, index: self.index }.into_parts();
+        reservation.free();
+        drop(value);
+    }
+}
+
 /// A cell whose value was taken out; its handle is reserved until this is consumed
 /// (or dropped, which frees it, as on a panic between take and free).
 pub(crate) struct Reservation<T: Send + Sync + 'static> {
@@ -683,7 +746,7 @@ mod tests {
             let drops = Arc::new(AtomicUsize::new(0));
             let handle = table.insert(Arc::clone(&drops)).unwrap();
             assert_eq!(table.borrow(handle).unwrap().load(Ordering::Relaxed), 0);
-            let (value, reservation) = table.take(handle).unwrap();
+            let (value, reservation) = table.take(handle).unwrap().into_parts();
             reservation.free();
             drop(value);
             assert!(matches!(table.take(handle), Err(Fault::Stale)));
@@ -716,7 +779,7 @@ mod tests {
     fn a_restored_value_keeps_its_handle_and_a_borrowed_one_cannot_be_taken() {
         for table in [&TABLE, &HAZARD_TABLE] {
             let handle = table.insert(Arc::new(AtomicUsize::new(5))).unwrap();
-            let (value, reservation) = table.take(handle).unwrap();
+            let (value, reservation) = table.take(handle).unwrap().into_parts();
             assert_eq!(table.borrow(handle).err(), Some(Fault::Busy));
             assert!(hazard::current().unwrap().is_free());
             reservation.restore(value);
@@ -746,7 +809,7 @@ mod tests {
             assert_eq!(HAZARD_TABLE.borrow(handle).unwrap().load(Ordering::Relaxed), 1);
             end_tx.send(()).unwrap();
         });
-        let (taken, reservation) = HAZARD_TABLE.take(handle).unwrap();
+        let (taken, reservation) = HAZARD_TABLE.take(handle).unwrap().into_parts();
         reservation.free();
         assert!(Arc::ptr_eq(&taken, &value));
     }
@@ -787,6 +850,20 @@ mod tests {
     }
 
     #[test]
+    fn an_unfilled_vacancy_and_an_unused_take_give_their_cells_back() {
+        let vacancy = TABLE.vacancy().unwrap();
+        let index = vacancy.index;
+        drop(vacancy);
+        let value = Arc::new(AtomicUsize::new(0));
+        let handle = TABLE.insert(Arc::clone(&value)).unwrap();
+        assert_eq!(handle as u32, index, "the cell went back on this thread's list");
+        drop(TABLE.take(handle).unwrap());
+        assert_eq!(Arc::strong_count(&value), 1, "an unused take drops the value");
+        assert_eq!(TABLE.borrow(handle).err(), Some(Fault::Stale));
+        assert_eq!(TABLE.insert(value).unwrap() as u32, index, "and frees the cell");
+    }
+
+    #[test]
     fn racing_takes_succeed_exactly_once() {
         for table in [&TABLE, &HAZARD_TABLE] {
             for _ in 0..100 {
@@ -795,7 +872,7 @@ mod tests {
                 std::thread::scope(|scope| {
                     for _ in 0..4 {
                         scope.spawn(|| {
-                            if let Ok((value, reservation)) = table.take(handle) {
+                            if let Ok((value, reservation)) = table.take(handle).map(Taken::into_parts) {
                                 wins.fetch_add(1, Ordering::Relaxed);
                                 reservation.free();
                                 drop(value);
