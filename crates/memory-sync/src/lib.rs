@@ -16,8 +16,8 @@
 //!   compiler fence and the cold side a system call; elsewhere both are
 //!   `fence(SeqCst)`. [`BarrierMode::detect`] decides once per process, so the two
 //!   sides always agree.
-//! - [`CachePadded`] keeps per-thread slots on lines of their own; [`lock`], [`read`]
-//!   and [`write`] recover a poisoned lock (the crates never run a callback under a
+//! - [`CachePadded`] keeps per-thread slots on lines of their own; [`lock()`], [`read()`]
+//!   and [`write()`] recover a poisoned lock (the crates never run a callback under a
 //!   lock, so a panic cannot leave a half-updated value behind one).
 //!
 //! # Correctness
