@@ -304,7 +304,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
                     }
                     hooked
                 });
-                if adopted != Ok(true) {
+                if !matches!(adopted, Ok(true)) {
                     lock(&self.store.orphans).push(rest);
                 }
             }
@@ -332,7 +332,7 @@ impl<T: Send + Sync + 'static> Slots<T> {
             list.head.set(index);
             true
         });
-        if pushed != Ok(true) {
+        if !matches!(pushed, Ok(true)) {
             entry.next_free.store(NO_CELL, Ordering::Relaxed);
             lock(&self.store.orphans).push(index);
         }
