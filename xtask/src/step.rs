@@ -281,8 +281,8 @@ impl Check {
                 }
                 if counts.ran() == 0 {
                     return Ok(Some(
-                        "no loom models ran: memory-binding and memory-governor have no tests whose names contain \
-                         `loom` yet, so nothing was model-checked"
+                        "no loom models ran: the loom crates (memory-sync, memory-binding, memory-governor, \
+                         memory-capi) have no tests whose names contain `loom` yet, so nothing was model-checked"
                             .to_owned(),
                     ));
                 }

@@ -12,8 +12,9 @@ use crate::step::{Check, Cmd, Step};
 /// Preemption bound of the loom step inside `cargo xtask test`.
 pub(crate) const LOOM_PREEMPTIONS_IN_TEST: u32 = 2;
 
-/// Crates whose loom models `cargo xtask loom` runs.
-pub(crate) const LOOM_CRATES: [&str; 2] = ["memory-binding", "memory-governor"];
+/// Crates whose loom models `cargo xtask loom` runs (and whose libraries the loom lint
+/// checks): the barrier pair, the registry, the governor and the C API's handle tables.
+pub(crate) const LOOM_CRATES: [&str; 4] = ["memory-sync", "memory-binding", "memory-governor", "memory-capi"];
 
 /// The steps of `cargo xtask test [--gpu]`, in order.
 pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
@@ -109,8 +110,8 @@ pub(crate) fn fuzz_seeds_step(target_dir: &Path) -> Step {
 pub(crate) const FEATURE_CRATES: [&str; 3] = ["memory-api", "memory-binding", "memory-governor"];
 
 /// The crates published to the registry, in dependency order.
-pub(crate) const PUBLISHED_CRATES: [&str; 5] =
-    ["memory-api", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda"];
+pub(crate) const PUBLISHED_CRATES: [&str; 6] =
+    ["memory-api", "memory-sync", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda"];
 
 /// `cargo package` of every published crate together: cargo verifies each against the
 /// others packaged into a local registry, so a missing version, a file left out of a
@@ -453,7 +454,15 @@ mod tests {
         assert_eq!(step.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
         assert!(step.cmd.env_value("RUSTFLAGS").unwrap().ends_with("--cfg memory_loom"));
         let line = step.cmd.to_string();
-        for part in ["--release", "--lib", "-p memory-binding", "-p memory-governor", "--target-dir /tmp/t/loom"] {
+        for part in [
+            "--release",
+            "--lib",
+            "-p memory-sync",
+            "-p memory-binding",
+            "-p memory-governor",
+            "-p memory-capi",
+            "--target-dir /tmp/t/loom",
+        ] {
             assert!(line.contains(part), "{line} lacks {part}");
         }
         assert!(line.ends_with(" loom"), "{line}");
@@ -470,9 +479,16 @@ mod tests {
             assert!(toml.contains(&format!("\"{banned}\"")), "the loom lint config does not ban {banned}");
         }
         let line = step.cmd.to_string();
-        for part in
-            ["clippy", "--no-deps", "--lib", "-p memory-binding", "-p memory-governor", "--target-dir /tmp/t/loom"]
-        {
+        for part in [
+            "clippy",
+            "--no-deps",
+            "--lib",
+            "-p memory-sync",
+            "-p memory-binding",
+            "-p memory-governor",
+            "-p memory-capi",
+            "--target-dir /tmp/t/loom",
+        ] {
             assert!(line.contains(part), "{line} lacks {part}");
         }
         assert!(line.ends_with("-- -D warnings"), "{line}");

@@ -22,8 +22,9 @@ const UNSAFE_ALLOWED: [&str; 6] =
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 10] = [
+const NAMED_CRATES: [&str; 11] = [
     "memory-api",
+    "memory-sync",
     "memory-binding",
     "memory-governor",
     "allocator-cpu",
@@ -80,6 +81,7 @@ struct Package {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Rule {
     MemoryApiIsALeaf,
+    SyncIsALeaf,
     AllocatorsDependOnMemoryApiOnly,
     BindingKnowsNoConcreteAllocator,
     GovernorNamesNoCuda,
@@ -93,8 +95,9 @@ enum Rule {
 }
 
 impl Rule {
-    const ALL: [Rule; 11] = [
+    const ALL: [Rule; 12] = [
         Rule::MemoryApiIsALeaf,
+        Rule::SyncIsALeaf,
         Rule::AllocatorsDependOnMemoryApiOnly,
         Rule::BindingKnowsNoConcreteAllocator,
         Rule::GovernorNamesNoCuda,
@@ -112,6 +115,10 @@ impl Rule {
         match self {
             Rule::MemoryApiIsALeaf => {
                 "memory-api depends on no other crate of the workspace and on nothing GPU-related"
+            }
+            Rule::SyncIsALeaf => {
+                "memory-sync depends on no other crate of the workspace (with any kind of dependency) and on \
+                 nothing GPU-related"
             }
             Rule::AllocatorsDependOnMemoryApiOnly => {
                 "allocator-cpu and allocator-cuda depend on memory-api only (dev-dependencies may add memory-testkit)"
@@ -137,7 +144,8 @@ impl Rule {
             }
             Rule::CapiComposesThroughTheGovernor => {
                 "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
-                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin and memory-plugin-abi only"
+                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin, memory-plugin-abi and memory-sync \
+                 only"
             }
         }
     }
@@ -148,6 +156,7 @@ impl Rule {
         let shipped = edge.kind != DepKind::Dev;
         match self {
             Rule::MemoryApiIsALeaf => edge.from == "memory-api" && (edge.internal || is_gpu_related(to)),
+            Rule::SyncIsALeaf => edge.from == "memory-sync" && (edge.internal || is_gpu_related(to)),
             Rule::AllocatorsDependOnMemoryApiOnly => {
                 matches!(edge.from.as_str(), "allocator-cpu" | "allocator-cuda")
                     && edge.internal
@@ -188,7 +197,12 @@ impl Rule {
                     && shipped
                     && !matches!(
                         to,
-                        "memory-governor" | "allocator-cpu" | "allocator-cuda" | "memory-plugin" | "memory-plugin-abi"
+                        "memory-governor"
+                            | "allocator-cpu"
+                            | "allocator-cuda"
+                            | "memory-plugin"
+                            | "memory-plugin-abi"
+                            | "memory-sync"
                     )
             }
         }
@@ -341,6 +355,11 @@ fn memory_api_depends_on_nothing_of_the_workspace_or_gpu() {
 }
 
 #[test]
+fn memory_sync_depends_on_nothing_of_the_workspace_or_gpu() {
+    assert_clean(Rule::SyncIsALeaf);
+}
+
+#[test]
 fn allocators_depend_on_memory_api_only() {
     assert_clean(Rule::AllocatorsDependOnMemoryApiOnly);
 }
@@ -425,8 +444,15 @@ fn synthetic_package(name: &str, deps: &[Dep]) -> Value {
 fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
     let mut layout: Vec<(&str, Vec<Dep>)> = vec![
         ("memory-api", vec![("thiserror", None)]),
-        ("memory-binding", vec![("memory-api", None), ("dashmap", None), ("memory-testkit", Some("dev"))]),
-        ("memory-governor", vec![("memory-api", None), ("memory-binding", None), ("allocator-cpu", Some("dev"))]),
+        ("memory-sync", vec![("crossbeam-utils", None), ("rustix", None), ("loom", None)]),
+        (
+            "memory-binding",
+            vec![("memory-api", None), ("memory-sync", None), ("dashmap", None), ("memory-testkit", Some("dev"))],
+        ),
+        (
+            "memory-governor",
+            vec![("memory-api", None), ("memory-binding", None), ("memory-sync", None), ("allocator-cpu", Some("dev"))],
+        ),
         ("allocator-cpu", vec![("memory-api", None), ("memory-testkit", Some("dev"))]),
         ("allocator-cuda", vec![("memory-api", None), ("cudarc", None), ("memory-testkit", Some("dev"))]),
         ("memory-testkit", vec![("memory-api", None)]),
@@ -454,6 +480,7 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
                 ("allocator-cuda", None),
                 ("memory-plugin", None),
                 ("memory-plugin-abi", None),
+                ("memory-sync", None),
                 ("cbindgen", Some("dev")),
             ],
         ),
@@ -481,7 +508,9 @@ fn synthetic_design_layout_is_clean() {
 
 #[test]
 fn synthetic_bad_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 15] = [
+    let cases: [(&str, Dep, Rule, &str); 17] = [
+        ("memory-sync", ("memory-api", None), Rule::SyncIsALeaf, "memory-sync -> memory-api (normal"),
+        ("memory-sync", ("cudarc", Some("dev")), Rule::SyncIsALeaf, "memory-sync -> cudarc (dev"),
         ("memory-plugin-abi", ("libc", None), Rule::PluginAbiStandsAlone, "memory-plugin-abi -> libc (normal"),
         ("memory-plugin", ("memory-binding", None), Rule::PluginIsAProvider, "memory-plugin -> memory-binding (normal"),
         (
@@ -628,7 +657,11 @@ fn synthetic_library_without_forbid_unsafe_is_reported_unless_allowed() {
     let named: Vec<&str> = found.iter().map(|line| line.split(' ').next().unwrap()).collect();
     // memory-binding, allocator-*, memory-plugin and memory-capi may use unsafe;
     // memory-demo and memory-benches are tooling.
-    assert_eq!(named, ["memory-api", "memory-governor", "memory-testkit", "memory-plugin-abi"], "{found:?}");
+    assert_eq!(
+        named,
+        ["memory-api", "memory-sync", "memory-governor", "memory-testkit", "memory-plugin-abi"],
+        "{found:?}"
+    );
     let read = |_: &Path| -> Result<String, String> { Ok("//! A crate.\n#![forbid(unsafe_code)]\n".to_owned()) };
     assert!(unsafe_violations(&packages, &read).is_empty());
 }

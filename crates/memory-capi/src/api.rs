@@ -2,10 +2,9 @@
 //! boundary), checks every pointer it was given before it mutates anything, and
 //! validates every handle through its table (see [`crate::handles`]).
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use allocator_cpu::{PooledAllocator, SystemAllocator};
 #[cfg(unix)]
@@ -19,11 +18,12 @@ use memory_governor::{
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginLibrary, PluginReleaseQueue, abi_device};
 use memory_plugin_abi::{MP_CAP_ALL, MP_TIER_DEVICE, MP_TIER_DISK, MP_TIER_HOST, MpAllocator, MpDevice};
 
-use crate::handles::{FreeList, Slots, number, pointer};
+use crate::handles::{FreeList, Scheme, Slots, Store, number, pointer};
 use crate::status::{
     Failure, MC_ERR_BACKEND, MC_ERR_BUFFER_TOO_SMALL, MC_ERR_INVALID_ARGUMENT, MC_ERR_UNLOAD_REFUSED,
     MC_ERR_UNSUPPORTED, McStatus, guard,
 };
+use crate::sync::{Mutex, lock};
 use crate::types::*;
 
 /// The C API's version: major changes break callers, minor ones only add.
@@ -70,37 +70,68 @@ impl QueueEntry {
     }
 }
 
-thread_local! {
-    static FREE_REGISTRIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_GOVERNORS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_CONTEXTS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_AUTHORITIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_MECHANISMS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_BINDINGS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_ALLOCATIONS: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_LIBRARIES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-    static FREE_QUEUES: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
+crate::sync::thread_local! {
+    static FREE_REGISTRIES: FreeList = const { FreeList::new() };
+    static FREE_GOVERNORS: FreeList = const { FreeList::new() };
+    static FREE_CONTEXTS: FreeList = const { FreeList::new() };
+    static FREE_AUTHORITIES: FreeList = const { FreeList::new() };
+    static FREE_MECHANISMS: FreeList = const { FreeList::new() };
+    static FREE_BINDINGS: FreeList = const { FreeList::new() };
+    static FREE_ALLOCATIONS: FreeList = const { FreeList::new() };
+    static FREE_LIBRARIES: FreeList = const { FreeList::new() };
+    static FREE_QUEUES: FreeList = const { FreeList::new() };
 }
 
-static REGISTRIES: Slots<BindingRegistry> = Slots::new(KIND_REGISTRY, "registry", &FREE_REGISTRIES);
-static GOVERNORS: Slots<Governor> = Slots::new(KIND_GOVERNOR, "governor", &FREE_GOVERNORS);
-static CONTEXTS: Slots<ContextEntry> = Slots::new(KIND_CONTEXT, "context", &FREE_CONTEXTS);
-static AUTHORITIES: Slots<AuthorityEntry> = Slots::new(KIND_AUTHORITY, "authority", &FREE_AUTHORITIES);
-static MECHANISMS: Slots<MechanismEntry> = Slots::new(KIND_MECHANISM, "mechanism", &FREE_MECHANISMS);
-static BINDINGS: Slots<MemoryBinding> = Slots::new(KIND_BINDING, "binding", &FREE_BINDINGS);
-static ALLOCATIONS: Slots<BoundAllocation> = Slots::new(KIND_ALLOCATION, "allocation", &FREE_ALLOCATIONS);
-static LIBRARIES: Slots<PluginLibrary> = Slots::new(KIND_LIBRARY, "plugin library", &FREE_LIBRARIES);
-static QUEUES: Slots<QueueEntry> = Slots::new(KIND_QUEUE, "queue", &FREE_QUEUES);
+/// Declares the handle tables: each a constant front (`Slots`) over its cells (`Store`,
+/// named after `in`); under loom (whose primitives have no const constructors) both are
+/// built once per model execution.
+macro_rules! tables {
+    ($($name:ident in $cells:ident: $value:ty = ($kind:expr, $scheme:expr, $what:literal, $free:ident);)*) => {
+        $(
+            #[cfg(not(memory_loom))]
+            static $name: Slots<$value> = Slots::new($kind, $scheme, $what, &$free, &$cells);
+            #[cfg(not(memory_loom))]
+            static $cells: Store<$value> = Store::new();
+        )*
+        #[cfg(memory_loom)]
+        loom::lazy_static! {
+            $(
+                static ref $name: Slots<$value> =
+                    Slots::new($kind, $scheme, $what, &$free, Box::leak(Box::new(Store::new())));
+            )*
+        }
+    };
+}
+
+// Handles borrowed by many calls and consumed by one (destroy, remove) announce their
+// borrows in hazard slots; allocations, consumed by every release, are counted (see
+// `crate::handles`).
+tables! {
+    REGISTRIES in REGISTRY_CELLS: BindingRegistry = (KIND_REGISTRY, Scheme::Hazard, "registry", FREE_REGISTRIES);
+    GOVERNORS in GOVERNOR_CELLS: Governor = (KIND_GOVERNOR, Scheme::Hazard, "governor", FREE_GOVERNORS);
+    CONTEXTS in CONTEXT_CELLS: ContextEntry = (KIND_CONTEXT, Scheme::Hazard, "context", FREE_CONTEXTS);
+    AUTHORITIES in AUTHORITY_CELLS: AuthorityEntry = (KIND_AUTHORITY, Scheme::Hazard, "authority", FREE_AUTHORITIES);
+    MECHANISMS in MECHANISM_CELLS: MechanismEntry = (KIND_MECHANISM, Scheme::Hazard, "mechanism", FREE_MECHANISMS);
+    BINDINGS in BINDING_CELLS: MemoryBinding = (KIND_BINDING, Scheme::Hazard, "binding", FREE_BINDINGS);
+    ALLOCATIONS in ALLOCATION_CELLS: BoundAllocation =
+        (KIND_ALLOCATION, Scheme::Counted, "allocation", FREE_ALLOCATIONS);
+    LIBRARIES in LIBRARY_CELLS: PluginLibrary = (KIND_LIBRARY, Scheme::Hazard, "plugin library", FREE_LIBRARIES);
+    QUEUES in QUEUE_CELLS: QueueEntry = (KIND_QUEUE, Scheme::Hazard, "queue", FREE_QUEUES);
+}
 
 // ---------------------------------------------------------------------------------
 // Helpers
 
+#[inline(always)]
 fn borrow<T: Send + Sync + 'static, P>(
     slots: &'static Slots<T>,
     handle: *const P,
 ) -> Result<crate::handles::Borrow<T>, Failure> {
     let number = number(handle);
-    slots.borrow(number).map_err(|fault| Failure::handle(slots.name(), number, fault))
+    match slots.borrow(number) {
+        Ok(borrowed) => Ok(borrowed),
+        Err(fault) => Err(Failure::handle(slots.name(), number, fault)),
+    }
 }
 
 fn insert<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, value: T) -> Result<*mut P, Failure> {
@@ -115,9 +146,7 @@ fn insert<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, value: T) -> Re
 
 fn remove<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, handle: *const P) -> Result<(), Failure> {
     let number = number(handle);
-    let value = slots.remove(number).map_err(|fault| Failure::handle(slots.name(), number, fault))?;
-    drop(value);
-    Ok(())
+    slots.remove(number).map_err(|fault| Failure::handle(slots.name(), number, fault))
 }
 
 /// Checks an out-pointer before anything is mutated.
@@ -783,10 +812,13 @@ pub unsafe extern "C" fn mc_allocate(
         )
         .map_err(|error| Failure::new(MC_ERR_INVALID_ARGUMENT, error.to_string()))?
         .with_role(role(role_code)?);
-        let allocation = binding.allocate(request)?;
-        let handle = insert(&ALLOCATIONS, allocation)?;
+        let vacancy = ALLOCATIONS.vacancy().map_err(|fault| Failure::handle("allocation", 0, fault))?;
+        let handle = match binding.allocate(request) {
+            Ok(allocation) => vacancy.fill(allocation),
+            Err(error) => return Err(error.into()),
+        };
         // SAFETY: checked above.
-        unsafe { write(out, handle) };
+        unsafe { write(out, pointer::<McAllocation>(handle)) };
         Ok(())
     })
 }
@@ -830,8 +862,8 @@ pub unsafe extern "C" fn mc_release(
         }
         let binding = borrow(&BINDINGS, binding)?;
         let number = number(allocation);
-        let (value, reservation) =
-            ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let (value, reservation) = taken.into_parts();
         match binding.release(value) {
             Ok(done) => {
                 reservation.free();
@@ -876,8 +908,8 @@ pub extern "C" fn mc_release_deferred(
         let binding = borrow(&BINDINGS, binding)?;
         let queue = borrow(&QUEUES, queue)?;
         let number = number(allocation);
-        let (value, reservation) =
-            ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        let (value, reservation) = taken.into_parts();
         match binding.release_deferred(value, queue.queue()) {
             Ok(()) => {
                 reservation.free();
@@ -921,7 +953,7 @@ impl DeferredReleaseQueue for HostQueue {
             let reason = QueueRefusalReason::WrongDevice { queue: self.device, release: release.device() };
             return Err(QueueRefusal { release, reason });
         }
-        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pending = lock(&self.pending);
         if pending.len() >= self.capacity {
             drop(pending);
             return Err(QueueRefusal { release, reason: QueueRefusalReason::Full { capacity: self.capacity } });
@@ -933,8 +965,7 @@ impl DeferredReleaseQueue for HostQueue {
 
 impl HostQueue {
     fn poll(&self) -> usize {
-        let ready: Vec<PreparedRelease> =
-            self.pending.lock().unwrap_or_else(PoisonError::into_inner).drain(..).collect();
+        let ready: Vec<PreparedRelease> = lock(&self.pending).drain(..).collect();
         let ran = ready.len();
         for release in ready {
             let _summary = release.execute();
@@ -1086,7 +1117,7 @@ pub extern "C" fn mc_plugin_unload(library: *mut McPluginLibrary) -> McStatus {
     guard("mc_plugin_unload", || {
         let number = number(library);
         let (value, reservation) =
-            LIBRARIES.take(number).map_err(|fault| Failure::handle("plugin library", number, fault))?;
+            LIBRARIES.take(number).map_err(|fault| Failure::handle("plugin library", number, fault))?.into_parts();
         match value.unload() {
             Ok(()) => {
                 reservation.free();

@@ -11,28 +11,69 @@
 //! again.
 //!
 //! # The state word
-//! Each cell has one atomic word: generation (low 32 bits), a count of borrows in
-//! progress, and `LIVE` / `TAKEN` / `DYING` bits. Borrowing (a call using the handle)
-//! increments the count with a compare-and-swap that also checks generation and
-//! `LIVE`; taking (a call consuming the handle: release, destroy) moves a cell with no
-//! borrows from `LIVE` to `TAKEN` with one compare-and-swap, so of two racing releases
-//! exactly one wins and the other gets `Stale` or `Busy`. Removing a handle that is
-//! still borrowed clears `LIVE` and sets `DYING`: new borrows fail at once and the
-//! last borrow drops the value. Values are dropped outside any lock.
+//! Each cell has one atomic word: its generation (low 24 bits), a count of counted
+//! borrows, and `LIVE` / `TAKEN` / `DYING` bits. Taking (a call consuming the handle:
+//! release) moves a `LIVE` cell with no borrows to `TAKEN` with one compare-and-swap,
+//! so of two racing releases exactly one wins and the other gets `Stale` or `Busy`.
+//! Removing (destroy) clears `LIVE` and sets `DYING` with one compare-and-swap, whatever
+//! borrows are in progress; new borrows fail from then on, and whoever ends the last
+//! borrow reclaims the value.
 //!
-//! Free cells go to a per-thread list (no shared write on the hot path); a thread's
-//! list goes to a shared orphan list when the thread ends.
+//! # Borrows: a hazard slot, or a count
+//! A call that uses a handle borrows its value for the length of the call, in one of
+//! two ways:
+//! - **hazard borrow** (tables built with [`Scheme::Hazard`], when the thread's hazard
+//!   slot is free, which it is unless a borrow is already in progress on this thread):
+//!   store the handle in the slot, light barrier, load the state; if the generation
+//!   differs or the cell is not `LIVE` (or is `TAKEN`), withdraw and fail. Ending it:
+//!   store 0 in the slot, light barrier, load the state; if the cell is `DYING` under
+//!   this generation, try to reclaim. No read-modify-write on the way in or out.
+//! - **counted borrow** (the fallback for a nested borrow, and the only kind in
+//!   [`Scheme::Counted`] tables): one compare-and-swap adds a user if the cell is `LIVE`
+//!   under the generation and not `TAKEN`; ending it subtracts one, and the last user of
+//!   a `DYING` cell tries to reclaim.
+//!
+//! **Reclaiming** (cold, any thread, [`Slots::try_reclaim`]): a read-modify-write of the
+//! state (so the heavy barrier orders a write of this thread's own), heavy barrier, and
+//! if any hazard slot holds the handle or a counted borrow remains, stop: that borrower
+//! reclaims when it ends. Otherwise one compare-and-swap from `DYING` with no users to
+//! "claimed" picks exactly one claimant, which moves the value out, frees the cell
+//! (next generation, back on a free list) and drops the value outside any lock.
+//!
+//! Why it is sound: the borrower's "store slot; barrier; load state" and the
+//! reclaimer's "write state; barrier; load slots" are the two sides of a Dekker point,
+//! so either the borrower sees `DYING` (and never reads the value) or the reclaimer
+//! sees the slot (and leaves the value to the borrower, whose exit check then sees
+//! `DYING`). The loom models in `src/loom_handles.rs` check it in fence mode: a value is
+//! dropped exactly once, never while a borrow reads it, and never leaked.
+//!
+//! A `take` from a hazard table pays the reclaimer's price (heavy barrier and scan)
+//! and answers `Busy` if a hazard borrow is in progress; the table whose handles are
+//! taken on the hot path (allocations) is therefore a counted one.
+//!
+//! Free cells go to an intrusive per-thread list (a link in each free cell; no shared
+//! write on the hot path); a thread's list goes to the table's orphans when the thread
+//! ends, and a thread whose list is empty adopts an orphaned one.
 
-use std::cell::{RefCell, UnsafeCell};
+use std::cell::{Cell, RefCell, UnsafeCell};
 use std::marker::PhantomData;
-use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
-use std::thread::LocalKey;
+use std::mem::{ManuallyDrop, MaybeUninit};
 
+use crate::hazard::{self, Hazard};
+use crate::sync::{
+    AtomicPtr, AtomicU32, AtomicU64, BarrierMode, LocalKey, Mutex, Ordering, heavy_barrier, lock, thread_local,
+};
+
+#[cfg(not(memory_loom))]
 const CHUNK_BITS: u32 = 10;
-const CHUNK: usize = 1 << CHUNK_BITS;
+#[cfg(not(memory_loom))]
 const CHUNKS: usize = 1 << 14;
+// The models need a handful of cells; loom tracks every atomic it creates.
+#[cfg(memory_loom)]
+const CHUNK_BITS: u32 = 2;
+#[cfg(memory_loom)]
+const CHUNKS: usize = 4;
+const CHUNK: usize = 1 << CHUNK_BITS;
 /// The most cells one table can hold.
 pub(crate) const MAX_CELLS: u32 = (CHUNK * CHUNKS) as u32;
 
@@ -42,6 +83,8 @@ const USERS_MASK: u64 = ((1 << 29) - 1) << 32;
 const LIVE: u64 = 1 << 61;
 const TAKEN: u64 = 1 << 62;
 const DYING: u64 = 1 << 63;
+/// The end of a free list.
+const NO_CELL: u32 = u32::MAX;
 
 /// Why a handle was not accepted.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -61,67 +104,137 @@ pub(crate) enum Fault {
     Exhausted,
 }
 
-/// A free list of one table on one thread; handed to the table's orphans at thread exit.
+/// How a table's borrows announce themselves (see the module docs).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Scheme {
+    /// Through the thread's hazard slot when it is free, counted otherwise; `take` and
+    /// `remove` pay a heavy barrier. For handles borrowed often and consumed rarely.
+    Hazard,
+    /// Always counted; `take` is one compare-and-swap. For handles consumed often.
+    Counted,
+}
+
+/// One thread's free cells of one table: the head of a list linked through the cells.
+///
+/// No destructor, so its thread-local is a plain load away (a thread-local with a
+/// destructor is checked and registered on each access). The first time a thread puts
+/// a cell on it, the table joins the thread's [`ExitHook`], which hands the list to the
+/// table's orphans when the thread exits.
 pub(crate) struct FreeList {
-    cells: Vec<u32>,
-    orphans: Option<&'static Mutex<Vec<u32>>>,
+    head: Cell<u32>,
+    hooked: Cell<bool>,
 }
 
 impl FreeList {
     pub(crate) const fn new() -> FreeList {
-        FreeList { cells: Vec::new(), orphans: None }
+        FreeList { head: Cell::new(NO_CELL), hooked: Cell::new(false) }
     }
 }
 
-impl Drop for FreeList {
+/// A table whose free list a thread can hand over.
+trait HandOver {
+    /// Moves this thread's free list of the table to the table's orphans.
+    fn hand_over(&self);
+}
+
+/// The tables whose free lists this thread holds; hands them over when it exits.
+struct ExitHook(RefCell<Vec<&'static dyn HandOver>>);
+
+impl Drop for ExitHook {
     fn drop(&mut self) {
-        if let Some(orphans) = self.orphans
-            && !self.cells.is_empty()
-        {
-            orphans.lock().unwrap_or_else(PoisonError::into_inner).append(&mut self.cells);
+        for table in self.0.take() {
+            table.hand_over();
         }
     }
 }
 
-struct Cell<T> {
+thread_local! {
+    static EXIT_HOOK: ExitHook = const { ExitHook(RefCell::new(Vec::new())) };
+}
+
+struct Entry<T> {
     state: AtomicU64,
+    /// The next cell of the free list this cell is on (meaningless while in use).
+    next_free: AtomicU32,
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
 /// A type-stable table of `T` values named by handles of one kind.
+///
+/// What never changes (kind, scheme, name, the free-list key) lives here, in a value
+/// without interior mutability, and the cells in a separate [`Store`]: a `static` table
+/// is then a constant the compiler folds into each call (no load of the scheme, a
+/// direct thread-local access instead of a call through the key).
 pub(crate) struct Slots<T: 'static> {
     kind: u8,
+    scheme: Scheme,
     name: &'static str,
-    chunks: [AtomicPtr<Cell<T>>; CHUNKS],
+    local: &'static LocalKey<FreeList>,
+    store: &'static Store<T>,
+}
+
+/// The cells of a table, and its bookkeeping.
+pub(crate) struct Store<T: 'static> {
+    chunks: [AtomicPtr<Entry<T>>; CHUNKS],
     grow: Mutex<()>,
     next: AtomicU32,
+    /// Heads of free lists left by exited threads.
     orphans: Mutex<Vec<u32>>,
-    local: &'static LocalKey<RefCell<FreeList>>,
     _values: PhantomData<T>,
 }
 
 // SAFETY: values are moved in and out of cells only by the thread that owns the cell
 // at that moment (the inserting thread before it publishes `LIVE`; the thread whose
-// compare-and-swap took it), and shared only as `&T` between borrowers, which needs
-// `T: Sync`; a value may be dropped on another thread than it was made on, which needs
-// `T: Send`.
-unsafe impl<T: Send + Sync> Sync for Slots<T> {}
+// compare-and-swap took or claimed it), and shared only as `&T` between borrowers,
+// which needs `T: Sync`; a value may be dropped on another thread than it was made on,
+// which needs `T: Send`.
+unsafe impl<T: Send + Sync> Sync for Store<T> {}
 // SAFETY: as above.
-unsafe impl<T: Send + Sync> Send for Slots<T> {}
+unsafe impl<T: Send + Sync> Send for Store<T> {}
 
-impl<T: Send + Sync + 'static> Slots<T> {
-    /// An empty table whose handles carry `kind` (non-zero) in their top byte.
-    pub(crate) const fn new(kind: u8, name: &'static str, local: &'static LocalKey<RefCell<FreeList>>) -> Slots<T> {
-        Slots {
-            kind,
-            name,
+impl<T: Send + Sync + 'static> Store<T> {
+    /// An empty store.
+    #[cfg(not(memory_loom))]
+    pub(crate) const fn new() -> Store<T> {
+        Store {
             chunks: [const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNKS],
             grow: Mutex::new(()),
             next: AtomicU32::new(0),
             orphans: Mutex::new(Vec::new()),
-            local,
             _values: PhantomData,
         }
+    }
+
+    /// An empty store (loom's primitives have no const constructors: under loom the
+    /// tables are built lazily, once per model execution).
+    #[cfg(memory_loom)]
+    pub(crate) fn new() -> Store<T> {
+        Store {
+            chunks: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
+            grow: Mutex::new(()),
+            next: AtomicU32::new(0),
+            orphans: Mutex::new(Vec::new()),
+            _values: PhantomData,
+        }
+    }
+}
+
+fn generation_of(handle: u64) -> u64 {
+    (handle >> 32) & GENERATION_MASK
+}
+
+impl<T: Send + Sync + 'static> Slots<T> {
+    /// A table whose handles carry `kind` (non-zero) in their top byte, over `store`
+    /// (which no other table may use) and the thread-local free lists `local` (one key
+    /// per table).
+    pub(crate) const fn new(
+        kind: u8,
+        scheme: Scheme,
+        name: &'static str,
+        local: &'static LocalKey<FreeList>,
+        store: &'static Store<T>,
+    ) -> Slots<T> {
+        Slots { kind, scheme, name, local, store }
     }
 
     /// What this table's handles name ("binding", "allocation", ...).
@@ -129,26 +242,28 @@ impl<T: Send + Sync + 'static> Slots<T> {
         self.name
     }
 
-    fn cell(&self, index: u32) -> Option<&Cell<T>> {
-        let chunk = self.chunks.get((index >> CHUNK_BITS) as usize)?.load(Ordering::Acquire);
-        if chunk.is_null() {
-            return None;
-        }
+    #[inline(always)]
+    fn entry(&self, index: u32) -> Option<&'static Entry<T>> {
+        let chunk = self.store.chunks.get((index >> CHUNK_BITS) as usize)?.load(Ordering::Acquire);
         // SAFETY: a non-null chunk pointer was published (Release) after the chunk of
         // CHUNK initialised cells was built, and chunks are never freed; the offset is
         // below CHUNK.
-        Some(unsafe { &*chunk.wrapping_add(index as usize & (CHUNK - 1)) })
+        unsafe { chunk.wrapping_add(index as usize & (CHUNK - 1)).as_ref() }
     }
 
     fn ensure_chunk(&self, index: u32) -> bool {
-        let Some(slot) = self.chunks.get((index >> CHUNK_BITS) as usize) else { return false };
+        let Some(slot) = self.store.chunks.get((index >> CHUNK_BITS) as usize) else { return false };
         if !slot.load(Ordering::Acquire).is_null() {
             return true;
         }
-        let _grow = self.grow.lock().unwrap_or_else(PoisonError::into_inner);
+        let _grow = lock(&self.store.grow);
         if slot.load(Ordering::Acquire).is_null() {
-            let chunk: Box<[Cell<T>]> = (0..CHUNK)
-                .map(|_| Cell { state: AtomicU64::new(0), value: UnsafeCell::new(MaybeUninit::uninit()) })
+            let chunk: Box<[Entry<T>]> = (0..CHUNK)
+                .map(|_| Entry {
+                    state: AtomicU64::new(0),
+                    next_free: AtomicU32::new(NO_CELL),
+                    value: UnsafeCell::new(MaybeUninit::uninit()),
+                })
                 .collect();
             // Deliberately never freed: handles stay checkable for the life of the process.
             slot.store(Box::leak(chunk).as_mut_ptr(), Ordering::Release);
@@ -156,72 +271,167 @@ impl<T: Send + Sync + 'static> Slots<T> {
         true
     }
 
-    fn free_cell(&'static self) -> Option<u32> {
-        // A call from a thread's TLS destructors finds its list gone: the shared one serves.
-        let local = self.local.try_with(|list| list.borrow_mut().cells.pop()).ok().flatten();
-        if local.is_some() {
-            return local;
+    /// A free cell: this thread's list first, then an orphaned list, then a new cell.
+    #[inline(always)]
+    fn free_entry(&'static self) -> Option<(u32, &'static Entry<T>)> {
+        let popped = self.local.try_with(|list| {
+            let head = list.head.get();
+            let entry = self.entry(head)?;
+            list.head.set(entry.next_free.load(Ordering::Relaxed));
+            Some((head, entry))
+        });
+        match popped {
+            Ok(Some(found)) => Some(found),
+            _ => self.free_entry_slow(),
         }
-        let orphan = self.orphans.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        if orphan.is_some() {
-            return orphan;
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn free_entry_slow(&'static self) -> Option<(u32, &'static Entry<T>)> {
+        let orphan = lock(&self.store.orphans).pop();
+        if let Some(head) = orphan
+            && let Some(entry) = self.entry(head)
+        {
+            // Adopt the rest of the orphaned list (or, while this thread exits and has
+            // no list, hand it back).
+            let rest = entry.next_free.load(Ordering::Relaxed);
+            if rest != NO_CELL {
+                let adopted = self.local.try_with(|list| {
+                    let hooked = list.hooked.get() || self.hook(list);
+                    if hooked {
+                        list.head.set(rest);
+                    }
+                    hooked
+                });
+                if !matches!(adopted, Ok(true)) {
+                    lock(&self.store.orphans).push(rest);
+                }
+            }
+            return Some((head, entry));
         }
-        let index = self.next.fetch_add(1, Ordering::Relaxed);
+        let index = self.store.next.fetch_add(1, Ordering::Relaxed);
         if index >= MAX_CELLS {
-            self.next.store(MAX_CELLS, Ordering::Relaxed);
+            self.store.next.store(MAX_CELLS, Ordering::Relaxed);
             return None;
         }
-        self.ensure_chunk(index).then_some(index)
+        if !self.ensure_chunk(index) {
+            return None;
+        }
+        Some((index, self.entry(index)?))
     }
 
-    fn recycle(&'static self, index: u32) {
+    /// Puts a freed cell on this thread's list (the orphans' while the thread exits).
+    #[inline(always)]
+    fn recycle(&'static self, index: u32, entry: &Entry<T>) {
         let pushed = self.local.try_with(|list| {
-            let mut list = list.borrow_mut();
-            list.orphans.get_or_insert(&self.orphans);
-            list.cells.push(index);
+            if !list.hooked.get() && !self.hook(list) {
+                return false;
+            }
+            entry.next_free.store(list.head.get(), Ordering::Relaxed);
+            list.head.set(index);
+            true
         });
-        if pushed.is_err() {
-            // This thread is exiting: its list is gone, the shared one takes the cell.
-            self.orphans.lock().unwrap_or_else(PoisonError::into_inner).push(index);
+        if !matches!(pushed, Ok(true)) {
+            entry.next_free.store(NO_CELL, Ordering::Relaxed);
+            lock(&self.store.orphans).push(index);
         }
     }
 
+    /// Joins this thread's exit hook, so that `list` is handed over when the thread
+    /// exits; `false` if the thread is exiting already (keep no cell on `list` then).
+    #[cold]
+    #[inline(never)]
+    fn hook(&'static self, list: &FreeList) -> bool {
+        let hooked = EXIT_HOOK.try_with(|hook| hook.0.borrow_mut().push(self)).is_ok();
+        list.hooked.set(hooked);
+        hooked
+    }
+
+    #[inline]
     fn handle(&self, index: u32, generation: u64) -> u64 {
         (u64::from(self.kind) << 56) | ((generation & GENERATION_MASK) << 32) | u64::from(index)
     }
 
-    fn decode(&self, handle: u64) -> Result<(&Cell<T>, u64), Fault> {
-        if handle == 0 {
-            return Err(Fault::Null);
-        }
+    /// The cell `handle` names and the generation it expects. Any value is safe to
+    /// pass: an index beyond every chunk is stale, and a cell never used is not `LIVE`.
+    #[inline(always)]
+    fn decode(&self, handle: u64) -> Result<(&'static Entry<T>, u64), Fault> {
         let kind = (handle >> 56) as u8;
         if kind != self.kind {
-            return Err(Fault::WrongKind { found: kind });
+            return Err(if handle == 0 { Fault::Null } else { Fault::WrongKind { found: kind } });
         }
-        let index = handle as u32;
-        if index >= self.next.load(Ordering::Acquire).min(MAX_CELLS) {
-            return Err(Fault::Stale);
-        }
-        let cell = self.cell(index).ok_or(Fault::Stale)?;
-        Ok((cell, (handle >> 32) & GENERATION_MASK))
+        let entry = self.entry(handle as u32).ok_or(Fault::Stale)?;
+        Ok((entry, generation_of(handle)))
     }
 
     /// Stores `value`; returns its handle, or the value back when the table is full.
+    #[inline]
     pub(crate) fn insert(&'static self, value: T) -> Result<u64, (T, Fault)> {
-        let Some(index) = self.free_cell() else { return Err((value, Fault::Exhausted)) };
-        let Some(cell) = self.cell(index) else { return Err((value, Fault::Exhausted)) };
-        let generation = cell.state.load(Ordering::Acquire) & GENERATION_MASK;
-        // SAFETY: the cell came off a free list (or was never used): no handle names its
-        // current generation with LIVE set, so nothing else reads or writes the value.
-        unsafe { cell.value.get().cast::<T>().write(value) };
-        cell.state.store(generation | LIVE, Ordering::Release);
-        Ok(self.handle(index, generation))
+        match self.vacancy() {
+            Ok(vacancy) => Ok(vacancy.fill(value)),
+            Err(fault) => Err((value, fault)),
+        }
     }
 
-    /// Borrows the value of `handle` for the length of a call.
+    /// Reserves a free cell for a value still to be made; dropping the [`Vacancy`]
+    /// unused puts the cell back. Reserving first lets a value that is costly to make
+    /// (an allocation) be made only when it has a place, and go there in one move (a
+    /// `Result` that could hand it back would stage it once more on the way).
+    #[inline(always)]
+    pub(crate) fn vacancy(&'static self) -> Result<Vacancy<T>, Fault> {
+        match self.free_entry() {
+            Some((index, entry)) => Ok(Vacancy { slots: self, entry, index }),
+            None => Err(Fault::Exhausted),
+        }
+    }
+
+    /// Borrows the value of `handle` for the length of a call: through this thread's
+    /// hazard slot when the table uses them and the slot is free, counted otherwise.
+    #[inline(always)]
     pub(crate) fn borrow(&'static self, handle: u64) -> Result<Borrow<T>, Fault> {
-        let (cell, generation) = self.decode(handle)?;
-        let mut state = cell.state.load(Ordering::Acquire);
+        let (entry, generation) = self.decode(handle)?;
+        if self.scheme == Scheme::Hazard
+            && let Some(hazard) = hazard::current()
+            && hazard.is_free()
+        {
+            return self.borrow_through(hazard, entry, handle, generation);
+        }
+        self.borrow_counted_at(entry, handle, generation)
+    }
+
+    /// Borrows the value of `handle` with a counted borrow, whatever the table's scheme.
+    #[cfg(test)]
+    pub(crate) fn borrow_counted(&'static self, handle: u64) -> Result<Borrow<T>, Fault> {
+        let (entry, generation) = self.decode(handle)?;
+        self.borrow_counted_at(entry, handle, generation)
+    }
+
+    #[inline(always)]
+    fn borrow_through(
+        &'static self,
+        hazard: &'static Hazard,
+        entry: &'static Entry<T>,
+        handle: u64,
+        generation: u64,
+    ) -> Result<Borrow<T>, Fault> {
+        hazard.announce(handle);
+        let state = entry.state.load(Ordering::Acquire);
+        if state & (GENERATION_MASK | LIVE | TAKEN) == generation | LIVE {
+            return Ok(Borrow { slots: self, entry, handle, hazard: Some(hazard) });
+        }
+        // A reclaimer may have seen the announcement and left the value to us.
+        self.end_hazard_borrow(hazard, entry, handle);
+        Err(if state & GENERATION_MASK != generation || state & LIVE == 0 { Fault::Stale } else { Fault::Busy })
+    }
+
+    fn borrow_counted_at(
+        &'static self,
+        entry: &'static Entry<T>,
+        handle: u64,
+        generation: u64,
+    ) -> Result<Borrow<T>, Fault> {
+        let mut state = entry.state.load(Ordering::Acquire);
         loop {
             if state & GENERATION_MASK != generation || state & LIVE == 0 {
                 return Err(Fault::Stale);
@@ -229,36 +439,62 @@ impl<T: Send + Sync + 'static> Slots<T> {
             if state & TAKEN != 0 || state & USERS_MASK == USERS_MASK {
                 return Err(Fault::Busy);
             }
-            match cell.state.compare_exchange_weak(state, state + USER, Ordering::Acquire, Ordering::Acquire) {
-                Ok(_) => return Ok(Borrow { slots: self, cell, index: handle as u32 }),
+            match entry.state.compare_exchange_weak(state, state + USER, Ordering::Acquire, Ordering::Acquire) {
+                Ok(_) => return Ok(Borrow { slots: self, entry, handle, hazard: None }),
                 Err(now) => state = now,
             }
         }
     }
 
-    /// Takes the value of `handle` out; the cell stays reserved until the returned
-    /// [`Reservation`] frees it or puts a value back under the same handle.
-    pub(crate) fn take(&'static self, handle: u64) -> Result<(T, Reservation<T>), Fault> {
-        let (cell, generation) = self.decode(handle)?;
+    /// Withdraws a hazard announcement of `handle`, then reclaims the value if the
+    /// handle was removed meanwhile (a reclaimer that saw the slot left it to us).
+    #[inline(always)]
+    fn end_hazard_borrow(&'static self, hazard: &Hazard, entry: &'static Entry<T>, handle: u64) {
+        hazard.withdraw();
+        let state = entry.state.load(Ordering::Acquire);
+        if state & (GENERATION_MASK | DYING) == generation_of(handle) | DYING {
+            self.try_reclaim(entry, handle);
+        }
+    }
+
+    /// Takes the value of `handle`: from now on only the returned [`Taken`] reaches it
+    /// (its [`Taken::into_parts`] moves it out; the cell stays reserved until the
+    /// [`Reservation`] frees it or puts a value back under the same handle).
+    #[inline(always)]
+    pub(crate) fn take(&'static self, handle: u64) -> Result<Taken<T>, Fault> {
+        let (entry, generation) = self.decode(handle)?;
         let live = generation | LIVE;
-        match cell.state.compare_exchange(live, live | TAKEN, Ordering::Acquire, Ordering::Relaxed) {
+        match entry.state.compare_exchange(live, live | TAKEN, Ordering::Acquire, Ordering::Relaxed) {
             Ok(_) => {
-                // SAFETY: our compare-and-swap moved the cell from LIVE with no borrows
-                // to TAKEN, so nobody else reads the value and nobody can take it again;
-                // the value was written before LIVE was published (Acquire above).
-                let value = unsafe { cell.value.get().cast::<T>().read() };
-                Ok((value, Reservation { slots: self, cell, index: handle as u32, done: false }))
+                if self.scheme == Scheme::Hazard && self.hazard_borrowed(handle) {
+                    // Nothing else changes a TAKEN cell's state: put LIVE back as it was.
+                    entry.state.store(live, Ordering::Release);
+                    return Err(Fault::Busy);
+                }
+                // Our compare-and-swap moved the cell from LIVE with no counted borrows
+                // to TAKEN, and no hazard borrow reads it (checked above for a hazard
+                // table; a counted table has none): nobody else reaches the value now.
+                Ok(Taken { slots: self, entry, index: handle as u32 })
             }
             Err(state) if state & GENERATION_MASK != generation || state & LIVE == 0 => Err(Fault::Stale),
             Err(_) => Err(Fault::Busy),
         }
     }
 
-    /// Removes `handle`: returns its value now, or `None` when calls still borrow it
-    /// (then the last of them drops the value). Fails if the handle is stale or taken.
-    pub(crate) fn remove(&'static self, handle: u64) -> Result<Option<T>, Fault> {
-        let (cell, generation) = self.decode(handle)?;
-        let mut state = cell.state.load(Ordering::Acquire);
+    /// Whether a hazard borrow of `handle` is in progress, after this thread changed the
+    /// handle's state (the heavy side of the Dekker point).
+    #[cold]
+    fn hazard_borrowed(&self, handle: u64) -> bool {
+        heavy_barrier(BarrierMode::detect());
+        hazard::protects(handle)
+    }
+
+    /// Removes `handle`: no borrow can start from now on, and the value is dropped now
+    /// if no borrow is in progress, or by the borrow that ends last. Fails if the handle
+    /// is stale or taken.
+    pub(crate) fn remove(&'static self, handle: u64) -> Result<(), Fault> {
+        let (entry, generation) = self.decode(handle)?;
+        let mut state = entry.state.load(Ordering::Acquire);
         loop {
             if state & GENERATION_MASK != generation || state & LIVE == 0 {
                 return Err(Fault::Stale);
@@ -266,35 +502,72 @@ impl<T: Send + Sync + 'static> Slots<T> {
             if state & TAKEN != 0 {
                 return Err(Fault::Busy);
             }
-            if state & USERS_MASK == 0 {
-                return match self.take(handle) {
-                    Ok((value, reservation)) => {
-                        reservation.free();
-                        Ok(Some(value))
-                    }
-                    Err(Fault::Busy) => {
-                        state = cell.state.load(Ordering::Acquire);
-                        continue;
-                    }
-                    Err(fault) => Err(fault),
-                };
-            }
             let dying = (state & !LIVE) | DYING;
-            match cell.state.compare_exchange_weak(state, dying, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Ok(None),
+            match entry.state.compare_exchange_weak(state, dying, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
                 Err(now) => state = now,
             }
         }
+        self.try_reclaim(entry, handle);
+        Ok(())
+    }
+
+    /// Drops the value of a removed (`DYING`) handle if no borrow can read it any more;
+    /// otherwise leaves it to the borrow still in progress, which calls this again when
+    /// it ends. Any number of threads may call it at once: one claims the value.
+    #[cold]
+    #[inline(never)]
+    fn try_reclaim(&'static self, entry: &'static Entry<T>, handle: u64) {
+        let generation = generation_of(handle);
+        let dying = generation | DYING;
+        if self.scheme == Scheme::Hazard {
+            // A read-modify-write (rewriting the state as it is), not a load: the heavy
+            // barrier below orders this thread's own write of the state before its reads
+            // of the slots, so a borrower that announces after them sees DYING. It
+            // fails (and writes nothing) unless the cell is DYING with no counted users.
+            let still_dying = entry.state.compare_exchange(dying, dying, Ordering::AcqRel, Ordering::Acquire);
+            if still_dying.is_err() || self.hazard_borrowed(handle) {
+                // Claimed already, reused, or still counted (its last user reclaims);
+                // or a hazard borrower holds it (and reclaims when it ends).
+                return;
+            }
+        }
+        if entry.state.compare_exchange(dying, generation | TAKEN, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            // Another claimant won, or counted borrows remain.
+            return;
+        }
+        // SAFETY: our compare-and-swap moved the cell from DYING with no counted borrows
+        // to claimed (TAKEN without LIVE), which happens once per generation; no hazard
+        // borrow reads it (checked above); LIVE is clear, so no new borrow or take can
+        // start; the value is initialised and is moved out exactly once, here.
+        let value = unsafe { entry.value.get().cast::<T>().read() };
+        self.release_cell(entry, handle as u32);
+        drop(value);
     }
 
     /// Frees a cell whose value is gone: the next generation, back on a free list
     /// unless the generation would wrap (then the cell is retired).
-    fn release_cell(&'static self, cell: &Cell<T>, index: u32) {
-        let generation = cell.state.load(Ordering::Relaxed) & GENERATION_MASK;
+    #[inline(always)]
+    fn release_cell(&'static self, entry: &'static Entry<T>, index: u32) {
+        let generation = entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
         let next = (generation + 1) & GENERATION_MASK;
-        cell.state.store(next, Ordering::Release);
+        entry.state.store(next, Ordering::Release);
         if next != 0 {
-            self.recycle(index);
+            self.recycle(index, entry);
+        }
+    }
+}
+
+impl<T: Send + Sync + 'static> HandOver for Slots<T> {
+    fn hand_over(&self) {
+        let head = self.local.try_with(|list| {
+            list.hooked.set(false);
+            list.head.replace(NO_CELL)
+        });
+        if let Ok(head) = head
+            && head != NO_CELL
+        {
+            lock(&self.store.orphans).push(head);
         }
     }
 }
@@ -302,108 +575,190 @@ impl<T: Send + Sync + 'static> Slots<T> {
 /// A value borrowed for the length of one call.
 pub(crate) struct Borrow<T: Send + Sync + 'static> {
     slots: &'static Slots<T>,
-    cell: &'static Cell<T>,
-    index: u32,
+    entry: &'static Entry<T>,
+    handle: u64,
+    /// The hazard slot announcing the borrow, or `None` for a counted borrow.
+    hazard: Option<&'static Hazard>,
 }
 
 impl<T: Send + Sync + 'static> std::ops::Deref for Borrow<T> {
     type Target = T;
+    #[inline]
     fn deref(&self) -> &T {
-        // SAFETY: while this borrow counts in the state word the cell cannot be taken
-        // (take needs zero borrows) and a removal only marks it DYING; the value was
-        // initialised before LIVE was published.
-        unsafe { &*self.cell.value.get().cast::<T>() }
+        // SAFETY: while this borrow is announced (a hazard slot holding the handle after
+        // a state read that found it LIVE, or a count in the state word) the value is
+        // neither taken nor reclaimed (see the module docs); it was initialised before
+        // LIVE was published.
+        unsafe { &*self.entry.value.get().cast::<T>() }
     }
 }
 
 impl<T: Send + Sync + 'static> Drop for Borrow<T> {
+    #[inline]
     fn drop(&mut self) {
-        let before = self.cell.state.fetch_sub(USER, Ordering::AcqRel);
-        if before & DYING != 0 && before & USERS_MASK == USER {
-            // The last borrow of a removed handle: no one else can reach the value.
-            // SAFETY: DYING with no other borrow left; LIVE is clear, so no new borrow
-            // or take can start; the value is initialised and dropped exactly once here.
-            let value = unsafe { self.cell.value.get().cast::<T>().read() };
-            self.slots.release_cell(self.cell, self.index);
-            drop(value);
+        match self.hazard {
+            Some(hazard) => self.slots.end_hazard_borrow(hazard, self.entry, self.handle),
+            None => {
+                let before = self.entry.state.fetch_sub(USER, Ordering::AcqRel);
+                if before & DYING != 0 && before & USERS_MASK == USER {
+                    // The last counted borrow of a removed handle.
+                    self.slots.try_reclaim(self.entry, self.handle);
+                }
+            }
         }
     }
 }
 
-/// A cell whose value was taken out; its handle is reserved until this is consumed.
+/// A free cell reserved for a value; back on the free list if dropped unfilled.
+pub(crate) struct Vacancy<T: Send + Sync + 'static> {
+    slots: &'static Slots<T>,
+    entry: &'static Entry<T>,
+    index: u32,
+}
+
+impl<T: Send + Sync + 'static> Vacancy<T> {
+    /// Stores `value` in the cell; returns its handle.
+    #[inline(always)]
+    pub(crate) fn fill(self, value: T) -> u64 {
+        let this = ManuallyDrop::new(self);
+        let generation = this.entry.state.load(Ordering::Acquire) & GENERATION_MASK;
+        // SAFETY: the cell came off a free list (or was never used): no handle names its
+        // current generation with LIVE set, so nothing else reads or writes the value.
+        unsafe { this.entry.value.get().cast::<T>().write(value) };
+        this.entry.state.store(generation | LIVE, Ordering::Release);
+        this.slots.handle(this.index, generation)
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for Vacancy<T> {
+    fn drop(&mut self) {
+        self.slots.recycle(self.index, self.entry);
+    }
+}
+
+/// A taken cell whose value is still in place (so that it moves once, straight to
+/// where the caller consumes it). Dropped unused, it drops the value and frees the cell.
+pub(crate) struct Taken<T: Send + Sync + 'static> {
+    slots: &'static Slots<T>,
+    entry: &'static Entry<T>,
+    index: u32,
+}
+
+impl<T: Send + Sync + 'static> Taken<T> {
+    /// The value, and the reservation of its cell.
+    #[inline(always)]
+    pub(crate) fn into_parts(self) -> (T, Reservation<T>) {
+        let this = ManuallyDrop::new(self);
+        // SAFETY: the cell is TAKEN by us (see `Slots::take`): nobody else reads or
+        // writes its value, which was written before LIVE was published (read with
+        // Acquire by the taking compare-and-swap); `ManuallyDrop` makes this the one move.
+        let value = unsafe { this.entry.value.get().cast::<T>().read() };
+        (value, Reservation { slots: this.slots, entry: this.entry, index: this.index })
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for Taken<T> {
+    fn drop(&mut self) {
+        let (value, reservation) = Taken { slots: self.slots, entry: self.entry, index: self.index }.into_parts();
+        reservation.free();
+        drop(value);
+    }
+}
+
+/// A cell whose value was taken out; its handle is reserved until this is consumed
+/// (or dropped, which frees it, as on a panic between take and free).
 pub(crate) struct Reservation<T: Send + Sync + 'static> {
     slots: &'static Slots<T>,
-    cell: &'static Cell<T>,
+    entry: &'static Entry<T>,
     index: u32,
-    done: bool,
 }
 
 impl<T: Send + Sync + 'static> Reservation<T> {
     /// Frees the handle: it is stale from now on.
-    pub(crate) fn free(mut self) {
-        self.done = true;
-        self.slots.release_cell(self.cell, self.index);
+    #[inline(always)]
+    pub(crate) fn free(self) {
+        // Consumed here, not by `Drop` (whose call would keep the table in memory
+        // rather than a constant the compiler folds).
+        let this = ManuallyDrop::new(self);
+        this.slots.release_cell(this.entry, this.index);
     }
 
     /// Puts `value` back under the same handle (an operation refused without effect).
-    pub(crate) fn restore(mut self, value: T) {
-        self.done = true;
+    pub(crate) fn restore(self, value: T) {
+        let this = ManuallyDrop::new(self);
         // SAFETY: the cell is TAKEN by us: nobody else reads or writes its value.
-        unsafe { self.cell.value.get().cast::<T>().write(value) };
-        let generation = self.cell.state.load(Ordering::Relaxed) & GENERATION_MASK;
-        self.cell.state.store(generation | LIVE, Ordering::Release);
+        unsafe { this.entry.value.get().cast::<T>().write(value) };
+        let generation = this.entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
+        this.entry.state.store(generation | LIVE, Ordering::Release);
     }
 }
 
 impl<T: Send + Sync + 'static> Drop for Reservation<T> {
     fn drop(&mut self) {
-        if !self.done {
-            self.slots.release_cell(self.cell, self.index);
-        }
+        self.slots.release_cell(self.entry, self.index);
     }
 }
 
 /// The handle number behind a pointer-typed handle (never dereferenced).
+#[inline]
 pub(crate) fn number<P>(handle: *const P) -> u64 {
     handle.addr() as u64
 }
 
 /// A pointer-typed handle for C (never dereferenced by anyone).
+#[inline]
 pub(crate) fn pointer<P>(handle: u64) -> *mut P {
     std::ptr::without_provenance_mut(handle as usize)
 }
 
 const _: () = assert!(std::mem::size_of::<usize>() == 8, "handles need 64-bit pointers");
 
-#[cfg(test)]
+#[cfg(all(test, memory_loom))]
+#[path = "loom_handles.rs"]
+mod loom_handles;
+
+#[cfg(all(test, not(memory_loom)))]
 mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::AtomicUsize;
 
-    thread_local! {
-        static FREE: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
-        static FREE_OTHER: RefCell<FreeList> = const { RefCell::new(FreeList::new()) };
+    std::thread_local! {
+        static FREE: FreeList = const { FreeList::new() };
+        static FREE_HAZARD: FreeList = const { FreeList::new() };
+        static FREE_OTHER: FreeList = const { FreeList::new() };
+        static FREE_ADOPT: FreeList = const { FreeList::new() };
     }
-    static TABLE: Slots<Arc<AtomicUsize>> = Slots::new(0x71, "test", &FREE);
-    static OTHER: Slots<u32> = Slots::new(0x72, "other", &FREE_OTHER);
+    static TABLE: Slots<Arc<AtomicUsize>> = Slots::new(0x71, Scheme::Counted, "test", &FREE, &TABLE_CELLS);
+    static TABLE_CELLS: Store<Arc<AtomicUsize>> = Store::new();
+    static HAZARD_TABLE: Slots<Arc<AtomicUsize>> =
+        Slots::new(0x73, Scheme::Hazard, "hazard test", &FREE_HAZARD, &HAZARD_CELLS);
+    static HAZARD_CELLS: Store<Arc<AtomicUsize>> = Store::new();
+    static OTHER: Slots<u32> = Slots::new(0x72, Scheme::Counted, "other", &FREE_OTHER, &OTHER_CELLS);
+    static OTHER_CELLS: Store<u32> = Store::new();
+    /// Used by one test only, so no other test adopts its orphaned cells.
+    static ADOPT: Slots<Arc<AtomicUsize>> = Slots::new(0x74, Scheme::Hazard, "adopt test", &FREE_ADOPT, &ADOPT_CELLS);
+    static ADOPT_CELLS: Store<Arc<AtomicUsize>> = Store::new();
 
     #[test]
     fn released_handles_are_stale_and_never_validate_again() {
-        let drops = Arc::new(AtomicUsize::new(0));
-        let handle = TABLE.insert(Arc::clone(&drops)).unwrap();
-        assert_eq!(TABLE.borrow(handle).unwrap().load(Ordering::Relaxed), 0);
-        let (value, reservation) = TABLE.take(handle).unwrap();
-        reservation.free();
-        drop(value);
-        assert!(matches!(TABLE.take(handle), Err(Fault::Stale)));
-        assert!(matches!(TABLE.borrow(handle), Err(Fault::Stale)));
-        // The cell is reused under a new generation; the old handle stays stale.
-        let again = TABLE.insert(drops).unwrap();
-        assert_ne!(again, handle);
-        assert_eq!(again as u32, handle as u32, "same cell");
-        assert!(matches!(TABLE.borrow(handle), Err(Fault::Stale)));
-        assert!(TABLE.remove(again).unwrap().is_some());
+        for table in [&TABLE, &HAZARD_TABLE] {
+            let drops = Arc::new(AtomicUsize::new(0));
+            let handle = table.insert(Arc::clone(&drops)).unwrap();
+            assert_eq!(table.borrow(handle).unwrap().load(Ordering::Relaxed), 0);
+            let (value, reservation) = table.take(handle).unwrap().into_parts();
+            reservation.free();
+            drop(value);
+            assert!(matches!(table.take(handle), Err(Fault::Stale)));
+            assert!(matches!(table.borrow(handle), Err(Fault::Stale)));
+            // The cell is reused under a new generation; the old handle stays stale.
+            let again = table.insert(drops).unwrap();
+            assert_ne!(again, handle);
+            assert_eq!(again as u32, handle as u32, "same cell");
+            assert!(matches!(table.borrow(handle), Err(Fault::Stale)));
+            assert_eq!(table.remove(handle), Err(Fault::Stale));
+            table.remove(again).unwrap();
+        }
     }
 
     #[test]
@@ -413,50 +768,144 @@ mod tests {
         assert_eq!(TABLE.borrow(other).err(), Some(Fault::WrongKind { found: 0x72 }));
         assert_eq!(TABLE.borrow(0x7fff_dead_beef).err(), Some(Fault::WrongKind { found: 0 }));
         assert_eq!(TABLE.borrow((0x71 << 56) | 0xffff_fff0).err(), Some(Fault::Stale));
-        assert_eq!(OTHER.remove(other).unwrap(), Some(7));
+        // A cell of an existing chunk that was never handed out is not live.
+        assert_eq!(HAZARD_TABLE.borrow((0x73 << 56) | (5 << 32) | 1000).err(), Some(Fault::Stale));
+        assert_eq!(HAZARD_TABLE.remove((0x73 << 56) | 1000).err(), Some(Fault::Stale));
+        assert!(hazard::current().unwrap().is_free(), "a failed borrow withdraws its announcement");
+        OTHER.remove(other).unwrap();
     }
 
     #[test]
     fn a_restored_value_keeps_its_handle_and_a_borrowed_one_cannot_be_taken() {
-        let handle = TABLE.insert(Arc::new(AtomicUsize::new(5))).unwrap();
-        let (value, reservation) = TABLE.take(handle).unwrap();
-        assert_eq!(TABLE.borrow(handle).err(), Some(Fault::Busy));
-        reservation.restore(value);
-        let borrowed = TABLE.borrow(handle).unwrap();
-        assert_eq!(TABLE.take(handle).err(), Some(Fault::Busy));
-        drop(borrowed);
-        assert!(TABLE.remove(handle).unwrap().is_some());
+        for table in [&TABLE, &HAZARD_TABLE] {
+            let handle = table.insert(Arc::new(AtomicUsize::new(5))).unwrap();
+            let (value, reservation) = table.take(handle).unwrap().into_parts();
+            assert_eq!(table.borrow(handle).err(), Some(Fault::Busy));
+            assert!(hazard::current().unwrap().is_free());
+            reservation.restore(value);
+            let borrowed = table.borrow(handle).unwrap();
+            assert_eq!(table.take(handle).err(), Some(Fault::Busy));
+            drop(borrowed);
+            table.remove(handle).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_hazard_borrow_on_another_thread_blocks_a_take_until_it_ends() {
+        let value = Arc::new(AtomicUsize::new(1));
+        let handle = HAZARD_TABLE.insert(Arc::clone(&value)).unwrap();
+        let (borrowed_tx, borrowed_rx) = std::sync::mpsc::channel();
+        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let borrowed = HAZARD_TABLE.borrow(handle).unwrap();
+                borrowed_tx.send(()).unwrap();
+                end_rx.recv().unwrap();
+                drop(borrowed);
+            });
+            borrowed_rx.recv().unwrap();
+            assert_eq!(HAZARD_TABLE.take(handle).err(), Some(Fault::Busy), "the other thread reads it");
+            // The refused take left the handle as it was.
+            assert_eq!(HAZARD_TABLE.borrow(handle).unwrap().load(Ordering::Relaxed), 1);
+            end_tx.send(()).unwrap();
+        });
+        let (taken, reservation) = HAZARD_TABLE.take(handle).unwrap().into_parts();
+        reservation.free();
+        assert!(Arc::ptr_eq(&taken, &value));
+    }
+
+    #[test]
+    fn a_nested_borrow_is_counted_and_the_slot_is_free_again_after_both() {
+        let outer = HAZARD_TABLE.insert(Arc::new(AtomicUsize::new(1))).unwrap();
+        let inner = HAZARD_TABLE.insert(Arc::new(AtomicUsize::new(2))).unwrap();
+        let first = HAZARD_TABLE.borrow(outer).unwrap();
+        assert!(first.hazard.is_some(), "the first borrow uses the slot");
+        let second = HAZARD_TABLE.borrow(inner).unwrap();
+        assert!(second.hazard.is_none(), "the slot is busy: counted");
+        let again = HAZARD_TABLE.borrow(outer).unwrap();
+        assert!(again.hazard.is_none());
+        drop((second, again, first));
+        assert!(hazard::current().unwrap().is_free());
+        assert!(HAZARD_TABLE.borrow(inner).unwrap().hazard.is_some());
+        HAZARD_TABLE.remove(outer).unwrap();
+        HAZARD_TABLE.remove(inner).unwrap();
     }
 
     #[test]
     fn removing_a_borrowed_handle_drops_the_value_with_the_last_borrow() {
-        let counter = Arc::new(AtomicUsize::new(0));
-        let handle = TABLE.insert(Arc::clone(&counter)).unwrap();
-        let borrowed = TABLE.borrow(handle).unwrap();
-        assert!(TABLE.remove(handle).unwrap().is_none(), "deferred to the last borrow");
+        for table in [&TABLE, &HAZARD_TABLE] {
+            let counter = Arc::new(AtomicUsize::new(0));
+            let handle = table.insert(Arc::clone(&counter)).unwrap();
+            let hazard_borrow = table.borrow(handle).unwrap();
+            let counted_borrow = table.borrow_counted(handle).unwrap();
+            table.remove(handle).unwrap();
+            assert_eq!(table.borrow(handle).err(), Some(Fault::Stale));
+            assert_eq!(table.remove(handle).err(), Some(Fault::Stale), "removed once");
+            assert_eq!(Arc::strong_count(&counter), 2, "deferred to the last borrow");
+            drop(counted_borrow);
+            assert_eq!(Arc::strong_count(&counter), 2, "a borrow still reads it");
+            drop(hazard_borrow);
+            assert_eq!(Arc::strong_count(&counter), 1);
+        }
+    }
+
+    #[test]
+    fn an_unfilled_vacancy_and_an_unused_take_give_their_cells_back() {
+        let vacancy = TABLE.vacancy().unwrap();
+        let index = vacancy.index;
+        drop(vacancy);
+        let value = Arc::new(AtomicUsize::new(0));
+        let handle = TABLE.insert(Arc::clone(&value)).unwrap();
+        assert_eq!(handle as u32, index, "the cell went back on this thread's list");
+        drop(TABLE.take(handle).unwrap());
+        assert_eq!(Arc::strong_count(&value), 1, "an unused take drops the value");
         assert_eq!(TABLE.borrow(handle).err(), Some(Fault::Stale));
-        assert_eq!(Arc::strong_count(&counter), 2);
-        drop(borrowed);
-        assert_eq!(Arc::strong_count(&counter), 1);
+        assert_eq!(TABLE.insert(value).unwrap() as u32, index, "and frees the cell");
     }
 
     #[test]
     fn racing_takes_succeed_exactly_once() {
-        for _ in 0..200 {
-            let handle = TABLE.insert(Arc::new(AtomicUsize::new(0))).unwrap();
-            let wins = AtomicUsize::new(0);
-            std::thread::scope(|scope| {
-                for _ in 0..4 {
-                    scope.spawn(|| {
-                        if let Ok((value, reservation)) = TABLE.take(handle) {
-                            wins.fetch_add(1, Ordering::Relaxed);
-                            reservation.free();
-                            drop(value);
-                        }
-                    });
-                }
-            });
-            assert_eq!(wins.load(Ordering::Relaxed), 1);
+        for table in [&TABLE, &HAZARD_TABLE] {
+            for _ in 0..100 {
+                let handle = table.insert(Arc::new(AtomicUsize::new(0))).unwrap();
+                let wins = AtomicUsize::new(0);
+                std::thread::scope(|scope| {
+                    for _ in 0..4 {
+                        scope.spawn(|| {
+                            if let Ok((value, reservation)) = table.take(handle).map(Taken::into_parts) {
+                                wins.fetch_add(1, Ordering::Relaxed);
+                                reservation.free();
+                                drop(value);
+                            }
+                        });
+                    }
+                });
+                assert_eq!(wins.load(Ordering::Relaxed), 1);
+            }
+        }
+    }
+
+    #[test]
+    fn an_exited_threads_free_cells_are_adopted_and_its_hazard_slot_reused() {
+        let handles: Vec<u64> = std::thread::spawn(|| {
+            let handles: Vec<u64> = (0..8).map(|_| ADOPT.insert(Arc::new(AtomicUsize::new(0))).unwrap()).collect();
+            for &handle in &handles {
+                assert!(ADOPT.borrow(handle).unwrap().hazard.is_some());
+                ADOPT.remove(handle).unwrap();
+            }
+            handles
+        })
+        .join()
+        .unwrap();
+        // Another thread gets the exited one's cells before any new one.
+        let reused: Vec<u64> =
+            std::thread::spawn(|| (0..8).map(|_| ADOPT.insert(Arc::new(AtomicUsize::new(0))).unwrap()).collect())
+                .join()
+                .unwrap();
+        let freed: std::collections::BTreeSet<u32> = handles.iter().map(|&h| h as u32).collect();
+        assert!(reused.iter().any(|&h| freed.contains(&(h as u32))), "{handles:x?} vs {reused:x?}");
+        for handle in reused {
+            ADOPT.remove(handle).unwrap();
         }
     }
 }

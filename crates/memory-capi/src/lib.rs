@@ -21,9 +21,17 @@
 //! - Handles are pointer-shaped numbers into type-stable, generation-checked tables
 //!   (module `handles`): a null, foreign, stale or double-released handle is a status
 //!   code, never undefined behaviour, because the memory a handle names is never freed
-//!   or reused for another type. A handle consumed by a call (release, destroy) is
-//!   taken with one compare-and-swap, so of two racing releases exactly one succeeds;
-//!   a call refused without effect hands the handle back unchanged.
+//!   or reused for another type. A handle consumed by a call (release) is taken with one
+//!   compare-and-swap, so of two racing releases exactly one succeeds; a call refused
+//!   without effect hands the handle back unchanged.
+//! - A call borrows the handles it uses without a read-modify-write: it announces the
+//!   borrow in its thread's hazard slot (module `hazard`) behind the light side of
+//!   `memory-sync`'s asymmetric barrier; a destroy marks the handle dying, runs the
+//!   heavy side and scans the slots, and whichever of the destroy and the borrows in
+//!   progress ends last drops the value, exactly once (nested borrows fall back to a
+//!   counted compare-and-swap). loom models (`src/loom_handles.rs`, `cargo xtask loom`)
+//!   check that a value is never dropped while a borrow reads it, dropped exactly once
+//!   and never leaked; each model fails when the part it guards is removed.
 //! - Every out-pointer is checked (null, alignment) before anything is mutated.
 //! - User destructors run exactly once, with no lock held.
 //! - `unsafe` is confined to the handle tables, pointer arguments and the plugin
@@ -31,8 +39,8 @@
 //!
 //! Tests (`tests/`) build a C program and a C++ program against the static library at
 //! test time and run them (the C one also under valgrind), compile the headers as C11
-//! and C++17 and check every struct's size and field offsets against Rust, and
-//! regenerate the headers to catch drift.
+//! and C++17 and check every struct's size and field offsets against Rust, regenerate
+//! the headers to catch drift, and destroy a binding while threads allocate through it.
 //!
 //! # Quickstart (C)
 //! ```c
@@ -53,7 +61,9 @@
 
 mod api;
 mod handles;
+mod hazard;
 mod status;
+mod sync;
 mod types;
 
 // The public interface: the C API as Rust items (for tests and Rust callers).

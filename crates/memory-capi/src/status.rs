@@ -104,6 +104,8 @@ impl Failure {
     }
 
     /// A handle that did not validate.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn handle(what: &str, handle: u64, fault: Fault) -> Failure {
         match fault {
             Fault::Null => Failure::null(what),
@@ -233,6 +235,8 @@ thread_local! {
     static FAILED: Cell<bool> = const { Cell::new(false) };
 }
 
+#[cold]
+#[inline(never)]
 fn remember(function: &str, failure: &Failure) {
     let text = format!("{function}: {}: {}", status_name(failure.status), failure.message).replace('\0', " ");
     let text = CString::new(text).unwrap_or_default();
@@ -246,7 +250,14 @@ fn remember(function: &str, failure: &Failure) {
 pub(crate) fn guard(function: &'static str, body: impl FnOnce() -> Result<(), Failure>) -> McStatus {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => {
-            let _ = FAILED.try_with(|failed| failed.set(false));
+            // Written only when it changes: most calls follow a success, and a store
+            // costs more than a load (every store drains before the next locked
+            // instruction, such as the allocator's own).
+            let _ = FAILED.try_with(|failed| {
+                if failed.get() {
+                    failed.set(false);
+                }
+            });
             MC_OK
         }
         Ok(Err(failure)) => {

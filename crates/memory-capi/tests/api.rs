@@ -22,6 +22,12 @@ fn ok(status: McStatus) {
 }
 
 fn setup() -> Setup {
+    setup_with_context(null_mut(), None)
+}
+
+/// A registry with one context (`user`, `destroy`), authority, system-allocator
+/// mechanism and binding.
+fn setup_with_context(user: *mut std::ffi::c_void, destroy: McDestroyFn) -> Setup {
     let mut s = Setup {
         registry: null_mut(),
         context: null_mut(),
@@ -32,7 +38,7 @@ fn setup() -> Setup {
     // SAFETY: every out-pointer is a live local (so for each call below).
     ok(unsafe { mc_registry_create(&mut s.registry) });
     // SAFETY: as above.
-    ok(unsafe { mc_context_register(s.registry, HOST, null_mut(), None, &mut s.context) });
+    ok(unsafe { mc_context_register(s.registry, HOST, user, destroy, &mut s.context) });
     // SAFETY: as above.
     ok(unsafe { mc_authority_register(s.registry, HOST, null_mut(), None, &mut s.authority) });
     // SAFETY: as above.
@@ -125,4 +131,67 @@ fn messages_say_what_was_asked_found_and_what_to_do() {
     // SAFETY: the name is a static C string.
     let name = unsafe { std::ffi::CStr::from_ptr(mc_status_name(MC_ERR_STALE_HANDLE)) };
     assert_eq!(name.to_str().unwrap(), "MC_ERR_STALE_HANDLE");
+}
+
+/// Counts a context's user destructor (its user pointer is the count).
+unsafe extern "C" fn count_destroy(user: *mut std::ffi::c_void) {
+    // SAFETY: the tests below pass a pointer to a live (leaked) counter.
+    unsafe { &*user.cast::<std::sync::atomic::AtomicUsize>() }.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+#[test]
+fn a_binding_destroyed_while_threads_allocate_through_it_answers_ok_or_stale_and_is_dropped() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    const THREADS: usize = 3;
+    for round in 0..20 {
+        let destroyed: &'static AtomicUsize = Box::leak(Box::new(AtomicUsize::new(0)));
+        // The context's destructor says when everything pinning it is gone: once the
+        // handles below are gone, the binding (through its mechanism) is the last pin.
+        let user = std::ptr::from_ref(destroyed).cast_mut().cast();
+        let s = setup_with_context(user, Some(count_destroy));
+        let binding = s.binding as usize;
+        let pairs = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..THREADS {
+                scope.spawn(|| {
+                    let binding = binding as *mut McBinding;
+                    loop {
+                        let mut block = null_mut();
+                        // SAFETY: handles are numbers; a live out-pointer.
+                        let allocated = unsafe { mc_allocate(binding, 4096, 64, MP_ROLE_OTHER, &mut block) };
+                        if allocated == MC_ERR_STALE_HANDLE {
+                            return;
+                        }
+                        assert_eq!(allocated, MC_OK, "{}", message());
+                        // SAFETY: as above; a null report is allowed.
+                        match unsafe { mc_release(binding, block, null_mut()) } {
+                            MC_OK => {}
+                            MC_ERR_STALE_HANDLE => {
+                                // The binding went between the two calls: the block is
+                                // still ours, and goes by its drop policy.
+                                ok(mc_allocation_drop(block));
+                                return;
+                            }
+                            status => panic!("mc_release answered {status}: {}", message()),
+                        }
+                        pairs.fetch_add(1, SeqCst);
+                    }
+                });
+            }
+            scope.spawn(|| {
+                while pairs.load(SeqCst) < 50 * (round % 4 + 1) {
+                    std::thread::yield_now();
+                }
+                ok(mc_binding_destroy(binding as *mut McBinding));
+                assert_eq!(mc_binding_destroy(binding as *mut McBinding), MC_ERR_STALE_HANDLE);
+            });
+        });
+        assert_eq!(destroyed.load(SeqCst), 0, "the registry and mechanism still pin the context");
+        ok(mc_mechanism_retire(s.registry, s.mechanism));
+        ok(mc_mechanism_remove(s.registry, s.mechanism));
+        ok(mc_context_remove(s.registry, s.context));
+        ok(mc_authority_remove(s.registry, s.authority));
+        ok(mc_registry_destroy(s.registry));
+        assert_eq!(destroyed.load(SeqCst), 1, "round {round}: the destroyed binding's value was never dropped");
+    }
 }

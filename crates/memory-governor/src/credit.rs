@@ -72,8 +72,8 @@
 use memory_api::MemoryRole;
 
 use crate::sync::{
-    Arc, AtomicBool, AtomicU64, BarrierMode, CachePadded, Mutex, Ordering, barrier_mode, heavy_barrier, light_barrier,
-    lock, wait_for_other_thread,
+    Arc, AtomicBool, AtomicU64, BarrierMode, CachePadded, Mutex, Ordering, heavy_barrier, light_barrier, lock,
+    wait_for_other_thread,
 };
 
 /// Number of roles (per-role arrays).
@@ -484,7 +484,7 @@ impl Slot {
             word: AtomicU64::new(CLOSED),
             active: AtomicBool::new(false),
             sweeping: AtomicBool::new(false),
-            mode: barrier_mode(),
+            mode: BarrierMode::detect(),
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
             retired: AtomicBool::new(false),
@@ -730,7 +730,7 @@ pub(crate) fn sweep(slots: &Mutex<Vec<Arc<Slot>>>) -> Sweep {
     let mut outcome = Sweep::default();
     let claimed: Vec<bool> = slots.iter().map(|slot| slot.claim_sweep()).collect();
     if claimed.contains(&true) {
-        heavy_barrier(barrier_mode());
+        heavy_barrier(BarrierMode::detect());
     }
     for (slot, claimed) in slots.iter().zip(claimed) {
         match claimed.then(|| slot.finish_sweep()).flatten() {
