@@ -100,6 +100,35 @@ impl MemoryBinding {
     /// [`AllocError`](memory_api::AllocError) otherwise. Nothing is leaked on error.
     #[inline]
     pub fn allocate(&self, request: AllocationRequest) -> Result<BoundAllocation, AllocateError> {
+        self.allocate_then(request, |allocation| allocation)
+    }
+
+    /// [`allocate`](Self::allocate), writing the allocation straight into `place` (a
+    /// cell of the caller's own table: a C ABI's handle table, an arena's slots) rather
+    /// than returning it, so the 64-byte handle is written once, where it will live,
+    /// instead of being staged through a `Result` on the way. Whatever `place` held is
+    /// dropped first, by its drop policy. On error `place` is `None`.
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate).
+    #[inline]
+    pub fn allocate_into<'place>(
+        &self,
+        request: AllocationRequest,
+        place: &'place mut Option<BoundAllocation>,
+    ) -> Result<&'place mut BoundAllocation, AllocateError> {
+        *place = None;
+        self.allocate_then(request, |allocation| place.insert(allocation))
+    }
+
+    /// The allocation path, handing the new allocation to `finish` (which moves it to
+    /// where it is kept) before anything else is returned.
+    #[inline(always)]
+    fn allocate_then<R>(
+        &self,
+        request: AllocationRequest,
+        finish: impl FnOnce(BoundAllocation) -> R,
+    ) -> Result<R, AllocateError> {
         let pin = self.local_pin();
         let core = &*pin.core;
         let in_flight = match core.lifecycle.begin(&pin.in_flight, Admit::ActiveOnly) {
@@ -130,7 +159,7 @@ impl MemoryBinding {
             Ok((slot, generation)) => {
                 drop(in_flight);
                 hot_trace(HotEvent::Allocate, &core.identity, bytes);
-                Ok(BoundAllocation {
+                Ok(finish(BoundAllocation {
                     pin: Some(UnitRef::new_live(pin)),
                     address,
                     bytes,
@@ -140,7 +169,7 @@ impl MemoryBinding {
                     binding_generation: self.generation.serial(),
                     slot,
                     align_log2,
-                })
+                }))
             }
             Err(error) => {
                 // Could not record it: give it straight back rather than leak it.
@@ -157,10 +186,39 @@ impl MemoryBinding {
     /// registry or binding, its generation is stale, its device was lost (no
     /// callback runs then), or the allocator refused without mutating anything.
     #[inline]
-    pub fn release(&self, allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
-        if let Err(reason) = self.check_owns(&allocation) {
-            return Err(Rejected { handle: allocation, reason });
+    pub fn release(&self, mut allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
+        match self.release_emptying(&mut allocation) {
+            Ok(summary) => {
+                // Emptied (its pin is taken): nothing is left for `Drop` to do.
+                std::mem::forget(allocation);
+                Ok(summary)
+            }
+            Err(reason) => Err(Rejected { handle: allocation, reason }),
         }
+    }
+
+    /// [`release`](Self::release) of the allocation kept in `place` (see
+    /// [`allocate_into`](Self::allocate_into)), read where it lies rather than moved
+    /// out first. On success `place` is `None`; on error it holds the allocation as it
+    /// was.
+    ///
+    /// # Errors
+    /// As [`release`](Self::release), with the reason only (the handle stays in
+    /// `place`); [`HandleError::StaleAllocation`] when `place` is `None`.
+    #[inline]
+    pub fn release_from(&self, place: &mut Option<BoundAllocation>) -> Result<ReleaseSummary, HandleError> {
+        let Some(allocation) = place.as_mut() else { return Err(HandleError::StaleAllocation) };
+        let summary = self.release_emptying(allocation)?;
+        // Emptied: forgetting it only clears `place`.
+        std::mem::forget(place.take());
+        Ok(summary)
+    }
+
+    /// Checks `allocation` belongs to this binding, then releases it, leaving it
+    /// emptied (its pin taken) on success and as it was on error.
+    #[inline(always)]
+    fn release_emptying(&self, allocation: &mut BoundAllocation) -> Result<ReleaseSummary, HandleError> {
+        self.check_owns(allocation)?;
         release_now(allocation)
     }
 
@@ -601,11 +659,11 @@ fn take(pin: &MechanismPin, slot: u32, generation: NonZeroU64) -> Result<&Record
 
 /// Explicit release: take the record, call the allocator, settle. The handle's pin is
 /// the allocating thread's: its core is read through it, no shared refcount is touched.
+/// On success `allocation` is left emptied (its pin taken, so dropping it does
+/// nothing); on error it is as it was.
 #[inline]
-fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
-    let Some(held) = allocation.pin.take() else {
-        return Err(Rejected { handle: allocation, reason: HandleError::StaleAllocation });
-    };
+fn release_now(allocation: &mut BoundAllocation) -> Result<ReleaseSummary, HandleError> {
+    let Some(held) = allocation.pin.take() else { return Err(HandleError::StaleAllocation) };
     let pin = held.get();
     let slot = allocation.slot;
     let record = match take(pin, slot, allocation.generation) {
@@ -614,7 +672,7 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
         Err(refusal) => {
             let reason = refusal.reason(&pin.core);
             allocation.pin = Some(held);
-            return Err(Rejected { handle: allocation, reason });
+            return Err(reason);
         }
     };
     let parts = allocation.parts();
@@ -628,25 +686,17 @@ fn release_now(mut allocation: BoundAllocation) -> Result<ReleaseSummary, Reject
             hot_trace(HotEvent::Release, &core.identity, parts.bytes);
             let unmapped_bytes = core.completed(parts.bytes, done.unmapped_bytes());
             held.give_back(here);
-            // Its pin is taken: nothing is left for `Drop` to do.
-            std::mem::forget(allocation);
             Ok(ReleaseSummary::Complete { unmapped_bytes })
         }
         // It panicked while this thread unwinds: quarantined, not re-raised.
-        None => {
-            std::mem::forget(allocation);
-            Ok(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes })
-        }
+        None => Ok(ReleaseSummary::Quarantined { unmapped_bytes: 0, residual_bytes: parts.bytes }),
         Some(outcome) => match settle(pin, slot, record, &parts, outcome) {
-            Settlement::Released(report) => {
-                std::mem::forget(allocation);
-                Ok(report)
-            }
+            Settlement::Released(report) => Ok(report),
             Settlement::Refused(error) => {
                 // Nothing was released: the record is live again, the handle goes back.
                 record.restore(parts.generation);
                 allocation.pin = Some(held);
-                Err(Rejected { handle: allocation, reason: HandleError::ReleaseFailed(*error) })
+                Err(HandleError::ReleaseFailed(*error))
             }
         },
     }

@@ -468,6 +468,7 @@ fn a_view_whose_address_would_wrap_is_out_of_bounds_not_a_panic() {
 #[derive(Copy, Clone, Debug)]
 enum Entry {
     Release,
+    ReleaseFrom,
     ReleaseDeferred,
     View,
     Commit,
@@ -477,8 +478,9 @@ enum Entry {
     Unmap,
 }
 
-const ENTRIES: [Entry; 8] = [
+const ENTRIES: [Entry; 9] = [
     Entry::Release,
+    Entry::ReleaseFrom,
     Entry::ReleaseDeferred,
     Entry::View,
     Entry::Commit,
@@ -520,6 +522,13 @@ impl Caller {
                 Err(rejected) => (rejected.reason, rejected.handle),
                 Ok(report) => panic!("release accepted a hostile handle: {report:?}"),
             },
+            Entry::ReleaseFrom => {
+                let mut place = Some(handle);
+                match binding.release_from(&mut place) {
+                    Err(reason) => (reason, place.expect("a refused release_from leaves the handle in place")),
+                    Ok(report) => panic!("release_from accepted a hostile handle: {report:?}"),
+                }
+            }
             Entry::ReleaseDeferred => match binding.release_deferred(handle, &self.queue) {
                 Err(rejected) => (rejected.reason, rejected.handle),
                 Ok(()) => panic!("release_deferred accepted a hostile handle"),

@@ -12,7 +12,7 @@ use allocator_cpu::{SharedHostAllocator, VirtualHostAllocator};
 use allocator_cuda::{CudaAllocator, CudaDevice, CudaPoolAllocator, CudaStream, CudaVmmAllocator};
 use memory_governor::{
     AccountConfig, AllocationRequest, AuthorityIdentity, BindingRegistry, BoundAllocation, DeferredReleaseQueue,
-    DeviceAllocator, DeviceKey, Governor, MechanismIdentity, MemoryBinding, MemoryRole, PreparedRelease,
+    DeviceAllocator, DeviceKey, Governor, HandleError, MechanismIdentity, MemoryBinding, MemoryRole, PreparedRelease,
     ProviderContextIdentity, QueueRefusal, QueueRefusalReason, RegistryError, ReleaseSummary, Resource,
 };
 use memory_plugin::{InstanceOptions, PluginAllocator, PluginLibrary, PluginReleaseQueue, abi_device};
@@ -113,7 +113,8 @@ tables! {
     AUTHORITIES in AUTHORITY_CELLS: AuthorityEntry = (KIND_AUTHORITY, Scheme::Hazard, "authority", FREE_AUTHORITIES);
     MECHANISMS in MECHANISM_CELLS: MechanismEntry = (KIND_MECHANISM, Scheme::Hazard, "mechanism", FREE_MECHANISMS);
     BINDINGS in BINDING_CELLS: MemoryBinding = (KIND_BINDING, Scheme::Hazard, "binding", FREE_BINDINGS);
-    ALLOCATIONS in ALLOCATION_CELLS: BoundAllocation =
+    // `None` only while a call makes or releases the allocation in its cell.
+    ALLOCATIONS in ALLOCATION_CELLS: Option<BoundAllocation> =
         (KIND_ALLOCATION, Scheme::Counted, "allocation", FREE_ALLOCATIONS);
     LIBRARIES in LIBRARY_CELLS: PluginLibrary = (KIND_LIBRARY, Scheme::Hazard, "plugin library", FREE_LIBRARIES);
     QUEUES in QUEUE_CELLS: QueueEntry = (KIND_QUEUE, Scheme::Hazard, "queue", FREE_QUEUES);
@@ -813,10 +814,8 @@ pub unsafe extern "C" fn mc_allocate(
         .map_err(|error| Failure::new(MC_ERR_INVALID_ARGUMENT, error.to_string()))?
         .with_role(role(role_code)?);
         let vacancy = ALLOCATIONS.vacancy().map_err(|fault| Failure::handle("allocation", 0, fault))?;
-        let handle = match binding.allocate(request) {
-            Ok(allocation) => vacancy.fill(allocation),
-            Err(error) => return Err(error.into()),
-        };
+        // Made in its cell: the 64-byte handle is written once, where it lives.
+        let handle = vacancy.fill_in_place(None, |place| binding.allocate_into(request, place).map(drop))?;
         // SAFETY: checked above.
         unsafe { write(out, pointer::<McAllocation>(handle)) };
         Ok(())
@@ -832,6 +831,7 @@ pub unsafe extern "C" fn mc_allocation_info(allocation: *mut McAllocation, out: 
     guard("mc_allocation_info", || {
         check_out(out, "out")?;
         let allocation = borrow(&ALLOCATIONS, allocation)?;
+        let allocation = live_allocation(&allocation)?;
         let info = McAllocationInfo {
             address: allocation.address().get(),
             bytes: allocation.bytes() as u64,
@@ -862,11 +862,11 @@ pub unsafe extern "C" fn mc_release(
         }
         let binding = borrow(&BINDINGS, binding)?;
         let number = number(allocation);
-        let taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
-        let (value, reservation) = taken.into_parts();
-        match binding.release(value) {
+        let mut taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
+        // Released where it lies in its cell (not moved out and back on a refusal).
+        match binding.release_from(taken.value_mut()) {
             Ok(done) => {
-                reservation.free();
+                taken.free();
                 let written = match done {
                     ReleaseSummary::Complete { unmapped_bytes } => McReleaseReport {
                         kind: MC_RELEASE_COMPLETE,
@@ -888,9 +888,9 @@ pub unsafe extern "C" fn mc_release(
                 }
                 Ok(())
             }
-            Err(rejected) => {
-                let failure = Failure::from(&rejected.reason);
-                reservation.restore(rejected.handle);
+            Err(reason) => {
+                let failure = Failure::from(&reason);
+                taken.restore();
                 Err(failure)
             }
         }
@@ -910,6 +910,10 @@ pub extern "C" fn mc_release_deferred(
         let number = number(allocation);
         let taken = ALLOCATIONS.take(number).map_err(|fault| Failure::handle("allocation", number, fault))?;
         let (value, reservation) = taken.into_parts();
+        let Some(value) = value else {
+            reservation.restore(None);
+            return Err(stale_allocation());
+        };
         match binding.release_deferred(value, queue.queue()) {
             Ok(()) => {
                 reservation.free();
@@ -917,11 +921,22 @@ pub extern "C" fn mc_release_deferred(
             }
             Err(rejected) => {
                 let failure = Failure::from(&rejected.reason);
-                reservation.restore(rejected.handle);
+                reservation.restore(Some(rejected.handle));
                 Err(failure)
             }
         }
     })
+}
+
+/// The allocation a live handle's cell holds (always one: a cell is emptied only by a
+/// release that frees it).
+fn live_allocation(cell: &Option<BoundAllocation>) -> Result<&BoundAllocation, Failure> {
+    cell.as_ref().ok_or_else(stale_allocation)
+}
+
+#[cold]
+fn stale_allocation() -> Failure {
+    Failure::from(&HandleError::StaleAllocation)
 }
 
 /// Gives up an allocation handle without an explicit release: a live allocation follows

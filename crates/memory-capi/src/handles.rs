@@ -620,13 +620,62 @@ impl<T: Send + Sync + 'static> Vacancy<T> {
     /// Stores `value` in the cell; returns its handle.
     #[inline(always)]
     pub(crate) fn fill(self, value: T) -> u64 {
-        let this = ManuallyDrop::new(self);
-        let generation = this.entry.state.load(Ordering::Acquire) & GENERATION_MASK;
+        self.write(value).publish()
+    }
+
+    /// Makes the value in the cell itself: stores `empty`, lets `make` finish it in
+    /// place, and returns the handle if `make` succeeds. On error (or a panic) the
+    /// value is dropped where it lies and the cell goes back to the free list.
+    /// For a large value made by a call that can fail (an allocation): it is written
+    /// once, where it will live, not staged through a `Result`.
+    #[inline(always)]
+    pub(crate) fn fill_in_place<E>(self, empty: T, make: impl FnOnce(&mut T) -> Result<(), E>) -> Result<u64, E> {
+        let mut written = self.write(empty);
+        make(written.value_mut())?;
+        Ok(written.publish())
+    }
+
+    #[inline(always)]
+    fn write(self, value: T) -> Unpublished<T> {
         // SAFETY: the cell came off a free list (or was never used): no handle names its
         // current generation with LIVE set, so nothing else reads or writes the value.
-        unsafe { this.entry.value.get().cast::<T>().write(value) };
-        this.entry.state.store(generation | LIVE, Ordering::Release);
-        this.slots.handle(this.index, generation)
+        unsafe { self.entry.value.get().cast::<T>().write(value) };
+        Unpublished { vacancy: ManuallyDrop::new(self) }
+    }
+}
+
+/// A vacancy whose cell holds a value no handle names yet. Dropped unpublished, it
+/// drops the value in place and puts the cell back.
+struct Unpublished<T: Send + Sync + 'static> {
+    vacancy: ManuallyDrop<Vacancy<T>>,
+}
+
+impl<T: Send + Sync + 'static> Unpublished<T> {
+    #[inline(always)]
+    fn value_mut(&mut self) -> &mut T {
+        // SAFETY: written by `Vacancy::write`; only this thread reaches the cell until
+        // `publish` sets LIVE.
+        unsafe { &mut *self.vacancy.entry.value.get().cast::<T>() }
+    }
+
+    /// Sets LIVE: the value is the handle's from now on.
+    #[inline(always)]
+    fn publish(self) -> u64 {
+        let this = ManuallyDrop::new(self);
+        let (slots, entry, index) = (this.vacancy.slots, this.vacancy.entry, this.vacancy.index);
+        let generation = entry.state.load(Ordering::Acquire) & GENERATION_MASK;
+        entry.state.store(generation | LIVE, Ordering::Release);
+        slots.handle(index, generation)
+    }
+}
+
+impl<T: Send + Sync + 'static> Drop for Unpublished<T> {
+    fn drop(&mut self) {
+        // SAFETY: the value was written and never published: it is ours to drop, once
+        // (the vacancy, dropped next, only recycles the cell).
+        unsafe { self.vacancy.entry.value.get().cast::<T>().drop_in_place() };
+        // SAFETY: dropped once, here.
+        unsafe { ManuallyDrop::drop(&mut self.vacancy) };
     }
 }
 
@@ -645,6 +694,34 @@ pub(crate) struct Taken<T: Send + Sync + 'static> {
 }
 
 impl<T: Send + Sync + 'static> Taken<T> {
+    /// The value, where it lies (for a call that consumes it in place).
+    #[inline(always)]
+    pub(crate) fn value_mut(&mut self) -> &mut T {
+        // SAFETY: the cell is TAKEN by us (see `Slots::take`): nobody else reads or
+        // writes its value, which was written before LIVE was published (read with
+        // Acquire by the taking compare-and-swap).
+        unsafe { &mut *self.entry.value.get().cast::<T>() }
+    }
+
+    /// Drops the value in place and frees the handle: it is stale from now on.
+    #[inline(always)]
+    pub(crate) fn free(self) {
+        let this = ManuallyDrop::new(self);
+        // SAFETY: the cell is TAKEN by us and holds a value; `ManuallyDrop` keeps
+        // `Drop` from dropping it a second time.
+        unsafe { this.entry.value.get().cast::<T>().drop_in_place() };
+        this.slots.release_cell(this.entry, this.index);
+    }
+
+    /// Puts the handle back live with its value as it now is (an operation refused
+    /// without effect).
+    #[inline(always)]
+    pub(crate) fn restore(self) {
+        let this = ManuallyDrop::new(self);
+        let generation = this.entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
+        this.entry.state.store(generation | LIVE, Ordering::Release);
+    }
+
     /// The value, and the reservation of its cell.
     #[inline(always)]
     pub(crate) fn into_parts(self) -> (T, Reservation<T>) {
@@ -861,6 +938,56 @@ mod tests {
         assert_eq!(Arc::strong_count(&value), 1, "an unused take drops the value");
         assert_eq!(TABLE.borrow(handle).err(), Some(Fault::Stale));
         assert_eq!(TABLE.insert(value).unwrap() as u32, index, "and frees the cell");
+    }
+
+    #[test]
+    fn a_value_made_in_place_is_published_only_if_making_it_succeeds() {
+        let made = Arc::new(AtomicUsize::new(0));
+        let handle = TABLE
+            .vacancy()
+            .unwrap()
+            .fill_in_place(Arc::new(AtomicUsize::new(0)), |value| {
+                *value = Arc::clone(&made);
+                Ok::<(), ()>(())
+            })
+            .unwrap();
+        assert!(Arc::ptr_eq(&TABLE.borrow(handle).unwrap(), &made), "the handle names the finished value");
+        TABLE.remove(handle).unwrap();
+
+        // A failed make drops the value where it lies and frees the cell unpublished.
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let vacancy = TABLE.vacancy().unwrap();
+        let index = vacancy.index;
+        let failed = vacancy.fill_in_place(Arc::clone(&dropped), |value| {
+            value.store(9, Ordering::Relaxed);
+            Err("refused")
+        });
+        assert_eq!(failed, Err("refused"));
+        assert_eq!(dropped.load(Ordering::Relaxed), 9, "make ran on the value in the cell");
+        assert_eq!(Arc::strong_count(&dropped), 1, "the unpublished value was dropped");
+        let reused = TABLE.insert(dropped).unwrap();
+        assert_eq!(reused as u32, index, "the cell went back on this thread's list");
+        TABLE.remove(reused).unwrap();
+    }
+
+    #[test]
+    fn a_taken_value_changed_in_place_is_restored_or_freed_as_it_now_is() {
+        for table in [&TABLE, &HAZARD_TABLE] {
+            let first = Arc::new(AtomicUsize::new(1));
+            let handle = table.insert(Arc::clone(&first)).unwrap();
+            let mut taken = table.take(handle).unwrap();
+            assert_eq!(table.borrow(handle).err(), Some(Fault::Busy));
+            let second = Arc::new(AtomicUsize::new(2));
+            *taken.value_mut() = Arc::clone(&second);
+            assert_eq!(Arc::strong_count(&first), 1, "the replaced value was dropped");
+            taken.restore();
+            assert!(Arc::ptr_eq(&table.borrow(handle).unwrap(), &second), "restored under its handle");
+
+            table.take(handle).unwrap().free();
+            assert_eq!(Arc::strong_count(&second), 1, "free drops the value in place");
+            assert_eq!(table.borrow(handle).err(), Some(Fault::Stale));
+            assert_eq!(table.take(handle).err(), Some(Fault::Stale));
+        }
     }
 
     #[test]
