@@ -57,6 +57,9 @@ runs=(
     # Pure bookkeeping of the CUDA backend (no driver call): its live-block tables and
     # error mapping. Everything else there loads libcuda, which Miri cannot.
     "allocator-cuda|--lib|table:: error::"
+    # The C ABI's handle tables (cells, generations, hazard slots, in-place values).
+    # The rest of memory-capi loads plugins and compiles C programs, which Miri cannot.
+    "memory-capi|--lib|handles::"
 )
 
 wanted=("$@")

@@ -12,11 +12,19 @@
 //! system allocator does (the memory, live counters) without the example's test
 //! machinery: it counts calls only when a fault is scripted and sweeps backings only
 //! once one was made. What remains of the difference is the loader's (records, checks).
+//!
+//! Each side is timed in batches, after an untimed batch of the other side (see
+//! [`alternating`]): both then start from the same heap state. glibc's cost for a
+//! 64-byte-aligned block (`posix_memalign` splits and frees a leader and a trailer, and
+//! the next large request consolidates the fast bins) depends on that state, and two
+//! sides timed one after the other in one process can differ by more than the C layer
+//! costs. `cargo xtask bench` sets the pairs against each other in its ratio table.
 
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::ptr::null_mut;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use allocator_cpu::SystemAllocator;
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -72,22 +80,47 @@ fn capi_binding() -> *mut McBinding {
     binding
 }
 
+fn c_pair(binding: *mut McBinding) {
+    let mut block: *mut McAllocation = null_mut();
+    // SAFETY: a live out-pointer; a null report is allowed.
+    let allocated = unsafe { mc_allocate(binding, BYTES as u64, ALIGN as u64, MP_ROLE_KV_CACHE, &mut block) };
+    // SAFETY: as above.
+    let released = unsafe { mc_release(binding, black_box(block), null_mut()) };
+    assert!(allocated == MC_OK && released == MC_OK);
+}
+
+/// Pairs per timed batch in [`alternating`].
+const BATCH: u64 = 512;
+
+/// Times `iters` runs of `measured` in batches, with as many untimed runs of `other`
+/// before each batch. Both sides of a comparison then start every batch from the same
+/// allocator state (the block the other side freed last): glibc's cost for an aligned
+/// allocation depends on where its free chunks lie, and a side timed alone keeps
+/// whatever layout it started with, which can differ from the other side's by more
+/// than the difference being measured.
+fn alternating(iters: u64, mut measured: impl FnMut(), mut other: impl FnMut()) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let batch = left.min(BATCH);
+        (0..batch).for_each(|_| other());
+        let start = Instant::now();
+        (0..batch).for_each(|_| measured());
+        total += start.elapsed();
+        left -= batch;
+    }
+    total
+}
+
 fn capi(c: &mut Criterion) {
     let request = AllocationRequest::new(BYTES, ALIGN).expect("layout").with_role(MemoryRole::KvCache);
     let (_registry, rust) = binding(Arc::new(SystemAllocator::for_device(DeviceKey::host(5))));
     let c_binding = capi_binding();
+    let rust_side = || rust_pair(&rust, request);
+    let c_side = || c_pair(c_binding);
     let mut group = c.benchmark_group("capi_pair");
-    group.bench_function("rust", |b| b.iter(|| rust_pair(&rust, request)));
-    group.bench_function("c_api", |b| {
-        b.iter(|| {
-            let mut block: *mut McAllocation = null_mut();
-            // SAFETY: a live out-pointer; a null report is allowed.
-            let allocated = unsafe { mc_allocate(c_binding, BYTES as u64, ALIGN as u64, MP_ROLE_KV_CACHE, &mut block) };
-            // SAFETY: as above.
-            let released = unsafe { mc_release(c_binding, black_box(block), null_mut()) };
-            assert!(allocated == MC_OK && released == MC_OK);
-        })
-    });
+    group.bench_function("rust", |b| b.iter_custom(|iters| alternating(iters, rust_side, c_side)));
+    group.bench_function("c_api", |b| b.iter_custom(|iters| alternating(iters, c_side, rust_side)));
     group.finish();
 }
 
@@ -110,8 +143,10 @@ fn plugin(c: &mut Criterion) {
     let allocator = library.instantiate(&InstanceOptions::new().offer(0)).expect("an instance");
     let (_plugin_registry, plugin) = binding(Arc::new(allocator));
     let mut group = c.benchmark_group("plugin_pair");
-    group.bench_function("rust_system", |b| b.iter(|| rust_pair(&rust, request)));
-    group.bench_function("plugin", |b| b.iter(|| rust_pair(&plugin, request)));
+    let rust_side = || rust_pair(&rust, request);
+    let plugin_side = || rust_pair(&plugin, request);
+    group.bench_function("rust_system", |b| b.iter_custom(|iters| alternating(iters, rust_side, plugin_side)));
+    group.bench_function("plugin", |b| b.iter_custom(|iters| alternating(iters, plugin_side, rust_side)));
     group.finish();
 }
 

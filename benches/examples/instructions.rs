@@ -99,7 +99,7 @@ fn main() {
                 }
             });
         }
-        "system" | "capi" => system_pairs(what == "capi", n),
+        "system" | "capi" | "alternate" => system_pairs(&what, n),
         "governed" => {
             // The governor bench's `governed/counter_governed`: a pair through a binding
             // whose allocator is governed (an account with a limit on the device).
@@ -132,48 +132,85 @@ fn main() {
 
 /// The ffi bench's `capi_pair`: N pairs of 4 KiB over the system allocator, through a
 /// Rust binding (`system`) or through `mc_allocate` / `mc_release` (`capi`).
-fn system_pairs(through_c: bool, n: u64) {
+fn system_pairs(what: &str, n: u64) {
     use memory_capi::{
-        MC_CPU_SYSTEM, MC_OK, mc_allocate, mc_authority_register, mc_bind_mechanism, mc_context_register,
-        mc_register_cpu_allocator, mc_registry_create, mc_release,
+        MC_CPU_SYSTEM, MC_OK, mc_authority_register, mc_bind_mechanism, mc_context_register, mc_register_cpu_allocator,
+        mc_registry_create,
     };
     use std::ptr::null_mut;
-    const BYTES: u64 = 4096;
-    const ALIGN: u64 = 64;
-    if !through_c {
-        let registry = BindingRegistry::new();
-        let allocator = Arc::new(allocator_cpu::SystemAllocator::for_device(DeviceKey::host(5)));
-        let binding = registry.with_memory(allocator).expect("binding");
-        let request = AllocationRequest::new(BYTES as usize, ALIGN as usize).expect("request");
-        (0..n + 300).for_each(|_| {
-            let block = binding.allocate(black_box(request)).expect("allocate");
-            black_box(binding.release(block).expect("release"));
-        });
-        return;
-    }
+    let registry = BindingRegistry::new();
+    let allocator = Arc::new(allocator_cpu::SystemAllocator::for_device(DeviceKey::host(5)));
+    let rust = registry.with_memory(allocator).expect("binding");
+    let request = AllocationRequest::new(SYSTEM_BYTES as usize, SYSTEM_ALIGN as usize).expect("request");
     let device = memory_plugin_abi::MpDevice { tier: memory_plugin_abi::MP_TIER_HOST, index: 5 };
-    let (mut registry, mut context, mut authority, mut mechanism, mut binding) =
+    let (mut c_registry, mut context, mut authority, mut mechanism, mut c_binding) =
         (null_mut(), null_mut(), null_mut(), null_mut(), null_mut());
     // Every out-pointer is a live local, every handle one an earlier call made.
     let statuses = [
         // SAFETY: see above.
-        unsafe { mc_registry_create(&mut registry) },
+        unsafe { mc_registry_create(&mut c_registry) },
         // SAFETY: see above.
-        unsafe { mc_context_register(registry, device, null_mut(), None, &mut context) },
+        unsafe { mc_context_register(c_registry, device, null_mut(), None, &mut context) },
         // SAFETY: see above.
-        unsafe { mc_authority_register(registry, device, null_mut(), None, &mut authority) },
+        unsafe { mc_authority_register(c_registry, device, null_mut(), None, &mut authority) },
         // SAFETY: see above.
-        unsafe { mc_register_cpu_allocator(registry, null_mut(), context, authority, MC_CPU_SYSTEM, &mut mechanism) },
+        unsafe { mc_register_cpu_allocator(c_registry, null_mut(), context, authority, MC_CPU_SYSTEM, &mut mechanism) },
         // SAFETY: see above.
-        unsafe { mc_bind_mechanism(registry, mechanism, &mut binding) },
+        unsafe { mc_bind_mechanism(c_registry, mechanism, &mut c_binding) },
     ];
     assert!(statuses.iter().all(|&status| status == MC_OK), "{statuses:?}");
-    (0..n + 300).for_each(|_| {
-        let mut block = null_mut();
+    match what {
+        "system" => rust_batch(&rust, request, n + 300),
+        "capi" => c_batch(c_binding, n + 300),
+        // Batches of each in turn, so both start from the same allocator state; run
+        // under callgrind with `--toggle-collect=*rust_batch*` or `*c_batch*` to count
+        // one side.
+        _ => {
+            let (mut rust_time, mut c_time) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+            let mut left = n + 300;
+            while left > 0 {
+                let batch = left.min(512);
+                let start = std::time::Instant::now();
+                rust_batch(&rust, request, batch);
+                let middle = std::time::Instant::now();
+                c_batch(c_binding, batch);
+                c_time += middle.elapsed();
+                rust_time += middle - start;
+                left -= batch;
+            }
+            let per = |time: std::time::Duration| time.as_secs_f64() * 1e9 / (n + 300) as f64;
+            println!(
+                "rust {:.1} ns, c {:.1} ns, ratio {:.3}",
+                per(rust_time),
+                per(c_time),
+                per(c_time) / per(rust_time)
+            );
+        }
+    }
+}
+
+const SYSTEM_BYTES: u64 = 4096;
+const SYSTEM_ALIGN: u64 = 64;
+
+#[inline(never)]
+fn rust_batch(binding: &memory_binding::MemoryBinding, request: AllocationRequest, n: u64) {
+    (0..n).for_each(|_| {
+        let block = binding.allocate(black_box(request)).expect("allocate");
+        black_box(binding.release(block).expect("release"));
+    });
+}
+
+#[inline(never)]
+fn c_batch(binding: *mut memory_capi::McBinding, n: u64) {
+    use memory_capi::{MC_OK, mc_allocate, mc_release};
+    (0..n).for_each(|_| {
+        let mut block = std::ptr::null_mut();
         // SAFETY: a live binding handle and out-pointer; the block is released once.
-        let allocated = unsafe { mc_allocate(binding, BYTES, ALIGN, memory_plugin_abi::MP_ROLE_KV_CACHE, &mut block) };
+        let allocated = unsafe {
+            mc_allocate(binding, SYSTEM_BYTES, SYSTEM_ALIGN, memory_plugin_abi::MP_ROLE_KV_CACHE, &mut block)
+        };
         // SAFETY: as above.
-        let released = unsafe { mc_release(binding, black_box(block), null_mut()) };
+        let released = unsafe { mc_release(binding, black_box(block), std::ptr::null_mut()) };
         assert!(allocated == MC_OK && released == MC_OK);
     });
 }

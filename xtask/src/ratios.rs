@@ -93,7 +93,7 @@ const fn per(spec: RatioSpec, element: &'static str) -> RatioSpec {
 
 /// The table: the issues' targets, in issue order. Renaming a bench means changing its
 /// id here too (a stale id shows up as a missing result).
-pub(crate) const RATIOS: [RatioSpec; 25] = [
+pub(crate) const RATIOS: [RatioSpec; 29] = [
     // Issue 3: the registry's hot path against the same allocator through `&dyn`.
     row(3, "pair: bound / raw allocator", Measure::Slowdown { baseline: "pair/raw_dyn" }, "pair/bound", Target::None),
     row(
@@ -249,6 +249,37 @@ pub(crate) const RATIOS: [RatioSpec; 25] = [
             Target::None,
         ),
         "page",
+    ),
+    // Issue 15: both C directions against the same pair through the Rust API (system
+    // allocator, 4 KiB at 64-byte alignment; each side timed in batches after an
+    // untimed batch of the other, so both start from the same heap state).
+    row(
+        15,
+        "pair through the host C API / through Rust",
+        Measure::Slowdown { baseline: "capi_pair/rust" },
+        "capi_pair/c_api",
+        Target::AtMost(1.2),
+    ),
+    row(
+        15,
+        "pair: host C API above Rust",
+        Measure::Excess { baseline: "capi_pair/rust" },
+        "capi_pair/c_api",
+        Target::None,
+    ),
+    row(
+        15,
+        "pair through a C plugin allocator / the Rust system allocator",
+        Measure::Slowdown { baseline: "plugin_pair/rust_system" },
+        "plugin_pair/plugin",
+        Target::AtMost(1.2),
+    ),
+    row(
+        15,
+        "pair: C plugin above the Rust system allocator",
+        Measure::Excess { baseline: "plugin_pair/rust_system" },
+        "plugin_pair/plugin",
+        Target::None,
     ),
 ];
 
