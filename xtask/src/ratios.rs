@@ -508,6 +508,10 @@ mod tests {
             ("governed/counter_governed", 40.0),
             ("governed/system_ungoverned", 60.0),
             ("governed/system_governed", 70.0),
+            ("capi_pair/rust", 200.0),
+            ("capi_pair/c_api", 230.0),
+            ("plugin_pair/rust_system", 200.0),
+            ("plugin_pair/plugin", 220.0),
         ]
         .into_iter()
         .map(|(id, ns)| (id.to_owned(), plain(ns)))
@@ -553,6 +557,10 @@ mod tests {
         assert_eq!(value("pooled vs system: 64 KiB KV pages, 2 threads"), 4.0);
         assert_eq!(value("pooled vs system: 1-64 MiB blocks, pages touched"), 6.0);
         assert_eq!(value("virtual commit of 2 MiB, lazy"), 50.0);
+        assert_eq!(value("pair through the host C API / through Rust"), 1.15);
+        assert_eq!(value("pair: host C API above Rust"), 30.0);
+        assert_eq!(value("pair through a C plugin allocator / the Rust system allocator"), 1.1);
+        assert_eq!(value("pair: C plugin above the Rust system allocator"), 20.0);
     }
 
     #[test]
@@ -565,6 +573,7 @@ mod tests {
         results.insert("threads/two_devices".into(), plain(25.0)); // 1.6x < 1.8x
         results.insert("live/after_release".into(), plain(34.0)); // 1.13x > 1.1x
         results.insert("kv_pages_2_threads/pooled".into(), Estimate { median_ns: 16.0 * 200.0, elements: Some(16) });
+        results.insert("capi_pair/c_api".into(), plain(250.0)); // 1.25x > 1.2x
         let rows = rows(&RATIOS, &results);
         assert_eq!(find(&rows, "pair: bound above the raw floor (counter allocator)").verdict, Verdict::Missed);
         assert_eq!(find(&rows, "pair: bound / raw allocator").verdict, Verdict::NoTarget);
@@ -574,8 +583,10 @@ mod tests {
         assert_eq!(find(&rows, "2 threads, two devices: throughput vs 1 thread").verdict, Verdict::Missed);
         assert_eq!(find(&rows, "pair after releasing them / with none").verdict, Verdict::Missed);
         assert_eq!(find(&rows, "pooled vs system: 64 KiB KV pages, 2 threads").verdict, Verdict::Missed);
+        assert_eq!(find(&rows, "pair through the host C API / through Rust").verdict, Verdict::Missed);
+        assert_eq!(find(&rows, "pair: host C API above Rust").verdict, Verdict::NoTarget);
         let text = render(&rows, &[], &BTreeMap::new());
-        assert!(text.contains("Targets: 13 met, 5 missed, 0 not judged"), "{text}");
+        assert!(text.contains("Targets: 14 met, 6 missed, 0 not judged"), "{text}");
     }
 
     #[test]
@@ -602,7 +613,7 @@ mod tests {
         // Nothing at all: every row is missing, nothing panics.
         let empty = super::rows(&RATIOS, &BTreeMap::new());
         assert!(empty.iter().all(|row| matches!(row.verdict, Verdict::Missing(_))));
-        assert!(render(&empty, &[], &BTreeMap::new()).contains("0 met, 0 missed, 25 not judged"));
+        assert!(render(&empty, &[], &BTreeMap::new()).contains("0 met, 0 missed, 29 not judged"));
     }
 
     #[test]
@@ -642,7 +653,7 @@ mod tests {
         assert!(line("lazy then touched").contains("300.0 ns/page"));
         assert!(text.starts_with("| issue | measure"), "{text}");
         assert!(text.contains(
-            "Targets: 18 met, 0 missed, 0 not judged (results missing or undefined), 7 rows without a target."
+            "Targets: 20 met, 0 missed, 0 not judged (results missing or undefined), 9 rows without a target."
         ));
     }
 
