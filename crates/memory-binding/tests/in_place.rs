@@ -7,22 +7,25 @@ mod common;
 use std::sync::Arc;
 
 use common::{PAGE, register, request};
-use memory_api::{DeviceKey, ReleaseSummary};
-use memory_binding::{BindingRegistry, BoundAllocation, HandleError};
+use memory_api::{DeviceKey, MechanismIdentity, ReleaseSummary};
+use memory_binding::{BindingRegistry, BoundAllocation, HandleError, MemoryBinding};
 use memory_testkit::{Callback, FaultyAllocator, HostHeap, RecordingAllocator};
 
 type Faulty = RecordingAllocator<FaultyAllocator<HostHeap>>;
 
-fn faulty() -> Arc<Faulty> {
-    Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(DeviceKey::host(0)))))
+/// A registry with one host mechanism over a recording, fault-injecting heap, and a
+/// binding of it.
+fn setup() -> (BindingRegistry, Arc<Faulty>, MechanismIdentity, MemoryBinding) {
+    let registry = BindingRegistry::new();
+    let allocator = Arc::new(RecordingAllocator::new(FaultyAllocator::new(HostHeap::on_device(DeviceKey::host(0)))));
+    let (_, _, mechanism) = register(&registry, allocator.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    (registry, allocator, mechanism, binding)
 }
 
 #[test]
 fn allocate_into_fills_the_place_and_release_from_empties_it() {
-    let registry = BindingRegistry::new();
-    let allocator = faulty();
-    let (_, _, mechanism) = register(&registry, allocator.clone());
-    let binding = registry.bind_registered(&mechanism).unwrap();
+    let (registry, allocator, mechanism, binding) = setup();
 
     let mut place: Option<BoundAllocation> = None;
     let made = binding.allocate_into(request(PAGE), &mut place).unwrap();
@@ -40,10 +43,7 @@ fn allocate_into_fills_the_place_and_release_from_empties_it() {
 
 #[test]
 fn allocate_into_drops_what_the_place_held_and_leaves_it_empty_on_error() {
-    let registry = BindingRegistry::new();
-    let allocator = faulty();
-    let (_, _, mechanism) = register(&registry, allocator.clone());
-    let binding = registry.bind_registered(&mechanism).unwrap();
+    let (registry, allocator, mechanism, binding) = setup();
 
     let mut place = Some(binding.allocate(request(PAGE)).unwrap());
     let first = place.as_ref().unwrap().identity();
@@ -64,10 +64,7 @@ fn allocate_into_drops_what_the_place_held_and_leaves_it_empty_on_error() {
 
 #[test]
 fn a_refused_release_from_leaves_the_allocation_in_place_and_releasable() {
-    let registry = BindingRegistry::new();
-    let allocator = faulty();
-    let (_, _, mechanism) = register(&registry, allocator.clone());
-    let binding = registry.bind_registered(&mechanism).unwrap();
+    let (registry, allocator, mechanism, binding) = setup();
     let mut place = Some(binding.allocate(request(PAGE)).unwrap());
     let identity = place.as_ref().unwrap().identity();
 
@@ -86,10 +83,7 @@ fn a_refused_release_from_leaves_the_allocation_in_place_and_releasable() {
 
 #[test]
 fn release_from_an_empty_place_is_stale_and_calls_nothing() {
-    let registry = BindingRegistry::new();
-    let allocator = faulty();
-    let (_, _, mechanism) = register(&registry, allocator.clone());
-    let binding = registry.bind_registered(&mechanism).unwrap();
+    let (_registry, allocator, _, binding) = setup();
     let before = allocator.counts().total();
     let mut place = None;
     assert_eq!(binding.release_from(&mut place).unwrap_err(), HandleError::StaleAllocation);
@@ -98,10 +92,7 @@ fn release_from_an_empty_place_is_stale_and_calls_nothing() {
 
 #[test]
 fn release_from_on_another_binding_leaves_the_allocation_in_place_without_a_callback() {
-    let registry = BindingRegistry::new();
-    let allocator = faulty();
-    let (_, _, mechanism) = register(&registry, allocator.clone());
-    let owner = registry.bind_registered(&mechanism).unwrap();
+    let (registry, allocator, mechanism, owner) = setup();
     let other = registry.bind_registered(&mechanism).unwrap();
     let mut place = Some(owner.allocate(request(PAGE)).unwrap());
     let identity = place.as_ref().unwrap().identity();
