@@ -18,7 +18,11 @@
 //! 64-byte-aligned block (`posix_memalign` splits and frees a leader and a trailer, and
 //! the next large request consolidates the fast bins) depends on that state, and two
 //! sides timed one after the other in one process can differ by more than the C layer
-//! costs. `cargo xtask bench` sets the pairs against each other in its ratio table.
+//! costs. `capi_pair/c_api_excess` and `plugin_pair/plugin_excess` time both sides
+//! interleaved and report the C side's time above the Rust side's, per pair: the two
+//! plain benches of a group run seconds apart, and on a shared machine the same bench's
+//! median moves by more between runs than the C layer costs. `cargo xtask bench` judges
+//! the target on `(rust + excess) / rust` and reports the plain ratio beside it.
 
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
@@ -112,6 +116,27 @@ fn alternating(iters: u64, mut measured: impl FnMut(), mut other: impl FnMut()) 
     total
 }
 
+/// Times `iters` runs of `baseline` and of `candidate` in alternating batches and
+/// returns how much longer the candidate's batches took in all (zero if they took less,
+/// which only biases the figure against the candidate). Both sides run within the same
+/// fraction of a millisecond, so a machine whose speed drifts between benches run
+/// seconds apart moves both alike: the difference is the steadiest figure of the two.
+fn interleaved_excess(iters: u64, mut baseline: impl FnMut(), mut candidate: impl FnMut()) -> Duration {
+    let (mut base, mut cand) = (Duration::ZERO, Duration::ZERO);
+    let mut left = iters;
+    while left > 0 {
+        let batch = left.min(BATCH);
+        let start = Instant::now();
+        (0..batch).for_each(|_| baseline());
+        let middle = Instant::now();
+        (0..batch).for_each(|_| candidate());
+        cand += middle.elapsed();
+        base += middle - start;
+        left -= batch;
+    }
+    cand.saturating_sub(base)
+}
+
 fn capi(c: &mut Criterion) {
     let request = AllocationRequest::new(BYTES, ALIGN).expect("layout").with_role(MemoryRole::KvCache);
     let (_registry, rust) = binding(Arc::new(SystemAllocator::for_device(DeviceKey::host(5))));
@@ -121,6 +146,7 @@ fn capi(c: &mut Criterion) {
     let mut group = c.benchmark_group("capi_pair");
     group.bench_function("rust", |b| b.iter_custom(|iters| alternating(iters, rust_side, c_side)));
     group.bench_function("c_api", |b| b.iter_custom(|iters| alternating(iters, c_side, rust_side)));
+    group.bench_function("c_api_excess", |b| b.iter_custom(|iters| interleaved_excess(iters, rust_side, c_side)));
     group.finish();
 }
 
@@ -147,6 +173,7 @@ fn plugin(c: &mut Criterion) {
     let plugin_side = || rust_pair(&plugin, request);
     group.bench_function("rust_system", |b| b.iter_custom(|iters| alternating(iters, rust_side, plugin_side)));
     group.bench_function("plugin", |b| b.iter_custom(|iters| alternating(iters, plugin_side, rust_side)));
+    group.bench_function("plugin_excess", |b| b.iter_custom(|iters| interleaved_excess(iters, rust_side, plugin_side)));
     group.finish();
 }
 
