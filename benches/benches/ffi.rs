@@ -14,15 +14,16 @@
 //! once one was made. What remains of the difference is the loader's (records, checks).
 //!
 //! Each side is timed in batches, after an untimed batch of the other side (see
-//! [`alternating`]): both then start from the same heap state. glibc's cost for a
-//! 64-byte-aligned block (`posix_memalign` splits and frees a leader and a trailer, and
-//! the next large request consolidates the fast bins) depends on that state, and two
-//! sides timed one after the other in one process can differ by more than the C layer
-//! costs. `capi_pair/c_api_excess` and `plugin_pair/plugin_excess` time both sides
-//! interleaved and report the C side's time above the Rust side's, per pair: the two
-//! plain benches of a group run seconds apart, and on a shared machine the same bench's
-//! median moves by more between runs than the C layer costs. `cargo xtask bench` judges
-//! the target on `(rust + excess) / rust` and reports the plain ratio beside it.
+//! [`alternating`]): each then starts from the heap state the other side leaves, alike
+//! for both. glibc's cost for a 64-byte-aligned block (`posix_memalign` splits and frees
+//! a leader and a trailer, and the next large request consolidates the fast bins)
+//! depends on that state, and two sides timed one after the other in one process can
+//! differ by more than the C layer costs. `capi_pair/c_api_excess` and
+//! `plugin_pair/plugin_excess` time both sides interleaved and report the C side's time
+//! above the Rust side's, per pair: the two plain benches of a group run seconds apart,
+//! and on a shared machine the same bench's median moves by more between runs than the
+//! C layer costs. `cargo xtask bench` judges the target on `(rust + excess) / rust` and
+//! reports the plain ratio beside it.
 
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
@@ -117,8 +118,8 @@ fn alternating(iters: u64, mut measured: impl FnMut(), mut other: impl FnMut()) 
 }
 
 /// Times `iters` runs of `baseline` and of `candidate` in alternating batches and
-/// returns how much longer the candidate's batches took in all (zero if they took less,
-/// which only biases the figure against the candidate). Both sides run within the same
+/// returns how much longer the candidate's batches took in all (1 ns if they took
+/// less, which only biases the figure against the candidate). Both sides run within the same
 /// fraction of a millisecond, so a machine whose speed drifts between benches run
 /// seconds apart moves both alike: the difference is the steadiest figure of the two.
 fn interleaved_excess(iters: u64, mut baseline: impl FnMut(), mut candidate: impl FnMut()) -> Duration {
@@ -134,7 +135,8 @@ fn interleaved_excess(iters: u64, mut baseline: impl FnMut(), mut candidate: imp
         base += middle - start;
         left -= batch;
     }
-    cand.saturating_sub(base)
+    // At least a nanosecond: criterion discards a bench with any zero-time sample.
+    cand.saturating_sub(base).max(Duration::from_nanos(1))
 }
 
 fn capi(c: &mut Criterion) {

@@ -200,7 +200,9 @@ impl MemoryBinding {
     /// [`release`](Self::release) of the allocation kept in `place` (see
     /// [`allocate_into`](Self::allocate_into)), read where it lies rather than moved
     /// out first. On success `place` is `None`; on error it holds the allocation as it
-    /// was.
+    /// was. (Should an allocator callback's panic propagate out of the call, `place`
+    /// holds the allocation emptied: every call then reports it stale, and dropping
+    /// it does nothing.)
     ///
     /// # Errors
     /// As [`release`](Self::release), with the reason only (the handle stays in

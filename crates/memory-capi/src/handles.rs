@@ -671,11 +671,12 @@ impl<T: Send + Sync + 'static> Unpublished<T> {
 
 impl<T: Send + Sync + 'static> Drop for Unpublished<T> {
     fn drop(&mut self) {
-        // SAFETY: the value was written and never published: it is ours to drop, once
-        // (the vacancy, dropped next, only recycles the cell).
-        unsafe { self.vacancy.entry.value.get().cast::<T>().drop_in_place() };
-        // SAFETY: dropped once, here.
-        unsafe { ManuallyDrop::drop(&mut self.vacancy) };
+        // SAFETY: taken once, here; `self.vacancy` is not used again.
+        let vacancy = unsafe { ManuallyDrop::take(&mut self.vacancy) };
+        // SAFETY: the value was written and never published: it is ours to drop, once.
+        // `vacancy` recycles the cell after it, even if the value's drop panics.
+        unsafe { vacancy.entry.value.get().cast::<T>().drop_in_place() };
+        drop(vacancy);
     }
 }
 
@@ -707,10 +708,12 @@ impl<T: Send + Sync + 'static> Taken<T> {
     #[inline(always)]
     pub(crate) fn free(self) {
         let this = ManuallyDrop::new(self);
+        // Frees the cell after the value's drop, even if that drop panics.
+        let reservation = Reservation { slots: this.slots, entry: this.entry, index: this.index };
         // SAFETY: the cell is TAKEN by us and holds a value; `ManuallyDrop` keeps
         // `Drop` from dropping it a second time.
         unsafe { this.entry.value.get().cast::<T>().drop_in_place() };
-        this.slots.release_cell(this.entry, this.index);
+        reservation.free();
     }
 
     /// Puts the handle back live with its value as it now is (an operation refused
@@ -805,6 +808,7 @@ mod tests {
         static FREE_HAZARD: FreeList = const { FreeList::new() };
         static FREE_OTHER: FreeList = const { FreeList::new() };
         static FREE_ADOPT: FreeList = const { FreeList::new() };
+        static FREE_PANICKY: FreeList = const { FreeList::new() };
     }
     static TABLE: Slots<Arc<AtomicUsize>> = Slots::new(0x71, Scheme::Counted, "test", &FREE, &TABLE_CELLS);
     static TABLE_CELLS: Store<Arc<AtomicUsize>> = Store::new();
@@ -816,6 +820,18 @@ mod tests {
     /// Used by one test only, so no other test adopts its orphaned cells.
     static ADOPT: Slots<Arc<AtomicUsize>> = Slots::new(0x74, Scheme::Hazard, "adopt test", &FREE_ADOPT, &ADOPT_CELLS);
     static ADOPT_CELLS: Store<Arc<AtomicUsize>> = Store::new();
+    static PANICKY: Slots<PanicOnDrop> = Slots::new(0x75, Scheme::Counted, "panicky", &FREE_PANICKY, &PANICKY_CELLS);
+    static PANICKY_CELLS: Store<PanicOnDrop> = Store::new();
+
+    /// Panics when dropped with its flag set.
+    #[derive(Debug)]
+    struct PanicOnDrop(bool);
+
+    impl Drop for PanicOnDrop {
+        fn drop(&mut self) {
+            assert!(!self.0, "a value whose drop panics");
+        }
+    }
 
     #[test]
     fn released_handles_are_stale_and_never_validate_again() {
@@ -988,6 +1004,32 @@ mod tests {
             assert_eq!(table.borrow(handle).err(), Some(Fault::Stale));
             assert_eq!(table.take(handle).err(), Some(Fault::Stale));
         }
+    }
+
+    #[test]
+    fn a_value_whose_drop_panics_still_gives_its_cell_back() {
+        use std::panic::{AssertUnwindSafe, catch_unwind};
+        // Unpublished: the failed make's value panics as it is dropped in place.
+        let vacancy = PANICKY.vacancy().unwrap();
+        let index = vacancy.index;
+        let unwound = catch_unwind(AssertUnwindSafe(|| {
+            let _ = vacancy.fill_in_place(PanicOnDrop(false), |value| {
+                value.0 = true;
+                Err(())
+            });
+        }));
+        assert!(unwound.is_err());
+        let handle = PANICKY.insert(PanicOnDrop(false)).unwrap();
+        assert_eq!(handle as u32, index, "the cell went back on this thread's list");
+
+        // Taken::free: the handle is stale, not stuck taken, and the cell is reused.
+        let mut taken = PANICKY.take(handle).unwrap();
+        taken.value_mut().0 = true;
+        assert!(catch_unwind(AssertUnwindSafe(|| taken.free())).is_err());
+        assert_eq!(PANICKY.borrow(handle).err(), Some(Fault::Stale));
+        let again = PANICKY.insert(PanicOnDrop(false)).unwrap();
+        assert_eq!(again as u32, index);
+        PANICKY.remove(again).unwrap();
     }
 
     #[test]
