@@ -14,7 +14,7 @@
 //! once one was made. What remains of the difference is the loader's (records, checks).
 //!
 //! Each side is timed in batches, after an untimed batch of the other side (see
-//! [`alternating`]): each then starts from the heap state the other side leaves, alike
+//! [`interleaved`]): each then starts from the heap state the other side leaves, alike
 //! for both. glibc's cost for a 64-byte-aligned block (`posix_memalign` splits and frees
 //! a leader and a trailer, and the next large request consolidates the fast bins)
 //! depends on that state, and two sides timed one after the other in one process can
@@ -29,10 +29,11 @@ use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::ptr::null_mut;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use allocator_cpu::SystemAllocator;
 use criterion::{Criterion, criterion_group, criterion_main};
+use memory_benches::interleaved;
 use memory_capi::{
     MC_CPU_SYSTEM, MC_OK, McAllocation, McAuthority, McBinding, McContext, McMechanism, McRegistry, mc_allocate,
     mc_authority_register, mc_bind_mechanism, mc_context_register, mc_register_cpu_allocator, mc_registry_create,
@@ -94,48 +95,17 @@ fn c_pair(binding: *mut McBinding) {
     assert!(allocated == MC_OK && released == MC_OK);
 }
 
-/// Pairs per timed batch in [`alternating`].
-const BATCH: u64 = 512;
-
-/// Times `iters` runs of `measured` in batches, with as many untimed runs of `other`
-/// before each batch. Both sides of a comparison then start every batch from the same
-/// allocator state (the block the other side freed last): glibc's cost for an aligned
-/// allocation depends on where its free chunks lie, and a side timed alone keeps
-/// whatever layout it started with, which can differ from the other side's by more
-/// than the difference being measured.
-fn alternating(iters: u64, mut measured: impl FnMut(), mut other: impl FnMut()) -> Duration {
-    let mut total = Duration::ZERO;
-    let mut left = iters;
-    while left > 0 {
-        let batch = left.min(BATCH);
-        (0..batch).for_each(|_| other());
-        let start = Instant::now();
-        (0..batch).for_each(|_| measured());
-        total += start.elapsed();
-        left -= batch;
-    }
-    total
+/// The time `measured` takes, each of its batches run right after a batch of `other`
+/// (see [`interleaved`]).
+fn alternating(iters: u64, measured: impl FnMut(), other: impl FnMut()) -> Duration {
+    interleaved(iters, other, measured).1
 }
 
-/// Times `iters` runs of `baseline` and of `candidate` in alternating batches and
-/// returns how much longer the candidate's batches took in all (1 ns if they took
-/// less, which only biases the figure against the candidate). Both sides run within the same
-/// fraction of a millisecond, so a machine whose speed drifts between benches run
-/// seconds apart moves both alike: the difference is the steadiest figure of the two.
-fn interleaved_excess(iters: u64, mut baseline: impl FnMut(), mut candidate: impl FnMut()) -> Duration {
-    let (mut base, mut cand) = (Duration::ZERO, Duration::ZERO);
-    let mut left = iters;
-    while left > 0 {
-        let batch = left.min(BATCH);
-        let start = Instant::now();
-        (0..batch).for_each(|_| baseline());
-        let middle = Instant::now();
-        (0..batch).for_each(|_| candidate());
-        cand += middle.elapsed();
-        base += middle - start;
-        left -= batch;
-    }
-    // At least a nanosecond: criterion discards a bench with any zero-time sample.
+/// How much longer `candidate` takes than `baseline`, the two interleaved (see
+/// [`interleaved`]); at least a nanosecond, because criterion discards a bench with
+/// any zero-time sample (a floor that only biases the figure against the candidate).
+fn interleaved_excess(iters: u64, baseline: impl FnMut(), candidate: impl FnMut()) -> Duration {
+    let (base, cand) = interleaved(iters, baseline, candidate);
     cand.saturating_sub(base).max(Duration::from_nanos(1))
 }
 

@@ -162,22 +162,11 @@ fn system_pairs(what: &str, n: u64) {
     match what {
         "system" => rust_batch(&rust, request, n + 300),
         "capi" => c_batch(c_binding, n + 300),
-        // Batches of each in turn, so both start from the same allocator state; run
-        // under callgrind with `--toggle-collect=*rust_batch*` or `*c_batch*` to count
-        // one side.
+        // Batches of each in turn (see `memory_benches::interleaved`); run under
+        // callgrind with `--toggle-collect=*rust_batch*` or `*c_batch*` to count one side.
         _ => {
-            let (mut rust_time, mut c_time) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
-            let mut left = n + 300;
-            while left > 0 {
-                let batch = left.min(512);
-                let start = std::time::Instant::now();
-                rust_batch(&rust, request, batch);
-                let middle = std::time::Instant::now();
-                c_batch(c_binding, batch);
-                c_time += middle.elapsed();
-                rust_time += middle - start;
-                left -= batch;
-            }
+            let (rust_time, c_time) =
+                memory_benches::interleaved(n + 300, || rust_batch(&rust, request, 1), || c_batch(c_binding, 1));
             let per = |time: std::time::Duration| time.as_secs_f64() * 1e9 / (n + 300) as f64;
             println!(
                 "rust {:.1} ns, c {:.1} ns, ratio {:.3}",

@@ -1,8 +1,9 @@
-//! Criterion benches across the workspace (see `benches/`), and the allocator they
-//! share as a floor.
+//! Criterion benches across the workspace (see `benches/`), the allocators they share
+//! as floors, and [`interleaved`], the timing loop of the side-by-side comparisons.
 #![forbid(unsafe_code)]
 
 use std::cell::Cell;
+use std::time::{Duration, Instant};
 
 use memory_api::{
     AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, DeviceKey, RawAllocation, ReleaseOutcome,
@@ -101,4 +102,30 @@ impl DeviceAllocator for SlotPoolAllocator {
         POOL.with_borrow_mut(|(free, _)| free.push(allocation.address().get()));
         ReleaseOutcome::complete(bytes)
     }
+}
+
+/// Pairs per batch in [`interleaved`].
+pub const INTERLEAVED_BATCH: u64 = 512;
+
+/// Runs `first` and `second` `iters` times each, in alternating batches of
+/// [`INTERLEAVED_BATCH`], and returns the time each side took in all.
+///
+/// Two sides compared this way run within the same fraction of a millisecond, so a
+/// machine whose speed drifts moves both alike, and each batch starts from the
+/// allocator state the other side's batch left (glibc's cost for an aligned block
+/// depends on where its free chunks lie), alike for both.
+pub fn interleaved(iters: u64, mut first: impl FnMut(), mut second: impl FnMut()) -> (Duration, Duration) {
+    let (mut first_time, mut second_time) = (Duration::ZERO, Duration::ZERO);
+    let mut left = iters;
+    while left > 0 {
+        let batch = left.min(INTERLEAVED_BATCH);
+        let start = Instant::now();
+        (0..batch).for_each(|_| first());
+        let middle = Instant::now();
+        (0..batch).for_each(|_| second());
+        second_time += middle.elapsed();
+        first_time += middle - start;
+        left -= batch;
+    }
+    (first_time, second_time)
 }

@@ -159,6 +159,17 @@ struct Entry<T> {
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
+impl<T> Entry<T> {
+    /// Sets LIVE on a cell this thread holds (a vacancy or a taken cell) whose value is
+    /// in place: from now on its handle names the value. Returns the generation.
+    #[inline(always)]
+    fn publish(&self) -> u64 {
+        let generation = self.state.load(Ordering::Acquire) & GENERATION_MASK;
+        self.state.store(generation | LIVE, Ordering::Release);
+        generation
+    }
+}
+
 /// A type-stable table of `T` values named by handles of one kind.
 ///
 /// What never changes (kind, scheme, name, the free-list key) lives here, in a value
@@ -662,10 +673,8 @@ impl<T: Send + Sync + 'static> Unpublished<T> {
     #[inline(always)]
     fn publish(self) -> u64 {
         let this = ManuallyDrop::new(self);
-        let (slots, entry, index) = (this.vacancy.slots, this.vacancy.entry, this.vacancy.index);
-        let generation = entry.state.load(Ordering::Acquire) & GENERATION_MASK;
-        entry.state.store(generation | LIVE, Ordering::Release);
-        slots.handle(index, generation)
+        let generation = this.vacancy.entry.publish();
+        this.vacancy.slots.handle(this.vacancy.index, generation)
     }
 }
 
@@ -720,9 +729,7 @@ impl<T: Send + Sync + 'static> Taken<T> {
     /// without effect).
     #[inline(always)]
     pub(crate) fn restore(self) {
-        let this = ManuallyDrop::new(self);
-        let generation = this.entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
-        this.entry.state.store(generation | LIVE, Ordering::Release);
+        ManuallyDrop::new(self).entry.publish();
     }
 
     /// The value, and the reservation of its cell.
@@ -768,8 +775,7 @@ impl<T: Send + Sync + 'static> Reservation<T> {
         let this = ManuallyDrop::new(self);
         // SAFETY: the cell is TAKEN by us: nobody else reads or writes its value.
         unsafe { this.entry.value.get().cast::<T>().write(value) };
-        let generation = this.entry.state.load(Ordering::Relaxed) & GENERATION_MASK;
-        this.entry.state.store(generation | LIVE, Ordering::Release);
+        this.entry.publish();
     }
 }
 
