@@ -46,8 +46,8 @@ pub(crate) enum Command {
     /// Runs fmt, architecture tidy, clippy, all tests, loom, docs and packaging, as CI
     /// runs them.
     Test(Test),
-    /// Runs the loom models (tests named *loom*) of memory-sync, memory-binding, memory-governor
-    /// and memory-capi, built with --cfg memory_loom in target/loom.
+    /// Runs the loom models (tests named *loom*) of memory-sync, memory-binding, memory-governor,
+    /// memory-capi and memory-plugin, built with --cfg memory_loom in target/loom.
     Loom(Loom),
     /// Runs every criterion bench of memory-benches with short settings, then one table of the
     /// ratios measured in that run against the performance targets; fails if a result

@@ -281,7 +281,7 @@ impl Check {
                 }
                 if counts.ran() == 0 {
                     return Ok(Some(
-                        "no loom models ran: the loom crates (memory-sync, memory-binding, memory-governor, \
+                        "no loom models ran: the loom crates (memory-sync, memory-binding, memory-governor, memory-plugin, \
                          memory-capi) have no tests whose names contain `loom` yet, so nothing was model-checked"
                             .to_owned(),
                     ));

@@ -14,7 +14,8 @@ pub(crate) const LOOM_PREEMPTIONS_IN_TEST: u32 = 2;
 
 /// Crates whose loom models `cargo xtask loom` runs (and whose libraries the loom lint
 /// checks): the barrier pair, the registry, the governor and the C API's handle tables.
-pub(crate) const LOOM_CRATES: [&str; 4] = ["memory-sync", "memory-binding", "memory-governor", "memory-capi"];
+pub(crate) const LOOM_CRATES: [&str; 5] =
+    ["memory-sync", "memory-binding", "memory-governor", "memory-capi", "memory-plugin"];
 
 /// The steps of `cargo xtask test [--gpu]`, in order.
 pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
@@ -449,8 +450,8 @@ mod tests {
 
     /// The crates with loom models, as both loom steps must name them (written out, not
     /// taken from `LOOM_CRATES`, so a crate dropped from that list fails here).
-    const LOOM_PACKAGE_ARGS: [&str; 4] =
-        ["-p memory-sync", "-p memory-binding", "-p memory-governor", "-p memory-capi"];
+    const LOOM_PACKAGE_ARGS: [&str; 5] =
+        ["-p memory-sync", "-p memory-binding", "-p memory-governor", "-p memory-capi", "-p memory-plugin"];
 
     #[test]
     fn loom_builds_in_its_own_target_dir_with_the_namespaced_cfg() {

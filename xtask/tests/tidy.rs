@@ -139,8 +139,8 @@ impl Rule {
             }
             Rule::PluginAbiStandsAlone => "memory-plugin-abi has no normal or build dependency at all",
             Rule::PluginIsAProvider => {
-                "memory-plugin depends on memory-api and memory-plugin-abi only, never on the registry or the \
-                 governor (its tests may add memory-testkit and memory-binding)"
+                "memory-plugin depends on memory-api, memory-plugin-abi and memory-sync only, never on the registry \
+                 or the governor (its tests may add memory-testkit and memory-binding)"
             }
             Rule::CapiComposesThroughTheGovernor => {
                 "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
@@ -188,7 +188,7 @@ impl Rule {
             Rule::PluginIsAProvider => {
                 edge.from == "memory-plugin"
                     && edge.internal
-                    && !matches!(to, "memory-api" | "memory-plugin-abi")
+                    && !matches!(to, "memory-api" | "memory-plugin-abi" | "memory-sync")
                     && !(edge.kind == DepKind::Dev && matches!(to, "memory-testkit" | "memory-binding"))
             }
             Rule::CapiComposesThroughTheGovernor => {
@@ -467,6 +467,7 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
             vec![
                 ("memory-api", None),
                 ("memory-plugin-abi", None),
+                ("memory-sync", None),
                 ("libloading", None),
                 ("memory-binding", Some("dev")),
                 ("memory-testkit", Some("dev")),

@@ -27,8 +27,8 @@ use memory_api::{
 
 use crate::error::ContextState;
 use crate::lifecycle::{InFlightSlot, Lifecycle};
-use crate::per_thread::{PerThread, thread_index};
 use crate::sync::{Arc, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, CachePadded, Mutex, Ordering, lock};
+use crate::sync::{PerThread, thread_index};
 use crate::unit_ref::{UnitHolder, Units, orphan, take_unit_share};
 
 /// An opaque resource pinned by a context or authority (a CUDA context owner, a

@@ -96,7 +96,6 @@ mod entry;
 mod error;
 mod hot_trace;
 mod lifecycle;
-mod per_thread;
 mod registry;
 mod snapshot;
 mod sync;

@@ -3,7 +3,7 @@
 //! The primitives and the Dekker barrier pair come from `memory-sync`: `std`'s in normal
 //! builds, loom's under `--cfg memory_loom`, so the lifecycle and record protocols can
 //! be model-checked without touching their logic. (The identity tables use dashmap,
-//! the selection arc-swap and the pins thread_local; those are containers whose own
+//! the selection arc-swap; those are containers whose own
 //! crates are tested upstream, and the loom models exercise the protocols around them
 //! with the primitives here. `Arc` stays std, see `memory_sync::primitives`.)
 //!
@@ -20,5 +20,6 @@
 //! models run the fence variant; the asymmetric one differs only in who pays for the
 //! barrier, which is the kernel's documented guarantee.
 
+pub(crate) use memory_sync::per_thread::{PerThread, is_current, thread_index};
 pub(crate) use memory_sync::primitives::*;
 pub(crate) use memory_sync::{BarrierMode, CachePadded, heavy_barrier, light_barrier, lock};

@@ -42,7 +42,7 @@ use std::ops::Deref;
 use std::ptr::NonNull;
 use std::sync::Weak;
 
-use crate::per_thread::is_current;
+use crate::sync::is_current;
 use crate::sync::{
     Arc, AtomicBool, AtomicIsize, AtomicUsize, BarrierMode, CachePadded, Ordering, heavy_barrier, light_barrier,
     yield_now,

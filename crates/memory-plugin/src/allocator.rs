@@ -21,7 +21,7 @@ use crate::error::{PluginError, StatusCode};
 use crate::library::LoadedLibrary;
 use crate::negotiate::{InstanceOrigin, Negotiated, abi_device, negotiate};
 use crate::queue::PluginReleaseQueue;
-use crate::records::Records;
+use crate::records::{Records, TakenRecord};
 use crate::tally::{HostTally, PluginTally};
 
 /// The backend name in every `BackendError` a plugin causes.
@@ -93,13 +93,18 @@ impl Instance {
         }
     }
 
-    /// The block as the registry sees it, named by a fresh record.
-    fn raw(&self, block: MpBlock) -> Option<RawAllocation> {
-        let address = DeviceAddress::new(block.address)?;
-        let bytes = usize::try_from(block.bytes).ok()?;
-        let align = usize::try_from(block.align).ok().filter(|a| a.is_power_of_two())?;
-        let tag = self.records.insert(block);
-        Some(RawAllocation::new(address, bytes, align, self.device, tag))
+    /// The block as the registry sees it, named by a fresh record; otherwise why this
+    /// host cannot take it.
+    fn raw(&self, block: &MpBlock) -> Result<RawAllocation, &'static str> {
+        let too_large = "; the block does not fit this host";
+        let address = DeviceAddress::new(block.address).ok_or(too_large)?;
+        let bytes = usize::try_from(block.bytes).map_err(|_| too_large)?;
+        let align = usize::try_from(block.align).ok().filter(|a| a.is_power_of_two()).ok_or(too_large)?;
+        let tag = self.records.insert(block).ok_or(
+            "; the loader cannot record another block from this thread (65535 threads, or 2^24 live blocks from one \
+             thread, at most): release blocks or allocate from fewer threads",
+        )?;
+        Ok(RawAllocation::new(address, bytes, align, self.device, tag))
     }
 
     fn suspect(&self, block: MpBlock, why: &str) {
@@ -404,21 +409,21 @@ impl DeviceAllocator for PluginAllocator {
             shared.give_back(block, "an unusable block was not taken back cleanly");
             return Err(alloc_error(shared, request, MP_ERR_BACKEND, &detail));
         }
-        match shared.raw(block) {
-            Some(raw) => {
+        match shared.raw(&block) {
+            Ok(raw) => {
                 tracing::trace!(plugin = %shared.name, bytes = raw.bytes(), "plugin allocate");
                 Ok(raw)
             }
-            None => {
-                shared.give_back(block, "a block too large for this host was not taken back cleanly");
-                Err(alloc_error(shared, request, MP_ERR_INVALID_ARGUMENT, "; the block does not fit this host"))
+            Err(why) => {
+                shared.give_back(block, "a block this host cannot record was not taken back cleanly");
+                Err(alloc_error(shared, request, MP_ERR_INVALID_ARGUMENT, why))
             }
         }
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
         let shared = &*self.shared;
-        let Some(record) = shared.records.take(&allocation, shared.abi_device) else {
+        let Some(taken) = shared.records.take(&allocation, shared.abi_device) else {
             let error = ReleaseError::NotOwned {
                 allocator: shared.name.clone(),
                 device: shared.device,
@@ -428,24 +433,26 @@ impl DeviceAllocator for PluginAllocator {
         };
         let Some(release) = shared.table.release else {
             let error = release_error(shared, &allocation, MP_ERR_UNSUPPORTED);
-            return keep(shared, record, allocation, |raw| ReleaseOutcome::failed(raw, error));
+            return keep(shared, taken, allocation, |raw| ReleaseOutcome::failed(raw, error));
         };
+        let record = *taken.block();
         let mut out = MpReleaseOutcome::default();
         // SAFETY: `release` was checked non-null at negotiation; `record` is the copy the
-        // plugin wrote when it issued the block (taken exactly once from our records);
-        // both pointers are to live locals.
+        // plugin wrote when it issued the block (taken from our records by this release
+        // alone); both pointers are to live locals.
         let status = unsafe { release(shared.ptr(), &record, &mut out) };
         let bytes = allocation.bytes();
         if status == MP_OK && !shared.has(MP_CAP_STRUCTURED_RELEASE) {
             tracing::trace!(plugin = %shared.name, bytes, "plugin release");
+            taken.free();
             return ReleaseOutcome::complete(bytes);
         }
         if status != MP_OK {
             let error = release_error(shared, &allocation, status);
             return if is_known_failure(status) {
-                keep(shared, record, allocation, |raw| ReleaseOutcome::failed(raw, error))
+                keep(shared, taken, allocation, |raw| ReleaseOutcome::failed(raw, error))
             } else {
-                keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
+                keep(shared, taken, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
             };
         }
         let unmapped = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
@@ -453,7 +460,7 @@ impl DeviceAllocator for PluginAllocator {
         if out.block != record {
             let detail = format!("; the outcome is about {:?}, not the block given ({record:?})", out.block);
             let error = ReleaseError::Backend(shared.backend("release", status, &detail));
-            return keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error));
+            return keep(shared, taken, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error));
         }
         match out.kind {
             MP_RELEASE_COMPLETE => {
@@ -464,21 +471,22 @@ impl DeviceAllocator for PluginAllocator {
                 if unmapped > bytes {
                     tracing::warn!(plugin = %shared.name, claimed = unmapped, bytes, "plugin release claimed more than the block");
                 }
+                taken.free();
                 ReleaseOutcome::complete(unmapped.min(bytes))
             }
             MP_RELEASE_QUARANTINED => {
                 let error =
                     ReleaseError::Backend(shared.backend("release", status, "; the plugin quarantined the block"));
-                keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, unmapped, residual, error))
+                keep(shared, taken, allocation, |raw| ReleaseOutcome::quarantined(raw, unmapped, residual, error))
             }
             MP_RELEASE_FAILED => {
                 let error = ReleaseError::Backend(shared.backend("release", status, "; the plugin released nothing"));
-                keep(shared, record, allocation, |raw| ReleaseOutcome::failed(raw, error))
+                keep(shared, taken, allocation, |raw| ReleaseOutcome::failed(raw, error))
             }
             kind => {
                 let detail = format!("; unknown outcome kind {kind}, treated as quarantine of the whole block");
                 let error = ReleaseError::Backend(shared.backend("release", status, &detail));
-                keep(shared, record, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
+                keep(shared, taken, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error))
             }
         }
     }
@@ -504,10 +512,13 @@ impl DeviceAllocator for PluginAllocator {
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
         let shared = &*self.shared;
         for block in lost {
-            let Some(record) = shared.records.take(&block, shared.abi_device) else {
+            let Some(taken) = shared.records.take(&block, shared.abi_device) else {
                 tracing::warn!(plugin = %shared.name, ?block, "forget_lost: not a block of this plugin instance");
                 continue;
             };
+            let record = *taken.block();
+            // The host forgets the block whatever the plugin answers.
+            taken.free();
             if let Some(forget) = shared.table.forget_lost {
                 // SAFETY: non-null slot; `record` is the plugin's own copy, taken once.
                 let status = unsafe { forget(shared.ptr(), &record) };
@@ -519,18 +530,16 @@ impl DeviceAllocator for PluginAllocator {
     }
 }
 
-/// The block stays owned: put its record back (under a fresh tag) and build the
-/// outcome around the re-tagged block.
+/// The block stays owned: its record is live again under the same tag, and the outcome
+/// hands back the allocation exactly as it came.
 fn keep(
     shared: &Instance,
-    record: MpBlock,
+    taken: TakenRecord<'_>,
     allocation: RawAllocation,
     outcome: impl FnOnce(RawAllocation) -> ReleaseOutcome,
 ) -> ReleaseOutcome {
-    let tag = shared.records.insert(record);
-    let raw =
-        RawAllocation::new(allocation.address(), allocation.bytes(), allocation.align(), allocation.device(), tag);
-    let result = outcome(raw);
+    drop(taken);
+    let result = outcome(allocation);
     tracing::warn!(plugin = %shared.name, outcome = %result.summary(), "plugin release did not complete");
     result
 }

@@ -16,6 +16,12 @@
 //!   compiler fence and the cold side a system call; elsewhere both are
 //!   `fence(SeqCst)`. [`BarrierMode::detect`] decides once per process, so the two
 //!   sides always agree.
+//! - [`per_thread`] keeps one value per thread and per object ([`per_thread::PerThread`]),
+//!   indexed by a small thread index that is recycled only once its thread can no longer
+//!   ask for it, so "is the calling thread this value's owner?" is one load and a
+//!   compare. The registry's pins and anchors and the plugin loader's block records are
+//!   owner-local through it, with [`owner_slots::OwnerSlots`]: slot numbers that the
+//!   owner hands out with no read-modify-write and that any thread gives back.
 //! - [`CachePadded`] keeps per-thread slots on lines of their own; [`lock()`], [`read()`]
 //!   and [`write()`] recover a poisoned lock (the crates never run a callback under a
 //!   lock, so a panic cannot leave a half-updated value behind one).
@@ -54,6 +60,8 @@
 
 mod barrier;
 mod lock;
+pub mod owner_slots;
+pub mod per_thread;
 pub mod primitives;
 mod thread_local;
 

@@ -22,13 +22,14 @@ const BUCKETS: usize = usize::BITS as usize - FIRST.trailing_zeros() as usize;
 /// One value of `T` per thread index, created on first use and kept until the table
 /// drops (a recycled index finds the previous thread's value, which is the point:
 /// tables do not grow with thread churn).
-pub(crate) struct PerThread<T> {
+pub struct PerThread<T> {
     inline: [OnceLock<T>; INLINE],
     buckets: [OnceLock<Box<[OnceLock<T>]>>; BUCKETS],
 }
 
 impl<T> PerThread<T> {
-    pub(crate) fn new() -> PerThread<T> {
+    /// An empty table (no value is created before its thread asks).
+    pub fn new() -> PerThread<T> {
         PerThread {
             inline: std::array::from_fn(|_| OnceLock::new()),
             buckets: std::array::from_fn(|_| OnceLock::new()),
@@ -45,7 +46,7 @@ impl<T> PerThread<T> {
 
     /// The value of thread `index`, if it was created.
     #[inline]
-    pub(crate) fn get(&self, index: usize) -> Option<&T> {
+    pub fn get(&self, index: usize) -> Option<&T> {
         match self.inline.get(index) {
             Some(entry) => entry.get(),
             None => self.get_spilled(index),
@@ -61,7 +62,7 @@ impl<T> PerThread<T> {
     /// The value of thread `index`, created by `init` on first use. Only the thread
     /// holding `index` calls this for it, so `init` runs once per index.
     #[inline]
-    pub(crate) fn get_or(&self, index: usize, init: impl FnOnce() -> T) -> &T {
+    pub fn get_or(&self, index: usize, init: impl FnOnce() -> T) -> &T {
         match self.get(index) {
             Some(value) => value,
             None => self.create(index, init),
@@ -79,7 +80,7 @@ impl<T> PerThread<T> {
     }
 
     /// Every value created so far (cold path: sweeps, counts).
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
         let spilled = self.buckets.iter().filter_map(OnceLock::get).flat_map(|entries| entries.iter());
         self.inline.iter().chain(spilled).filter_map(OnceLock::get)
     }
@@ -95,7 +96,7 @@ impl<T> Default for PerThread<T> {
 /// thread exits (see the module docs for when exactly).
 #[cfg(not(memory_loom))]
 #[inline]
-pub(crate) fn thread_index() -> usize {
+pub fn thread_index() -> usize {
     // The hot read is a plain thread-local word with no destructor and no lazy-init
     // check; `NO_INDEX` until the thread's guard is made, and again once it dropped.
     match CURRENT.get() {
@@ -109,13 +110,13 @@ pub(crate) fn thread_index() -> usize {
 /// destructors) asks [`thread_index`].
 #[cfg(not(memory_loom))]
 #[inline]
-pub(crate) fn is_current(index: usize) -> bool {
+pub fn is_current(index: usize) -> bool {
     let current = CURRENT.get();
     current == index || (current == NO_INDEX && index == first_or_late_index())
 }
 
 #[cfg(memory_loom)]
-pub(crate) fn is_current(index: usize) -> bool {
+pub fn is_current(index: usize) -> bool {
     index == thread_index()
 }
 
@@ -213,7 +214,7 @@ fn late_index() -> usize {
 /// Under loom every model thread gets the next index of the execution (deterministic;
 /// nothing is recycled inside one execution).
 #[cfg(memory_loom)]
-pub(crate) fn thread_index() -> usize {
+pub fn thread_index() -> usize {
     loom::lazy_static! {
         static ref NEXT: loom::sync::atomic::AtomicUsize = loom::sync::atomic::AtomicUsize::new(0);
     }
