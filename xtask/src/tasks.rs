@@ -13,7 +13,8 @@ use crate::step::{Check, Cmd, Step};
 pub(crate) const LOOM_PREEMPTIONS_IN_TEST: u32 = 2;
 
 /// Crates whose loom models `cargo xtask loom` runs (and whose libraries the loom lint
-/// checks): the barrier pair, the registry, the governor and the C API's handle tables.
+/// checks): the barrier pair and owner slots, the registry, the governor, the C API's
+/// handle tables and the plugin loader's block records.
 pub(crate) const LOOM_CRATES: [&str; 5] =
     ["memory-sync", "memory-binding", "memory-governor", "memory-capi", "memory-plugin"];
 

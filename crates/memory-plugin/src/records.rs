@@ -366,14 +366,6 @@ mod loom_records {
         Some(recorded)
     }
 
-    /// Takes a record and frees it, as a release the plugin completed does.
-    fn take_free(records: &Records, block: &RawAllocation, device: MpDevice) -> Option<MpBlock> {
-        let taken = take_free(&records, block, device)?;
-        let recorded = *taken.block();
-        taken.free();
-        Some(recorded)
-    }
-
     /// Two threads taking one record while the owner records more: exactly one take
     /// wins, it gets the block as recorded, and the slot is reused only after it.
     #[test]

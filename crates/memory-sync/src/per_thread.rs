@@ -115,6 +115,7 @@ pub fn is_current(index: usize) -> bool {
     current == index || (current == NO_INDEX && index == first_or_late_index())
 }
 
+/// Whether `index` is the calling thread's (under loom: the model thread's).
 #[cfg(memory_loom)]
 pub fn is_current(index: usize) -> bool {
     index == thread_index()
