@@ -440,12 +440,12 @@ impl DeviceAllocator for PluginAllocator {
             let error = release_error(shared, &allocation, MP_ERR_UNSUPPORTED);
             return keep(shared, taken, allocation, |raw| ReleaseOutcome::failed(raw, error));
         };
-        let record = *taken.block();
+        let record = taken.block();
         let mut out = MpReleaseOutcome::default();
         // SAFETY: `release` was checked non-null at negotiation; `record` is the copy the
         // plugin wrote when it issued the block (taken from our records by this release
         // alone); both pointers are to live locals.
-        let status = unsafe { release(shared.ptr(), &record, &mut out) };
+        let status = unsafe { release(shared.ptr(), record, &mut out) };
         let bytes = allocation.bytes();
         if status == MP_OK && !shared.has(MP_CAP_STRUCTURED_RELEASE) {
             tracing::trace!(plugin = %shared.name, bytes, "plugin release");
@@ -462,7 +462,7 @@ impl DeviceAllocator for PluginAllocator {
         }
         let unmapped = usize::try_from(out.unmapped_bytes).unwrap_or(usize::MAX);
         let residual = usize::try_from(out.residual_bytes).unwrap_or(usize::MAX);
-        if out.block != record {
+        if out.block != *record {
             let detail = format!("; the outcome is about {:?}, not the block given ({record:?})", out.block);
             let error = ReleaseError::Backend(shared.backend("release", status, &detail));
             return keep(shared, taken, allocation, |raw| ReleaseOutcome::quarantined(raw, 0, bytes, error));

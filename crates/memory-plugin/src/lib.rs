@@ -35,9 +35,10 @@
 //!
 //! # Trust
 //! A plugin's code is trusted to be memory-safe (loading it is `unsafe`), but none of
-//! its answers is. The host records every block it handed out and passes a plugin only
-//! blocks it issued; a block on another device, misaligned, too small or at address zero
-//! is handed back; a release outcome about another block, of an unknown kind, or with
+//! its answers is. The host records every block it handed out (owner-local records: no
+//! read-modify-write to record, one compare-and-swap to take back, so of two racing
+//! releases exactly one reaches the plugin) and passes a plugin only blocks it issued;
+//! a block on another device, misaligned, too small or at address zero is handed back; a release outcome about another block, of an unknown kind, or with
 //! an unknown status is a quarantine of the whole block; an unknown status on allocate
 //! keeps any block it returned as suspect (never freed); commit and unmap answers larger
 //! than the range are errors; a deferred-release ticket the host never issued is ignored.
@@ -48,7 +49,10 @@
 //! `unsafe fn` says what the caller must (`# Safety`). The tests build an example
 //! plugin in C at test time (`tests/c/example_plugin.c`) with a scripted fault mode and
 //! load it through this crate: negotiation (older and newer minors, wrong major, short
-//! table), every capability, unload refusal and success, and dishonest answers.
+//! table), every capability, unload refusal and success, and dishonest answers. The
+//! block records (`records`, safe code over `memory_sync`'s per-thread tables and owner
+//! slots) are model-checked with loom (`cargo xtask loom`: racing releases of one block,
+//! a stale tag against a reused slot) and their tests run under Miri.
 //!
 //! # Quickstart
 //! ```no_run

@@ -53,6 +53,7 @@ struct Record {
 }
 
 impl Record {
+    #[inline]
     fn write(&self, block: &MpBlock) {
         self.address.store(block.address, Ordering::Relaxed);
         self.bytes.store(block.bytes, Ordering::Relaxed);
@@ -61,6 +62,7 @@ impl Record {
         self.tag.store(block.tag, Ordering::Relaxed);
     }
 
+    #[inline]
     fn read(&self) -> MpBlock {
         let device = self.device.load(Ordering::Relaxed);
         MpBlock {
@@ -85,10 +87,12 @@ pub(crate) struct Records {
     parts: PerThread<Box<Part>>,
 }
 
+#[inline]
 fn tag(owner: usize, slot: u32, generation: u64) -> u64 {
     (owner as u64) << (SLOT_BITS + GENERATION_BITS) | u64::from(slot) << GENERATION_BITS | generation & GENERATION_MASK
 }
 
+#[inline]
 fn untag(tag: u64) -> (usize, u32, u64) {
     let owner = (tag >> (SLOT_BITS + GENERATION_BITS)) as usize;
     let slot = ((tag >> GENERATION_BITS) & ((1 << SLOT_BITS) - 1)) as u32;
@@ -96,6 +100,7 @@ fn untag(tag: u64) -> (usize, u32, u64) {
 }
 
 /// Whether a record describes the block a caller presents (on this instance's device).
+#[inline]
 fn matches(record: &MpBlock, block: &RawAllocation, device: MpDevice) -> bool {
     record.address == block.address().get()
         && record.bytes == block.bytes() as u64
@@ -112,6 +117,7 @@ impl Records {
     /// Records `block` in the calling thread's part; returns the tag that names the
     /// record. `None` when the tag cannot name it: more than 2^16 - 1 threads at once,
     /// or 2^24 blocks live from one thread.
+    #[inline]
     pub(crate) fn insert(&self, block: &MpBlock) -> Option<u64> {
         let owner = thread_index();
         if owner >= NO_OWNER {
@@ -133,6 +139,7 @@ impl Records {
 
     /// The live record a tag names and its state word, if its generation matches and
     /// no release of it is under way.
+    #[inline]
     fn lookup(&self, tag: u64) -> Option<(&Part, u32, &Record, u64)> {
         let (owner, slot, generation) = untag(tag);
         let part = self.parts.get(owner)?;
@@ -146,6 +153,7 @@ impl Records {
     /// exactly it (any thread; of two racing takes of one record exactly one gets it).
     /// Until the taker frees or restores it, the record counts and refuses every other
     /// take; dropping the taken record restores it.
+    #[inline]
     pub(crate) fn take(&self, block: &RawAllocation, device: MpDevice) -> Option<TakenRecord<'_>> {
         let (part, slot, record, state) = self.lookup(block.provider_tag())?;
         let recorded = record.read();
@@ -199,12 +207,14 @@ pub(crate) struct TakenRecord<'a> {
 
 impl TakenRecord<'_> {
     /// The block exactly as the plugin wrote it when it issued it.
+    #[inline]
     pub(crate) fn block(&self) -> &MpBlock {
         &self.block
     }
 
     /// The plugin no longer holds the block: the record is freed and its slot goes
     /// back to its owner.
+    #[inline]
     pub(crate) fn free(self) {
         self.record.state.store(FREE, Ordering::Relaxed);
         self.part.slots.give_back(self.slot, is_current(self.owner));
@@ -214,6 +224,7 @@ impl TakenRecord<'_> {
 
 impl Drop for TakenRecord<'_> {
     /// The block stays the plugin's: the record is live again under its tag.
+    #[inline]
     fn drop(&mut self) {
         self.record.state.store(self.live, Ordering::Release);
     }
