@@ -28,7 +28,7 @@ use memory_api::{
 use crate::error::ContextState;
 use crate::lifecycle::{InFlightSlot, Lifecycle};
 use crate::sync::{Arc, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, CachePadded, Mutex, Ordering, lock};
-use crate::sync::{PerThread, thread_index};
+use crate::sync::{FreeLink, NO_SLOT, OwnerSlots, PerThread, thread_index};
 use crate::unit_ref::{UnitHolder, Units, orphan, take_unit_share};
 
 /// An opaque resource pinned by a context or authority (a CUDA context owner, a
@@ -454,8 +454,6 @@ impl OwnerBlock {
 /// (a release of it is under way: the announcement of the Dekker protocol).
 const FREE: u64 = 0;
 const IN_TRANSIT: u64 = 1 << 63;
-/// "No slot" in the free lists.
-const NO_SLOT: u32 = u32::MAX;
 
 /// One allocation record. Every field is an atomic so a remote thread can reach it
 /// without a lock; the fields are written before the `Release` store of the state
@@ -465,16 +463,23 @@ pub(crate) struct Record {
     address: AtomicU64,
     bytes: AtomicUsize,
     provider_tag: AtomicU64,
-    /// The next free slot while this one is free.
+    /// The slot table's link while the record is free.
     next_free: AtomicU32,
     align_log2: AtomicU8,
+}
+
+impl FreeLink for Record {
+    #[inline]
+    fn free_link(&self) -> &AtomicU32 {
+        &self.next_free
+    }
 }
 
 // Registry memory per live allocation (issue 3 budget: 64 bytes beyond the handle).
 const _: () = assert!(std::mem::size_of::<Record>() <= 64);
 
-impl Record {
-    fn new() -> Record {
+impl Default for Record {
+    fn default() -> Record {
         Record {
             state: AtomicU64::new(FREE),
             address: AtomicU64::new(0),
@@ -484,7 +489,9 @@ impl Record {
             align_log2: AtomicU8::new(0),
         }
     }
+}
 
+impl Record {
     /// Whether this record is live under `generation` (not in transit).
     #[inline]
     fn holds(&self, generation: NonZeroU64) -> bool {
@@ -506,36 +513,6 @@ impl Record {
     }
 }
 
-/// Records in the first segment (a power of two); segment `k` holds `FIRST_SEGMENT << k`.
-#[cfg(not(memory_loom))]
-const FIRST_SEGMENT: u32 = 32;
-#[cfg(memory_loom)]
-const FIRST_SEGMENT: u32 = 2;
-/// Enough segments for every `u32` slot below [`NO_SLOT`] (the first is inline).
-const SEGMENTS: usize = 33 - FIRST_SEGMENT.trailing_zeros() as usize;
-
-/// A slot's segment and its offset in it.
-#[inline]
-fn segment_of(slot: u32) -> (usize, usize) {
-    let shifted = u64::from(slot) + u64::from(FIRST_SEGMENT);
-    let segment = shifted.ilog2() - FIRST_SEGMENT.ilog2();
-    (segment as usize, (shifted - (u64::from(FIRST_SEGMENT) << segment)) as usize)
-}
-
-/// Records of a new segment.
-fn new_records(count: u32) -> Box<[Record]> {
-    (0..count).map(|_| Record::new()).collect()
-}
-
-/// The owner thread's part of a pin: written by the owner alone, on its own line.
-#[derive(Default)]
-struct OwnerState {
-    /// Head of the owner's free list.
-    free_head: AtomicU32,
-    /// The next slot never used yet.
-    fresh: AtomicU32,
-}
-
 /// A per-thread copy of a mechanism entry: the records of the allocations made on
 /// its thread, that thread's in-flight slot and generation block, and the stack where
 /// other threads return the slots they release.
@@ -543,10 +520,10 @@ struct OwnerState {
 /// - Insert and slot reuse are the owner's alone (single writer: plain loads and
 ///   stores on the owner's line).
 /// - A release from any thread marks the record in transit, then frees it with a
-///   `Release` store of its state word; the owner pushes the slot onto its own free
-///   list, any other thread onto the remote stack (a CAS push), which the owner takes
-///   whole with one swap when its own list is empty (take-all pops make the stack
-///   immune to ABA).
+///   `Release` store of its state word and gives the slot back: the owner onto its own
+///   free list, any other thread onto the remote stack (a CAS push), which the owner
+///   takes whole with one swap when its own list is empty
+///   ([`OwnerSlots`], shared with the plugin loader's block records).
 /// - Records live in segments that never move, so a remote thread reaches one without
 ///   a lock.
 ///
@@ -555,16 +532,13 @@ struct OwnerState {
 #[repr(align(128))]
 pub(crate) struct MechanismPin {
     pub(crate) core: Arc<MechanismCore>,
-    /// Segment 0, made with the pin; the rest on demand.
-    first: Box<[Record]>,
-    segments: [OnceLock<Box<[Record]>>; SEGMENTS],
+    /// The records, in slots that only this pin's thread hands out.
+    slots: OwnerSlots<Record>,
     /// What keeps the pin alive for its handles once its table is gone; also names the
     /// thread index that owns this pin (fixed: a recycled index inherits the pin).
     pub(crate) units: Units,
     pub(crate) in_flight: InFlightSlot,
-    local: CachePadded<OwnerState>,
     generations: CachePadded<OwnerBlock>,
-    remote_free: CachePadded<AtomicU32>,
 }
 
 impl UnitHolder for MechanismPin {
@@ -579,36 +553,17 @@ impl MechanismPin {
         let barrier = core.lifecycle.barrier();
         MechanismPin {
             core,
-            first: new_records(FIRST_SEGMENT),
-            segments: std::array::from_fn(|_| OnceLock::new()),
+            slots: OwnerSlots::new(),
             units: Units::new(owner, barrier),
             in_flight: InFlightSlot::default(),
-            local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
             generations: CachePadded::new(OwnerBlock::new()),
-            remote_free: CachePadded::new(AtomicU32::new(NO_SLOT)),
-        }
-    }
-
-    /// Segment `k`, created if needed (owner only).
-    fn segment(&self, k: usize) -> &[Record] {
-        match k {
-            0 => &self.first,
-            k => self.segments[k].get_or_init(|| new_records(FIRST_SEGMENT << k)),
         }
     }
 
     /// The record at `slot`, if its segment exists.
     #[inline]
     pub(crate) fn record(&self, slot: u32) -> Option<&Record> {
-        match self.first.get(slot as usize) {
-            Some(record) => Some(record),
-            None => self.record_beyond_first(slot),
-        }
-    }
-
-    fn record_beyond_first(&self, slot: u32) -> Option<&Record> {
-        let (segment, offset) = segment_of(slot);
-        self.segments.get(segment)?.get()?.get(offset)
+        self.slots.get(slot)
     }
 
     /// Whether the calling thread owns this pin.
@@ -634,45 +589,13 @@ impl MechanismPin {
         if generation.get() & IN_TRANSIT != 0 {
             return Err(IdentityError::RegistriesExhausted);
         }
-        let (slot, record) = self.pop_slot().ok_or(IdentityError::RegistriesExhausted)?;
+        let (slot, record) = self.slots.claim().ok_or(IdentityError::RegistriesExhausted)?;
         record.address.store(address.get(), Ordering::Relaxed);
         record.bytes.store(bytes, Ordering::Relaxed);
         record.provider_tag.store(provider_tag, Ordering::Relaxed);
         record.align_log2.store(align_log2, Ordering::Relaxed);
         record.state.store(generation.get(), Ordering::Release);
         Ok((slot, generation))
-    }
-
-    /// A free slot (owner only): the own list, else the whole remote stack, else a
-    /// never-used slot.
-    #[inline]
-    fn pop_slot(&self) -> Option<(u32, &Record)> {
-        let mut head = self.local.free_head.load(Ordering::Relaxed);
-        if head == NO_SLOT {
-            if self.remote_free.load(Ordering::Relaxed) == NO_SLOT {
-                return self.fresh_slot();
-            }
-            // Acquire: the pushers' `next_free` links and frees happen before.
-            head = self.remote_free.swap(NO_SLOT, Ordering::Acquire);
-            if head == NO_SLOT {
-                return self.fresh_slot();
-            }
-        }
-        let record = self.record(head)?;
-        self.local.free_head.store(record.next_free.load(Ordering::Relaxed), Ordering::Relaxed);
-        Some((head, record))
-    }
-
-    #[cold]
-    fn fresh_slot(&self) -> Option<(u32, &Record)> {
-        let slot = self.local.fresh.load(Ordering::Relaxed);
-        if slot == NO_SLOT {
-            return None;
-        }
-        let (segment, offset) = segment_of(slot);
-        let record = &self.segment(segment)[offset];
-        self.local.fresh.store(slot + 1, Ordering::Relaxed);
-        Some((slot, record))
     }
 
     /// Announces a release of the record at `slot`: marks it in transit if it is live
@@ -705,24 +628,7 @@ impl MechanismPin {
     #[inline]
     pub(crate) fn free_known(&self, slot: u32, record: &Record, owned_here: bool) {
         record.state.store(FREE, Ordering::Release);
-        if owned_here {
-            record.next_free.store(self.local.free_head.load(Ordering::Relaxed), Ordering::Relaxed);
-            self.local.free_head.store(slot, Ordering::Relaxed);
-        } else {
-            self.push_remote(slot, record);
-        }
-    }
-
-    #[cold]
-    fn push_remote(&self, slot: u32, record: &Record) {
-        let mut head = self.remote_free.load(Ordering::Relaxed);
-        loop {
-            record.next_free.store(head, Ordering::Relaxed);
-            match self.remote_free.compare_exchange_weak(head, slot, Ordering::Release, Ordering::Relaxed) {
-                Ok(_) => return,
-                Err(actual) => head = actual,
-            }
-        }
+        self.slots.give_back(slot, record, owned_here);
     }
 
     /// Whether the record at `slot` is live under `generation` (the caller checks the
@@ -733,8 +639,7 @@ impl MechanismPin {
 
     /// Every record that exists (cold path).
     fn records(&self) -> impl Iterator<Item = &Record> {
-        let rest = self.segments.iter().skip(1).filter_map(OnceLock::get).flat_map(|segment| segment.iter());
-        self.first.iter().chain(rest)
+        self.slots.iter()
     }
 
     /// Whether any record is live under `generation` (cold path: a scan; none once

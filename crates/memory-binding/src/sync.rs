@@ -20,6 +20,7 @@
 //! models run the fence variant; the asymmetric one differs only in who pays for the
 //! barrier, which is the kernel's documented guarantee.
 
+pub(crate) use memory_sync::owner_slots::{FreeLink, NO_SLOT, OwnerSlots};
 pub(crate) use memory_sync::per_thread::{PerThread, is_current, thread_index};
 pub(crate) use memory_sync::primitives::*;
 pub(crate) use memory_sync::{BarrierMode, CachePadded, heavy_barrier, light_barrier, lock};

@@ -21,9 +21,9 @@
 
 use memory_api::RawAllocation;
 use memory_plugin_abi::{MpBlock, MpDevice};
-use memory_sync::owner_slots::OwnerSlots;
+use memory_sync::owner_slots::{FreeLink, OwnerSlots};
 use memory_sync::per_thread::{PerThread, is_current, thread_index};
-use memory_sync::primitives::{AtomicU64, Ordering, fence};
+use memory_sync::primitives::{AtomicU32, AtomicU64, Ordering, fence};
 
 use crate::negotiate::abi_device;
 
@@ -50,6 +50,15 @@ struct Record {
     /// `tier << 32 | index`.
     device: AtomicU64,
     tag: AtomicU64,
+    /// The slot table's link while the record is free.
+    next_free: AtomicU32,
+}
+
+impl FreeLink for Record {
+    #[inline]
+    fn free_link(&self) -> &AtomicU32 {
+        &self.next_free
+    }
 }
 
 impl Record {
@@ -126,7 +135,7 @@ impl Records {
         let part = self.parts.get_or(owner, Box::default);
         let (slot, record) = part.slots.claim()?;
         if slot >> SLOT_BITS != 0 {
-            part.slots.give_back(slot, true);
+            part.slots.give_back(slot, record, true);
             return None;
         }
         let generation = part.next_generation.load(Ordering::Relaxed) + 1;
@@ -217,7 +226,7 @@ impl TakenRecord<'_> {
     #[inline]
     pub(crate) fn free(self) {
         self.record.state.store(FREE, Ordering::Relaxed);
-        self.part.slots.give_back(self.slot, is_current(self.owner));
+        self.part.slots.give_back(self.slot, self.record, is_current(self.owner));
         std::mem::forget(self);
     }
 }

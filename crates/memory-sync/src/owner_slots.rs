@@ -7,17 +7,26 @@
 //!   thread pushes it onto a remote stack (one compare-and-swap), which the owner takes
 //!   whole with one swap when its own list is empty. Take-all pops make the stack immune
 //!   to ABA.
-//! - Slots live in segments that never move (each twice the size of the one before),
-//!   so any thread reaches a slot by its number without a lock.
+//! - Slots live in segments that never move (each twice the size of the one before; the
+//!   first made with the table and reached without an indirection), so any thread
+//!   reaches a slot by its number without a lock.
 //!
 //! What a slot holds, and how a value says whether it is in use, is the caller's: the
-//! table only recycles numbers. Which thread is the owner is the caller's too (usually
+//! table only recycles numbers, through one word of each value ([`FreeLink`]). Which thread is the owner is the caller's too (usually
 //! [`crate::per_thread::is_current`] of the index the table is kept under).
 
 use std::sync::OnceLock;
 
 use crate::CachePadded;
 use crate::primitives::{AtomicU32, Ordering};
+
+/// A slot value that carries the table's free-list link: a word the table alone uses
+/// while the slot is free (the value's other fields stay the caller's). Keeping it in
+/// the value lets a record stay as small as its own fields allow.
+pub trait FreeLink {
+    /// The link word (initially anything: the table writes it before reading it).
+    fn free_link(&self) -> &AtomicU32;
+}
 
 /// "No slot" in the free lists; also the first number the table never hands out.
 pub const NO_SLOT: u32 = u32::MAX;
@@ -27,7 +36,7 @@ pub const NO_SLOT: u32 = u32::MAX;
 const FIRST_SEGMENT: u32 = 32;
 #[cfg(memory_loom)]
 const FIRST_SEGMENT: u32 = 2;
-/// Enough segments for every slot number below [`NO_SLOT`].
+/// Enough segments for every slot number below [`NO_SLOT`] (the first is inline).
 const SEGMENTS: usize = 33 - FIRST_SEGMENT.trailing_zeros() as usize;
 
 /// A slot's segment and its offset in it.
@@ -36,12 +45,6 @@ fn segment_of(slot: u32) -> (usize, usize) {
     let shifted = u64::from(slot) + u64::from(FIRST_SEGMENT);
     let segment = shifted.ilog2() - FIRST_SEGMENT.ilog2();
     (segment as usize, (shifted - (u64::from(FIRST_SEGMENT) << segment)) as usize)
-}
-
-struct Slot<T> {
-    value: T,
-    /// The next free slot while this one is free.
-    next_free: AtomicU32,
 }
 
 /// The owner's part: written by the owner alone, on its own line.
@@ -54,21 +57,24 @@ struct OwnerState {
 
 /// A table of `T` slots with one owner thread (see the module docs).
 pub struct OwnerSlots<T> {
-    segments: [OnceLock<Box<[Slot<T>]>>; SEGMENTS],
+    /// Segment 0, made with the table; `segments[0]` stays empty.
+    first: Box<[T]>,
+    segments: [OnceLock<Box<[T]>>; SEGMENTS],
     local: CachePadded<OwnerState>,
     remote_free: CachePadded<AtomicU32>,
 }
 
-impl<T: Default> Default for OwnerSlots<T> {
+impl<T: Default + FreeLink> Default for OwnerSlots<T> {
     fn default() -> Self {
         OwnerSlots::new()
     }
 }
 
-impl<T: Default> OwnerSlots<T> {
-    /// An empty table; its first segment is made on the first [`OwnerSlots::claim`].
+impl<T: Default + FreeLink> OwnerSlots<T> {
+    /// A table with no slot in use (its first segment made now, the rest on demand).
     pub fn new() -> OwnerSlots<T> {
         OwnerSlots {
+            first: (0..FIRST_SEGMENT).map(|_| T::default()).collect(),
             segments: std::array::from_fn(|_| OnceLock::new()),
             local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
             remote_free: CachePadded::new(AtomicU32::new(NO_SLOT)),
@@ -94,9 +100,9 @@ impl<T: Default> OwnerSlots<T> {
                 return self.fresh();
             }
         }
-        let slot = self.slot(head)?;
-        self.local.free_head.store(slot.next_free.load(Ordering::Relaxed), Ordering::Relaxed);
-        Some((head, &slot.value))
+        let value = self.get(head)?;
+        self.local.free_head.store(value.free_link().load(Ordering::Relaxed), Ordering::Relaxed);
+        Some((head, value))
     }
 
     #[cold]
@@ -106,52 +112,56 @@ impl<T: Default> OwnerSlots<T> {
             return None;
         }
         let (segment, offset) = segment_of(number);
-        let slots = self.segments[segment].get_or_init(|| {
-            (0..FIRST_SEGMENT << segment)
-                .map(|_| Slot { value: T::default(), next_free: AtomicU32::new(NO_SLOT) })
-                .collect()
-        });
+        let value = match segment {
+            0 => &self.first[offset],
+            k => &self.segments[k].get_or_init(|| (0..FIRST_SEGMENT << k).map(|_| T::default()).collect())[offset],
+        };
         self.local.fresh.store(number + 1, Ordering::Relaxed);
-        Some((number, &slots[offset].value))
+        Some((number, value))
     }
 }
 
-impl<T> OwnerSlots<T> {
+impl<T: FreeLink> OwnerSlots<T> {
+    /// The value in slot `number`, if that slot's segment exists (any thread; a number
+    /// from untrusted input is safe to ask about).
     #[inline]
-    fn slot(&self, number: u32) -> Option<&Slot<T>> {
+    pub fn get(&self, number: u32) -> Option<&T> {
+        match self.first.get(number as usize) {
+            Some(value) => Some(value),
+            None => self.beyond_first(number),
+        }
+    }
+
+    fn beyond_first(&self, number: u32) -> Option<&T> {
         let (segment, offset) = segment_of(number);
         self.segments.get(segment)?.get()?.get(offset)
     }
 
-    /// The value in slot `number`, if that slot was ever handed out (any thread; a
-    /// number from untrusted input is safe to ask about).
-    #[inline]
-    pub fn get(&self, number: u32) -> Option<&T> {
-        self.slot(number).map(|slot| &slot.value)
-    }
-
-    /// Gives slot `number` back for reuse. `owned_here` says whether the calling thread
-    /// is the owner (its own list) or not (the remote stack).
+    /// Gives slot `number`, whose value is `value` (what [`OwnerSlots::get`] returns for
+    /// it), back for reuse. `owned_here` says whether the calling thread is the owner
+    /// (its own list) or not (the remote stack).
     ///
     /// Exactly once per claim: the caller decides, through the value's own state, that
     /// it alone gives this slot back (a slot given back twice is handed out twice).
-    /// A number that was never handed out is ignored.
     #[inline]
-    pub fn give_back(&self, number: u32, owned_here: bool) {
-        let Some(slot) = self.slot(number) else { return };
+    pub fn give_back(&self, number: u32, value: &T, owned_here: bool) {
+        debug_assert!(
+            self.get(number).is_some_and(|own| std::ptr::eq(own, value)),
+            "slot {number} given back with another value"
+        );
         if owned_here {
-            slot.next_free.store(self.local.free_head.load(Ordering::Relaxed), Ordering::Relaxed);
+            value.free_link().store(self.local.free_head.load(Ordering::Relaxed), Ordering::Relaxed);
             self.local.free_head.store(number, Ordering::Relaxed);
         } else {
-            self.push_remote(number, slot);
+            self.push_remote(number, value);
         }
     }
 
     #[cold]
-    fn push_remote(&self, number: u32, slot: &Slot<T>) {
+    fn push_remote(&self, number: u32, value: &T) {
         let mut head = self.remote_free.load(Ordering::Relaxed);
         loop {
-            slot.next_free.store(head, Ordering::Relaxed);
+            value.free_link().store(head, Ordering::Relaxed);
             // Release: the link and everything the giver did before publish with it.
             match self.remote_free.compare_exchange_weak(head, number, Ordering::Release, Ordering::Relaxed) {
                 Ok(_) => return,
@@ -160,9 +170,26 @@ impl<T> OwnerSlots<T> {
         }
     }
 
-    /// Every slot's value handed out so far, in use or free (cold path: counts, sweeps).
+    /// Every slot's value in segments made so far, in use or free (cold path: counts,
+    /// sweeps).
     pub fn iter(&self) -> impl Iterator<Item = &T> {
-        self.segments.iter().filter_map(OnceLock::get).flat_map(|slots| slots.iter().map(|slot| &slot.value))
+        let rest = self.segments.iter().skip(1).filter_map(OnceLock::get).flat_map(|segment| segment.iter());
+        self.first.iter().chain(rest)
+    }
+}
+
+/// A slot value that is its link and one payload word (for the tests and models).
+#[cfg(test)]
+#[derive(Default)]
+struct Cell {
+    link: AtomicU32,
+    payload: crate::primitives::AtomicU64,
+}
+
+#[cfg(test)]
+impl FreeLink for Cell {
+    fn free_link(&self) -> &AtomicU32 {
+        &self.link
     }
 }
 
@@ -182,21 +209,23 @@ mod tests {
         assert!(segment_of(NO_SLOT - 1).0 < SEGMENTS, "the last number has a segment");
     }
 
+    fn give_back(table: &OwnerSlots<Cell>, number: u32, owned_here: bool) {
+        table.give_back(number, table.get(number).unwrap(), owned_here);
+    }
+
     #[test]
     fn given_back_slots_are_reused_before_fresh_ones_and_none_twice() {
-        let table = OwnerSlots::<u32>::new();
+        let table = OwnerSlots::<Cell>::new();
         let numbers: Vec<u32> = (0..40).map(|_| table.claim().unwrap().0).collect();
         assert_eq!(numbers, (0..40).collect::<Vec<_>>(), "fresh slots in order, across a segment boundary");
-        table.give_back(3, true);
-        table.give_back(7, false);
-        table.give_back(9, false);
+        give_back(&table, 3, true);
+        give_back(&table, 7, false);
+        give_back(&table, 9, false);
         // Own list first, then the remote stack taken whole (last pushed first).
         let again: Vec<u32> = (0..4).map(|_| table.claim().unwrap().0).collect();
         assert_eq!(again, [3, 9, 7, 40]);
         assert_eq!(table.iter().count(), 32 + 64, "two segments, the second twice the first");
         assert!(table.get(95).is_some() && table.get(96).is_none() && table.get(NO_SLOT).is_none());
-        table.give_back(1_000_000, true);
-        assert_eq!(table.claim().unwrap().0, 41, "a number never handed out is ignored");
     }
 }
 
@@ -204,7 +233,6 @@ mod tests {
 #[cfg(all(test, memory_loom))]
 mod loom_owner_slots {
     use super::*;
-    use crate::primitives::AtomicU64;
     use std::sync::Arc;
 
     /// Two other threads giving slots back while the owner claims: every number comes
@@ -213,7 +241,7 @@ mod loom_owner_slots {
     #[test]
     fn loom_remote_give_backs_and_the_owners_take_all_lose_nothing() {
         loom::model(|| {
-            let table = Arc::new(OwnerSlots::<AtomicU64>::new());
+            let table = Arc::new(OwnerSlots::<Cell>::new());
             let first = table.claim().unwrap().0;
             let second = table.claim().unwrap().0;
             let givers: Vec<_> = [first, second]
@@ -221,8 +249,9 @@ mod loom_owner_slots {
                 .map(|number| {
                     let table = Arc::clone(&table);
                     loom::thread::spawn(move || {
-                        table.get(number).unwrap().store(u64::from(number) + 100, Ordering::Relaxed);
-                        table.give_back(number, false);
+                        let cell = table.get(number).unwrap();
+                        cell.payload.store(u64::from(number) + 100, Ordering::Relaxed);
+                        table.give_back(number, cell, false);
                     })
                 })
                 .collect();
@@ -233,7 +262,7 @@ mod loom_owner_slots {
             let mut numbers = vec![during, table.claim().unwrap().0, table.claim().unwrap().0];
             for &number in &numbers {
                 if number == first || number == second {
-                    let seen = table.get(number).unwrap().load(Ordering::Relaxed);
+                    let seen = table.get(number).unwrap().payload.load(Ordering::Relaxed);
                     assert_eq!(seen, u64::from(number) + 100, "the giver's write is visible on reuse");
                 }
             }
