@@ -218,12 +218,14 @@ mod tests {
         let table = OwnerSlots::<Cell>::new();
         let numbers: Vec<u32> = (0..40).map(|_| table.claim().unwrap().0).collect();
         assert_eq!(numbers, (0..40).collect::<Vec<_>>(), "fresh slots in order, across a segment boundary");
+        table.get(3).unwrap().payload.store(33, Ordering::Relaxed);
         give_back(&table, 3, true);
         give_back(&table, 7, false);
         give_back(&table, 9, false);
         // Own list first, then the remote stack taken whole (last pushed first).
         let again: Vec<u32> = (0..4).map(|_| table.claim().unwrap().0).collect();
         assert_eq!(again, [3, 9, 7, 40]);
+        assert_eq!(table.get(3).unwrap().payload.load(Ordering::Relaxed), 33, "the value is the caller's: kept");
         assert_eq!(table.iter().count(), 32 + 64, "two segments, the second twice the first");
         assert!(table.get(95).is_some() && table.get(96).is_none() && table.get(NO_SLOT).is_none());
     }
