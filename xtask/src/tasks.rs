@@ -156,6 +156,34 @@ pub(crate) fn clear_stale_package_sources() {
             }
         }
     }
+    forget_registry_builds(&target_dir());
+}
+
+/// Makes cargo rebuild what it built of our published crates from a local registry's
+/// unpacked copy: it fingerprints a registry package by name and version, not by its
+/// contents, so after a change at the same version the `package` step would link the
+/// old build against the new sources. A build is recognised by its dep-info file
+/// (`<profile>/deps/<crate>-<hash>.d`) naming sources under `registry/src/-<hash>`; its
+/// fingerprint directory is removed. Builds from the workspace itself are untouched.
+fn forget_registry_builds(target: &Path) {
+    for profile in ["debug", "release"] {
+        let Ok(entries) = std::fs::read_dir(target.join(profile).join("deps")) else { continue };
+        for entry in entries.filter_map(Result::ok) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some((krate, hash)) = name.strip_suffix(".d").and_then(|stem| stem.rsplit_once('-')) else {
+                continue;
+            };
+            let Some(published) = PUBLISHED_CRATES.iter().find(|published| published.replace('-', "_") == krate) else {
+                continue;
+            };
+            let from_local_registry = std::fs::read_to_string(entry.path())
+                .is_ok_and(|info| info.contains("/registry/src/-") || info.contains("\\registry\\src\\-"));
+            if from_local_registry {
+                let fingerprint = target.join(profile).join(".fingerprint").join(format!("{published}-{hash}"));
+                let _ = std::fs::remove_dir_all(fingerprint);
+            }
+        }
+    }
 }
 
 /// The loom step: the `--lib` tests of [`LOOM_CRATES`] whose names contain `loom`, in
@@ -361,6 +389,29 @@ pub(crate) fn extend_flags(existing: Option<String>, extra: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_builds_of_our_crates_from_a_local_registry_are_forgotten() {
+        let target = std::env::temp_dir().join(format!("xtask-forget-{}", std::process::id()));
+        let (deps, fingerprints) = (target.join("debug/deps"), target.join("debug/.fingerprint"));
+        std::fs::create_dir_all(&deps).unwrap();
+        let builds = [
+            ("memory_sync-aaa.d", "memory-sync-aaa", "/home/u/.cargo/registry/src/-1f2e/memory-sync-0.1.0/src/lib.rs"),
+            ("memory_sync-bbb.d", "memory-sync-bbb", "/work/crates/memory-sync/src/lib.rs"),
+            ("memory_api-ccc.d", "memory-api-ccc", "/home/u/.cargo/registry/src/-1f2e/memory-api-0.1.0/src/lib.rs"),
+            ("serde-ddd.d", "serde-ddd", "/home/u/.cargo/registry/src/-1f2e/serde-1.0.0/src/lib.rs"),
+        ];
+        for (info, fingerprint, source) in builds {
+            std::fs::write(deps.join(info), format!("{source}:\n")).unwrap();
+            std::fs::create_dir_all(fingerprints.join(fingerprint)).unwrap();
+        }
+        forget_registry_builds(&target);
+        let left = |fingerprint: &str| fingerprints.join(fingerprint).exists();
+        assert!(!left("memory-sync-aaa") && !left("memory-api-ccc"), "our crates built from a local registry");
+        assert!(left("memory-sync-bbb"), "a workspace build is kept");
+        assert!(left("serde-ddd"), "another crate is never touched");
+        std::fs::remove_dir_all(&target).unwrap();
+    }
 
     fn names(steps: &[Step]) -> Vec<&'static str> {
         steps.iter().map(|step| step.name).collect()

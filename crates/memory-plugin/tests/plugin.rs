@@ -530,6 +530,53 @@ fn forged_and_repeated_blocks_never_reach_the_plugin() {
     assert_eq!(plugin_allocations(&library), 0);
 }
 
+/// Two threads releasing copies of the same blocks at once, the blocks made on a third:
+/// each block reaches the plugin exactly once (a second release there would free it
+/// twice, and the plugin's tally, allocations minus releases, would not come back to
+/// zero), the other copy is refused as not owned, and the recording thread reuses the
+/// slots the others gave back.
+#[test]
+fn racing_releases_from_other_threads_reach_the_plugin_exactly_once() {
+    let (library, _) = load("racing");
+    let allocator = instance(&library, "").unwrap();
+    let blocks = if cfg!(miri) { 50 } else { 2000 };
+    for round in 0..3 {
+        let made: Vec<RawAllocation> = (0..blocks).map(|_| allocator.allocate(&request(64)).unwrap()).collect();
+        let copies = |made: &[RawAllocation]| -> Vec<RawAllocation> {
+            made.iter()
+                .map(|b| RawAllocation::new(b.address(), b.bytes(), b.align(), b.device(), b.provider_tag()))
+                .collect()
+        };
+        let sides = [copies(&made), made];
+        let start = Arc::new(std::sync::Barrier::new(2));
+        let outcomes: Vec<(usize, usize)> = std::thread::scope(|scope| {
+            let racers: Vec<_> = sides
+                .into_iter()
+                .map(|side| {
+                    let (allocator, start) = (allocator.clone(), Arc::clone(&start));
+                    scope.spawn(move || {
+                        start.wait();
+                        side.into_iter().fold((0, 0), |(complete, refused), block| match allocator.release(block) {
+                            ReleaseOutcome::Complete(_) => (complete + 1, refused),
+                            ReleaseOutcome::Failed(failed) => {
+                                assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }), "{}", failed.error());
+                                (complete, refused + 1)
+                            }
+                            other => panic!("round {round}: {}", other.summary()),
+                        })
+                    })
+                })
+                .collect();
+            racers.into_iter().map(|racer| racer.join().unwrap()).collect()
+        });
+        let complete: usize = outcomes.iter().map(|(complete, _)| complete).sum();
+        let refused: usize = outcomes.iter().map(|(_, refused)| refused).sum();
+        assert_eq!((complete, refused), (blocks, blocks), "round {round}: {outcomes:?}");
+        assert_eq!(plugin_allocations(&library), 0, "round {round}: a block reached the plugin twice or never");
+        assert_eq!(allocator.host_tally().allocations, 0, "round {round}");
+    }
+}
+
 #[test]
 fn an_overclaiming_commit_is_an_error() {
     let (library, _) = load("commit");
