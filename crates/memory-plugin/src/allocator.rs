@@ -17,9 +17,9 @@ use memory_api::{
 };
 use memory_plugin_abi::{
     MP_ABI_MAJOR, MP_CAP_DEFERRED_RELEASE, MP_CAP_SHARED_MAPPING, MP_CAP_STRUCTURED_RELEASE, MP_CAP_VIRTUAL_BACKING,
-    MP_ERR_BACKEND, MP_ERR_DEVICE_LOST, MP_ERR_INVALID_ARGUMENT, MP_ERR_NOT_OWNED, MP_ERR_OUT_OF_MEMORY,
-    MP_ERR_UNSUPPORTED, MP_OK, MP_RELEASE_COMPLETE, MP_RELEASE_FAILED, MP_RELEASE_QUARANTINED, MpAllocator, MpBlock,
-    MpDevice, MpReleaseOutcome, MpRequest, MpStats, MpStatus, MpTally, status_name,
+    MP_ERR_BACKEND, MP_ERR_DEVICE_LOST, MP_ERR_NOT_OWNED, MP_ERR_OUT_OF_MEMORY, MP_ERR_UNSUPPORTED, MP_OK,
+    MP_RELEASE_COMPLETE, MP_RELEASE_FAILED, MP_RELEASE_QUARANTINED, MpAllocator, MpBlock, MpDevice, MpReleaseOutcome,
+    MpRequest, MpStats, MpStatus, MpTally, status_name,
 };
 
 use crate::error::{PluginError, StatusCode};
@@ -106,8 +106,8 @@ impl Instance {
         let bytes = usize::try_from(block.bytes).map_err(|_| too_large)?;
         let align = usize::try_from(block.align).ok().filter(|a| a.is_power_of_two()).ok_or(too_large)?;
         let tag = self.records.insert(block).ok_or(
-            "; the loader cannot record another block from this thread (65535 threads, or 2^24 live blocks from one \
-             thread, at most): release blocks or allocate from fewer threads",
+            "; the loader cannot record another block from this thread (it records at most 2^24 - 32 live blocks \
+             per thread): release some, or allocate from more threads",
         )?;
         Ok(RawAllocation::new(address, bytes, align, self.device, tag))
     }
@@ -203,19 +203,24 @@ impl PluginAllocator {
     /// instance came from a library.
     pub fn relinquish(self) -> Result<(), PluginAllocator> {
         let shared = self.shared;
-        let returnable = shared.library.is_none() && shared.records.count().0 == 0;
-        if !returnable {
+        if shared.library.is_some() {
             return Err(PluginAllocator { shared });
         }
-        match Arc::try_unwrap(shared) {
-            Ok(mut instance) => {
-                // No `destroy`: the instance goes back to its caller untouched.
-                instance.table.destroy = None;
-                tracing::info!(plugin = %instance.name, "plugin allocator instance handed back to its caller");
-                Ok(())
-            }
-            Err(shared) => Err(PluginAllocator { shared }),
+        // The last clone first, then the count: no other clone can record a block after.
+        let mut instance = Arc::try_unwrap(shared).map_err(|shared| PluginAllocator { shared })?;
+        if instance.records.count().0 != 0 {
+            // Still the only handle: wrap it again, its self-reference renewed.
+            return Err(PluginAllocator {
+                shared: Arc::new_cyclic(|me| {
+                    instance.me = me.clone();
+                    instance
+                }),
+            });
         }
+        // No `destroy`: the instance goes back to its caller untouched.
+        instance.table.destroy = None;
+        tracing::info!(plugin = %instance.name, "plugin allocator instance handed back to its caller");
+        Ok(())
     }
 
     /// The ABI minor version both sides agreed on.
@@ -421,7 +426,7 @@ impl DeviceAllocator for PluginAllocator {
             }
             Err(why) => {
                 shared.give_back(block, "a block this host cannot record was not taken back cleanly");
-                Err(alloc_error(shared, request, MP_ERR_INVALID_ARGUMENT, why))
+                Err(alloc_error(shared, request, MP_ERR_BACKEND, why))
             }
         }
     }
@@ -448,8 +453,10 @@ impl DeviceAllocator for PluginAllocator {
         let status = unsafe { release(shared.ptr(), record, &mut out) };
         let bytes = allocation.bytes();
         if status == MP_OK && !shared.has(MP_CAP_STRUCTURED_RELEASE) {
-            tracing::trace!(plugin = %shared.name, bytes, "plugin release");
+            // Freed first: nothing that could panic (a tracing subscriber) runs between
+            // the plugin's release and the record's.
             taken.free();
+            tracing::trace!(plugin = %shared.name, bytes, "plugin release");
             return ReleaseOutcome::complete(bytes);
         }
         if status != MP_OK {
@@ -469,6 +476,7 @@ impl DeviceAllocator for PluginAllocator {
         }
         match out.kind {
             MP_RELEASE_COMPLETE => {
+                taken.free();
                 tracing::trace!(plugin = %shared.name, bytes, "plugin release");
                 // A plugin cannot give back more than the block: its claim is held to it.
                 // (An overclaiming quarantine is corrected the conservative way, to all
@@ -476,7 +484,6 @@ impl DeviceAllocator for PluginAllocator {
                 if unmapped > bytes {
                     tracing::warn!(plugin = %shared.name, claimed = unmapped, bytes, "plugin release claimed more than the block");
                 }
-                taken.free();
                 ReleaseOutcome::complete(unmapped.min(bytes))
             }
             MP_RELEASE_QUARANTINED => {
@@ -543,7 +550,7 @@ fn keep(
     allocation: RawAllocation,
     outcome: impl FnOnce(RawAllocation) -> ReleaseOutcome,
 ) -> ReleaseOutcome {
-    drop(taken);
+    taken.restore();
     let result = outcome(allocation);
     tracing::warn!(plugin = %shared.name, outcome = %result.summary(), "plugin release did not complete");
     result

@@ -15,22 +15,31 @@
 //!   after its state left it). The taker then frees the record (plain store; the slot
 //!   goes back to its owner) or, when the plugin kept the block, restores it as it was,
 //!   under the same tag.
-//! - A block's `provider_tag` names its record: owner index, slot, and the low bits of
-//!   the generation, so a stale tag does not take a reused slot's record. The block
-//!   itself is compared too (address, size, alignment, device).
+//! - A block's `provider_tag` names its record: owner index, slot, and the low 24 bits
+//!   of the generation, so a stale tag does not take a slot reused since (unless it was
+//!   reused a multiple of 2^24 times). The block itself is compared too (address, size,
+//!   alignment, device).
+//! - Threads whose index the tag's 16 bits cannot name share one overflow part, whose
+//!   slots they claim under a lock (cold: more than 65534 threads at once, or indices
+//!   taken in thread-local destructors, which are never recycled).
+//! - A thread records at most 2^24 - 32 blocks live at once; past that, recording fails
+//!   (the allocation is refused) until some are released.
 
 use memory_api::RawAllocation;
 use memory_plugin_abi::{MpBlock, MpDevice};
+use memory_sync::lock;
 use memory_sync::owner_slots::{FreeLink, OwnerSlots};
 use memory_sync::per_thread::{PerThread, is_current, thread_index};
-use memory_sync::primitives::{AtomicU32, AtomicU64, Ordering, fence};
+use memory_sync::primitives::{AtomicU32, AtomicU64, Mutex, Ordering, fence};
 
 use crate::negotiate::abi_device;
 
 const SLOT_BITS: u32 = 24;
 const GENERATION_BITS: u32 = 24;
 const OWNER_BITS: u32 = 64 - SLOT_BITS - GENERATION_BITS;
-/// The owner index no part has: a tag with it (all ones, say) names no record.
+/// The owner index of the shared overflow part: threads whose index is this or above
+/// record there. (Its slot field never reaches all ones, so the all-ones tag names no
+/// record.)
 const NO_OWNER: usize = (1 << OWNER_BITS) - 1;
 const GENERATION_MASK: u64 = (1 << GENERATION_BITS) - 1;
 /// A record's state word when it holds no block.
@@ -84,16 +93,45 @@ impl Record {
     }
 }
 
-/// One thread's records.
-#[derive(Default)]
+/// One thread's records (or, for threads whose index a tag cannot name, the shared
+/// overflow part, claimed under a lock).
 struct Part {
     slots: OwnerSlots<Record>,
     /// The next generation to record under (owner only; starts at 1, never wraps).
     next_generation: AtomicU64,
 }
 
+impl Part {
+    fn new() -> Part {
+        Part { slots: OwnerSlots::with_limit(1 << SLOT_BITS), next_generation: AtomicU64::new(0) }
+    }
+
+    /// Records `block` in a free slot (owner only); its slot and generation.
+    #[inline]
+    fn record(&self, block: &MpBlock) -> Option<(u32, u64)> {
+        let (slot, record) = self.slots.claim()?;
+        let generation = self.next_generation.load(Ordering::Relaxed) + 1;
+        self.next_generation.store(generation, Ordering::Relaxed);
+        // Release fence: a reader that sees one of the writes below also sees the state
+        // this slot had before (freed), so its second look at the state (`get`) notices
+        // the reuse. Free on x86.
+        fence(Ordering::Release);
+        record.write(block);
+        // Release: the block's fields before the generation that publishes them.
+        record.state.store(generation, Ordering::Release);
+        Some((slot, generation))
+    }
+}
+
 pub(crate) struct Records {
     parts: PerThread<Box<Part>>,
+    /// The records of threads whose index is [`NO_OWNER`] or above (an index a tag
+    /// cannot name: more than 65534 threads at once, or indices taken in thread-local
+    /// destructors and never recycled). One part, so one writer at a time claims its
+    /// slots under `overflow_claims`; their slots always come back through its remote
+    /// stack.
+    overflow: Part,
+    overflow_claims: Mutex<()>,
 }
 
 #[inline]
@@ -120,80 +158,90 @@ fn matches(record: &MpBlock, block: &RawAllocation, device: MpDevice) -> bool {
 
 impl Records {
     pub(crate) fn new() -> Records {
-        Records { parts: PerThread::new() }
+        Records { parts: PerThread::new(), overflow: Part::new(), overflow_claims: Mutex::new(()) }
     }
 
     /// Records `block` in the calling thread's part; returns the tag that names the
-    /// record. `None` when the tag cannot name it: more than 2^16 - 1 threads at once,
-    /// or 2^24 blocks live from one thread.
+    /// record. `None` when the part has 2^24 - 32 blocks live.
     #[inline]
     pub(crate) fn insert(&self, block: &MpBlock) -> Option<u64> {
-        let owner = thread_index();
+        self.insert_as(thread_index(), block)
+    }
+
+    /// [`Records::insert`] for the thread whose index is `owner`.
+    #[inline]
+    fn insert_as(&self, owner: usize, block: &MpBlock) -> Option<u64> {
         if owner >= NO_OWNER {
-            return None;
+            return self.insert_overflow(block);
         }
-        let part = self.parts.get_or(owner, Box::default);
-        let (slot, record) = part.slots.claim()?;
-        if slot >> SLOT_BITS != 0 {
-            part.slots.give_back(slot, record, true);
-            return None;
-        }
-        let generation = part.next_generation.load(Ordering::Relaxed) + 1;
-        part.next_generation.store(generation, Ordering::Relaxed);
-        record.write(block);
-        // Release: the block's fields before the generation that publishes them.
-        record.state.store(generation, Ordering::Release);
+        let part = self.parts.get_or(owner, || Box::new(Part::new()));
+        let (slot, generation) = part.record(block)?;
         Some(tag(owner, slot, generation))
+    }
+
+    #[cold]
+    fn insert_overflow(&self, block: &MpBlock) -> Option<u64> {
+        let _claims = lock(&self.overflow_claims);
+        let (slot, generation) = self.overflow.record(block)?;
+        Some(tag(NO_OWNER, slot, generation))
+    }
+
+    /// The part a tag's owner index names.
+    #[inline]
+    fn part(&self, owner: usize) -> Option<&Part> {
+        if owner >= NO_OWNER { Some(&self.overflow) } else { self.parts.get(owner).map(|part| &**part) }
     }
 
     /// The live record a tag names and its state word, if its generation matches and
     /// no release of it is under way.
     #[inline]
-    fn lookup(&self, tag: u64) -> Option<(&Part, u32, &Record, u64)> {
+    fn lookup(&self, tag: u64) -> Option<(&Part, usize, u32, &Record, u64)> {
         let (owner, slot, generation) = untag(tag);
-        let part = self.parts.get(owner)?;
+        let part = self.part(owner)?;
         let record = part.slots.get(slot)?;
         let state = record.state.load(Ordering::Acquire);
         let live = state != FREE && state & IN_TRANSIT == 0 && state & GENERATION_MASK == generation;
-        live.then_some((part, slot, record, state))
+        live.then_some((part, owner, slot, record, state))
     }
 
     /// Takes the record of `block` for a release, if it is one of ours and describes
     /// exactly it (any thread; of two racing takes of one record exactly one gets it).
     /// Until the taker frees or restores it, the record counts and refuses every other
-    /// take; dropping the taken record restores it.
+    /// take.
     #[inline]
     pub(crate) fn take(&self, block: &RawAllocation, device: MpDevice) -> Option<TakenRecord<'_>> {
-        let (part, slot, record, state) = self.lookup(block.provider_tag())?;
+        let (part, owner, slot, record, state) = self.lookup(block.provider_tag())?;
         let recorded = record.read();
         if !matches(&recorded, block, device) {
             return None;
         }
         // Success means the state stayed `state` since the Acquire load, so `recorded`
-        // is that generation's block. Relaxed is enough: the slot is rewritten only
-        // after the taker's `free`, which comes after these reads in program order and
-        // reaches the owner through its own list or the remote stack (Release/Acquire).
-        record.state.compare_exchange(state, state | IN_TRANSIT, Ordering::Relaxed, Ordering::Relaxed).ok()?;
-        let owner = untag(block.provider_tag()).0;
-        Some(TakenRecord { part, owner, slot, record, live: state, block: recorded })
+        // is that generation's block (a slot is rewritten only after it was freed).
+        // Acquire: a taker that wins after another's restore sees that thread's reads as
+        // done before (free on x86).
+        record.state.compare_exchange(state, state | IN_TRANSIT, Ordering::Acquire, Ordering::Relaxed).ok()?;
+        // Slots of the overflow part always go back through its remote stack.
+        let owned_here = owner < NO_OWNER && is_current(owner);
+        Some(TakenRecord { part, slot, owned_here, record, live: state, block: recorded })
     }
 
     /// A copy of the record of `block`, if it is one of ours and no release of it is
     /// under way (any thread).
     pub(crate) fn get(&self, block: &RawAllocation, device: MpDevice) -> Option<MpBlock> {
-        let (_, _, record, state) = self.lookup(block.provider_tag())?;
+        let (_, _, _, record, state) = self.lookup(block.provider_tag())?;
         let recorded = record.read();
         // The reads above before the second look at the state: unchanged, they were
-        // that generation's block.
+        // that generation's block (see the fence in `Part::record`).
         fence(Ordering::Acquire);
         let unchanged = record.state.load(Ordering::Relaxed) == state;
         (unchanged && matches(&recorded, block, device)).then_some(recorded)
     }
 
-    /// Blocks recorded and their bytes (cold: reads every record; a racing insert or
-    /// take may or may not be counted).
+    /// Blocks recorded and their bytes, releases under way included (cold: reads every
+    /// record; a racing insert or take may or may not be counted).
     pub(crate) fn count(&self) -> (usize, usize) {
-        let records = self.parts.iter().flat_map(|part| part.slots.iter());
+        let parts = self.parts.iter().map(|part| &**part).chain(std::iter::once(&self.overflow));
+        let records = parts.flat_map(|part| part.slots.iter());
         records.filter(|record| record.state.load(Ordering::Acquire) != FREE).fold((0, 0), |(count, bytes), record| {
             // Saturating: block sizes are the plugin's word, and a tally never panics.
             let size = usize::try_from(record.bytes.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
@@ -202,12 +250,17 @@ impl Records {
     }
 }
 
-/// A record taken for a release: the block as the plugin issued it. [`TakenRecord::free`]
-/// once the plugin took the block back; dropping it puts the record back as it was.
+/// A record taken for a release: the block as the plugin issued it. Settle it with
+/// [`TakenRecord::free`] once the plugin took the block back, or
+/// [`TakenRecord::restore`] when it kept it. Dropped unsettled (a panic on the way), the
+/// record stays in transit: counted, so unload waits, and never taken again, since
+/// whether the plugin still holds the block is unknown.
+#[must_use = "free or restore the record; dropped, it stays in transit for good"]
 pub(crate) struct TakenRecord<'a> {
     part: &'a Part,
-    owner: usize,
     slot: u32,
+    /// Whether the calling thread owns the record's slot.
+    owned_here: bool,
     record: &'a Record,
     /// The record's state word while live (its generation).
     live: u64,
@@ -226,15 +279,12 @@ impl TakenRecord<'_> {
     #[inline]
     pub(crate) fn free(self) {
         self.record.state.store(FREE, Ordering::Relaxed);
-        self.part.slots.give_back(self.slot, self.record, is_current(self.owner));
-        std::mem::forget(self);
+        self.part.slots.give_back(self.slot, self.record, self.owned_here);
     }
-}
 
-impl Drop for TakenRecord<'_> {
-    /// The block stays the plugin's: the record is live again under its tag.
+    /// The plugin kept the block: the record is live again under the same tag.
     #[inline]
-    fn drop(&mut self) {
+    pub(crate) fn restore(self) {
         self.record.state.store(self.live, Ordering::Release);
     }
 }
@@ -266,15 +316,58 @@ mod tests {
     #[test]
     fn tags_round_trip_and_all_ones_names_no_record() {
         assert_eq!(untag(tag(5, 77, 1 << 30 | 9)), (5, 77, 9), "the generation keeps its low bits");
-        assert_eq!(untag(u64::MAX).0, NO_OWNER, "all ones names no part");
+        assert_eq!(untag(u64::MAX).0, NO_OWNER, "all ones names the overflow part");
         let records = Records::new();
         let first = block(0x1000);
-        let mut forged = raw(&first, u64::MAX);
-        assert!(take_free(&records, &forged, HOST).is_none() && records.get(&forged, HOST).is_none());
         let recorded = records.insert(&first).unwrap();
-        forged = raw(&first, recorded ^ 1);
-        assert!(take_free(&records, &forged, HOST).is_none(), "another generation's tag takes nothing");
-        assert_eq!(records.count(), (1, 256));
+        // The overflow part holds records too, and still the all-ones slot is never one.
+        let overflowed = records.insert_as(NO_OWNER, &first).unwrap();
+        assert_eq!(untag(overflowed).0, NO_OWNER);
+        for forged in [u64::MAX, recorded ^ 1, overflowed ^ 1] {
+            let forged = raw(&first, forged);
+            assert!(records.get(&forged, HOST).is_none(), "{:#x}", forged.provider_tag());
+            assert!(take_free(&records, &forged, HOST).is_none(), "{:#x}", forged.provider_tag());
+        }
+        assert_eq!(records.count(), (2, 512));
+    }
+
+    #[test]
+    fn threads_past_the_tags_owner_field_share_the_overflow_part() {
+        let records = std::sync::Arc::new(Records::new());
+        let blocks: Vec<MpBlock> = (1..=40).map(|i| block(i * 0x1000)).collect();
+        // Indices the tag cannot name, as a thread past 65534 or one recording in its
+        // thread-local destructors has.
+        let tags: Vec<u64> =
+            blocks.iter().enumerate().map(|(i, b)| records.insert_as(NO_OWNER + i, b).unwrap()).collect();
+        assert!(tags.iter().all(|&tag| untag(tag).0 == NO_OWNER));
+        assert_eq!(records.count(), (40, 40 * 256));
+        // Released from another thread: the slots come back for the next overflowing
+        // recorder, whose claims are serialised by the part's lock.
+        let releaser = std::sync::Arc::clone(&records);
+        let pairs: Vec<_> = blocks.iter().copied().zip(tags.iter().copied()).collect();
+        std::thread::spawn(move || {
+            for (block, tag) in pairs {
+                assert_eq!(take_free(&releaser, &raw(&block, tag), HOST), Some(block));
+            }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(records.count(), (0, 0));
+        let reused: Vec<u32> = blocks.iter().map(|b| untag(records.insert_as(NO_OWNER, b).unwrap()).1).collect();
+        assert!(reused.iter().all(|&slot| slot < 40), "{reused:?}");
+    }
+
+    #[test]
+    fn a_full_part_refuses_to_record_until_a_block_is_released() {
+        let part = Part { slots: OwnerSlots::with_limit(40), next_generation: AtomicU64::new(0) };
+        let first = block(0x1000);
+        let slots: Vec<u32> = (0..32).map(|_| part.record(&first).unwrap().0).collect();
+        assert!(part.record(&first).is_none(), "full");
+        let freed = part.slots.get(slots[7]).unwrap();
+        freed.state.store(FREE, Ordering::Relaxed);
+        part.slots.give_back(slots[7], freed, false);
+        assert_eq!(part.record(&first).unwrap().0, slots[7], "a released slot is recorded into again");
+        assert!(part.record(&first).is_none());
     }
 
     #[test]
@@ -311,11 +404,15 @@ mod tests {
         assert!(records.take(&presented, HOST).is_none(), "a second release while the first is under way");
         assert!(records.get(&presented, HOST).is_none(), "no capability on a block being released");
         assert_eq!(records.count(), (1, 256), "a record in transit still counts (unload waits for it)");
-        // The plugin kept the block: dropping the taken record restores it.
-        drop(taken);
+        // The plugin kept the block: restored, under the same tag.
+        taken.restore();
         assert_eq!(records.get(&presented, HOST), Some(first), "live again under the same tag");
-        assert_eq!(take_free(&records, &presented, HOST), Some(first));
-        assert_eq!(records.count(), (0, 0));
+        // A release that ends unsettled (a panic on the way) leaves the record in transit
+        // for good: counted, never taken again.
+        let unsettled = records.take(&presented, HOST).unwrap();
+        std::mem::drop(unsettled);
+        assert!(records.take(&presented, HOST).is_none() && records.get(&presented, HOST).is_none());
+        assert_eq!(records.count(), (1, 256), "unload keeps waiting for it");
     }
 
     #[test]
@@ -411,25 +508,65 @@ mod loom_records {
         });
     }
 
-    /// A take from another thread racing the owner's reuse of that thread's given-back
-    /// slot: a reader of the old tag never gets the new block.
+    /// A reader of a stale tag (a capability lookup and a release) racing the release of
+    /// the block and the owner's reuse of its slot for another block that differs only
+    /// in the plugin's own tag: it gets the old block whole or nothing, never the new
+    /// record, and never takes it.
     #[test]
-    fn loom_a_stale_tag_never_reads_a_reused_record() {
+    fn loom_a_stale_tag_never_reads_or_takes_a_reused_record() {
         loom::model(|| {
             let records = Arc::new(Records::new());
             let first = block(0x1000);
             let tag = records.insert(&first).unwrap();
-            assert_eq!(take_free(&records, &raw(&first, tag), HOST), Some(first));
             let reader = {
                 let records = Arc::clone(&records);
                 loom::thread::spawn(move || {
-                    (records.get(&raw(&first, tag), HOST), take_free(&records, &raw(&first, tag), HOST))
+                    let got = records.get(&raw(&first, tag), HOST);
+                    let taken = records.take(&raw(&first, tag), HOST).map(|taken| {
+                        let block = *taken.block();
+                        taken.restore();
+                        block
+                    });
+                    (got, taken)
                 })
             };
-            let again = records.insert(&first).unwrap();
+            let released = take_free(&records, &raw(&first, tag), HOST);
+            let second = MpBlock { tag: first.tag + 1, ..first };
+            let again = records.insert(&second).unwrap();
             let (got, taken) = reader.join().unwrap();
-            assert!(got.is_none() && taken.is_none(), "the stale tag reached the reused record");
-            assert_eq!(take_free(&records, &raw(&first, again), HOST), Some(first));
+            assert!(got.is_none() || got == Some(first), "read {got:?}");
+            assert!(taken.is_none() || taken == Some(first), "took {taken:?}");
+            // The owner's release either won, or found the reader's take in progress (a
+            // release racing another release of one block loses) and left it live.
+            let live = usize::from(released.is_none()) + 1;
+            assert_eq!(records.count().0, live);
+            assert_eq!(take_free(&records, &raw(&second, again), HOST), Some(second));
+        });
+    }
+
+    /// A release the plugin refused (take, then restore) racing a second release of the
+    /// same block (take, then free): the second wins only if it took the record while it
+    /// was live, and either way the record ends freed exactly once or live under its tag.
+    #[test]
+    fn loom_a_restore_racing_another_release_frees_the_record_once_or_leaves_it_live() {
+        loom::model(|| {
+            let records = Arc::new(Records::new());
+            let first = block(0x1000);
+            let tag = records.insert(&first).unwrap();
+            let refused = {
+                let records = Arc::clone(&records);
+                loom::thread::spawn(move || records.take(&raw(&first, tag), HOST).map(TakenRecord::restore).is_some())
+            };
+            let freed = take_free(&records, &raw(&first, tag), HOST).is_some();
+            let restored = refused.join().unwrap();
+            assert!(freed || restored, "neither release took the record");
+            if freed {
+                assert_eq!(records.count(), (0, 0));
+                assert!(records.get(&raw(&first, tag), HOST).is_none());
+            } else {
+                assert_eq!(records.get(&raw(&first, tag), HOST), Some(first), "live again under its tag");
+                assert_eq!(take_free(&records, &raw(&first, tag), HOST), Some(first));
+            }
         });
     }
 }

@@ -542,6 +542,12 @@ fn racing_releases_from_other_threads_reach_the_plugin_exactly_once() {
     let blocks = if cfg!(miri) { 50 } else { 2000 };
     for round in 0..3 {
         let made: Vec<RawAllocation> = (0..blocks).map(|_| allocator.allocate(&request(64)).unwrap()).collect();
+        if round > 0 {
+            // The tag's slot field (bits 24..48): the slots the racers gave back through
+            // this thread's remote stack, not new ones.
+            let slots: Vec<u64> = made.iter().map(|b| (b.provider_tag() >> 24) & 0xff_ffff).collect();
+            assert!(slots.iter().all(|&slot| slot < blocks as u64), "round {round}: the records grew: {slots:?}");
+        }
         let copies = |made: &[RawAllocation]| -> Vec<RawAllocation> {
             made.iter()
                 .map(|b| RawAllocation::new(b.address(), b.bytes(), b.align(), b.device(), b.provider_tag()))

@@ -8,8 +8,10 @@
 //!   whole with one swap when its own list is empty. Take-all pops make the stack immune
 //!   to ABA.
 //! - Slots live in segments that never move (each twice the size of the one before; the
-//!   first made with the table and reached without an indirection), so any thread
+//!   first made with the table and reached without a `OnceLock` check), so any thread
 //!   reaches a slot by its number without a lock.
+//! - A table may hand out fewer numbers than a `u32` holds ([`OwnerSlots::with_limit`]):
+//!   at the limit, `claim` still reuses every number given back.
 //!
 //! What a slot holds, and how a value says whether it is in use, is the caller's: the
 //! table only recycles numbers, through one word of each value ([`FreeLink`]). Which thread is the owner is the caller's too (usually
@@ -39,6 +41,11 @@ const FIRST_SEGMENT: u32 = 2;
 /// Enough segments for every slot number below [`NO_SLOT`] (the first is inline).
 const SEGMENTS: usize = 33 - FIRST_SEGMENT.trailing_zeros() as usize;
 
+/// Slots in segment `k` (in `usize`: the last segments hold more than a `u32` counts).
+fn segment_len(k: usize) -> usize {
+    (FIRST_SEGMENT as usize) << k
+}
+
 /// A slot's segment and its offset in it.
 #[inline]
 fn segment_of(slot: u32) -> (usize, usize) {
@@ -57,6 +64,8 @@ struct OwnerState {
 
 /// A table of `T` slots with one owner thread (see the module docs).
 pub struct OwnerSlots<T> {
+    /// Numbers from here on are never handed out.
+    limit: u32,
     /// Segment 0, made with the table; `segments[0]` stays empty.
     first: Box<[T]>,
     segments: [OnceLock<Box<[T]>>; SEGMENTS],
@@ -73,7 +82,17 @@ impl<T: Default + FreeLink> Default for OwnerSlots<T> {
 impl<T: Default + FreeLink> OwnerSlots<T> {
     /// A table with no slot in use (its first segment made now, the rest on demand).
     pub fn new() -> OwnerSlots<T> {
+        OwnerSlots::with_limit(NO_SLOT)
+    }
+
+    /// A table that hands out numbers below `limit` only, rounded down to the start of a
+    /// segment (past the first) so that no segment is made for numbers it would never
+    /// hand out; see [`OwnerSlots::limit`].
+    pub fn with_limit(limit: u32) -> OwnerSlots<T> {
+        let (segment, offset) = segment_of(limit);
+        let limit = if segment == 0 { limit } else { limit - offset as u32 };
         OwnerSlots {
+            limit,
             first: (0..FIRST_SEGMENT).map(|_| T::default()).collect(),
             segments: std::array::from_fn(|_| OnceLock::new()),
             local: CachePadded::new(OwnerState { free_head: AtomicU32::new(NO_SLOT), fresh: AtomicU32::new(0) }),
@@ -82,8 +101,8 @@ impl<T: Default + FreeLink> OwnerSlots<T> {
     }
 
     /// A free slot and its value, for the owner to fill: its own list's head, else the
-    /// whole remote stack's, else a slot never used. `None` once every slot number
-    /// below [`NO_SLOT`] is in use.
+    /// whole remote stack's, else a slot never used. `None` once every number below the
+    /// limit is in use.
     ///
     /// Owner thread only: two threads claiming at once could be handed one slot.
     #[inline]
@@ -108,13 +127,13 @@ impl<T: Default + FreeLink> OwnerSlots<T> {
     #[cold]
     fn fresh(&self) -> Option<(u32, &T)> {
         let number = self.local.fresh.load(Ordering::Relaxed);
-        if number == NO_SLOT {
+        if number >= self.limit {
             return None;
         }
         let (segment, offset) = segment_of(number);
         let value = match segment {
             0 => &self.first[offset],
-            k => &self.segments[k].get_or_init(|| (0..FIRST_SEGMENT << k).map(|_| T::default()).collect())[offset],
+            k => &self.segments[k].get_or_init(|| (0..segment_len(k)).map(|_| T::default()).collect())[offset],
         };
         self.local.fresh.store(number + 1, Ordering::Relaxed);
         Some((number, value))
@@ -122,6 +141,11 @@ impl<T: Default + FreeLink> OwnerSlots<T> {
 }
 
 impl<T: FreeLink> OwnerSlots<T> {
+    /// The first number this table never hands out.
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
     /// The value in slot `number`, if that slot's segment exists (any thread; a number
     /// from untrusted input is safe to ask about).
     #[inline]
@@ -203,14 +227,32 @@ mod tests {
         let count = if cfg!(miri) { 300 } else { 100_000 };
         for number in 0..count {
             let (segment, offset) = segment_of(number);
-            assert!(offset < (FIRST_SEGMENT << segment) as usize, "{number}: offset {offset} outside {segment}");
+            assert!(offset < segment_len(segment), "{number}: offset {offset} outside {segment}");
             assert!(seen.insert((segment, offset)), "{number} collides");
         }
-        assert!(segment_of(NO_SLOT - 1).0 < SEGMENTS, "the last number has a segment");
+        let (last, offset) = segment_of(NO_SLOT - 1);
+        assert!(last < SEGMENTS && offset < segment_len(last), "the last number has a place");
+        assert!(segment_len(SEGMENTS - 1) > u32::MAX as usize / 4, "the last segment's length does not wrap");
     }
 
     fn give_back(table: &OwnerSlots<Cell>, number: u32, owned_here: bool) {
         table.give_back(number, table.get(number).unwrap(), owned_here);
+    }
+
+    #[test]
+    fn at_its_limit_a_table_still_reuses_what_comes_back() {
+        let table = OwnerSlots::<Cell>::with_limit(40);
+        assert_eq!(table.limit(), 32, "rounded down to the second segment's start");
+        assert!((0..32).all(|number| table.claim().unwrap().0 == number));
+        assert!(table.claim().is_none(), "nothing past the limit");
+        assert_eq!(table.iter().count(), 32, "no segment made past it");
+        give_back(&table, 5, false);
+        give_back(&table, 6, true);
+        assert_eq!(table.claim().unwrap().0, 6, "its own list");
+        assert_eq!(table.claim().unwrap().0, 5, "the remote stack");
+        assert!(table.claim().is_none());
+        assert_eq!(OwnerSlots::<Cell>::with_limit(20).limit(), 20, "inside the first segment: as asked");
+        assert_eq!(OwnerSlots::<Cell>::with_limit(1 << 24).limit(), (1 << 24) - 32);
     }
 
     #[test]
@@ -269,9 +311,7 @@ mod loom_owner_slots {
                 }
             }
             numbers.sort_unstable();
-            numbers.dedup();
-            assert_eq!(numbers.len(), 3, "a slot was handed out twice");
-            assert!(numbers.iter().all(|&number| number < 4), "given-back slots were lost (the table grew)");
+            assert_eq!(numbers, [0, 1, 2], "a slot handed out twice, or a given-back one lost");
         });
     }
 }
