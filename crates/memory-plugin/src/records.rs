@@ -194,7 +194,7 @@ impl Records {
 
     /// The live record a tag names and its state word, if its generation matches and
     /// no release of it is under way.
-    #[inline]
+    #[inline(always)]
     fn lookup(&self, tag: u64) -> Option<(&Part, usize, u32, &Record, u64)> {
         let (owner, slot, generation) = untag(tag);
         let part = self.part(owner)?;
@@ -208,7 +208,11 @@ impl Records {
     /// exactly it (any thread; of two racing takes of one record exactly one gets it).
     /// Until the taker frees or restores it, the record counts and refuses every other
     /// take.
-    #[inline]
+    ///
+    /// Always inlined: returned by value through memory, the taken record's block is
+    /// read back with wider loads than it was written with, a store-forwarding stall
+    /// that `perf` shows costing as much as the compare-and-swap.
+    #[inline(always)]
     pub(crate) fn take(&self, block: &RawAllocation, device: MpDevice) -> Option<TakenRecord<'_>> {
         let (part, owner, slot, record, state) = self.lookup(block.provider_tag())?;
         let recorded = record.read();
