@@ -293,29 +293,36 @@ impl TakenRecord<'_> {
     }
 }
 
-#[cfg(all(test, not(memory_loom)))]
-mod tests {
+/// What the unit tests and the loom models build records from.
+#[cfg(test)]
+mod fixtures {
     use super::*;
     use memory_api::{DeviceAddress, DeviceKey};
 
-    const HOST: MpDevice = MpDevice { tier: memory_plugin_abi::MP_TIER_HOST, index: 0 };
+    pub(super) const HOST: MpDevice = MpDevice { tier: memory_plugin_abi::MP_TIER_HOST, index: 0 };
 
-    fn block(address: u64) -> MpBlock {
+    pub(super) fn block(address: u64) -> MpBlock {
         MpBlock { address, bytes: 256, align: 64, device: HOST, tag: address ^ 0xabcd }
     }
 
-    fn raw(block: &MpBlock, tag: u64) -> RawAllocation {
+    pub(super) fn raw(block: &MpBlock, tag: u64) -> RawAllocation {
         let address = DeviceAddress::new(block.address).unwrap();
         RawAllocation::new(address, block.bytes as usize, block.align as usize, DeviceKey::HOST, tag)
     }
 
     /// Takes a record and frees it, as a release the plugin completed does.
-    fn take_free(records: &Records, block: &RawAllocation, device: MpDevice) -> Option<MpBlock> {
+    pub(super) fn take_free(records: &Records, block: &RawAllocation, device: MpDevice) -> Option<MpBlock> {
         let taken = records.take(block, device)?;
         let recorded = *taken.block();
         taken.free();
         Some(recorded)
     }
+}
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::fixtures::*;
+    use super::*;
 
     #[test]
     fn tags_round_trip_and_all_ones_names_no_record() {
@@ -465,27 +472,9 @@ mod tests {
 /// loom models of the take protocol (`cargo xtask loom`).
 #[cfg(all(test, memory_loom))]
 mod loom_records {
+    use super::fixtures::*;
     use super::*;
-    use memory_api::{DeviceAddress, DeviceKey};
     use std::sync::Arc;
-
-    const HOST: MpDevice = MpDevice { tier: memory_plugin_abi::MP_TIER_HOST, index: 0 };
-
-    fn block(address: u64) -> MpBlock {
-        MpBlock { address, bytes: 64, align: 64, device: HOST, tag: address + 1 }
-    }
-
-    fn raw(block: &MpBlock, tag: u64) -> RawAllocation {
-        let address = DeviceAddress::new(block.address).unwrap();
-        RawAllocation::new(address, block.bytes as usize, block.align as usize, DeviceKey::HOST, tag)
-    }
-
-    fn take_free(records: &Records, block: &RawAllocation, device: MpDevice) -> Option<MpBlock> {
-        let taken = records.take(block, device)?;
-        let recorded = *taken.block();
-        taken.free();
-        Some(recorded)
-    }
 
     /// Two threads taking one record while the owner records more: exactly one take
     /// wins, it gets the block as recorded, and the slot is reused only after it.
@@ -508,7 +497,7 @@ mod loom_records {
             assert_eq!(won, [first], "exactly one take wins, with the recorded block");
             assert_ne!(second_tag, tag, "a reused slot is recorded under a new generation");
             assert_eq!(records.get(&raw(&second, second_tag), HOST), Some(second));
-            assert_eq!(records.count(), (1, 64));
+            assert_eq!(records.count(), (1, 256));
         });
     }
 
