@@ -99,7 +99,9 @@ impl Instance {
     }
 
     /// The block as the registry sees it, named by a fresh record; otherwise why this
-    /// host cannot take it.
+    /// host cannot take it. Always inlined, like `Records::take`: its answer, returned
+    /// through memory and read back with wider loads, stalled store forwarding.
+    #[inline(always)]
     fn raw(&self, block: &MpBlock) -> Result<RawAllocation, &'static str> {
         let too_large = "; the block does not fit this host";
         let address = DeviceAddress::new(block.address).ok_or(too_large)?;
