@@ -115,10 +115,11 @@ fn run_once(flags: &flags::Bench, root: &Path) -> Result<(), BenchError> {
     let report = format!(
         "## Benchmark ratios, measured in one run\n\n\
          Medians from criterion (`{}`), per iteration or per element where the bench declares a throughput; \
-         each ratio sets two results of this run against each other. Targets from issues 3, 4, 5, 12 and 15. \
+         each ratio sets two results of this run against each other. Targets from issues {}. \
          Two-thread rows show the machine's other load while they ran (busy CPU not spent by the bench, in cores): \
          they mean something only when it is near zero.\n\n{}",
         tasks::criterion_args(flags).join(" "),
+        ratios::target_issues(&ratios::RATIOS),
         ratios::render(&rows, &results.problems, &results.loads)
     );
     println!("\n{report}");
@@ -215,8 +216,9 @@ fn run_compare(flags: &flags::Bench, rev: &str, root: &Path) -> Result<(), Bench
     let rows = ratios::rows(&ratios::RATIOS, &candidate_medians);
     report.push_str(&format!(
         "\n### Targets at this change\n\nRatios of the candidate's medians (over its {} run(s)); targets from \
-         issues 3, 4, 5, 12 and 15; the other load is the candidate's last run's.\n\n{}",
+         issues {}; the other load is the candidate's last run's.\n\n{}",
         flags.rounds,
+        ratios::target_issues(&ratios::RATIOS),
         ratios::render(&rows, &[], &candidate.runs.last().map(|run| run.loads.clone()).unwrap_or_default())
     ));
     println!("\n{report}");

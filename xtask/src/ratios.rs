@@ -302,6 +302,19 @@ pub(crate) const RATIOS: [RatioSpec; 31] = [
     ),
 ];
 
+/// The issues that set the table's targets, as prose: "3, 4, 5, 12 and 15" (ascending,
+/// each once), so the report's text follows the table.
+pub(crate) fn target_issues(specs: &[RatioSpec]) -> String {
+    let mut issues: Vec<u32> = specs.iter().map(|spec| spec.issue).collect();
+    issues.sort_unstable();
+    issues.dedup();
+    let mut names: Vec<String> = issues.iter().map(u32::to_string).collect();
+    match names.pop() {
+        Some(last) if !names.is_empty() => format!("{} and {last}", names.join(", ")),
+        last => last.unwrap_or_default(),
+    }
+}
+
 /// A row's judgement.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Verdict {
@@ -553,6 +566,13 @@ mod tests {
 
     fn find<'a>(rows: &'a [Row], name: &str) -> &'a Row {
         rows.iter().find(|row| row.spec.name == name).unwrap_or_else(|| panic!("no row {name}"))
+    }
+
+    #[test]
+    fn the_target_issues_are_named_from_the_table_once_each() {
+        assert_eq!(target_issues(&RATIOS), "3, 4, 5, 12 and 15");
+        assert_eq!(target_issues(&RATIOS[..1]), "3");
+        assert_eq!(target_issues(&[]), "");
     }
 
     #[test]

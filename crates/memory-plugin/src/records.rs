@@ -97,7 +97,8 @@ impl Record {
 /// overflow part, claimed under a lock).
 struct Part {
     slots: OwnerSlots<Record>,
-    /// The next generation to record under (owner only; starts at 1, never wraps).
+    /// The last generation recorded under (owner only; 0 before the first; a `u64`
+    /// never wraps).
     next_generation: AtomicU64,
 }
 

@@ -14,8 +14,9 @@
 //!   at the limit, `claim` still reuses every number given back.
 //!
 //! What a slot holds, and how a value says whether it is in use, is the caller's: the
-//! table only recycles numbers, through one word of each value ([`FreeLink`]). Which thread is the owner is the caller's too (usually
-//! [`crate::per_thread::is_current`] of the index the table is kept under).
+//! table only recycles numbers, through one word of each value ([`FreeLink`]). Which
+//! thread is the owner is the caller's too (usually [`crate::per_thread::is_current`] of
+//! the index the table is kept under).
 
 use std::sync::OnceLock;
 
@@ -30,7 +31,7 @@ pub trait FreeLink {
     fn free_link(&self) -> &AtomicU32;
 }
 
-/// "No slot" in the free lists; also the first number the table never hands out.
+/// "No slot" in the free lists (above every number a table hands out).
 pub const NO_SLOT: u32 = u32::MAX;
 
 /// Slots in the first segment (a power of two); segment `k` holds `FIRST_SEGMENT << k`.
