@@ -143,6 +143,8 @@ pub(crate) struct MechanismCore {
     quarantined: AtomicUsize,
     /// Release answers the registry did not believe (corrected and traced).
     dishonest_outcomes: AtomicUsize,
+    /// Live [`CallerHold`](crate::CallerHold)s: foreign callers that may still call.
+    pub(crate) caller_holds: AtomicUsize,
 }
 
 impl MechanismCore {
@@ -175,6 +177,7 @@ impl MechanismCore {
             unrecorded: Mutex::new(Vec::new()),
             quarantined: AtomicUsize::new(0),
             dishonest_outcomes: AtomicUsize::new(0),
+            caller_holds: AtomicUsize::new(0),
         }
     }
 

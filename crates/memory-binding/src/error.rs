@@ -170,16 +170,20 @@ pub enum RegistryError {
         /// The context.
         context: ProviderContextIdentity,
     },
-    /// Callbacks of the context's mechanisms are still running; poll again later,
-    /// outside any lock.
+    /// Callbacks of the context's mechanisms are still running, or foreign callers
+    /// still hold it; poll again later, outside any lock.
     #[error(
-        "provider context {context} still has {in_flight} callback(s) in flight; poll again once they have drained"
+        "provider context {context} still has {in_flight} callback(s) in flight and {holds} caller hold(s) (foreign \
+         runtimes that may still call, such as open sessions); poll again once they have drained and the holders are \
+         gone"
     )]
     ContextNotQuiescent {
         /// The context.
         context: ProviderContextIdentity,
         /// Callbacks (and queued releases) still in flight.
         in_flight: usize,
+        /// Live [`CallerHold`](crate::CallerHold)s on the context's mechanisms.
+        holds: usize,
     },
     /// The mechanism is in a state that forbids the operation.
     #[error("mechanism {mechanism} is {state}; {hint}")]

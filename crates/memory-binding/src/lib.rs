@@ -94,6 +94,7 @@ mod binding;
 mod capability;
 mod entry;
 mod error;
+mod hold;
 mod hot_trace;
 mod lifecycle;
 mod registry;
@@ -112,6 +113,7 @@ pub use registry::{BindingRegistry, InvalidationReport, MechanismOptions};
 // Bindings, allocations, views and bound capabilities (the hot path).
 pub use binding::{AllocationView, BoundAllocation, MemoryBinding};
 pub use capability::{BoundSharedMapping, BoundVirtualBacking};
+pub use hold::CallerHold;
 
 // Reports and snapshots.
 pub use snapshot::{

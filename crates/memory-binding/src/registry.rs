@@ -597,8 +597,9 @@ impl BindingRegistry {
         let mechanisms: Vec<_> =
             self.all_mechanisms().into_iter().filter(|m| m.core.context.identity == *context).collect();
         let in_flight: usize = mechanisms.iter().map(|m| m.census().in_flight).sum();
-        if in_flight > 0 {
-            return Err(RegistryError::ContextNotQuiescent { context: *context, in_flight });
+        let holds: usize = mechanisms.iter().map(|m| m.core.caller_holds.load(Ordering::Acquire)).sum();
+        if in_flight > 0 || holds > 0 {
+            return Err(RegistryError::ContextNotQuiescent { context: *context, in_flight, holds });
         }
         for mechanism in &mechanisms {
             // Every mechanism of a lost context is device-lost; a failed transition

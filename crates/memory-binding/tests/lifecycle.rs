@@ -473,3 +473,34 @@ fn wait_terminated_polls_until_a_queued_release_drains_and_times_out_with_the_la
     assert!(matches!(refused, Err(RegistryError::ContextStillLive { .. })), "{refused:?}");
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
+
+#[test]
+fn a_caller_hold_keeps_termination_not_quiescent_until_it_drops_and_makes_no_callback() {
+    let registry = BindingRegistry::new();
+    let recorder = Arc::new(RecordingAllocator::new(Caps::new(GPU0)));
+    let (context, _, mechanism) = register(&registry, recorder.clone());
+    let binding = bind(&registry, &mechanism);
+    let block = binding.allocate(request(PAGE)).unwrap();
+    // A foreign runtime (say an ONNX Runtime session) may still free `block`.
+    let hold = binding.hold_callers("session 1");
+    let second = binding.hold_callers("session 2");
+    assert_eq!(hold.holder(), "session 1");
+    registry.invalidate_device(GPU0, "lost");
+    let err = registry.confirm_context_terminated(&context).unwrap_err();
+    assert!(matches!(err, RegistryError::ContextNotQuiescent { in_flight: 0, holds: 2, .. }), "{err}");
+    assert!(err.to_string().contains("2 caller hold(s)"), "{err}");
+    drop(hold);
+    assert!(matches!(
+        registry.confirm_context_terminated(&context),
+        Err(RegistryError::ContextNotQuiescent { holds: 1, .. })
+    ));
+    // The holder frees after the loss: no callback, the handle comes back.
+    let rejected = binding.release(block).unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::DeviceLost { .. }));
+    drop(rejected);
+    drop(second);
+    let report = registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!(report.lost_allocations, 1);
+    assert_eq!(recorder.calls(Callback::Release), 0);
+    assert_eq!(recorder.calls(Callback::ForgetLost), 1);
+}

@@ -13,6 +13,7 @@ use crate::error::{
     AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
     LimitScope, PolicyError,
 };
+use crate::overdraft::{DEFAULT_OVERDRAFT_LIMIT, OverdraftBooks, OverdraftDraw, OverdraftRefused};
 use crate::peaks::{Bound, Charges, PEAK_SLACK, Tally};
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
 use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
@@ -31,11 +32,12 @@ pub const MAX_CHARGE: u64 = credit::ROLE_USED;
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct GovernorConfig {
     credit_chunk: u64,
+    overdraft_limit: u64,
 }
 
 impl Default for GovernorConfig {
     fn default() -> GovernorConfig {
-        GovernorConfig { credit_chunk: 4 << 20 }
+        GovernorConfig { credit_chunk: 4 << 20, overdraft_limit: DEFAULT_OVERDRAFT_LIMIT }
     }
 }
 
@@ -60,6 +62,20 @@ impl GovernorConfig {
     /// The configured credit chunk.
     pub fn chunk(&self) -> u64 {
         self.credit_chunk
+    }
+
+    /// The overdraft limit every device starts with ([`DEFAULT_OVERDRAFT_LIMIT`] unless
+    /// set): the most bytes adapters may hold on a device past refusals at once (see
+    /// [`Account::draw_overdraft`]). Zero allows no overdraft.
+    #[must_use]
+    pub fn with_overdraft_limit(mut self, bytes: u64) -> GovernorConfig {
+        self.overdraft_limit = bytes;
+        self
+    }
+
+    /// The configured overdraft limit of new devices.
+    pub fn overdraft_limit(&self) -> u64 {
+        self.overdraft_limit
     }
 }
 
@@ -131,10 +147,12 @@ pub(crate) struct DeviceBooks {
     /// Serialises limit, reserve and policy changes (never held with another lock).
     changes: Mutex<()>,
     pub(crate) timeline: Arc<Timeline>,
+    /// What adapters hold on the device past refusals.
+    overdraft: Arc<OverdraftBooks>,
 }
 
 impl DeviceBooks {
-    fn new(key: DeviceKey, timeline: Arc<Timeline>) -> DeviceBooks {
+    fn new(key: DeviceKey, timeline: Arc<Timeline>, overdraft_limit: u64) -> DeviceBooks {
         let counters = Arc::new(DeviceCounters::new(UNLIMITED));
         DeviceBooks {
             key,
@@ -145,6 +163,7 @@ impl DeviceBooks {
             charges: Arc::new(Charges::new(Bound::Device(Arc::clone(&counters)))),
             changes: Mutex::new(()),
             timeline,
+            overdraft: Arc::new(OverdraftBooks::new(overdraft_limit)),
         }
     }
 
@@ -237,6 +256,8 @@ pub(crate) struct AccountShared {
     charges: Arc<Charges>,
     /// How far a thread's tally of charges may drift before it is published.
     peak_slack: u64,
+    /// What adapters hold for this account past refusals.
+    overdraft: Arc<OverdraftBooks>,
 }
 
 /// One thread's slot for one role of one account, and its tallies of the charges of
@@ -547,6 +568,7 @@ impl AccountShared {
             cached_credit: stats::sum(roles.iter().map(|r| r.cached_credit)),
             totals: Totals::of(&roles),
             roles,
+            overdraft: self.overdraft.snapshot(false),
         }
     }
 }
@@ -608,6 +630,34 @@ impl Account {
     /// This account's current figures.
     pub fn snapshot(&self) -> AccountSnapshot {
         self.shared.snapshot()
+    }
+
+    /// Draws `bytes` on the device's overdraft for this account: memory an adapter
+    /// hands out *after* a refusal, because its client cannot take the refusal at
+    /// once (ONNX Runtime in the middle of a run). Not a charge: the quota and the device
+    /// limit are not consulted (they refused already); the device's overdraft limit
+    /// bounds every account's draws together. Booked live and peak per device and
+    /// account ([`DeviceSnapshot::overdraft`], [`AccountSnapshot::overdraft`]); the bytes
+    /// come back when the draw is dropped.
+    ///
+    /// # Errors
+    /// [`OverdraftRefused`] when the device's overdraft limit cannot hold `bytes` more.
+    pub fn draw_overdraft(&self, bytes: u64) -> Result<OverdraftDraw, OverdraftRefused> {
+        let shared = &*self.shared;
+        let drawn = crate::overdraft::draw(
+            shared.device.key,
+            shared.authority,
+            &shared.device.overdraft,
+            &shared.overdraft,
+            bytes,
+        );
+        match &drawn {
+            Ok(_) => tracing::warn!(
+                device = %shared.device.key, authority = %shared.authority, bytes, "overdraft drawn past a refusal"
+            ),
+            Err(refused) => tracing::warn!(%refused, "overdraft refused at the device's overdraft limit"),
+        }
+        drawn
     }
 
     /// Charges `bytes` of `role`, or explains why not. Nothing is charged on error.
@@ -777,11 +827,9 @@ impl Governor {
             return Arc::clone(books);
         }
         let mut devices = write(&self.inner.devices);
-        Arc::clone(
-            devices
-                .entry(device)
-                .or_insert_with(|| Arc::new(DeviceBooks::new(device, Arc::clone(&self.inner.timeline)))),
-        )
+        Arc::clone(devices.entry(device).or_insert_with(|| {
+            Arc::new(DeviceBooks::new(device, Arc::clone(&self.inner.timeline), self.inner.config.overdraft_limit))
+        }))
     }
 
     /// Sets the limit of `device` (`u64::MAX`: unlimited); returns the old one. Lowering
@@ -803,6 +851,16 @@ impl Governor {
             "device limit changed"
         );
         Ok(limit_of(old))
+    }
+
+    /// Sets the overdraft limit of `device` (see [`Account::draw_overdraft`]); returns
+    /// the old one. Lowering it takes nothing back: draws already made stay until
+    /// dropped, new ones are refused until the device's overdraft falls below it.
+    pub fn set_overdraft_limit(&self, device: DeviceKey, bytes: u64) -> u64 {
+        let books = self.books(device);
+        let old = books.overdraft.set_limit(bytes);
+        tracing::info!(device = %device, old, new = bytes, "device overdraft limit changed");
+        old
     }
 
     /// The limit of `device`, `None` when unlimited.
@@ -850,6 +908,7 @@ impl Governor {
                 }),
                 charges: Arc::new(Charges::new(Bound::Account(Arc::clone(&counters)))),
                 peak_slack: self.inner.config.credit_chunk.min(PEAK_SLACK),
+                overdraft: Arc::new(OverdraftBooks::new(u64::MAX)),
             }),
         };
         let mut accounts = write(&self.inner.accounts);
@@ -1046,6 +1105,7 @@ impl Governor {
                     totals: Totals::of(&roles),
                     roles,
                     authorities,
+                    overdraft: books.overdraft.snapshot(true),
                 }
             })
             .collect();

@@ -104,6 +104,7 @@ mod governor;
 mod lease;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod overdraft;
 mod peaks;
 mod policy;
 mod reclaim;
@@ -120,6 +121,7 @@ mod loom_credit;
 // The books: devices, accounts, leases.
 pub use governor::{Account, AccountConfig, Governor, GovernorConfig, MAX_CHARGE};
 pub use lease::{BorrowedLease, Lease, OwnedLease};
+pub use overdraft::{DEFAULT_OVERDRAFT_LIMIT, OverdraftDraw, OverdraftRefused, OverdraftSnapshot};
 
 // Admission policy and reclaim.
 pub use policy::{AdmissionPolicy, GuaranteedReserve, HardLimit, ReclaimThenFail, Shortfall, ShortfallDecision};

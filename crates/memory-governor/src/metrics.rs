@@ -24,6 +24,12 @@
 //! | `memory_governor_role_lost_bytes_total` | counter | `device`, `role` |
 //! | `memory_governor_role_allocations_total` | counter | `device`, `role` |
 //! | `memory_governor_account_refusals_total` | counter | `device`, `authority`, `label` |
+//! | `memory_governor_device_overdraft_limit_bytes` | gauge | `device` |
+//! | `memory_governor_device_overdraft_bytes` | gauge | `device` |
+//! | `memory_governor_device_overdraft_peak_bytes` | gauge | `device` |
+//! | `memory_governor_device_overdraft_refusals_total` | counter | `device` |
+//! | `memory_governor_account_overdraft_bytes` | gauge | `device`, `authority`, `label` |
+//! | `memory_governor_account_overdraft_peak_bytes` | gauge | `device`, `authority`, `label` |
 //!
 //! Counters are set to the governor's cumulative counts (`absolute`), so a restarted
 //! exporter or a missed scrape loses nothing.
@@ -56,7 +62,13 @@ fn publish_device(device: &DeviceSnapshot) {
     gauge!("memory_governor_device_current_bytes", labels.clone()).set(device.current as f64);
     gauge!("memory_governor_device_used_bytes", labels.clone()).set(device.used as f64);
     gauge!("memory_governor_device_peak_bytes", labels.clone()).set(device.peak as f64);
-    gauge!("memory_governor_device_cached_credit_bytes", labels).set(device.cached_credit as f64);
+    gauge!("memory_governor_device_cached_credit_bytes", labels.clone()).set(device.cached_credit as f64);
+    if let Some(limit) = device.overdraft.limit {
+        gauge!("memory_governor_device_overdraft_limit_bytes", labels.clone()).set(limit as f64);
+    }
+    gauge!("memory_governor_device_overdraft_bytes", labels.clone()).set(device.overdraft.current as f64);
+    gauge!("memory_governor_device_overdraft_peak_bytes", labels.clone()).set(device.overdraft.peak as f64);
+    counter!("memory_governor_device_overdraft_refusals_total", labels).absolute(device.overdraft.refused);
     for role in &device.roles {
         publish_role(&device.device, role);
     }
@@ -87,5 +99,7 @@ fn publish_account(device: &str, account: &AccountSnapshot) {
     }
     gauge!("memory_governor_account_current_bytes", labels.clone()).set(account.current as f64);
     gauge!("memory_governor_account_peak_bytes", labels.clone()).set(account.peak as f64);
+    gauge!("memory_governor_account_overdraft_bytes", labels.clone()).set(account.overdraft.current as f64);
+    gauge!("memory_governor_account_overdraft_peak_bytes", labels.clone()).set(account.overdraft.peak as f64);
     counter!("memory_governor_account_refusals_total", labels).absolute(account.totals.failures);
 }

@@ -26,6 +26,8 @@ use std::fmt;
 use memory_api::MemoryRole;
 use serde::Serialize;
 
+use crate::overdraft::OverdraftSnapshot;
+
 /// Serialises any `Display` value as its string.
 pub(crate) fn display<T: fmt::Display, S: serde::Serializer>(value: &T, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.collect_str(value)
@@ -152,6 +154,8 @@ pub struct AccountSnapshot {
     pub totals: Totals,
     /// Per role, in [`MemoryRole::ALL`] order.
     pub roles: Vec<RoleSnapshot>,
+    /// What adapters hold for this account past refusals (not in `current`).
+    pub overdraft: OverdraftSnapshot,
 }
 
 /// A role's reserve on a device.
@@ -211,6 +215,9 @@ pub struct DeviceSnapshot {
     pub roles: Vec<RoleSnapshot>,
     /// Per authority.
     pub authorities: Vec<AccountSnapshot>,
+    /// What adapters hold on the device past refusals (not in `current`), bounded by
+    /// its overdraft limit.
+    pub overdraft: OverdraftSnapshot,
 }
 
 /// Every device's books.
