@@ -2,7 +2,8 @@
 """Fetches ONNX Runtime and the real models for memory-ort's tests, demo and bench.
 
 Downloads the pinned wheels with pip (no dependencies) into CACHE/wheels and extracts
-the runtime library and two models into CACHE/lib and CACHE/models. Run by
+the runtime library and four models into CACHE/lib and CACHE/models (the three
+PP-OCR models all come from the one RapidOCR wheel, downloaded once). Run by
 `cargo xtask test` (and `demo --ort`, `bench --ort`); a second run finds everything in
 place and downloads nothing. On failure it prints one line with the command to retry.
 """
@@ -21,6 +22,11 @@ PINS = [
      "silero_vad/data/silero_vad.onnx", "models/silero_vad.onnx"),
     ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime-1.4.4-",
      "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx", "models/ch_PP-OCRv4_det_infer.onnx"),
+    ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime-1.4.4-",
+     "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx", "models/ch_PP-OCRv4_rec_infer.onnx"),
+    ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime-1.4.4-",
+     "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+     "models/ch_ppocr_mobile_v2.0_cls_infer.onnx"),
 ]
 
 

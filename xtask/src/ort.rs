@@ -1,6 +1,6 @@
 //! memory-ort's real-model assets and tasks: the fetch step (`scripts/ort_fetch.py`:
 //! pip downloads the pinned ONNX Runtime, Silero VAD and RapidOCR wheels into
-//! `target/ort-cache/wheels` and extracts the runtime library and two models; nothing
+//! `target/ort-cache/wheels` and extracts the runtime library and four models; nothing
 //! binary is committed), the environment that points the tests at the cache and makes
 //! them required, `demo --ort`, and `bench --ort`.
 

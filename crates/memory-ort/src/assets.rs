@@ -23,12 +23,17 @@ pub const LIBRARY_FILE: &str = "lib/libonnxruntime.so.1.31.1";
 pub const SILERO_VAD_FILE: &str = "models/silero_vad.onnx";
 /// RapidOCR 1.4.4's PP-OCRv4 text-detection model.
 pub const OCR_DET_FILE: &str = "models/ch_PP-OCRv4_det_infer.onnx";
+/// RapidOCR 1.4.4's PP-OCRv4 text-recognition model (input `[batch, 3, 48, width]`).
+pub const OCR_REC_FILE: &str = "models/ch_PP-OCRv4_rec_infer.onnx";
+/// RapidOCR 1.4.4's PP-OCR text-direction classifier (input `[batch, 3, 48, 192]`).
+pub const OCR_CLS_FILE: &str = "models/ch_ppocr_mobile_v2.0_cls_infer.onnx";
 
 /// The command that fills the cache by hand (what xtask runs).
 pub const FETCH_HINT: &str = "run `cargo xtask test` (it fetches them into target/ort-cache), or by hand: python3 -m \
                               pip download --no-deps onnxruntime==1.31.1 silero-vad==6.2.3 \
-                              rapidocr-onnxruntime==1.4.4 -d target/ort-cache/wheels, then `cargo xtask test` extracts \
-                              them";
+                              rapidocr-onnxruntime==1.4.4 -d target/ort-cache/wheels, then `python3 \
+                              scripts/ort_fetch.py target/ort-cache` extracts them (a cache filled before a model was \
+                              added needs only that second step: the wheels already hold it)";
 
 /// The located files.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +46,10 @@ pub struct OrtAssets {
     pub silero_vad: PathBuf,
     /// `ch_PP-OCRv4_det_infer.onnx`.
     pub ocr_det: PathBuf,
+    /// `ch_PP-OCRv4_rec_infer.onnx`.
+    pub ocr_rec: PathBuf,
+    /// `ch_ppocr_mobile_v2.0_cls_infer.onnx`.
+    pub ocr_cls: PathBuf,
 }
 
 impl OrtAssets {
@@ -70,11 +79,15 @@ impl OrtAssets {
             library: root.join(LIBRARY_FILE),
             silero_vad: root.join(SILERO_VAD_FILE),
             ocr_det: root.join(OCR_DET_FILE),
+            ocr_rec: root.join(OCR_REC_FILE),
+            ocr_cls: root.join(OCR_CLS_FILE),
         };
         for (what, path) in [
             ("the onnx runtime library", &assets.library),
             ("the silero vad model", &assets.silero_vad),
             ("the pp-ocrv4 detection model", &assets.ocr_det),
+            ("the pp-ocrv4 recognition model", &assets.ocr_rec),
+            ("the pp-ocr direction classifier", &assets.ocr_cls),
         ] {
             if !path.is_file() {
                 return Err(OrtAdapterError::MissingAsset {
@@ -104,5 +117,25 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("onnx runtime library") && text.contains(LIBRARY_FILE), "{text}");
         assert!(text.contains("cargo xtask test") && text.contains("pip download"), "{text}");
+    }
+
+    #[test]
+    fn a_cache_without_the_recognition_model_names_it_and_the_extract_step() {
+        // A cache filled before the recognition and classifier models were added: the
+        // runtime and the first two models are there, the wheel holds the rest.
+        let dir = std::env::temp_dir().join(format!("memory-ort-partial-{}", std::process::id()));
+        for file in [LIBRARY_FILE, SILERO_VAD_FILE, OCR_DET_FILE] {
+            let path = dir.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, b"x").unwrap();
+        }
+        let err = OrtAssets::locate_in(&dir).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            matches!(&err, OrtAdapterError::MissingAsset { what: "the pp-ocrv4 recognition model", path, .. }
+                if path.ends_with(OCR_REC_FILE)),
+            "{err}"
+        );
+        assert!(err.to_string().contains("scripts/ort_fetch.py"), "{err}");
     }
 }

@@ -1,8 +1,9 @@
 //! The real models' workloads, shared by the tests, `cargo xtask demo --ort` and
 //! `cargo xtask bench --ort`: a Silero VAD stream (16 kHz audio in 512-sample chunks,
-//! the recurrent state carried from chunk to chunk) and PP-OCRv4 text detection on
-//! images of any size. Inputs are synthetic and deterministic (a seed), so two runs
-//! can be compared value for value.
+//! the recurrent state carried from chunk to chunk), PP-OCRv4 text detection on
+//! images of any size, PP-OCRv4 text recognition on batches of text lines of any width
+//! and the PP-OCR direction classifier on batches of fixed-size lines. Inputs are
+//! synthetic and deterministic (a seed), so two runs can be compared value for value.
 
 use std::borrow::Cow;
 
@@ -154,6 +155,89 @@ pub fn detect_text(
     Ok((text_pixels, map.to_vec()))
 }
 
+/// The height of a text line, as PP-OCR's recognition and direction models take it.
+pub const OCR_LINE_HEIGHT: usize = 48;
+/// The width of a text line the direction classifier takes.
+pub const OCR_CLS_WIDTH: usize = 192;
+
+/// A batch of `batch` synthetic text lines, `OCR_LINE_HEIGHT` x `width` pixels each,
+/// normalised as PP-OCR expects, as `[batch, 3, 48, width]`: glyph-like dark strokes
+/// (bars, boxes and gaps of seeded widths) on a light background, a different line
+/// per batch element.
+pub fn ocr_lines(seed: u64, batch: usize, width: usize) -> Vec<f32> {
+    let height = OCR_LINE_HEIGHT;
+    let mut lines = vec![1.0f32; batch * 3 * height * width];
+    for item in 0..batch {
+        let line_seed = hash(seed ^ (item as u64).wrapping_mul(0x5851_f42d_4c95_7f2d));
+        let image = &mut lines[item * 3 * height * width..(item + 1) * 3 * height * width];
+        let (top, bottom) = (8 + (line_seed % 4) as usize, height - 8 - (line_seed % 3) as usize);
+        let mut x = 2 + (line_seed % 6) as usize;
+        let mut glyph = 0u64;
+        while x + 4 < width {
+            let g = hash(line_seed ^ glyph);
+            let glyph_width = 6 + (g % 14) as usize;
+            let stroke = 2 + ((g >> 8) % 3) as usize;
+            let shade = -0.95 + ((g >> 16) % 20) as f32 / 100.0;
+            for col in x..(x + glyph_width).min(width) {
+                let dx = col - x;
+                for row in top..bottom {
+                    let dy = row - top;
+                    // A glyph: vertical bars at its edges, a bar across its top, middle
+                    // or bottom, by the glyph's hash.
+                    let bar = dx < stroke || dx + stroke >= glyph_width;
+                    let across = match (g >> 24) % 3 {
+                        0 => dy < stroke,
+                        1 => dy.abs_diff((bottom - top) / 2) < stroke / 2 + 1,
+                        _ => dy + stroke >= bottom - top,
+                    };
+                    if bar || across {
+                        for channel in 0..3 {
+                            image[(channel * height + row) * width + col] = shade;
+                        }
+                    }
+                }
+            }
+            x += glyph_width + 2 + ((g >> 32) % 10) as usize;
+            glyph += 1;
+        }
+    }
+    lines
+}
+
+/// Runs text recognition (PP-OCRv4 rec) on a batch of lines from [`ocr_lines`];
+/// returns the output's shape (`[batch, width / 8, classes]`) and its values (per time
+/// step, each class's probability).
+///
+/// # Errors
+/// ONNX Runtime's error.
+pub fn recognize_text(
+    session: &mut impl Infer,
+    lines: Vec<f32>,
+    batch: usize,
+    width: usize,
+) -> Result<(Vec<i64>, Vec<f32>), OrtAdapterError> {
+    let input = Tensor::from_array(([batch, 3, OCR_LINE_HEIGHT, width], lines)).map_err(input_error)?;
+    let outputs = session.infer(ort::inputs!["x" => input])?;
+    let (shape, values) = outputs[0].try_extract_tensor::<f32>().map_err(output_error)?;
+    Ok((shape.to_vec(), values.to_vec()))
+}
+
+/// Runs the direction classifier on a batch of lines from [`ocr_lines`] of width
+/// [`OCR_CLS_WIDTH`]; returns `[batch, 2]` probabilities (upright, turned 180°).
+///
+/// # Errors
+/// ONNX Runtime's error.
+pub fn classify_direction(
+    session: &mut impl Infer,
+    lines: Vec<f32>,
+    batch: usize,
+) -> Result<Vec<f32>, OrtAdapterError> {
+    let input = Tensor::from_array(([batch, 3, OCR_LINE_HEIGHT, OCR_CLS_WIDTH], lines)).map_err(input_error)?;
+    let outputs = session.infer(ort::inputs!["x" => input])?;
+    let (_, values) = outputs[0].try_extract_tensor::<f32>().map_err(output_error)?;
+    Ok(values.to_vec())
+}
+
 /// A small deterministic hash (splitmix64).
 fn hash(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -176,5 +260,12 @@ mod tests {
         assert_eq!(image.len(), 3 * 64 * 96);
         assert!(image.iter().any(|&p| p < 0.0) && image.iter().any(|&p| p > 0.0));
         assert_eq!(image, ocr_image(1, 64, 96));
+        let lines = ocr_lines(5, 2, 80);
+        assert_eq!(lines.len(), 2 * 3 * OCR_LINE_HEIGHT * 80);
+        assert!(lines.iter().any(|&p| p < 0.0) && lines.iter().any(|&p| p > 0.0));
+        assert_eq!(lines, ocr_lines(5, 2, 80));
+        let plane = 3 * OCR_LINE_HEIGHT * 80;
+        assert_ne!(lines[..plane], lines[plane..], "each line of a batch differs");
+        assert_ne!(ocr_lines(6, 1, 80), lines[..plane]);
     }
 }

@@ -1,0 +1,129 @@
+//! Real models whose input shapes change from run to run (PP-OCRv4 recognition over a
+//! width sweep and two batch sizes, PP-OCRv4 detection over image sizes, the PP-OCR
+//! direction classifier over batch sizes), governed by a pooled allocator. ONNX
+//! Runtime plans memory per input shape (its memory pattern: the first run of a shape
+//! allocates each buffer on its own, later runs of that shape one planned block), so a
+//! sweep that comes back to a shape takes both paths. At every step the outputs equal
+//! a plain session's bit for bit, and the books hold exactly the weights between runs;
+//! after the session drops they hold nothing.
+
+mod common;
+
+use common::{Backing, Tenant};
+use memory_governor::MemoryRole;
+use memory_ort::workloads::{OCR_CLS_WIDTH, classify_direction, detect_text, ocr_image, ocr_lines, recognize_text};
+
+const MIB: u64 = 1 << 20;
+
+/// A session without the adapter, with the options a governed commit uses (prepacking
+/// off), so the allocator is the only difference.
+fn plain(env: &memory_ort::OrtEnvironment, model: &std::path::Path) -> ort::session::Session {
+    env.session_builder().unwrap().with_prepacking(false).unwrap().commit_from_file(model).unwrap()
+}
+
+/// The books between runs: the weights and nothing else, in the governor and the
+/// registry alike.
+fn assert_books_hold_only_the_weights(tenant: &Tenant, weights: u64, what: &str) {
+    assert_eq!(tenant.charged(MemoryRole::Activations), 0, "{what}: activations refunded");
+    assert_eq!(tenant.charged_total(), weights, "{what}: only the weights stay booked");
+    assert_eq!(tenant.registry_live().0 as u64, weights, "{what}: registry live bytes vs the weights");
+}
+
+/// The books after the session dropped: nothing, every allocation released.
+fn assert_books_are_empty(tenant: &Tenant, allocator: &memory_ort::GovernedOrtAllocator) {
+    let snapshot = tenant.snapshot().unwrap();
+    assert_eq!(snapshot.current, 0, "everything refunded: {snapshot:?}");
+    assert_eq!(snapshot.totals.allocations, snapshot.totals.releases, "{snapshot:?}");
+    assert_eq!(snapshot.totals.failures, 0, "nothing was refused: {snapshot:?}");
+    assert_eq!(tenant.registry_live(), (0, 0));
+    assert_eq!(allocator.stats().in_use, 0, "{:?}", allocator.stats());
+    assert_eq!(allocator.stats().overdraft_blocks, 0, "{:?}", allocator.stats());
+}
+
+#[test]
+fn ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to_the_weights() {
+    let name = "ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to_the_weights";
+    let Some((env, assets)) = common::ort(name) else { return };
+    let mut plain = plain(env, &assets.ocr_rec);
+    let tenant = Tenant::new("ocr-rec", 512 * MIB, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_rec).unwrap();
+    let weights = tenant.charged(MemoryRole::Weights);
+    assert!(weights > 5 * MIB, "pp-ocrv4 rec has about 10 MiB of weights, booked {weights}");
+    assert_books_hold_only_the_weights(&tenant, weights, "after commit");
+
+    // Up the sweep and back down, at batch 1 and 2; the repeated shapes (320 and 80
+    // on the way back, and batch 2 after batch 1) run on ONNX Runtime's planned block.
+    let mut peaks = Vec::new();
+    for batch in [1, 2] {
+        for (step, width) in [80, 160, 320, 800, 320, 80].into_iter().enumerate() {
+            let what = format!("batch {batch}, width {width} (step {step})");
+            let seed = (batch * 100 + step) as u64;
+            let (expected_shape, expected) =
+                recognize_text(&mut plain, ocr_lines(seed, batch, width), batch, width).unwrap();
+            let (shape, values) = recognize_text(&mut session, ocr_lines(seed, batch, width), batch, width).unwrap();
+            assert_eq!(shape, expected_shape, "{what}");
+            assert_eq!(shape[..2], [batch as i64, (width / 8) as i64], "{what}: one time step per 8 pixels");
+            assert!(
+                values.iter().map(|v| v.to_bits()).eq(expected.iter().map(|v| v.to_bits())),
+                "{what}: outputs differ"
+            );
+            assert_books_hold_only_the_weights(&tenant, weights, &what);
+            peaks.push(tenant.snapshot().unwrap().role(MemoryRole::Activations).peak);
+        }
+    }
+    assert!(peaks[3] > peaks[0], "the 800-wide run needed more activations than the 80-wide one: {peaks:?}");
+    drop(session);
+    assert_books_are_empty(&tenant, &allocator);
+}
+
+#[test]
+fn ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the_weights() {
+    let name = "ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the_weights";
+    let Some((env, assets)) = common::ort(name) else { return };
+    let mut plain = plain(env, &assets.ocr_det);
+    let tenant = Tenant::new("ocr-det", 512 * MIB, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_det).unwrap();
+    let weights = tenant.charged(MemoryRole::Weights);
+    assert_books_hold_only_the_weights(&tenant, weights, "after commit");
+    let sizes = [(96, 160), (320, 320), (480, 640), (160, 96), (320, 320), (480, 640), (96, 160)];
+    for (seed, (height, width)) in sizes.into_iter().enumerate() {
+        let what = format!("{height}x{width} (step {seed})");
+        let image = ocr_image(seed as u64, height, width);
+        let (expected_pixels, expected) = detect_text(&mut plain, image.clone(), height, width).unwrap();
+        let (pixels, map) = detect_text(&mut session, image, height, width).unwrap();
+        assert_eq!(map.len(), height * width, "{what}");
+        assert!(map.iter().map(|v| v.to_bits()).eq(expected.iter().map(|v| v.to_bits())), "{what}: maps differ");
+        assert_eq!(pixels, expected_pixels, "{what}");
+        assert_books_hold_only_the_weights(&tenant, weights, &what);
+    }
+    drop(session);
+    assert_books_are_empty(&tenant, &allocator);
+}
+
+#[test]
+fn the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_return_to_the_weights() {
+    let name = "the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_return_to_the_weights";
+    let Some((env, assets)) = common::ort(name) else { return };
+    let mut plain = plain(env, &assets.ocr_cls);
+    let tenant = Tenant::new("ocr-cls", 256 * MIB, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_cls).unwrap();
+    let weights = tenant.charged(MemoryRole::Weights);
+    assert!(weights > 0);
+    for (seed, batch) in [1, 2, 6, 2, 1].into_iter().enumerate() {
+        let what = format!("batch {batch} (step {seed})");
+        let lines = ocr_lines(seed as u64, batch, OCR_CLS_WIDTH);
+        let expected = classify_direction(&mut plain, lines.clone(), batch).unwrap();
+        let got = classify_direction(&mut session, lines, batch).unwrap();
+        assert_eq!(got.len(), batch * 2, "{what}: two directions per line");
+        assert!(got.iter().map(|v| v.to_bits()).eq(expected.iter().map(|v| v.to_bits())), "{what}: outputs differ");
+        for pair in got.chunks(2) {
+            assert!((pair[0] + pair[1] - 1.0).abs() < 1e-4, "{what}: probabilities {pair:?}");
+        }
+        assert_books_hold_only_the_weights(&tenant, weights, &what);
+    }
+    drop(session);
+    assert_books_are_empty(&tenant, &allocator);
+}
