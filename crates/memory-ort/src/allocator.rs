@@ -105,7 +105,9 @@ impl GovernedOrtAllocator {
         self.core.blocks.config()
     }
 
-    /// The figures `GetStats` reports.
+    /// The figures `GetStats` reports through this handle's table: the adapter's,
+    /// over every session committed with it (each session's own are
+    /// [`GovernedSession::stats`](crate::GovernedSession::stats)).
     pub fn stats(&self) -> OrtAllocatorStats {
         self.core.stats()
     }
@@ -137,8 +139,9 @@ impl GovernedOrtAllocator {
         AllocatorWatch(Arc::downgrade(&self.core))
     }
 
-    /// How many owners keep the allocator alive (this handle, its clones, sessions made
-    /// with it, live blocks); for tests of the ownership rules.
+    /// How many owners keep the allocator alive (this handle, its clones, and the table
+    /// of each session made with it, which its session and blocks keep alive); for tests
+    /// of the ownership rules.
     pub fn owners(&self) -> usize {
         Arc::strong_count(&self.core)
     }
@@ -174,6 +177,10 @@ impl fmt::Debug for GovernedOrtAllocator {
 
 impl Drop for Core {
     fn drop(&mut self) {
+        if self.is_session() {
+            tracing::debug!(binding = %self.blocks.binding().identity(), "a session's ort allocator table released");
+            return;
+        }
         let stats = self.blocks.stats();
         tracing::info!(
             binding = %self.blocks.binding().identity(),

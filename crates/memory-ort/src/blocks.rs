@@ -7,7 +7,6 @@
 //! address ONNX Runtime holds to its handle; it is a sharded map, so `Free` takes one
 //! shard's lock, never a lock every thread shares.
 
-use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,9 +15,10 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use memory_governor::{
     Account, AllocationRequest, BoundAllocation, DeferredReleaseQueue, HandleError, MemoryBinding, MemoryRole,
-    ReleaseSummary,
+    OverdraftDraw, ReleaseSummary,
 };
 
+use crate::caller::{Caller, Phase};
 use crate::config::OrtAllocatorConfig;
 
 /// Which ONNX Runtime entry point asked.
@@ -54,76 +54,16 @@ pub(crate) enum Freed {
     Unknown,
 }
 
-/// Watches one commit or run for refusals: keeps the first reason and, for a run,
-/// stops it (ONNX Runtime's run-options terminate flag).
-pub(crate) struct Watch {
-    reason: Mutex<Option<String>>,
-    stop: Option<Box<dyn Fn() + Send + Sync>>,
-}
-
-impl Watch {
-    /// A watch that records refusals and calls `stop` on the first one.
-    pub(crate) fn new(stop: Option<Box<dyn Fn() + Send + Sync>>) -> Arc<Watch> {
-        Arc::new(Watch { reason: Mutex::new(None), stop })
-    }
-
-    fn refused(&self, reason: &str) {
-        let first = {
-            let mut slot = self.reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let first = slot.is_none();
-            slot.get_or_insert_with(|| reason.to_owned());
-            first
-        };
-        if first && let Some(stop) = &self.stop {
-            stop();
-        }
-    }
-
-    /// The first refusal's reason, if any.
-    pub(crate) fn reason(&self) -> Option<String> {
-        self.reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-    }
-}
-
-/// What the current thread is doing for which adapter: committing a session (its
-/// `Alloc` calls are session-long memory: prepacked weights), or running one (a refusal
-/// stops that run).
-#[derive(Clone, Default)]
-enum Phase {
-    #[default]
-    Idle,
-    Committing(usize, Arc<Watch>),
-    Running(usize, Arc<Watch>),
-}
-
-thread_local! {
-    static PHASE: RefCell<Phase> = const { RefCell::new(Phase::Idle) };
-}
-
-/// Restores the thread's previous phase when dropped.
-pub(crate) struct PhaseGuard(Phase);
-
-impl Drop for PhaseGuard {
-    fn drop(&mut self) {
-        let previous = std::mem::take(&mut self.0);
-        // During thread teardown the phase is gone with the thread: nothing to restore.
-        let _ = PHASE.try_with(|phase| *phase.borrow_mut() = previous);
-    }
-}
-
-fn enter(next: Phase) -> PhaseGuard {
-    // During thread teardown there is no phase to enter: such a call runs as Idle.
-    PhaseGuard(PHASE.try_with(|phase| std::mem::replace(&mut *phase.borrow_mut(), next)).unwrap_or_default())
-}
-
 /// How a refused run-time `Alloc` is answered. ONNX Runtime's tensors do not check the
 /// pointer an `OrtAllocator` returns (its own allocators throw instead, which a C
 /// allocator cannot), so a null during a run would crash the process.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum RefusalAnswer {
-    /// Serve the block from host memory outside the books (the overdraft, counted and
-    /// logged) and stop the run at its next kernel boundary; the run fails with the
-    /// governor's reason and the overdraft is freed with it.
+    /// Stop the run at its next kernel boundary and serve the block meanwhile: from the
+    /// governor's overdraft (host memory booked apart, bounded by the device's
+    /// overdraft limit), and past that limit from the scratch sink (see
+    /// [`crate::sink`]). The run fails with the governor's reason; both are freed as it
+    /// unwinds.
     OverdraftAndStop,
     /// Answer null (device memory: no host overdraft can stand in for it).
     Null,
@@ -160,11 +100,16 @@ pub struct OrtAllocatorStats {
     pub overdraft_blocks: u64,
     /// Their bytes (cumulative).
     pub overdraft_bytes: u64,
+    /// Overdraft bytes held now (also in the governor's books).
+    pub overdraft_in_use: u64,
+    /// Refused run-time requests past the overdraft limit, served from the scratch sink
+    /// (no memory of their own; their runs were stopped).
+    pub sink_blocks: u64,
 }
 
 impl OrtAllocatorStats {
     /// The figures as ONNX Runtime's `GetStats` key/value pairs.
-    pub fn key_values(&self) -> [(&'static str, u64); 13] {
+    pub fn key_values(&self) -> [(&'static str, u64); 15] {
         [
             ("Limit", self.limit),
             ("InUse", self.in_use),
@@ -179,12 +124,15 @@ impl OrtAllocatorStats {
             ("NumUnknownFrees", self.unknown_frees),
             ("NumOverdraftBlocks", self.overdraft_blocks),
             ("OverdraftBytes", self.overdraft_bytes),
+            ("OverdraftInUse", self.overdraft_in_use),
+            ("NumSinkBlocks", self.sink_blocks),
         ]
     }
 }
 
+/// The figures of an adapter, or of one session's table.
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
     in_use: AtomicU64,
     total_allocated: AtomicU64,
     peak_in_use: AtomicU64,
@@ -197,17 +145,73 @@ struct Counters {
     unknown_frees: AtomicU64,
     overdraft_blocks: AtomicU64,
     overdraft_bytes: AtomicU64,
+    overdraft_in_use: AtomicU64,
+    sink_blocks: AtomicU64,
+}
+
+impl Counters {
+    fn allocated(&self, kind: RequestKind, bytes: u64) {
+        match kind {
+            RequestKind::Alloc => self.allocs.fetch_add(1, Ordering::Relaxed),
+            RequestKind::Reserve => self.reserves.fetch_add(1, Ordering::Relaxed),
+        };
+        self.total_allocated.fetch_add(bytes, Ordering::Relaxed);
+        let now = self.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak_in_use.fetch_max(now, Ordering::Relaxed);
+        self.max_alloc_size.fetch_max(bytes, Ordering::Relaxed);
+    }
+
+    fn freed(&self, bytes: u64) {
+        self.in_use.fetch_sub(bytes, Ordering::Relaxed);
+        self.frees.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn overdrawn(&self, bytes: u64) {
+        self.overdraft_blocks.fetch_add(1, Ordering::Relaxed);
+        self.overdraft_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.overdraft_in_use.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn stats(&self, limit: u64) -> OrtAllocatorStats {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        OrtAllocatorStats {
+            limit,
+            in_use: load(&self.in_use),
+            total_allocated: load(&self.total_allocated),
+            peak_in_use: load(&self.peak_in_use),
+            allocs: load(&self.allocs),
+            reserves: load(&self.reserves),
+            frees: load(&self.frees),
+            max_alloc_size: load(&self.max_alloc_size),
+            refusals: load(&self.refusals),
+            frees_after_loss: load(&self.frees_after_loss),
+            unknown_frees: load(&self.unknown_frees),
+            overdraft_blocks: load(&self.overdraft_blocks),
+            overdraft_bytes: load(&self.overdraft_bytes),
+            overdraft_in_use: load(&self.overdraft_in_use),
+            sink_blocks: load(&self.sink_blocks),
+        }
+    }
+}
+
+/// Bumps the same figure of the adapter and of the calling table.
+fn both(adapter: &Counters, caller: &Counters, bump: impl Fn(&Counters)) {
+    bump(adapter);
+    bump(caller);
 }
 
 /// One block ONNX Runtime holds.
 enum Block {
     /// Governed: registry identity, charged by the governor.
     Governed(BoundAllocation),
-    /// Served from the overdraft after a refusal; freed back to the host.
-    Overdraft { bytes: usize },
+    /// Served from the overdraft after a refusal (booked by the governor as such);
+    /// freed back to the host.
+    Overdraft { bytes: usize, _draw: OverdraftDraw },
+    /// Served from the scratch sink after a refusal past the overdraft limit.
+    Sink { bytes: usize },
 }
 
-/// The governed blocks of one adapter.
+/// The governed blocks of one adapter (shared by every session's table).
 pub(crate) struct GovernedBlocks {
     binding: MemoryBinding,
     account: Option<Account>,
@@ -250,82 +254,27 @@ impl GovernedBlocks {
         self.config
     }
 
-    /// This adapter's identity in the thread's phase (its address, unique while alive).
-    fn owner(&self) -> usize {
-        std::ptr::from_ref(self).addr()
-    }
-
-    /// Marks the current thread as committing a session with this adapter until the
-    /// guard drops: its `Alloc` calls are then charged like `Reserve`.
-    pub(crate) fn enter_commit(&self, watch: Arc<Watch>) -> PhaseGuard {
-        enter(Phase::Committing(self.owner(), watch))
-    }
-
-    /// Marks the current thread as running a session of this adapter until the guard
-    /// drops: a refusal is recorded in `watch`, which stops the run.
-    pub(crate) fn enter_run(&self, watch: Arc<Watch>) -> PhaseGuard {
-        enter(Phase::Running(self.owner(), watch))
-    }
-
-    fn phase(&self) -> Phase {
-        let owner = self.owner();
-        PHASE
-            .try_with(|phase| match &*phase.borrow() {
-                Phase::Committing(id, watch) if *id == owner => Phase::Committing(owner, Arc::clone(watch)),
-                Phase::Running(id, watch) if *id == owner => Phase::Running(owner, Arc::clone(watch)),
-                _ => Phase::Idle,
-            })
-            // A call from a thread's TLS destructors: no session phase is active there.
-            .unwrap_or(Phase::Idle)
-    }
-
-    /// Allocates `size` bytes for `kind`, charged to its role: `Reserve`, and `Alloc`
-    /// while a session is being committed (prepacked weights), to the reserve role;
-    /// other `Alloc` calls to the alloc role. `None` is a refusal answered with null
-    /// (during session creation, where ONNX Runtime checks it, or for device memory);
-    /// a refusal during a run is served from the overdraft and stops the run (see
-    /// [`RefusalAnswer`]). Either way the reason is logged and kept for
-    /// [`GovernedBlocks::last_refusal`]. A zero-byte request gets `None` without a
-    /// refusal, as ONNX Runtime's own allocator answers it.
-    pub(crate) fn allocate(&self, size: usize, kind: RequestKind) -> Option<usize> {
+    /// Allocates `size` bytes for `kind` on behalf of `caller` (the table it came
+    /// through), charged to its role: `Reserve`, and `Alloc` while the session is being
+    /// committed (prepacked weights), to the reserve role; other `Alloc` calls to the
+    /// alloc role. A refusal is recorded in `caller` and answered by its phase:
+    /// committing, null (ONNX Runtime checks it there and fails the commit); running,
+    /// the run is stopped and the block served per [`RefusalAnswer`]; idle, null. The
+    /// reason is logged and kept for [`GovernedBlocks::last_refusal`]. A zero-byte
+    /// request gets `None` without a refusal, as ONNX Runtime's own allocator answers it.
+    pub(crate) fn allocate(&self, caller: &Caller, size: usize, kind: RequestKind) -> Option<usize> {
         if size == 0 {
             return None;
         }
-        let phase = self.phase();
-        let session_long = kind == RequestKind::Reserve || matches!(phase, Phase::Committing(..));
+        let phase = caller.phase();
+        let session_long = kind == RequestKind::Reserve || phase == Phase::Committing;
         let role = if session_long { self.config.role_of_reserve() } else { self.config.role_of_alloc() };
         let granted = AllocationRequest::new(size, self.alignment)
             .map_err(|err| err.to_string())
             .and_then(|request| self.binding.allocate(request.with_role(role)).map_err(|err| err.to_string()));
         let block = match granted {
             Ok(block) => block,
-            Err(reason) => {
-                let reason = self.refuse(size, role, &reason);
-                return match (phase, self.refusal_answer) {
-                    (Phase::Committing(_, watch), _) => {
-                        watch.refused(&reason);
-                        None
-                    }
-                    (Phase::Running(_, watch), RefusalAnswer::Null) => {
-                        watch.refused(&reason);
-                        None
-                    }
-                    (_, RefusalAnswer::Null) => None,
-                    (Phase::Running(_, watch), RefusalAnswer::OverdraftAndStop) => {
-                        watch.refused(&reason);
-                        self.overdraft(size)
-                    }
-                    (Phase::Idle, RefusalAnswer::OverdraftAndStop) if kind == RequestKind::Reserve => None,
-                    (Phase::Idle, RefusalAnswer::OverdraftAndStop) => {
-                        tracing::error!(
-                            bytes = size,
-                            "refused outside a governed run: served from the overdraft, and no run could be stopped \
-                             (run sessions through GovernedSession::run)"
-                        );
-                        self.overdraft(size)
-                    }
-                };
-            }
+            Err(reason) => return self.refused(caller, phase, size, role, &reason),
         };
         let address = block.address().get() as usize;
         let bytes = block.bytes() as u64;
@@ -340,53 +289,103 @@ impl GovernedBlocks {
                 if let Err(rejected) = self.binding.release(block) {
                     tracing::error!(reason = %rejected.reason, "the duplicate block could not be released");
                 }
-                let reason = self.refuse(size, role, "the allocator returned an address that is still in use");
-                if let Phase::Committing(_, watch) | Phase::Running(_, watch) = self.phase() {
-                    watch.refused(&reason);
-                }
+                let reason = self.refuse(caller, size, role, "the allocator returned an address that is still in use");
+                caller.refused(&reason);
                 return None;
             }
         }
-        let counters = &self.counters;
-        match kind {
-            RequestKind::Alloc => counters.allocs.fetch_add(1, Ordering::Relaxed),
-            RequestKind::Reserve => counters.reserves.fetch_add(1, Ordering::Relaxed),
-        };
-        counters.total_allocated.fetch_add(bytes, Ordering::Relaxed);
-        let now = counters.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        counters.peak_in_use.fetch_max(now, Ordering::Relaxed);
-        counters.max_alloc_size.fetch_max(bytes, Ordering::Relaxed);
+        both(&self.counters, &caller.counters, |counters| counters.allocated(kind, bytes));
         tracing::trace!(address, bytes, ?kind, "ort block allocated");
         Some(address)
     }
 
-    /// Serves a refused run-time block from host memory outside the books.
-    fn overdraft(&self, size: usize) -> Option<usize> {
-        let address = crate::ffi::overdraft_allocate(size, self.alignment)?;
-        self.live.insert(address, Block::Overdraft { bytes: size });
-        self.counters.overdraft_blocks.fetch_add(1, Ordering::Relaxed);
-        self.counters.overdraft_bytes.fetch_add(size as u64, Ordering::Relaxed);
-        tracing::warn!(bytes = size, "refused block served from the overdraft; the run is being stopped");
-        Some(address)
+    /// Answers a refused request (see [`GovernedBlocks::allocate`]).
+    fn refused(&self, caller: &Caller, phase: Phase, size: usize, role: MemoryRole, reason: &str) -> Option<usize> {
+        let reason = self.refuse(caller, size, role, reason);
+        match phase {
+            Phase::Idle => {
+                tracing::error!(
+                    bytes = size,
+                    "refused outside a commit or run of a governed session: answered null (nothing can be stopped)"
+                );
+                None
+            }
+            Phase::Committing => {
+                caller.refused(&reason);
+                None
+            }
+            Phase::Running => {
+                caller.refused(&reason);
+                match self.refusal_answer {
+                    RefusalAnswer::Null => None,
+                    RefusalAnswer::OverdraftAndStop => self.overdraft(caller, size),
+                }
+            }
+        }
     }
 
-    /// Frees the block at `address` through the binding it came from.
-    pub(crate) fn free(&self, address: usize) -> Freed {
+    /// Serves a refused run-time block while its run is being stopped: from the
+    /// governor's overdraft, or past its limit (or without an account to book it to)
+    /// from the scratch sink.
+    fn overdraft(&self, caller: &Caller, size: usize) -> Option<usize> {
+        let draw = self.account.as_ref().map(|account| account.draw_overdraft(size as u64));
+        match draw {
+            Some(Ok(draw)) => {
+                let address = crate::ffi::overdraft_allocate(size, self.alignment)?;
+                self.live.insert(address, Block::Overdraft { bytes: size, _draw: draw });
+                both(&self.counters, &caller.counters, |counters| counters.overdrawn(size as u64));
+                tracing::warn!(bytes = size, "refused block served from the overdraft; the run is being stopped");
+                Some(address)
+            }
+            refused => {
+                let address = crate::sink::allocate(size, self.alignment)?;
+                self.live.insert(address, Block::Sink { bytes: size });
+                both(&self.counters, &caller.counters, |counters| {
+                    counters.sink_blocks.fetch_add(1, Ordering::Relaxed);
+                });
+                match refused {
+                    Some(Err(refused)) => tracing::warn!(
+                        bytes = size, %refused,
+                        "refused block past the overdraft limit served from the scratch sink; the run is being stopped"
+                    ),
+                    _ => tracing::warn!(
+                        bytes = size,
+                        "refused block (no account to book an overdraft to) served from the scratch sink; the run is \
+                         being stopped"
+                    ),
+                }
+                Some(address)
+            }
+        }
+    }
+
+    /// Frees the block at `address` through the binding it came from; `caller` is the
+    /// table the free came through.
+    pub(crate) fn free(&self, caller: &Caller, address: usize) -> Freed {
         let Some((_, block)) = self.live.remove(&address) else {
-            self.counters.unknown_frees.fetch_add(1, Ordering::Relaxed);
+            both(&self.counters, &caller.counters, |counters| {
+                counters.unknown_frees.fetch_add(1, Ordering::Relaxed);
+            });
             tracing::error!(address, "onnx runtime freed a pointer this allocator never handed out; ignored");
             return Freed::Unknown;
         };
         let block = match block {
             Block::Governed(block) => block,
-            Block::Overdraft { bytes } => {
+            Block::Overdraft { bytes, _draw } => {
                 crate::ffi::overdraft_free(address, bytes, self.alignment);
+                both(&self.counters, &caller.counters, |counters| {
+                    counters.overdraft_in_use.fetch_sub(bytes as u64, Ordering::Relaxed);
+                });
+                // `_draw` drops here: the governor's overdraft books give the bytes back.
+                return Freed::Released;
+            }
+            Block::Sink { bytes } => {
+                crate::sink::free(address, bytes);
                 return Freed::Released;
             }
         };
         let bytes = block.bytes() as u64;
-        self.counters.in_use.fetch_sub(bytes, Ordering::Relaxed);
-        self.counters.frees.fetch_add(1, Ordering::Relaxed);
+        both(&self.counters, &caller.counters, |counters| counters.freed(bytes));
         let result = match &self.release {
             ReleasePath::Now => self.binding.release(block).map(|report| {
                 if let ReleaseSummary::Quarantined { residual_bytes, .. } = report {
@@ -402,7 +401,9 @@ impl GovernedBlocks {
                 if matches!(reason, HandleError::DeviceLost { .. }) {
                     // No free after loss: dropping the handle on a lost mechanism makes no
                     // callback; termination retires the record and refunds the charge.
-                    self.counters.frees_after_loss.fetch_add(1, Ordering::Relaxed);
+                    both(&self.counters, &caller.counters, |counters| {
+                        counters.frees_after_loss.fetch_add(1, Ordering::Relaxed);
+                    });
                     tracing::debug!(address, "ort freed a block after its device was lost; nothing freed");
                     drop(block);
                     Freed::AfterLoss
@@ -415,8 +416,10 @@ impl GovernedBlocks {
         }
     }
 
-    fn refuse(&self, size: usize, role: MemoryRole, reason: &str) -> String {
-        self.counters.refusals.fetch_add(1, Ordering::Relaxed);
+    fn refuse(&self, caller: &Caller, size: usize, role: MemoryRole, reason: &str) -> String {
+        both(&self.counters, &caller.counters, |counters| {
+            counters.refusals.fetch_add(1, Ordering::Relaxed);
+        });
         tracing::warn!(bytes = size, %role, device = %self.binding.device(), reason, "ort allocation refused");
         let message = format!("{size} bytes of {role} on {}: {reason}", self.binding.device());
         *self.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(message.clone());
@@ -438,23 +441,13 @@ impl GovernedBlocks {
         self.binding.allocator().trim()
     }
 
+    /// The quota `GetStats` reports as the limit.
+    pub(crate) fn limit(&self) -> u64 {
+        self.account.as_ref().and_then(Account::quota).unwrap_or(0)
+    }
+
+    /// The adapter's figures, over every table.
     pub(crate) fn stats(&self) -> OrtAllocatorStats {
-        let c = &self.counters;
-        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        OrtAllocatorStats {
-            limit: self.account.as_ref().and_then(Account::quota).unwrap_or(0),
-            in_use: load(&c.in_use),
-            total_allocated: load(&c.total_allocated),
-            peak_in_use: load(&c.peak_in_use),
-            allocs: load(&c.allocs),
-            reserves: load(&c.reserves),
-            frees: load(&c.frees),
-            max_alloc_size: load(&c.max_alloc_size),
-            refusals: load(&c.refusals),
-            frees_after_loss: load(&c.frees_after_loss),
-            unknown_frees: load(&c.unknown_frees),
-            overdraft_blocks: load(&c.overdraft_blocks),
-            overdraft_bytes: load(&c.overdraft_bytes),
-        }
+        self.counters.stats(self.limit())
     }
 }

@@ -12,16 +12,24 @@
 //! pointer outside that window, so nothing outlives its owner there.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ort::AsPointer;
+
 use ort::session::builder::SessionBuilder;
-use ort::session::{RunOptions, Session, SessionInputs, SessionOutputs};
+use ort::session::{
+    IoBinding, NoSelectedOutputs, RunOptions, SelectedOutputMarker, Session, SessionInputs, SessionOutputs,
+};
 
 use crate::allocator::GovernedOrtAllocator;
-use crate::blocks::Watch;
+use crate::blocks::OrtAllocatorStats;
+use crate::caller::{Phase, StopFlag};
 use crate::error::OrtAdapterError;
 use crate::ffi::{self, Core};
+
+/// Serials of committed sessions (for logs and hold names; not an identity).
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
 /// Serialises register-create-unregister windows: the environment is per process, and
 /// one allocator per memory info can be registered at a time.
@@ -41,13 +49,28 @@ impl OrtEnvironment {
     /// [`OrtAdapterError::Load`] when the library cannot be loaded or an environment was
     /// already built in this process (use [`OrtEnvironment::from_environment`] with it).
     pub fn load(library: impl AsRef<Path>) -> Result<OrtEnvironment, OrtAdapterError> {
+        OrtEnvironment::load_with(library, |builder| builder)
+    }
+
+    /// As [`OrtEnvironment::load`], with the environment configured by `configure`
+    /// first: for example a global thread pool shared by every session
+    /// (`builder.with_global_thread_pool(options)`; sessions then use it instead of
+    /// threads of their own).
+    ///
+    /// # Errors
+    /// As [`OrtEnvironment::load`].
+    pub fn load_with(
+        library: impl AsRef<Path>,
+        configure: impl FnOnce(ort::environment::EnvironmentBuilder) -> ort::environment::EnvironmentBuilder,
+    ) -> Result<OrtEnvironment, OrtAdapterError> {
         let library = library.as_ref();
         let load_error = |message: String| OrtAdapterError::Load { path: library.display().to_string(), message };
         if !library.is_file() {
             return Err(load_error("no such file".to_owned()));
         }
         let builder = ort::init_from(library).map_err(|err| load_error(err.to_string()))?;
-        let environment = builder.with_name("memory-ort").build().map_err(|err| load_error(err.to_string()))?;
+        let environment =
+            configure(builder.with_name("memory-ort")).build().map_err(|err| load_error(err.to_string()))?;
         tracing::info!(library = %library.display(), version = ort::info(), "onnx runtime environment built");
         Ok(OrtEnvironment { environment })
     }
@@ -127,7 +150,13 @@ impl OrtEnvironment {
         builder: SessionBuilder,
         create: impl FnOnce(&mut SessionBuilder) -> ort::Result<Session>,
     ) -> Result<GovernedSession, OrtAdapterError> {
-        let keep_alive = Arc::clone(&allocator.core);
+        // The session's own table: every call through it is this session's, on whatever
+        // thread ONNX Runtime makes it. It holds the provider context open while the
+        // session or a block it handed out can still call.
+        let serial = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
+        let hold = allocator.binding().hold_callers(format!("onnx runtime session {serial}"));
+        let core = Core::for_session(&allocator.core, hold);
+        let keep_alive = Arc::clone(&core);
         let builder = builder
             .with_env_allocators()
             .map_err(|err| runtime("opt the session into environment allocators", &err))?
@@ -135,31 +164,30 @@ impl OrtEnvironment {
             .map_err(|err| runtime("set weight prepacking", &err))?;
         let mut builder = builder
             .with_logger(Arc::new(move |level, category, id, location, message| {
-                // The closure owns a count of the allocator core: ONNX Runtime keeps the
-                // session's logger until the session is released, so the allocator
-                // outlives every call the session can make.
+                // The closure owns a count of the session's core: ONNX Runtime keeps the
+                // session's logger until the session is released, so the table outlives
+                // every call the session can make.
                 let _owner = &keep_alive;
                 forward_log(level, category, id, location, message);
             }))
             .map_err(|err| runtime("set the session logger", &err))?;
-        let watch = Watch::new(None);
-        let created = {
+        let (created, refusal) = {
             let _window = REGISTRATION.lock().unwrap_or_else(PoisonError::into_inner);
-            self.register(&allocator.core)?;
-            let _committing = allocator.core.blocks.enter_commit(Arc::clone(&watch));
+            self.register(&core)?;
+            core.caller.begin(Phase::Committing, None);
             let created = create(&mut builder);
-            self.unregister(&allocator.core);
-            created
+            let refusal = core.caller.end();
+            self.unregister(&core);
+            (created, refusal)
         };
         drop(builder);
         match created {
             Ok(session) => {
-                let run_options =
-                    Arc::new(RunOptions::new().map_err(|err| runtime("create the session's run options", &err))?);
-                tracing::info!(binding = %allocator.binding().identity(), "governed ort session committed");
-                Ok(GovernedSession { session, run_options, allocator: allocator.clone() })
+                let run_options = RunOptions::new().map_err(|err| runtime("create the session's run options", &err))?;
+                tracing::info!(binding = %allocator.binding().identity(), serial, "governed ort session committed");
+                Ok(GovernedSession { session, run_options, allocator: allocator.clone(), core, serial })
             }
-            Err(err) => Err(explain(&watch, "create the session", &err.to_string())),
+            Err(err) => Err(explain(refusal, "create the session", &err.to_string())),
         }
     }
 
@@ -192,18 +220,50 @@ impl OrtEnvironment {
     }
 }
 
-/// A session whose memory comes from a [`GovernedOrtAllocator`]. Run it through
-/// [`GovernedSession::run`]: a refusal during the run stops it at the next kernel
-/// boundary and the error carries the governor's reason.
+/// A session whose memory comes from a [`GovernedOrtAllocator`], through a table of
+/// its own: every allocation ONNX Runtime makes for it, on any of its threads (intra-op,
+/// inter-op, a global pool), is charged to the tenant and counted in the session's
+/// [`GovernedSession::stats`]. Run it through [`GovernedSession::run`] (or
+/// [`run_with_options`](GovernedSession::run_with_options),
+/// [`run_binding`](GovernedSession::run_binding)): a refusal during the run stops it at
+/// the next kernel boundary and the error carries the governor's reason.
 pub struct GovernedSession {
     session: Session,
-    run_options: Arc<RunOptions>,
+    run_options: RunOptions,
     allocator: GovernedOrtAllocator,
+    core: Arc<Core>,
+    serial: u64,
 }
 
 impl std::fmt::Debug for GovernedSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GovernedSession").field("session", &self.session).field("allocator", &self.allocator).finish()
+        f.debug_struct("GovernedSession")
+            .field("serial", &self.serial)
+            .field("session", &self.session)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// Ends a run's phase when dropped (also if the run panics).
+struct RunPhase<'c>(&'c Core);
+
+impl RunPhase<'_> {
+    fn begin(core: &Core, stop: Option<StopFlag>) -> RunPhase<'_> {
+        core.caller.begin(Phase::Running, stop);
+        RunPhase(core)
+    }
+
+    fn end(self) -> Option<String> {
+        let refusal = self.0.caller.end();
+        std::mem::forget(self);
+        refusal
+    }
+}
+
+impl Drop for RunPhase<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.caller.end();
     }
 }
 
@@ -211,10 +271,11 @@ impl GovernedSession {
     /// Runs the session.
     ///
     /// ONNX Runtime's tensors do not check the pointer an allocator returns, so a
-    /// request the governor refuses during a run is served from a small host overdraft
-    /// outside the books (counted in [`OrtAllocatorStats`](crate::OrtAllocatorStats))
-    /// while the run is stopped at its next kernel boundary; the overdraft is freed as
-    /// the failed run unwinds.
+    /// request the governor refuses during a run is still served while the run is
+    /// stopped at its next kernel boundary: from the governor's overdraft (booked per
+    /// device and tenant, bounded by the device's overdraft limit), past that from a
+    /// scratch sink of fixed size (see the crate docs). Both are freed as the failed run
+    /// unwinds; a run that finished anyway has its outputs discarded.
     ///
     /// # Errors
     /// [`OrtAdapterError::Refused`] when the run failed because the governor refused
@@ -225,32 +286,67 @@ impl GovernedSession {
         inputs: impl Into<SessionInputs<'i, 'v, N>>,
     ) -> Result<SessionOutputs<'s>, OrtAdapterError> {
         self.run_options.unterminate().map_err(|err| runtime("reset the run options", &err))?;
-        let options = Arc::clone(&self.run_options);
-        let watch = Watch::new(Some(Box::new(move || {
-            if let Err(err) = options.terminate() {
-                tracing::error!(%err, "could not stop the run after a refusal");
-            }
-        })));
-        let result = {
-            let _running = self.allocator.core.blocks.enter_run(Arc::clone(&watch));
-            self.session.run_with_options(inputs, &self.run_options)
-        };
-        match result {
-            // The run may finish before it reaches a kernel boundary after a refusal: its
-            // outputs then hold overdraft memory, so they are discarded.
-            Ok(outputs) => match watch.reason() {
-                None => Ok(outputs),
-                Some(reason) => {
-                    drop(outputs);
-                    Err(OrtAdapterError::Refused {
-                        action: "run",
-                        reason,
-                        runtime: "the run finished on overdraft memory; its outputs were discarded".to_owned(),
-                    })
-                }
-            },
-            Err(err) => Err(explain(&watch, "run", &err.to_string())),
-        }
+        let stop = StopFlag::of(self.run_options.ptr());
+        let phase = RunPhase::begin(&self.core, stop);
+        let result = self.session.run_with_options(inputs, &self.run_options);
+        finish(phase.end(), result)
+    }
+
+    /// Runs the session with the caller's run options (a run tag, a log level, an
+    /// output selector, a terminate set from another thread). A refusal sets the
+    /// options' terminate flag for the rest of the run and clears it again when the run
+    /// returns, so the options can be reused; a terminate of the caller's own fails the
+    /// run with [`OrtAdapterError::Runtime`] as ONNX Runtime reports it.
+    ///
+    /// # Errors
+    /// As [`GovernedSession::run`].
+    pub fn run_with_options<'r, 's: 'r, 'i, 'v: 'i, O: SelectedOutputMarker, const N: usize>(
+        &'s mut self,
+        inputs: impl Into<SessionInputs<'i, 'v, N>>,
+        options: &'r RunOptions<O>,
+    ) -> Result<SessionOutputs<'r>, OrtAdapterError> {
+        let phase = RunPhase::begin(&self.core, StopFlag::of(options.ptr()));
+        let result = self.session.run_with_options(inputs, options);
+        finish(phase.end(), result)
+    }
+
+    /// An I/O binding for this session: bind inputs and outputs ahead of the run
+    /// (outputs bound to the CPU memory info are allocated through the governed table,
+    /// like any output), then run it with [`GovernedSession::run_binding`].
+    ///
+    /// # Errors
+    /// [`OrtAdapterError::Runtime`] when ONNX Runtime cannot create the binding.
+    pub fn create_binding(&self) -> Result<IoBinding, OrtAdapterError> {
+        self.session.create_binding().map_err(|err| runtime("create an io binding", &err))
+    }
+
+    /// Runs the session on an I/O binding, with the session's own run options.
+    ///
+    /// # Errors
+    /// As [`GovernedSession::run`].
+    pub fn run_binding<'b, 's: 'b>(
+        &'s mut self,
+        binding: &'b IoBinding,
+    ) -> Result<SessionOutputs<'b>, OrtAdapterError> {
+        self.run_options.unterminate().map_err(|err| runtime("reset the run options", &err))?;
+        let phase = RunPhase::begin(&self.core, StopFlag::of(self.run_options.ptr()));
+        let result = self.session.run_binding_with_options(binding, &self.run_options);
+        finish(phase.end(), result)
+    }
+
+    /// Runs the session on an I/O binding with the caller's run options (see
+    /// [`GovernedSession::run_with_options`]).
+    ///
+    /// # Errors
+    /// As [`GovernedSession::run`].
+    pub fn run_binding_with_options<'r, 'b, 's: 'b>(
+        &'s mut self,
+        binding: &'b IoBinding,
+        options: &'r RunOptions<NoSelectedOutputs>,
+    ) -> Result<SessionOutputs<'b>, OrtAdapterError> {
+        let phase = RunPhase::begin(&self.core, StopFlag::of(options.ptr()));
+        let result = self.session.run_binding_with_options(binding, options);
+        finish(phase.end(), result)
     }
 
     /// The `ort` session (inputs, outputs, metadata). Runs go through
@@ -263,6 +359,37 @@ impl GovernedSession {
     pub fn allocator(&self) -> &GovernedOrtAllocator {
         &self.allocator
     }
+
+    /// This session's own figures: what ONNX Runtime allocated, holds and was refused
+    /// for this session alone (the allocator's [`stats`](GovernedOrtAllocator::stats)
+    /// sum every session committed with it). `GetStats` through the session's table
+    /// reports the same.
+    pub fn stats(&self) -> OrtAllocatorStats {
+        self.core.stats()
+    }
+
+    /// The process-unique serial of the session (in logs and the caller hold's name).
+    pub fn serial(&self) -> u64 {
+        self.serial
+    }
+}
+
+/// A run's result, failed with the governor's reason when the run was refused memory
+/// (even if ONNX Runtime finished it: its outputs may hold overdraft or sink memory,
+/// so they are discarded).
+fn finish<T>(refusal: Option<String>, result: ort::Result<T>) -> Result<T, OrtAdapterError> {
+    match (result, refusal) {
+        (Ok(outputs), None) => Ok(outputs),
+        (Ok(outputs), Some(reason)) => {
+            drop(outputs);
+            Err(OrtAdapterError::Refused {
+                action: "run",
+                reason,
+                runtime: "the run finished on overdraft memory; its outputs were discarded".to_owned(),
+            })
+        }
+        (Err(err), refusal) => Err(explain(refusal, "run", &err.to_string())),
+    }
 }
 
 fn runtime(action: &'static str, err: &dyn std::fmt::Display) -> OrtAdapterError {
@@ -271,8 +398,8 @@ fn runtime(action: &'static str, err: &dyn std::fmt::Display) -> OrtAdapterError
 
 /// An ONNX Runtime error, with the governor's reason when a refusal happened during the
 /// call (ONNX Runtime only sees a null pointer or a stopped run).
-fn explain(watch: &Watch, action: &'static str, runtime: &str) -> OrtAdapterError {
-    match watch.reason() {
+fn explain(refusal: Option<String>, action: &'static str, runtime: &str) -> OrtAdapterError {
+    match refusal {
         Some(reason) => OrtAdapterError::Refused { action, reason, runtime: runtime.to_owned() },
         None => OrtAdapterError::Runtime { action, message: runtime.to_owned() },
     }

@@ -1,19 +1,29 @@
-//! The C side: the `OrtAllocator` table ONNX Runtime calls, laid out first in a
+//! The C side: the `OrtAllocator` tables ONNX Runtime calls, each laid out first in a
 //! reference-counted core so the table's address is the core's.
 //!
-//! # Why the core outlives every caller
-//! ONNX Runtime keeps the raw `OrtAllocator*` and never says when it stops using it.
-//! Three kinds of holder can still call it, and each holds a strong count of the core:
-//! - the adapter handle ([`crate::GovernedOrtAllocator`]) and every clone of it;
-//! - every session made with it: the session's logger (which ONNX Runtime keeps until
-//!   the session is released, so `ort` keeps it alive at least that long) captures a
-//!   clone, so the core outlives the `OrtSession`, even one kept alive by `ort` values
-//!   after the Rust session handle is gone;
-//! - every live block: `Alloc`/`Reserve` take a count for the block and `Free` gives it
-//!   back as its very last step, so an output tensor that outlives its session can still
-//!   free into a live core.
+//! # One table per session
+//! An adapter has a *base* core (the handle's own table, [`crate::GovernedOrtAllocator::as_ort_allocator`])
+//! and one *session* core per committed session, all sharing the adapter's blocks.
+//! ONNX Runtime gives nothing but the table to `Alloc`, so the table is what tells
+//! which session a call is for, on whatever thread it comes (see [`crate::caller`]).
+//! A session core holds a count of the base core and a [`CallerHold`] on the binding's
+//! provider context, so the context is not confirmed terminated while the session or a
+//! block it handed out can still call.
 //!
-//! The environment holds the pointer only inside [`crate::OrtEnvironment`]'s
+//! # Why a core outlives every caller
+//! ONNX Runtime keeps the raw `OrtAllocator*` and never says when it stops using it.
+//! Every kind of holder that can still call a table holds a strong count of its core:
+//! - the adapter handle ([`crate::GovernedOrtAllocator`]) and every clone of it hold
+//!   the base core; every session core holds it too;
+//! - every session holds its session core: the session's logger (which ONNX Runtime
+//!   keeps until the session is released, so `ort` keeps it alive at least that long)
+//!   captures a clone, so the core outlives the `OrtSession`, even one kept alive by
+//!   `ort` values after the Rust session handle is gone;
+//! - every live block holds the core of the table it came through: `Alloc`/`Reserve`
+//!   take a count for the block and `Free` gives it back as its very last step, so an
+//!   output tensor that outlives its session can still free into a live core.
+//!
+//! The environment holds a session core's pointer only inside [`crate::OrtEnvironment`]'s
 //! register-create-unregister window, during which the committing call holds a count.
 //!
 //! # No panic crosses the boundary
@@ -25,9 +35,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
+use memory_governor::CallerHold;
 use ort::sys::{OrtAllocator, OrtErrorCode, OrtKeyValuePairs, OrtMemoryInfo, OrtStatus, OrtStatusPtr};
 
 use crate::blocks::{Freed, GovernedBlocks, OrtAllocatorStats, RequestKind};
+use crate::caller::Caller;
 
 /// An `OrtMemoryInfo` this crate created and releases.
 pub(crate) struct MemoryInfo(NonNull<OrtMemoryInfo>);
@@ -123,8 +135,14 @@ fn error_status(message: &str) -> OrtStatusPtr {
 #[repr(C)]
 pub(crate) struct Core {
     table: OrtAllocator,
-    info: MemoryInfo,
-    pub(crate) blocks: GovernedBlocks,
+    info: Arc<MemoryInfo>,
+    pub(crate) blocks: Arc<GovernedBlocks>,
+    /// Who calls through this table and what it is doing.
+    pub(crate) caller: Caller,
+    /// A session core's base core (`None` for the base core itself).
+    base: Option<Arc<Core>>,
+    /// A session core's hold on the provider context (see the module docs).
+    _hold: Option<CallerHold>,
 }
 
 // SAFETY: the table holds only a version number and function pointers, written once
@@ -136,9 +154,24 @@ unsafe impl Send for Core {}
 unsafe impl Sync for Core {}
 
 impl Core {
-    /// A core whose table ONNX Runtime can call, in an `Arc` (the table's address is
-    /// stable for the core's life).
+    /// An adapter's base core, whose table ONNX Runtime can call, in an `Arc` (the
+    /// table's address is stable for the core's life).
     pub(crate) fn new(info: MemoryInfo, blocks: GovernedBlocks) -> Arc<Core> {
+        Core::with_parts(Arc::new(info), Arc::new(blocks), None, None)
+    }
+
+    /// A table of its own for one session of `base`'s adapter, holding `hold` for as
+    /// long as the session or a block it handed out can call.
+    pub(crate) fn for_session(base: &Arc<Core>, hold: CallerHold) -> Arc<Core> {
+        Core::with_parts(Arc::clone(&base.info), Arc::clone(&base.blocks), Some(Arc::clone(base)), Some(hold))
+    }
+
+    fn with_parts(
+        info: Arc<MemoryInfo>,
+        blocks: Arc<GovernedBlocks>,
+        base: Option<Arc<Core>>,
+        hold: Option<CallerHold>,
+    ) -> Arc<Core> {
         // SAFETY: `OrtAllocator::default` only fills the version and null slots; every
         // slot we need is set right after.
         let mut table = unsafe { OrtAllocator::default() };
@@ -153,7 +186,12 @@ impl Core {
         // optional slot means unsupported.
         table.AllocOnStream = None;
         table.Shrink = Some(shrink);
-        Arc::new(Core { table, info, blocks })
+        Arc::new(Core { table, info, blocks, caller: Caller::default(), base, _hold: hold })
+    }
+
+    /// Whether this is a session's table (not the adapter's base table).
+    pub(crate) fn is_session(&self) -> bool {
+        self.base.is_some()
     }
 
     /// The pointer ONNX Runtime gets. Valid while a strong count of `core` is held.
@@ -165,8 +203,9 @@ impl Core {
         self.info.as_ptr()
     }
 
+    /// The base table reports the adapter's figures; a session's table its own.
     pub(crate) fn stats(&self) -> OrtAllocatorStats {
-        self.blocks.stats()
+        if self.is_session() { self.caller.counters.stats(self.blocks.limit()) } else { self.blocks.stats() }
     }
 }
 
@@ -189,7 +228,7 @@ unsafe fn allocate_entry(this: *const OrtAllocator, size: usize, kind: RequestKi
     }
     // SAFETY: forwarded contract.
     let core = unsafe { core(this) };
-    match catch_unwind(AssertUnwindSafe(|| core.blocks.allocate(size, kind))) {
+    match catch_unwind(AssertUnwindSafe(|| core.blocks.allocate(&core.caller, size, kind))) {
         Ok(Some(address)) => {
             // SAFETY: `this` is a live Arc<Core>'s pointer (contract); the count taken here
             // is given back by `free` for this block.
@@ -221,7 +260,7 @@ unsafe extern "system" fn free(this: *mut OrtAllocator, p: *mut c_void) {
     // SAFETY: ONNX Runtime frees through the table that allocated the block; the block's
     // strong count keeps the core alive until the end of this function.
     let core = unsafe { core(this) };
-    let freed = catch_unwind(AssertUnwindSafe(|| core.blocks.free(p.expose_provenance())));
+    let freed = catch_unwind(AssertUnwindSafe(|| core.blocks.free(&core.caller, p.expose_provenance())));
     match freed {
         Ok(Freed::Unknown) => {}
         Ok(Freed::Released | Freed::AfterLoss | Freed::Refused) => {

@@ -67,11 +67,15 @@
 mod allocator;
 pub mod assets;
 mod blocks;
+#[allow(unsafe_code)]
+mod caller;
 mod config;
 mod environment;
 mod error;
 #[allow(unsafe_code)]
 mod ffi;
+#[allow(unsafe_code)]
+mod sink;
 pub mod workloads;
 
 // The public interface.

@@ -51,8 +51,10 @@ fn the_environment_keeps_no_count_after_a_commit_and_a_failed_commit_keeps_none_
     let allocator = tenant.allocator(env);
     assert_eq!(allocator.owners(), 1);
     let session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
-    // This handle, the session's clone, the session's logger, and one per live block.
-    assert_eq!(allocator.owners(), 3 + allocator.live_blocks());
+    // This handle, the session's clone, and the session's own table (which the session's
+    // logger and its live blocks keep alive in turn).
+    assert!(allocator.live_blocks() > 0);
+    assert_eq!(allocator.owners(), 3);
     drop(session);
     assert_eq!(allocator.owners(), 1);
     assert!(env.commit_from_memory(&allocator, env.session_builder().unwrap(), b"not a model").is_err());
