@@ -17,20 +17,47 @@ use memory_api::{
 };
 use memory_plugin_abi::{
     MP_ABI_MAJOR, MP_CAP_DEFERRED_RELEASE, MP_CAP_SHARED_MAPPING, MP_CAP_STRUCTURED_RELEASE, MP_CAP_VIRTUAL_BACKING,
-    MP_ERR_BACKEND, MP_ERR_DEVICE_LOST, MP_ERR_NOT_OWNED, MP_ERR_OUT_OF_MEMORY, MP_ERR_UNSUPPORTED, MP_OK,
-    MP_RELEASE_COMPLETE, MP_RELEASE_FAILED, MP_RELEASE_QUARANTINED, MpAllocator, MpBlock, MpDevice, MpReleaseOutcome,
-    MpRequest, MpStats, MpStatus, MpTally, status_name,
+    MP_ERR_DEVICE_LOST, MP_ERR_NOT_OWNED, MP_ERR_OUT_OF_MEMORY, MP_ERR_UNSUPPORTED, MP_OK, MP_RELEASE_COMPLETE,
+    MP_RELEASE_FAILED, MP_RELEASE_QUARANTINED, MpAllocator, MpBlock, MpDevice, MpReleaseOutcome, MpRequest, MpStats,
+    MpStatus, MpTally, status_name,
 };
 
 use crate::error::{PluginError, StatusCode};
 use crate::library::LoadedLibrary;
 use crate::negotiate::{InstanceOrigin, Negotiated, abi_device, negotiate};
 use crate::queue::PluginReleaseQueue;
+use crate::ranges::{LiveRanges, Span};
 use crate::records::{Records, TakenRecord};
-use crate::tally::{HostTally, PluginTally};
+use crate::tally::{HostTally, PluginTally, SuspectRetry};
 
 /// The backend name in every `BackendError` a plugin causes.
 pub const BACKEND: &str = "plugin";
+
+/// Instances that hold suspect blocks, kept from being destroyed (and their libraries
+/// from being unmapped) until every suspect block is discharged: the plugin may still
+/// own those blocks, so its instance must not go while the host holds them. A static,
+/// so a kept instance stays reachable (valgrind counts it "still reachable", not lost)
+/// after every handle to it is gone.
+static KEPT: Mutex<Vec<Arc<Instance>>> = Mutex::new(Vec::new());
+
+/// A block the host keeps as suspect: never freed by the host, never handed out.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Suspect {
+    pub(crate) block: MpBlock,
+    /// It overlapped a live block when it was answered: it is handed back only once it
+    /// overlaps none (releasing it could free the live block's memory).
+    pub(crate) aliases: bool,
+}
+
+/// What the plugin did with a block handed back to its `release`.
+enum HandedBack {
+    /// It took the block back (`MP_OK`, and a complete outcome about that block).
+    TakenBack,
+    /// It says it holds no such block (`MP_ERR_NOT_OWNED`).
+    NotOwned,
+    /// Anything else: the block may still be the plugin's.
+    Kept,
+}
 
 /// One instance of a plugin allocator, shared by every handle made through it.
 pub(crate) struct Instance {
@@ -40,11 +67,16 @@ pub(crate) struct Instance {
     pub(crate) device: DeviceKey,
     pub(crate) abi_device: MpDevice,
     pub(crate) records: Records,
+    /// The address ranges of the live blocks, so an overlapping block is refused.
+    pub(crate) ranges: LiveRanges,
     pub(crate) backings: AtomicUsize,
     pub(crate) queued: AtomicUsize,
-    /// Blocks answered with an unknown status that could not be handed back: never
-    /// freed, never forgotten (quarantine).
-    pub(crate) suspects: Mutex<Vec<MpBlock>>,
+    /// Blocks answered with an unknown status, that overlap a live block, or that could
+    /// not be handed back: never freed, never forgotten (quarantine). While there are
+    /// any, the instance is in [`KEPT`]: never destroyed.
+    pub(crate) suspects: Mutex<Vec<Suspect>>,
+    /// Serialises suspect retries, so no suspect block is handed back twice.
+    pub(crate) retrying: Mutex<()>,
     /// This instance, for handles made through it (shared backings).
     pub(crate) me: Weak<Instance>,
     /// Declared last: the library stays mapped until `destroy` (in `Drop`) returned.
@@ -61,6 +93,13 @@ unsafe impl Sync for Instance {}
 
 impl Drop for Instance {
     fn drop(&mut self) {
+        // Unreachable while suspects remain (the instance is kept), so this is only a
+        // guard against a future path that forgets to keep it.
+        let suspects = self.suspects.get_mut().unwrap_or_else(PoisonError::into_inner).len();
+        if suspects != 0 {
+            tracing::error!(plugin = %self.name, suspects, "plugin instance dropped with suspect blocks; not destroyed");
+            return;
+        }
         if let Some(destroy) = self.table.destroy {
             tracing::info!(plugin = %self.name, "plugin allocator instance destroyed");
             // SAFETY: the slot was checked non-null at negotiation; this is the last
@@ -98,41 +137,126 @@ impl Instance {
         }
     }
 
-    /// The block as the registry sees it, named by a fresh record; otherwise why this
-    /// host cannot take it. Always inlined, like `Records::take`: its answer, returned
-    /// through memory and read back with wider loads, stalled store forwarding.
+    /// The block as the registry sees it, named by a fresh record (when it overlaps no
+    /// live block); otherwise why this host cannot take it. Always inlined, like
+    /// `Records::take`: its answer, returned through memory and read back with wider
+    /// loads, stalled store forwarding.
     #[inline(always)]
-    fn raw(&self, block: &MpBlock) -> Result<RawAllocation, &'static str> {
-        let too_large = "; the block does not fit this host";
+    fn raw(&self, block: &MpBlock) -> Result<RawAllocation, Unrecorded> {
+        let too_large = Unrecorded::Unfit("; the block does not fit this host");
         let address = DeviceAddress::new(block.address).ok_or(too_large)?;
         let bytes = usize::try_from(block.bytes).map_err(|_| too_large)?;
         let align = usize::try_from(block.align).ok().filter(|a| a.is_power_of_two()).ok_or(too_large)?;
-        let tag = self.records.insert(block).ok_or(
+        let tag =
+            self.ranges.admit(block, &self.records, || self.records.insert(block)).map_err(Unrecorded::Aliases)?;
+        let tag = tag.ok_or(Unrecorded::Unfit(
             "; the loader cannot record another block from this thread (it records at most 2^24 - 32 live blocks \
              per thread): release some, or allocate from more threads",
-        )?;
+        ))?;
         Ok(RawAllocation::new(address, bytes, align, self.device, tag))
     }
 
-    fn suspect(&self, block: MpBlock, why: &str) {
-        tracing::error!(plugin = %self.name, ?block, why, "plugin block quarantined by the loader (never freed)");
-        self.suspects.lock().unwrap_or_else(PoisonError::into_inner).push(block);
+    /// Keeps `block` as suspect: never freed, never handed out, and the instance kept
+    /// (never destroyed) until every suspect is discharged.
+    fn suspect(&self, block: MpBlock, aliases: bool, why: &str) {
+        tracing::error!(
+            plugin = %self.name,
+            address = format_args!("{:#x}", block.address),
+            bytes = block.bytes,
+            why,
+            "plugin block kept as suspect by the loader (never freed; the instance is kept until it is discharged)"
+        );
+        let mut suspects = lock(&self.suspects);
+        if suspects.is_empty() {
+            // The caller holds the instance (it is allocating through it), so it upgrades.
+            if let Some(me) = self.me.upgrade() {
+                lock(&KEPT).push(me);
+            }
+        }
+        suspects.push(Suspect { block, aliases });
+    }
+
+    /// Hands `block` (one `allocate` wrote) to the plugin's `release`.
+    fn hand_back(&self, block: &MpBlock) -> HandedBack {
+        let mut out = MpReleaseOutcome::default();
+        let Some(release) = self.table.release else { return HandedBack::Kept };
+        // SAFETY: `release` was checked non-null; `block` is exactly what `allocate`
+        // wrote, so the plugin issued it (or answers MP_ERR_NOT_OWNED); both pointers are
+        // to live locals.
+        let status = unsafe { release(self.ptr(), block, &mut out) };
+        let structured = self.has(MP_CAP_STRUCTURED_RELEASE);
+        if status == MP_OK && (!structured || (out.kind == MP_RELEASE_COMPLETE && out.block == *block)) {
+            HandedBack::TakenBack
+        } else if status == MP_ERR_NOT_OWNED {
+            HandedBack::NotOwned
+        } else {
+            HandedBack::Kept
+        }
     }
 
     /// Hands an unusable fresh block straight back; keeps it as suspect when the
-    /// plugin does not take it back cleanly.
-    fn give_back(&self, block: MpBlock, why: &str) {
-        let mut out = MpReleaseOutcome::default();
-        let Some(release) = self.table.release else { return };
-        // SAFETY: `release` was checked non-null; `block` is exactly what `allocate`
-        // wrote, so the plugin issued it; both pointers are to live locals.
-        let status = unsafe { release(self.ptr(), &block, &mut out) };
-        let structured = self.has(MP_CAP_STRUCTURED_RELEASE);
-        let complete = status == MP_OK && (!structured || (out.kind == MP_RELEASE_COMPLETE && out.block == block));
-        if !complete {
-            self.suspect(block, why);
+    /// plugin does not take it back cleanly. Whether it was taken back.
+    fn give_back(&self, block: MpBlock, why: &str) -> bool {
+        let taken = matches!(self.hand_back(&block), HandedBack::TakenBack);
+        if !taken {
+            self.suspect(block, false, why);
         }
+        taken
     }
+
+    /// Hands every suspect block back to the plugin's `release` (an overlapping one
+    /// only once it overlaps no live block): one the plugin takes back, or says it does
+    /// not hold, is discharged. When none is left the instance is no longer kept.
+    pub(crate) fn retry_suspects(&self) -> SuspectRetry {
+        let _one_retry = lock(&self.retrying);
+        let pending = lock(&self.suspects).clone();
+        let mut discharged = Vec::new();
+        for suspect in &pending {
+            if suspect.aliases && self.ranges.overlaps_live(&suspect.block, &self.records).is_some() {
+                continue;
+            }
+            match self.hand_back(&suspect.block) {
+                HandedBack::TakenBack | HandedBack::NotOwned => discharged.push(*suspect),
+                HandedBack::Kept => {}
+            }
+        }
+        let mut suspects = lock(&self.suspects);
+        for gone in &discharged {
+            if let Some(at) = suspects.iter().position(|suspect| suspect == gone) {
+                suspects.swap_remove(at);
+            }
+        }
+        let still_suspect = suspects.len();
+        let released = if still_suspect == 0 && !discharged.is_empty() {
+            let mut kept = lock(&KEPT);
+            kept.iter().position(|kept| std::ptr::eq(Arc::as_ptr(kept), self)).map(|at| kept.swap_remove(at))
+        } else {
+            None
+        };
+        drop(suspects);
+        tracing::info!(plugin = %self.name, discharged = discharged.len(), still_suspect, "suspect blocks retried");
+        // The kept reference goes with no lock held; the caller's own keeps the instance.
+        drop(released);
+        SuspectRetry { discharged: discharged.len(), still_suspect }
+    }
+
+    fn suspect_count(&self) -> usize {
+        lock(&self.suspects).len()
+    }
+}
+
+/// Why a fresh block could not be recorded.
+#[derive(Copy, Clone, Debug)]
+enum Unrecorded {
+    /// It does not fit this host, or this thread's records are full: handed back.
+    Unfit(&'static str),
+    /// It overlaps this live block: kept as suspect.
+    Aliases(Span),
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The loader's bookkeeping stays valid whatever a panic interrupted.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A plugin's allocator instance as a [`DeviceAllocator`]. Register it like any other
@@ -185,9 +309,11 @@ impl PluginAllocator {
                 name,
                 device,
                 records: Records::new(),
+                ranges: LiveRanges::new(),
                 backings: AtomicUsize::new(0),
                 queued: AtomicUsize::new(0),
                 suspects: Mutex::new(Vec::new()),
+                retrying: Mutex::new(()),
                 me: me.clone(),
                 library,
             }),
@@ -244,9 +370,22 @@ impl PluginAllocator {
             bytes,
             backings: self.shared.backings.load(Ordering::Acquire),
             queued_releases: self.shared.queued.load(Ordering::Acquire),
-            suspect_blocks: self.shared.suspects.lock().unwrap_or_else(PoisonError::into_inner).len(),
+            suspect_blocks: self.shared.suspect_count(),
             other_pins: 0,
         }
+    }
+
+    /// Hands every block this instance keeps as suspect back to the plugin's `release`:
+    /// a block the plugin takes back (`MP_OK`, a complete outcome) or says it does not
+    /// hold (`MP_ERR_NOT_OWNED`) is discharged; any other answer keeps it. A block that
+    /// overlapped a live block is handed back only once no live block overlaps it. Once
+    /// none is left, the instance is no longer kept: it is destroyed when its last handle
+    /// goes, and its library can unload. Retries of one instance run one at a time.
+    ///
+    /// Suspect blocks are never discharged otherwise: an instance that holds one is
+    /// never destroyed, and its library never unmapped, for the life of the process.
+    pub fn retry_suspects(&self) -> SuspectRetry {
+        self.shared.retry_suspects()
     }
 
     /// What the plugin says this instance holds.
@@ -369,6 +508,109 @@ fn release_error(shared: &Instance, block: &RawAllocation, status: MpStatus) -> 
     }
 }
 
+/// What happened to a refused block that went back to the plugin.
+const HANDED_BACK: &str = "the block was handed back to the plugin's release and nothing was allocated";
+/// What happened to a refused block the host keeps.
+const SUSPECT: &str = "the host keeps the block as suspect (never freed, never handed out), and with it the plugin \
+     instance and its library, which stay loaded until a suspect retry discharges it";
+
+/// `allocate` answered an error status: what the block it may have written becomes.
+#[cold]
+fn refused_status(shared: &Instance, request: &AllocationRequest, status: MpStatus, block: MpBlock) -> AllocError {
+    if status_name(status).is_none() && block.address != 0 {
+        // The plugin may or may not own this block: never free it, never trust it.
+        shared.suspect(block, false, "allocate answered an unknown status with a block");
+        let detail = format!(
+            ", an unknown status, and wrote a block of {} bytes at {:#x}; {SUSPECT}; report the plugin's bug \
+             (allocate answers MP_OK or an MP_ERR_* status)",
+            block.bytes, block.address
+        );
+        return alloc_error(shared, request, status, &detail);
+    }
+    alloc_error(shared, request, status, " (nothing was allocated)")
+}
+
+/// An ABI device as a message names it (`host:0`, `tier 7:0` for a tier ABI 1 lacks).
+fn device_name(device: MpDevice) -> String {
+    match crate::negotiate::device_key(device) {
+        Some(key) => key.to_string(),
+        None => format!("tier {}:{}", device.tier, device.index),
+    }
+}
+
+/// Which of the rules a block answered with `MP_OK` must meet it breaks, asked vs given.
+fn broken_rules(block: &MpBlock, asked: &MpRequest, device: MpDevice) -> Vec<String> {
+    let mut broken = Vec::new();
+    if block.address == 0 {
+        broken.push("its address is 0x0 (a block needs a nonzero address)".to_owned());
+    }
+    if block.device != device {
+        broken.push(format!(
+            "it is on {}, but this instance serves {}",
+            device_name(block.device),
+            device_name(device)
+        ));
+    }
+    if !block.align.is_power_of_two() {
+        broken.push(format!("its alignment {} is not a power of two", block.align));
+    } else {
+        if block.align < asked.align {
+            broken.push(format!("its alignment {} is less than the {} asked", block.align, asked.align));
+        }
+        if block.address != 0 && !block.address.is_multiple_of(block.align) {
+            let actual = 1u64 << block.address.trailing_zeros();
+            broken.push(format!(
+                "its address {:#x} is not a multiple of its alignment {} ({:#x}): it is aligned to {actual} only",
+                block.address, block.align, block.align
+            ));
+        }
+    }
+    if block.bytes < asked.bytes {
+        broken.push(format!("its size {} bytes is less than the {} bytes asked", block.bytes, asked.bytes));
+    }
+    broken
+}
+
+/// `allocate` answered `MP_OK` with a block that breaks a rule: handed back (or kept).
+#[cold]
+fn unusable_block(shared: &Instance, request: &AllocationRequest, asked: &MpRequest, block: MpBlock) -> AllocError {
+    let broken = broken_rules(&block, asked, shared.abi_device).join("; ");
+    let kept = !shared.give_back(block, "an unusable block was not taken back cleanly");
+    let detail = format!(
+        ", but its block breaks the ABI's rules: asked for {} bytes aligned to {} on {}, it gave {} bytes aligned to \
+         {} at {:#x} on {}: {broken}; {}; report the plugin's bug",
+        asked.bytes,
+        asked.align,
+        device_name(shared.abi_device),
+        block.bytes,
+        block.align,
+        block.address,
+        device_name(block.device),
+        if kept { SUSPECT } else { HANDED_BACK },
+    );
+    alloc_error(shared, request, MP_OK, &detail)
+}
+
+/// `allocate` answered `MP_OK` with a block overlapping a live one: kept as suspect.
+#[cold]
+fn aliasing_block(shared: &Instance, request: &AllocationRequest, block: MpBlock, live: Span) -> AllocError {
+    shared.suspect(block, true, "allocate answered a block that overlaps a live block");
+    let end = |address: u64, bytes: u64| address.saturating_add(bytes);
+    let detail = format!(
+        ", but its block ({} bytes at {:#x}..{:#x}) overlaps a live block it handed out before ({} bytes at \
+         {:#x}..{:#x}), and two live allocations must never share memory: the host refused it, and {SUSPECT} (it is \
+         not handed back while the live block lives: releasing it could free that block's memory); report the \
+         plugin's bug",
+        block.bytes,
+        block.address,
+        end(block.address, block.bytes),
+        live.bytes,
+        live.address,
+        end(live.address, live.bytes),
+    );
+    alloc_error(shared, request, MP_OK, &detail)
+}
+
 /// Statuses that may answer a release with "nothing was mutated".
 fn is_known_failure(status: MpStatus) -> bool {
     status != MP_OK && status_name(status).is_some()
@@ -399,11 +641,7 @@ impl DeviceAllocator for PluginAllocator {
         // live locals; the instance lives while `self` does.
         let status = unsafe { allocate(shared.ptr(), &abi_request, &mut block) };
         if status != MP_OK {
-            if status_name(status).is_none() && block.address != 0 {
-                // The plugin may or may not own this block: never free it, never trust it.
-                shared.suspect(block, "allocate answered an unknown status with a block");
-            }
-            return Err(alloc_error(shared, request, status, " (nothing was allocated)"));
+            return Err(refused_status(shared, request, status, block));
         }
         let fits = block.address != 0
             && block.device == shared.abi_device
@@ -412,24 +650,19 @@ impl DeviceAllocator for PluginAllocator {
             && block.align >= abi_request.align
             && block.address.is_multiple_of(block.align);
         if !fits {
-            let detail = format!(
-                "; it returned {block:?} for {} bytes aligned to {} on {} (the block was handed back)",
-                request.bytes(),
-                request.align(),
-                shared.device
-            );
-            shared.give_back(block, "an unusable block was not taken back cleanly");
-            return Err(alloc_error(shared, request, MP_ERR_BACKEND, &detail));
+            return Err(unusable_block(shared, request, &abi_request, block));
         }
         match shared.raw(&block) {
             Ok(raw) => {
                 tracing::trace!(plugin = %shared.name, bytes = raw.bytes(), "plugin allocate");
                 Ok(raw)
             }
-            Err(why) => {
-                shared.give_back(block, "a block this host cannot record was not taken back cleanly");
-                Err(alloc_error(shared, request, MP_ERR_BACKEND, why))
+            Err(Unrecorded::Unfit(why)) => {
+                let kept = !shared.give_back(block, "a block this host cannot record was not taken back cleanly");
+                let fate = if kept { SUSPECT } else { HANDED_BACK };
+                Err(alloc_error(shared, request, MP_OK, &format!("{why}; {fate}")))
             }
+            Err(Unrecorded::Aliases(live)) => Err(aliasing_block(shared, request, block, live)),
         }
     }
 

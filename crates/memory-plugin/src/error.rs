@@ -16,7 +16,7 @@ impl fmt::Display for StatusCode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match status_name(self.0) {
             Some(name) => write!(f, "{name} ({})", self.0),
-            None => write!(f, "unknown status {}", self.0),
+            None => write!(f, "unknown status {} ({:#x})", self.0, self.0),
         }
     }
 }
@@ -181,6 +181,15 @@ pub struct UnloadRefused {
     pub plugin: Option<PluginTally>,
 }
 
+impl UnloadRefused {
+    /// Blocks the host keeps as suspect through the library: while there are any, its
+    /// instances are kept and it never unloads (retry them with
+    /// [`PluginLibrary::retry_suspects`]).
+    pub fn suspect_blocks(&self) -> usize {
+        self.host.suspect_blocks
+    }
+}
+
 impl fmt::Debug for UnloadRefused {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UnloadRefused")
@@ -196,6 +205,16 @@ fn unload_message(path: &str, host: &HostTally, plugin: &Option<PluginTally>) ->
         Some(tally) => tally.to_string(),
         None => "no tally (the library exports no mp_plugin_tally)".to_owned(),
     };
+    if host.suspect_blocks != 0 {
+        return format!(
+            "unload of {path} refused: {} suspect block(s) remain, blocks the plugin wrote that the host keeps (an \
+             unknown status, an overlap with a live block, or an unusable block it would not take back): the plugin \
+             may still own them, so their instances are not destroyed and the library stays loaded; retry the \
+             suspect blocks (each goes back to the plugin's release, once no live block overlaps it) or leave the \
+             library loaded for the life of the process. The host also holds {host}; the plugin reports {plugin}",
+            host.suspect_blocks
+        );
+    }
     format!(
         "unload of {path} refused: the host still holds {host}; the plugin reports {plugin}; \
          release the allocations, drop the bindings, queues and backings, remove the mechanisms \

@@ -33,15 +33,26 @@
 //! [`PluginLibrary`] gives up only that handle: the code is unmapped when the last pin
 //! goes, and never while the plugin's tally says it still holds something.
 //!
+//! A block the host keeps as *suspect* (below) keeps its instance: the plugin may still
+//! own it, so the instance is not destroyed, nor its library unmapped, until a suspect
+//! retry ([`PluginLibrary::retry_suspects`], [`PluginAllocator::retry_suspects`]) hands
+//! it back to the plugin's `release` and the plugin takes it back or says it holds no
+//! such block. Without one, it stays for the life of the process, and every unload is
+//! refused, saying how many suspect blocks remain ([`UnloadRefused::suspect_blocks`]).
+//!
 //! # Trust
 //! A plugin's code is trusted to be memory-safe (loading it is `unsafe`), but none of
 //! its answers is. The host records every block it handed out (owner-local records: no
 //! read-modify-write to record, one compare-and-swap to take back, so of two racing
 //! releases exactly one reaches the plugin) and passes a plugin only blocks it issued;
-//! a block on another device, misaligned, too small or at address zero is handed back; a release outcome about another block, of an unknown kind, or with
-//! an unknown status is a quarantine of the whole block; an unknown status on allocate
-//! keeps any block it returned as suspect (never freed); commit and unmap answers larger
-//! than the range are errors; a deferred-release ticket the host never issued is ignored.
+//! a block on another device, misaligned, too small or at address zero is handed back,
+//! with a message naming the rule it broke (asked against given); a block overlapping a
+//! live block of the instance (checked against an ordered map of the live ranges, by
+//! address region) is refused and kept as suspect; a release outcome about another
+//! block, of an unknown kind, or with an unknown status is a quarantine of the whole
+//! block; an unknown status on allocate keeps any block it returned as suspect (never
+//! freed); commit and unmap answers larger than the range are errors; a deferred-release
+//! ticket the host never issued is ignored.
 //!
 //! # Correctness
 //! `unsafe` is confined to calling the plugin's slots, reading its table and loading
@@ -78,6 +89,7 @@ mod error;
 mod library;
 mod negotiate;
 mod queue;
+mod ranges;
 mod records;
 mod tally;
 
@@ -88,4 +100,4 @@ pub use error::{PluginError, StatusCode, UnloadRefused};
 pub use library::{InstanceOptions, PluginLibrary};
 pub use negotiate::abi_device;
 pub use queue::PluginReleaseQueue;
-pub use tally::{HostTally, PluginTally};
+pub use tally::{HostTally, PluginTally, SuspectRetry};

@@ -22,7 +22,7 @@ use memory_plugin_abi::{
 use crate::allocator::{Instance, PluginAllocator};
 use crate::error::{PluginError, StatusCode, UnloadRefused};
 use crate::negotiate::{InstanceOrigin, negotiate};
-use crate::tally::{HostTally, PluginTally};
+use crate::tally::{HostTally, PluginTally, SuspectRetry};
 
 /// What an instance is created with.
 #[derive(Clone, Debug)]
@@ -258,6 +258,23 @@ impl PluginLibrary {
         drop(instances);
         tally.other_pins = Arc::strong_count(&self.shared).saturating_sub(1 + live);
         tally
+    }
+
+    /// Retries the suspect blocks of every instance of this library (see
+    /// [`PluginAllocator::retry_suspects`]), instances kept only for their suspect blocks
+    /// included: the way to discharge them once every handle made through the library
+    /// is gone, so that it can unload.
+    pub fn retry_suspects(&self) -> SuspectRetry {
+        let instances: Vec<Arc<Instance>> = self.shared.instances().iter().filter_map(Weak::upgrade).collect();
+        let mut total = SuspectRetry::default();
+        for instance in &instances {
+            let one = instance.retry_suspects();
+            total.discharged += one.discharged;
+            total.still_suspect += one.still_suspect;
+        }
+        // Our references go with no lock held: an instance no longer kept is destroyed here.
+        drop(instances);
+        total
     }
 
     /// What the plugin says all its instances still hold (`None` when it exports no

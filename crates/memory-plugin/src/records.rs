@@ -164,7 +164,7 @@ impl Records {
 
     /// Records `block` in the calling thread's part; returns the tag that names the
     /// record. `None` when the part has 2^24 - 32 blocks live.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert(&self, block: &MpBlock) -> Option<u64> {
         self.insert_as(thread_index(), block)
     }
@@ -240,6 +240,21 @@ impl Records {
         fence(Ordering::Acquire);
         let unchanged = record.state.load(Ordering::Relaxed) == state;
         (unchanged && matches(&recorded, block, device)).then_some(recorded)
+    }
+
+    /// Whether the record `tag` names is live (no release of it under way) and holds the
+    /// block at `address` of `bytes` (any thread; for the live-range index, whose entries
+    /// are not removed on release). A record in transit is not live here: the plugin may
+    /// already have freed its block, and may hand the memory out again before the
+    /// releasing thread frees the record.
+    #[inline]
+    pub(crate) fn holds(&self, tag: u64, address: u64, bytes: u64) -> bool {
+        let Some((_, _, _, record, state)) = self.lookup(tag) else { return false };
+        let (recorded_address, recorded_bytes) =
+            (record.address.load(Ordering::Relaxed), record.bytes.load(Ordering::Relaxed));
+        // As in `get`: unchanged after the reads, they were that generation's block.
+        fence(Ordering::Acquire);
+        record.state.load(Ordering::Relaxed) == state && recorded_address == address && recorded_bytes == bytes
     }
 
     /// Blocks recorded and their bytes, releases under way included (cold: reads every
@@ -425,6 +440,23 @@ mod tests {
         std::mem::drop(unsettled);
         assert!(records.take(&presented, HOST).is_none() && records.get(&presented, HOST).is_none());
         assert_eq!(records.count(), (1, 256), "unload keeps waiting for it");
+    }
+
+    #[test]
+    fn holds_answers_only_for_a_live_record_of_that_block() {
+        let records = Records::new();
+        let first = block(0x5000);
+        let tag = records.insert(&first).unwrap();
+        assert!(records.holds(tag, 0x5000, 256));
+        assert!(!records.holds(tag, 0x5000, 512) && !records.holds(tag, 0x6000, 256), "another block");
+        let taken = records.take(&raw(&first, tag), HOST).unwrap();
+        assert!(!records.holds(tag, 0x5000, 256), "in transit: the plugin may have freed it already");
+        taken.restore();
+        assert!(records.holds(tag, 0x5000, 256), "restored under its tag");
+        assert_eq!(take_free(&records, &raw(&first, tag), HOST), Some(first));
+        assert!(!records.holds(tag, 0x5000, 256), "released");
+        let again = records.insert(&first).unwrap();
+        assert!(!records.holds(tag, 0x5000, 256) && records.holds(again, 0x5000, 256), "a reused slot");
     }
 
     #[test]

@@ -20,8 +20,10 @@ pub struct HostTally {
     pub backings: usize,
     /// Releases waiting in a plugin release queue.
     pub queued_releases: usize,
-    /// Blocks the plugin answered with an unknown status or an unusable description
-    /// and that could not be handed back: kept, never freed (quarantine).
+    /// Blocks the host keeps as suspect, never freed and never handed out: ones the
+    /// plugin wrote with an unknown status, ones that overlapped a live block, and
+    /// unusable ones it would not take back. Each keeps its instance from being
+    /// destroyed (it is counted in `instances`) until a suspect retry discharges it.
     pub suspect_blocks: usize,
     /// Other handles to the library itself.
     pub other_pins: usize,
@@ -48,6 +50,25 @@ impl fmt::Display for HostTally {
             self.suspect_blocks,
             self.other_pins
         )
+    }
+}
+
+/// What a suspect retry did ([`PluginAllocator::retry_suspects`],
+/// [`PluginLibrary::retry_suspects`]).
+///
+/// [`PluginAllocator::retry_suspects`]: crate::PluginAllocator::retry_suspects
+/// [`PluginLibrary::retry_suspects`]: crate::PluginLibrary::retry_suspects
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SuspectRetry {
+    /// Suspect blocks the plugin took back or said it does not hold: no longer kept.
+    pub discharged: usize,
+    /// Suspect blocks still kept.
+    pub still_suspect: usize,
+}
+
+impl fmt::Display for SuspectRetry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} suspect block(s) discharged, {} still kept", self.discharged, self.still_suspect)
     }
 }
 

@@ -27,28 +27,42 @@ use memory_testkit::native::{Language, NativeBuild};
 
 fn built_plugin() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-        NativeBuild::new(Language::C("c11"))
-            .source(manifest.join("tests/c/example_plugin.c"))
-            .include(manifest.join("../../include"))
-            .arg("-lpthread")
-            .shared_library(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin"), "libexample_plugin.so")
-    })
+    PATH.get_or_init(|| build_plugin(&[], "libexample_plugin.so"))
 }
 
-/// A private copy of the plugin for one test.
-fn plugin_copy(test: &str) -> PathBuf {
+/// The example plugin built without `mp_plugin_tally`: only the host's tally can
+/// refuse its unload.
+fn built_plugin_without_tally() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| build_plugin(&["-DEXAMPLE_NO_TALLY"], "libexample_plugin_no_tally.so"))
+}
+
+fn build_plugin(args: &[&str], name: &str) -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let build = NativeBuild::new(Language::C("c11"))
+        .source(manifest.join("tests/c/example_plugin.c"))
+        .include(manifest.join("../../include"))
+        .arg("-lpthread");
+    let build = args.iter().fold(build, |build, arg| build.arg(*arg));
+    build.shared_library(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin"), name)
+}
+
+/// A private copy of a plugin build for one test.
+fn plugin_copy(test: &str, built: &Path) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin-copies");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("lib{test}-{}.so", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    std::fs::copy(built_plugin(), &path).unwrap();
+    std::fs::copy(built, &path).unwrap();
     path
 }
 
 fn load(test: &str) -> (PluginLibrary, PathBuf) {
-    let path = plugin_copy(test);
+    load_built(test, built_plugin())
+}
+
+fn load_built(test: &str, built: &Path) -> (PluginLibrary, PathBuf) {
+    let path = plugin_copy(test, built);
     // SAFETY: the example plugin is built from this crate's own C source.
     let library = unsafe { PluginLibrary::load(&path) }.expect("the example plugin loads");
     (library, path)
@@ -429,31 +443,212 @@ fn plugin_allocations(library: &PluginLibrary) -> u64 {
     library.plugin_tally().unwrap().allocations
 }
 
-#[test]
-fn unusable_blocks_are_handed_back_and_the_allocation_fails() {
-    let (library, _) = load("unusable");
-    for fault in ["alloc_wrong_device", "alloc_misaligned", "alloc_short", "alloc_null"] {
-        let allocator = instance(&library, &format!("fault={fault}")).unwrap();
-        let (_registry, binding) = registered(&allocator);
-        let error = binding.allocate(request(4096)).unwrap_err();
-        assert!(matches!(&error, AllocateError::Allocator(_)), "{fault}: {error}");
-        assert!(error.to_string().contains("handed back"), "{fault}: {error}");
-        assert_eq!(plugin_allocations(&library), 0, "{fault}: the block went back to the plugin");
-        // The next call is honest and works.
-        binding.release(binding.allocate(request(4096)).unwrap()).unwrap();
+/// Whether a message that reaches C programmers (through memory-capi) stays in their
+/// terms: no Rust value dumps, no Rust item paths.
+fn assert_c_readable(message: &str) {
+    for rust in ["MpBlock {", "MpDevice {", "::", "Some(", "None"] {
+        assert!(!message.contains(rust), "{rust:?} in: {message}");
     }
 }
 
 #[test]
-fn an_unknown_allocate_status_keeps_its_block_as_suspect_and_blocks_unload() {
+fn unusable_blocks_are_handed_back_and_the_message_says_which_rule_broke() {
+    let (library, _) = load("unusable");
+    // (fault, what the message must say: asked vs given)
+    let cases: [(&str, &[&str]); 4] = [
+        ("alloc_wrong_device", &["it is on host:1, but this instance serves host:0"]),
+        ("alloc_misaligned", &["is not a multiple of its alignment 64 (0x40): it is aligned to 1 only"]),
+        ("alloc_short", &["its size 2048 bytes is less than the 4096 bytes asked", "it gave 2048 bytes"]),
+        ("alloc_null", &["its address is 0x0", "at 0x0 on host:0"]),
+    ];
+    for (fault, says) in cases {
+        let allocator = instance(&library, &format!("fault={fault}")).unwrap();
+        let (_registry, binding) = registered(&allocator);
+        let error = binding.allocate(request(4096)).unwrap_err();
+        assert!(matches!(&error, AllocateError::Allocator(_)), "{fault}: {error}");
+        let message = error.to_string();
+        assert!(message.contains("example-plugin: MP_OK (0), but its block breaks the ABI's rules"), "{message}");
+        assert!(message.contains("asked for 4096 bytes aligned to 64 on host:0"), "{message}");
+        for said in says {
+            assert!(message.contains(said), "{fault}: {said:?} missing in: {message}");
+        }
+        assert!(message.contains("handed back to the plugin's release and nothing was allocated"), "{message}");
+        assert!(!message.contains("MP_ERR_BACKEND"), "the plugin did not answer that: {message}");
+        assert_c_readable(&message);
+        assert_eq!(plugin_allocations(&library), 0, "{fault}: the block went back to the plugin");
+        assert_eq!(allocator.host_tally().suspect_blocks, 0, "{fault}");
+        // The next call is honest and works.
+        binding.release(binding.allocate(request(4096)).unwrap()).unwrap();
+    }
+    // The misaligned block's address, in hex: the host's own copy of what it was given.
+    let allocator = instance(&library, "fault=alloc_misaligned").unwrap();
+    let message = allocator.allocate(&request(4096)).unwrap_err().to_string();
+    let address = message.split("its address ").nth(1).and_then(|rest| rest.split(' ').next()).unwrap();
+    assert!(address.starts_with("0x") && u64::from_str_radix(&address[2..], 16).unwrap() % 2 == 1, "{message}");
+}
+
+#[test]
+fn an_unknown_allocate_status_keeps_its_block_as_suspect_and_the_message_says_so() {
     let (library, _) = load("suspect");
     let allocator = instance(&library, "fault=alloc_unknown_status").unwrap();
     let error = allocator.allocate(&request(512)).unwrap_err();
-    assert!(error.to_string().contains("unknown status 77"), "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains("unknown status 77 (0x4d), an unknown status, and wrote a block of 512 bytes at 0x"),
+        "{message}"
+    );
+    assert!(message.contains("keeps the block as suspect"), "{message}");
+    assert!(!message.contains("nothing was allocated"), "the host keeps a block: {message}");
+    assert_c_readable(&message);
     assert_eq!(allocator.host_tally().suspect_blocks, 1);
     drop(allocator);
     let refused = library.unload().unwrap_err();
+    assert_eq!(refused.suspect_blocks(), 1);
     assert_eq!(refused.plugin.unwrap().allocations, 1, "never freed: its owner is unknown");
+}
+
+/// The C-ABI review's case: a plugin with no tally of its own writes a block and answers
+/// 0x7777. Every handle is dropped and the mechanism removed: the instance must stay
+/// (the plugin may own the block), the unload must say suspect blocks remain, and only a
+/// suspect retry that hands the block back lets it unload.
+#[test]
+fn a_suspect_block_keeps_its_instance_and_library_until_a_retry_discharges_it() {
+    let (library, path) = load_built("suspect-unload", built_plugin_without_tally());
+    assert!(library.plugin_tally().is_none(), "the build exports no tally");
+    let allocator = instance(&library, "fault=alloc_unknown_status status=0x7777").unwrap();
+    let (registry, binding) = registered(&allocator);
+    let mechanism = binding.identity().mechanism();
+    let error = binding.allocate(request(4096)).unwrap_err();
+    assert!(error.to_string().contains("unknown status 30583 (0x7777)"), "{error}");
+    assert_eq!(library.host_tally().suspect_blocks, 1);
+
+    // Every handle goes: the binding, the mechanism (the registry drops its allocator),
+    // our own clone.
+    drop(binding);
+    registry.retire(&mechanism).unwrap();
+    registry.remove(&mechanism).unwrap();
+    drop((allocator, registry));
+    let host = library.host_tally();
+    assert_eq!((host.instances, host.suspect_blocks), (1, 1), "the instance is kept, not destroyed: {host}");
+
+    let refused = library.unload().unwrap_err();
+    assert_eq!(refused.suspect_blocks(), 1);
+    let message = refused.to_string();
+    assert!(message.contains("refused: 1 suspect block(s) remain"), "{message}");
+    assert!(message.contains("retry the suspect blocks"), "{message}");
+    assert_c_readable(&message);
+    let library = refused.library;
+    assert!(is_mapped(&path));
+
+    // The plugin takes the block back: discharged, the instance destroyed, unloadable.
+    let retried = library.retry_suspects();
+    assert_eq!((retried.discharged, retried.still_suspect), (1, 0), "{retried}");
+    assert!(library.host_tally().is_empty(), "{}", library.host_tally());
+    library.unload().unwrap();
+    assert!(!is_mapped(&path), "unmapped once the suspect block was discharged");
+}
+
+#[test]
+fn a_suspect_the_plugin_will_not_take_back_stays_and_the_library_stays_mapped() {
+    let (library, path) = load_built("suspect-stays", built_plugin_without_tally());
+    // Every release fails: the retry cannot discharge the block.
+    let allocator = instance(&library, "fault=alloc_unknown_status status=0x7777 keep=1").unwrap();
+    assert!(allocator.allocate(&request(64)).is_err());
+    let retried = allocator.retry_suspects();
+    assert_eq!((retried.discharged, retried.still_suspect), (0, 1), "a retry the plugin does not honour");
+    // An unusable block the plugin will not take back is kept too, and the message says so.
+    let unusable = instance(&library, "fault=alloc_misaligned keep=1").unwrap();
+    let message = unusable.allocate(&request(64)).unwrap_err().to_string();
+    assert!(message.contains("breaks the ABI's rules") && message.contains("keeps the block as suspect"), "{message}");
+    assert!(!message.contains("nothing was allocated"), "{message}");
+    assert_eq!(library.host_tally().suspect_blocks, 2);
+    drop(unusable);
+    drop(allocator);
+    // Dropping the library handle too: the kept instance keeps the code mapped.
+    drop(library);
+    assert!(is_mapped(&path), "a suspect block's instance and library are never pulled from under it");
+}
+
+#[test]
+fn a_block_overlapping_a_live_one_is_refused_and_kept_as_suspect_until_that_one_is_released() {
+    // alloc_alias: the live block's own address and size; alloc_overlap: 64 bytes into it.
+    for (fault, offset) in [("alloc_alias", 0), ("alloc_overlap", 64)] {
+        let (library, path) = load(fault);
+        let allocator = instance(&library, &format!("fault={fault} at=2")).unwrap();
+        let (registry, binding) = registered(&allocator);
+        let live = binding.allocate(request(4096)).unwrap();
+        let error = binding.allocate(request(4096)).unwrap_err();
+        assert!(matches!(&error, AllocateError::Allocator(_)), "{fault}: {error}");
+        let message = error.to_string();
+        let at = live.address().get();
+        let said =
+            format!("its block (4096 bytes at {:#x}..{:#x}) overlaps a live block", at + offset, at + offset + 4096);
+        assert!(message.contains(&said), "{fault}: {said:?} missing in: {message}");
+        assert!(message.contains(&format!("(4096 bytes at {at:#x}..{:#x})", at + 4096)), "{message}");
+        assert!(message.contains("two live allocations must never share memory"), "{message}");
+        assert!(message.contains("keeps the block as suspect"), "{message}");
+        assert_c_readable(&message);
+        let host = allocator.host_tally();
+        assert_eq!((host.allocations, host.suspect_blocks), (1, 1), "{fault}: {host}");
+        assert_eq!(plugin_allocations(&library), 1, "{fault}: nothing new was allocated");
+        // Not handed back while the block it overlaps lives.
+        let retried = allocator.retry_suspects();
+        assert_eq!((retried.discharged, retried.still_suspect), (0, 1), "{fault}");
+        // The live block stays whole and usable.
+        assert!(matches!(binding.release(live).unwrap(), ReleaseSummary::Complete { .. }), "{fault}");
+        // Now it overlaps nothing live: handed back, the plugin says it holds no such
+        // block, and it is discharged.
+        let retried = allocator.retry_suspects();
+        assert_eq!((retried.discharged, retried.still_suspect), (1, 0), "{fault}");
+        drop((binding, registry, allocator));
+        library.unload().unwrap();
+        assert!(!is_mapped(&path), "{fault}");
+    }
+}
+
+#[test]
+fn a_block_overlapping_one_live_on_another_thread_is_refused() {
+    let (library, _) = load("alias-threads");
+    let allocator = instance(&library, "fault=alloc_alias at=2").unwrap();
+    // Recorded by another thread, in another part of the records.
+    let live = std::thread::scope(|scope| scope.spawn(|| allocator.allocate(&request(256)).unwrap()).join().unwrap());
+    let error = allocator.allocate(&request(256)).unwrap_err();
+    assert!(error.to_string().contains("overlaps a live block"), "{error}");
+    assert_eq!(allocator.host_tally().suspect_blocks, 1);
+    assert!(allocator.release(live).is_complete());
+    assert_eq!(allocator.retry_suspects().discharged, 1);
+}
+
+/// An honest plugin whose addresses move between threads (glibc hands a block freed on
+/// one thread out again on that thread): no block is ever taken for an alias, including
+/// one answered while the release of the block that last held its address is still
+/// under way on the other thread.
+#[test]
+fn honest_addresses_reused_across_threads_are_never_taken_for_overlaps() {
+    let (library, _) = load("honest-reuse");
+    let allocator = instance(&library, "").unwrap();
+    let rounds = if cfg!(miri) { 50 } else { 20_000 };
+    let (to_first, from_second) = std::sync::mpsc::channel::<RawAllocation>();
+    let (to_second, from_first) = std::sync::mpsc::channel::<RawAllocation>();
+    std::thread::scope(|scope| {
+        for (send, receive) in [(to_second, from_second), (to_first, from_first)] {
+            let allocator = allocator.clone();
+            scope.spawn(move || {
+                let release = |block: RawAllocation| assert!(allocator.release(block).is_complete());
+                for round in 0..rounds {
+                    let bytes = 64 << (round % 4);
+                    let block = allocator.allocate(&request(bytes)).unwrap_or_else(|error| panic!("{round}: {error}"));
+                    send.send(block).unwrap();
+                    receive.try_iter().for_each(release);
+                }
+                drop(send);
+                receive.into_iter().for_each(release);
+            });
+        }
+    });
+    let host = allocator.host_tally();
+    assert_eq!((host.allocations, host.suspect_blocks), (0, 0), "{host}");
+    assert_eq!(plugin_allocations(&library), 0);
 }
 
 fn quarantined_release(config: &str, expect_unmapped: usize, expect_residual: usize) {

@@ -13,13 +13,19 @@
  *   null=SLOT                  leave a slot null (allocate, release, stats, commit, ...)
  *   fault=F at=N               a scripted fault on the Nth call of its operation
  *                              (1-based; at=0: every call)
+ *   status=N                   the status alloc_unknown_status answers (default 77)
+ *   keep=1                     release refuses every block (MP_ERR_BACKEND): the
+ *                              plugin keeps all it handed out
  *   defer_polls=N              polls before a deferred release is ready (default 1)
  *   refuse=1                   the entry point refuses the host
  *
  * Thread-safe: counters are atomics, per-block and per-instance state is under the
  * instance's mutex. A plain allocate/release pair (no fault scripted, no backing ever
  * made) takes no lock and counts no calls: it is posix_memalign/free plus the live
- * counters, the same work as the Rust system allocator it is benchmarked against. */
+ * counters, the same work as the Rust system allocator it is benchmarked against.
+ *
+ * Built with -DEXAMPLE_NO_TALLY it exports no mp_plugin_tally, so the host's own
+ * tally is all an unload can go by. */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
 #include <stdatomic.h>
@@ -63,6 +69,11 @@ typedef struct Instance {
     char fault[48];
     unsigned fault_at;
     unsigned defer_polls;
+    MpStatus unknown_status;
+    int keep;
+    /* the last block answered honestly while a fault is scripted (under the lock):
+     * what alloc_alias and alloc_overlap hand out again */
+    MpBlock last_block;
     /* counters */
     /* live allocations = allocations_total - releases_total (read releases first) */
     atomic_uint_fast64_t releases_total;
@@ -148,6 +159,20 @@ static MpStatus plugin_allocate(void *instance, const MpRequest *request, MpBloc
         atomic_fetch_add(&self->failures_total, 1);
         return MP_ERR_OUT_OF_MEMORY;
     }
+    if (faulted(self, "alloc_alias", call) || faulted(self, "alloc_overlap", call)) {
+        /* Dishonest: memory already handed out (and still live), with no block of its
+         * own behind it (tag 0: release answers MP_ERR_NOT_OWNED for it). */
+        pthread_mutex_lock(&self->lock);
+        *out = self->last_block;
+        pthread_mutex_unlock(&self->lock);
+        if (strcmp(self->fault, "alloc_overlap") == 0) {
+            out->address += 64;
+            out->bytes = request->bytes;
+            out->align = 64;
+        }
+        out->tag = 0;
+        return MP_OK;
+    }
     uint64_t align = request->align < 64 ? 64 : request->align;
     uint64_t header_room = (sizeof(BlockHeader) + align - 1) / align * align;
     uint64_t bytes = request->bytes == 0 ? 1 : request->bytes;
@@ -181,7 +206,11 @@ static MpStatus plugin_allocate(void *instance, const MpRequest *request, MpBloc
     } else if (faulted(self, "alloc_null", call)) {
         out->address = 0;
     } else if (faulted(self, "alloc_unknown_status", call)) {
-        return 77;
+        return self->unknown_status;
+    } else if (call != 0) {
+        pthread_mutex_lock(&self->lock);
+        self->last_block = *out;
+        pthread_mutex_unlock(&self->lock);
     }
     return MP_OK;
 }
@@ -253,7 +282,7 @@ static MpStatus plugin_release(void *instance, const MpBlock *block, MpReleaseOu
         return MP_ERR_NOT_OWNED;
     }
     int structured = (self->table.table.capabilities & MP_CAP_STRUCTURED_RELEASE) != 0;
-    if (faulted(self, "release_fail", call)) {
+    if (self->keep || faulted(self, "release_fail", call)) {
         return MP_ERR_BACKEND;
     }
     if (faulted(self, "release_unknown_status", call)) {
@@ -609,6 +638,7 @@ static void plugin_destroy(void *instance) {
     free(self);
 }
 
+#ifndef EXAMPLE_NO_TALLY
 MpStatus mp_plugin_tally(MpTally *out) {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&instances_lock);
@@ -626,6 +656,7 @@ MpStatus mp_plugin_tally(MpTally *out) {
     pthread_mutex_unlock(&instances_lock);
     return MP_OK;
 }
+#endif
 
 /* Reads `key=` from the configuration into `value` (NUL-terminated); 1 if present. */
 static int config_value(const char *config, const char *key, char *value, size_t capacity) {
@@ -689,6 +720,8 @@ MpStatus mp_plugin_entry(const MpHost *host, const MpAllocator **out) {
     self->device.index = (uint32_t)config_number(config, "index", 0);
     self->defer_polls = (unsigned)config_number(config, "defer_polls", 1);
     self->fault_at = (unsigned)config_number(config, "at", 1);
+    self->unknown_status = (MpStatus)config_number(config, "status", 77);
+    self->keep = (int)config_number(config, "keep", 0);
     if (!config_value(config, "fault", self->fault, sizeof self->fault)) {
         self->fault[0] = '\0';
     }
