@@ -7,6 +7,9 @@
 //! | [`VirtualHostAllocator`] | reserve address space, commit pages on demand (the CPU twin of CUDA VMM) | [`VirtualBacking`](memory_api::VirtualBacking) |
 //! | [`SharedHostAllocator`] | one memfd mapped into several reservations (the CPU twin of a shared KV prefix) | [`SharedMapping`](memory_api::SharedMapping) |
 //!
+//! Beside them, [`HostReleaseQueue`]: a bounded [`DeferredReleaseQueue`](memory_api::DeferredReleaseQueue)
+//! whose releases run when its owner says so (the C API's `mc_queue_create`).
+//!
 //! Platforms: [`SystemAllocator`] and [`PooledAllocator`] build and run everywhere;
 //! [`VirtualHostAllocator`], [`SharedHostAllocator`] and [`probe`] need `mmap` and
 //! exist on unix only (Linux and macOS). On Windows they are absent at compile time.
@@ -71,6 +74,7 @@
 //! ```
 
 mod pooled;
+mod queue;
 mod system;
 mod table;
 
@@ -90,6 +94,7 @@ mod virtual_host;
 
 // The public interface.
 pub use pooled::{PoolConfig, PoolStats, PooledAllocator};
+pub use queue::HostReleaseQueue;
 pub use system::SystemAllocator;
 // Unix only (Linux and macOS). On other platforms these names do not exist, so a use
 // of them fails at compile time rather than at run time.

@@ -80,9 +80,28 @@ fn ptr(addr: usize) -> *mut c_void {
     std::ptr::with_exposed_provenance_mut(addr)
 }
 
-/// The system page size.
+/// The system page size, read once.
+///
+/// From `sysconf(_SC_PAGESIZE)`, which the C library answers from the auxiliary vector
+/// the kernel (or valgrind, or a sanitizer's runtime) handed the process, and which a
+/// static link keeps. Not `rustix::param::page_size`: on Linux it finds the auxiliary
+/// vector by walking the vDSO's ELF headers, which valgrind does not map, so a program
+/// using this crate crashed under memcheck (issue 23).
 pub(crate) fn page_size() -> usize {
-    rustix::param::page_size()
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static PAGE: AtomicUsize = AtomicUsize::new(0);
+    match PAGE.load(Ordering::Relaxed) {
+        0 => {
+            // SAFETY: `sysconf` reads a process constant; it has no memory obligation.
+            let answered = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+            // POSIX allows -1 (no such limit), which no unix with mmap answers; 4 KiB is
+            // then the smallest page any of them uses, so ranges stay aligned.
+            let page = usize::try_from(answered).ok().filter(|page| page.is_power_of_two()).unwrap_or(4096);
+            PAGE.store(page, Ordering::Relaxed);
+            page
+        }
+        page => page,
+    }
 }
 
 /// Reserves `len` bytes of inaccessible address space aligned to `align`; returns its

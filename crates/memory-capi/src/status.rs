@@ -8,8 +8,6 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use memory_governor::{AllocError, AllocateError, BindError, HandleError, LimitError, RegistryError};
 use memory_plugin::PluginError;
 
-use crate::handles::Fault;
-
 /// A status code: `MC_OK` or one of the `MC_ERR_*` values.
 pub type McStatus = i32;
 /// Success.
@@ -102,52 +100,6 @@ impl Failure {
     pub(crate) fn null(what: &str) -> Failure {
         Failure::new(MC_ERR_NULL_ARGUMENT, format!("{what} is null; pass a valid pointer"))
     }
-
-    /// A handle that did not validate.
-    #[cold]
-    #[inline(never)]
-    pub(crate) fn handle(what: &str, handle: u64, fault: Fault) -> Failure {
-        match fault {
-            Fault::Null => Failure::null(what),
-            Fault::WrongKind { found } => Failure::new(
-                MC_ERR_INVALID_HANDLE,
-                format!(
-                    "{what} {handle:#x} is not such a handle ({}); pass the handle this library returned for it",
-                    kind_name(found)
-                ),
-            ),
-            Fault::Stale => Failure::new(
-                MC_ERR_STALE_HANDLE,
-                format!("{what} {handle:#x} was already released or destroyed; do not use a handle after releasing it"),
-            ),
-            Fault::Busy => Failure::new(
-                MC_ERR_BUSY,
-                format!("{what} {handle:#x} is being used by another call right now; retry once that call returned"),
-            ),
-            Fault::Exhausted => Failure::new(
-                MC_ERR_EXHAUSTED,
-                format!(
-                    "no {what} handle is left (the table holds at most {} live handles); release some",
-                    crate::handles::MAX_CELLS
-                ),
-            ),
-        }
-    }
-}
-
-fn kind_name(tag: u8) -> &'static str {
-    match tag {
-        crate::api::KIND_REGISTRY => "it is a registry handle",
-        crate::api::KIND_GOVERNOR => "it is a governor handle",
-        crate::api::KIND_CONTEXT => "it is a context handle",
-        crate::api::KIND_AUTHORITY => "it is an authority handle",
-        crate::api::KIND_MECHANISM => "it is a mechanism handle",
-        crate::api::KIND_BINDING => "it is a binding handle",
-        crate::api::KIND_ALLOCATION => "it is an allocation handle",
-        crate::api::KIND_LIBRARY => "it is a plugin library handle",
-        crate::api::KIND_QUEUE => "it is a queue handle",
-        _ => "it is no handle of this library",
-    }
 }
 
 impl From<RegistryError> for Failure {
@@ -235,10 +187,61 @@ thread_local! {
     static FAILED: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Advice in the messages of the Rust crates below that names a Rust item, and what a C
+/// caller does instead. Applied in order to every message that reaches C; the longer
+/// phrases come before the names they contain. `tests/c/errors.c` walks every failure
+/// the C API produces and checks no message names a Rust item.
+const C_TERMS: &[(&str, &str)] = &[
+    // memory-governor: exhaustion advice and account errors.
+    (
+        "use Governor::account to get it, or Governor::set_quota to change its quota",
+        "change its quota with mc_governor_set_quota",
+    ),
+    (
+        "install a policy that reclaims (ReclaimThenFail)",
+        "install a policy that reclaims (mc_governor_set_policy with MC_POLICY_RECLAIM_THEN_FAIL)",
+    ),
+    (
+        "raise it with Governor::set_overdraft_limit or GovernorConfig::with_overdraft_limit, or give",
+        "the C API keeps the governor's default overdraft limit, so give",
+    ),
+    ("Governor::register_holder", "mc_governor_register_holder"),
+    ("Governor::open_account", "mc_governor_open_account"),
+    ("Governor::set_device_limit", "mc_governor_set_device_limit"),
+    ("Governor::set_quota", "mc_governor_set_quota"),
+    ("Governor::set_policy", "mc_governor_set_policy"),
+    // memory-binding: lifecycle advice.
+    (
+        "call invalidate_device for its device first, then confirm termination",
+        "call mc_invalidate_device for its device first, then mc_confirm_terminated",
+    ),
+    ("register an allocator for it or call select", "register an allocator for it or call mc_mechanism_select"),
+    ("discharged by confirm_context_terminated", "discharged by mc_confirm_terminated"),
+    (
+        "or register the composite with register_trusted_composite, attesting that its parts are coherent",
+        "or register it as one vtable (mc_register_vtable)",
+    ),
+    // allocator-cuda: a sticky error.
+    ("call invalidate_device for device:", "call mc_invalidate_device for device:"),
+    (" on the registry, then recreate the context", ", then recreate the context"),
+];
+
+/// `message` in a C caller's terms (see [`C_TERMS`]).
+pub(crate) fn in_c_terms(message: &str) -> String {
+    let mut text = message.to_owned();
+    for (rust, c) in C_TERMS {
+        if text.contains(rust) {
+            text = text.replace(rust, c);
+        }
+    }
+    text
+}
+
 #[cold]
 #[inline(never)]
 fn remember(function: &str, failure: &Failure) {
-    let text = format!("{function}: {}: {}", status_name(failure.status), failure.message).replace('\0', " ");
+    let message = in_c_terms(&failure.message);
+    let text = format!("{function}: {}: {message}", status_name(failure.status)).replace('\0', " ");
     let text = CString::new(text).unwrap_or_default();
     let _ = MESSAGE.try_with(|message| *message.borrow_mut() = text);
     let _ = FAILED.try_with(|failed| failed.set(true));

@@ -38,6 +38,14 @@ pub struct McPluginLibrary {
 pub struct McQueue {
     _opaque: [u8; 0],
 }
+/// A physical backing to map into allocations of a shared-mapping mechanism (opaque).
+pub struct McBacking {
+    _opaque: [u8; 0],
+}
+/// A reclaim holder registered with a governor (opaque).
+pub struct McReclaimHolder {
+    _opaque: [u8; 0],
+}
 
 /// Called once with the user pointer given at registration, when the registry and
 /// every handle made under it no longer need it; never with a lock held.
@@ -45,14 +53,53 @@ pub type McDestroyFn = Option<unsafe extern "C" fn(user: *mut c_void)>;
 
 /// Built-in host allocators (`mc_register_cpu_allocator`).
 pub type McCpuAllocator = u32;
-/// The system allocator.
+/// The system allocator: an allocation is usable memory at once.
 pub const MC_CPU_SYSTEM: McCpuAllocator = 0;
-/// A caching pool over the system allocator.
+/// A caching pool over the system allocator: an allocation is usable memory at once.
 pub const MC_CPU_POOLED: McCpuAllocator = 1;
-/// Reserve address space, commit pages on demand.
+/// Reserve address space, commit pages on demand: an allocation is an inaccessible
+/// reservation until ranges of it are committed (`mc_virtual_commit`).
 pub const MC_CPU_VIRTUAL: McCpuAllocator = 2;
-/// One physical backing mapped into several blocks.
+/// One physical backing mapped into several blocks: an allocation is an inaccessible
+/// reservation until a backing is mapped into ranges of it (`mc_shared_map`).
 pub const MC_CPU_SHARED: McCpuAllocator = 3;
+
+/// How a backing is mapped (`mc_shared_map`).
+pub type McAccess = u32;
+/// Reads only (a write faults).
+pub const MC_ACCESS_READ_ONLY: McAccess = 0;
+/// Reads and writes.
+pub const MC_ACCESS_READ_WRITE: McAccess = 1;
+
+/// A governor's admission policy for a device (`mc_governor_set_policy`).
+pub type McPolicy = u32;
+/// Refuse what does not fit (the default).
+pub const MC_POLICY_HARD_LIMIT: McPolicy = 0;
+/// Ask the device's reclaim holders for the bytes missing, then retry once.
+pub const MC_POLICY_RECLAIM_THEN_FAIL: McPolicy = 1;
+
+/// What a reclaim holder is asked for (`McReclaimFn`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct McReclaimRequest {
+    /// The device memory is needed on.
+    pub device: memory_plugin_abi::MpDevice,
+    /// Bytes still missing (freeing more is fine).
+    pub bytes: u64,
+    /// The role (`MP_ROLE_*`) of the request that is short.
+    pub role: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// Frees up to `request->bytes` (more is fine) and returns the bytes it freed. Called
+/// from any thread, with no lock of the library held; it may release allocations
+/// through this API. `request` is valid during the call.
+pub type McReclaimFn = Option<unsafe extern "C" fn(user: *mut c_void, request: *const McReclaimRequest) -> u64>;
+
+/// Estimates the bytes the holder could free on `device` now (for messages and
+/// snapshots). Called from any thread, with no lock of the library held.
+pub type McReclaimableFn = Option<unsafe extern "C" fn(user: *mut c_void, device: memory_plugin_abi::MpDevice) -> u64>;
 
 /// Built-in CUDA allocators (`mc_register_cuda_allocator`).
 pub type McCudaAllocator = u32;
@@ -88,7 +135,11 @@ pub struct McReleaseReport {
 pub struct McAllocationInfo {
     /// Start address.
     pub address: u64,
-    /// Usable bytes.
+    /// The bytes asked for. For `MC_CPU_SYSTEM`, `MC_CPU_POOLED`, `MC_CUDA_EAGER`,
+    /// `MC_CUDA_POOL` and most plugins all of them are usable at once; for a
+    /// virtual-backing or shared-mapping mechanism (`MC_CPU_VIRTUAL`, `MC_CPU_SHARED`,
+    /// `MC_CUDA_VMM`) they are reserved address space, usable only where committed or
+    /// mapped (docs/C-ABI.md §6).
     pub bytes: u64,
     /// Alignment of the address.
     pub align: u64,

@@ -57,6 +57,7 @@ layouts! {
         host_instances, host_allocations, host_bytes, host_backings, host_queued_releases, host_suspect_blocks,
         host_other_pins, plugin_reported, reserved, plugin,
     }
+    McReclaimRequest { device, bytes, role, reserved }
 }
 
 fn probe(language: Language, extension: &str) -> BTreeMap<String, usize> {
