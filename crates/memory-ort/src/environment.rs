@@ -49,19 +49,20 @@ impl OrtEnvironment {
     /// [`OrtAdapterError::Load`] when the library cannot be loaded or an environment was
     /// already built in this process (use [`OrtEnvironment::from_environment`] with it).
     pub fn load(library: impl AsRef<Path>) -> Result<OrtEnvironment, OrtAdapterError> {
-        OrtEnvironment::load_with(library, |builder| builder)
+        OrtEnvironment::load_with(library, Ok)
     }
 
     /// As [`OrtEnvironment::load`], with the environment configured by `configure`
-    /// first: for example a global thread pool shared by every session
+    /// first, once the library is loaded (so `configure` may call ONNX Runtime): for
+    /// example a global thread pool shared by every session
     /// (`builder.with_global_thread_pool(options)`; sessions then use it instead of
     /// threads of their own).
     ///
     /// # Errors
-    /// As [`OrtEnvironment::load`].
+    /// As [`OrtEnvironment::load`], also when `configure` fails.
     pub fn load_with(
         library: impl AsRef<Path>,
-        configure: impl FnOnce(ort::environment::EnvironmentBuilder) -> ort::environment::EnvironmentBuilder,
+        configure: impl FnOnce(ort::environment::EnvironmentBuilder) -> ort::Result<ort::environment::EnvironmentBuilder>,
     ) -> Result<OrtEnvironment, OrtAdapterError> {
         let library = library.as_ref();
         let load_error = |message: String| OrtAdapterError::Load { path: library.display().to_string(), message };
@@ -69,8 +70,9 @@ impl OrtEnvironment {
             return Err(load_error("no such file".to_owned()));
         }
         let builder = ort::init_from(library).map_err(|err| load_error(err.to_string()))?;
-        let environment =
-            configure(builder.with_name("memory-ort")).build().map_err(|err| load_error(err.to_string()))?;
+        let environment = configure(builder.with_name("memory-ort"))
+            .and_then(ort::environment::EnvironmentBuilder::build)
+            .map_err(|err| load_error(err.to_string()))?;
         tracing::info!(library = %library.display(), version = ort::info(), "onnx runtime environment built");
         Ok(OrtEnvironment { environment })
     }

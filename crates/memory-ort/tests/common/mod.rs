@@ -2,6 +2,7 @@
 //! skip-or-fail policy for missing assets, a governed tenant, and the tiny model.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod modes;
 pub mod tiny_model;
 
 use std::sync::{Arc, OnceLock};

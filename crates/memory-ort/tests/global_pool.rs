@@ -1,0 +1,41 @@
+//! A global thread pool (per-session threads off) shared by the sessions of the
+//! process: its workers run every session's kernels, and each allocation is still
+//! charged to, and stops, the run it belongs to. The environment is built with the
+//! pool, so this binary holds only these tests.
+
+mod common;
+
+use std::sync::OnceLock;
+
+use common::modes::{self, Mode};
+use memory_ort::{OrtAssets, OrtEnvironment};
+use ort::environment::GlobalThreadPoolOptions;
+
+fn environment(test: &str) -> Option<(&'static OrtEnvironment, &'static OrtAssets)> {
+    static LOADED: OnceLock<Result<(OrtEnvironment, OrtAssets), String>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
+        let env = OrtEnvironment::load_with(&assets.library, |builder| {
+            let pool = GlobalThreadPoolOptions::default().with_intra_threads(2)?.with_inter_threads(2)?;
+            Ok(builder.with_global_thread_pool(pool))
+        })
+        .map_err(|err| err.to_string())?;
+        Ok((env, assets))
+    });
+    match loaded {
+        Ok((env, assets)) => Some((env, assets)),
+        Err(reason) if OrtAssets::required() => panic!("{test}: {reason}"),
+        Err(reason) => {
+            eprintln!("skipped {test}: {reason}");
+            None
+        }
+    }
+}
+
+#[test]
+fn a_global_thread_pool_shared_by_two_sessions_governs_every_byte() {
+    let name = "a_global_thread_pool_shared_by_two_sessions_governs_every_byte";
+    let Some((env, assets)) = environment(name) else { return };
+    modes::every_byte_is_governed(env, &assets.ocr_det, Mode::GlobalPool);
+    modes::two_sessions_share_one_allocator(env, &assets.ocr_det, Mode::GlobalPool, 3);
+}
