@@ -31,18 +31,11 @@ pub(crate) fn allocate(size: usize, align: usize) -> Option<usize> {
     // nothing of ours.
     let base = unsafe { mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::empty(), MapFlags::PRIVATE) }.ok()?;
     for offset in (0..len).step_by(BACKING) {
-        // SAFETY: `base + offset .. + BACKING` lies inside the reservation made above,
-        // which nothing else uses; MAP_FIXED replaces that part of it with the backing.
-        let mapped = unsafe {
-            mmap(
-                base.cast::<u8>().add(offset).cast(),
-                BACKING,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::FIXED,
-                fd,
-                0,
-            )
-        };
+        let at = base.cast::<u8>().wrapping_add(offset).cast();
+        // SAFETY: `at .. at + BACKING` lies inside the reservation made above, which
+        // nothing else uses; MAP_FIXED replaces that part of it with the backing.
+        let mapped =
+            unsafe { mmap(at, BACKING, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED | MapFlags::FIXED, fd, 0) };
         if mapped.is_err() {
             // SAFETY: the whole reservation is ours and nothing points into it yet.
             let _ = unsafe { munmap(base, len) };
@@ -102,13 +95,15 @@ mod tests {
         let size = 9 * BACKING + 123;
         let address = allocate(size, 64).expect("the sink maps");
         let block: *mut u8 = std::ptr::with_exposed_provenance_mut(address);
+        let last = block.wrapping_add(size - 1);
+        let second = block.wrapping_add(BACKING);
         // SAFETY: `allocate` mapped `size` bytes (rounded up) read-write at `block`.
-        unsafe {
-            block.write(1);
-            block.add(size - 1).write(2);
-            // Every 2 MiB of the block is the same backing.
-            assert_eq!(block.add(BACKING).read(), 1);
-        }
+        unsafe { block.write(1) };
+        // SAFETY: as above; `last` is the block's last byte.
+        unsafe { last.write(2) };
+        // Every 2 MiB of the block is the same backing.
+        // SAFETY: as above; `second` lies inside the block.
+        assert_eq!(unsafe { second.read() }, 1);
         free(address, size);
         assert!(allocate(4096, 8192).is_none(), "alignment past a page is refused");
     }
