@@ -111,9 +111,20 @@ pub(crate) fn fuzz_seeds_step(target_dir: &Path) -> Step {
 /// step runs with every feature on.
 pub(crate) const FEATURE_CRATES: [&str; 3] = ["memory-api", "memory-binding", "memory-governor"];
 
-/// The crates published to the registry, in dependency order.
-pub(crate) const PUBLISHED_CRATES: [&str; 6] =
-    ["memory-api", "memory-sync", "memory-binding", "memory-governor", "allocator-cpu", "allocator-cuda"];
+/// The crates published to the registry, in dependency order: the core and the
+/// providers, then the adapters a runtime adds from the registry.
+pub(crate) const PUBLISHED_CRATES: [&str; 10] = [
+    "memory-api",
+    "memory-sync",
+    "memory-binding",
+    "memory-governor",
+    "allocator-cpu",
+    "allocator-cuda",
+    "memory-plugin-abi",
+    "memory-plugin",
+    "memory-ort",
+    "memory-capi",
+];
 
 /// `cargo package` of every published crate together: cargo verifies each against the
 /// others packaged into a local registry, so a missing version, a file left out of a
