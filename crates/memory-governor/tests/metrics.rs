@@ -103,3 +103,34 @@ fn an_unlimited_device_publishes_no_limit_gauge() {
         Some(10.0)
     );
 }
+
+#[test]
+fn the_overdraft_of_a_device_and_a_tenant_reaches_the_recorder_live_and_peak() {
+    let (governor, account) = one_account(GPU, 10_000, 4_000, 0);
+    governor.set_overdraft_limit(GPU, 5_000);
+    let first = account.draw_overdraft(3_000).unwrap();
+    let refused = account.draw_overdraft(2_001).unwrap_err();
+    assert_eq!((refused.current, refused.limit), (3_000, 5_000), "{refused}");
+    drop(first);
+    let _held = account.draw_overdraft(1_000).unwrap();
+    let device = GPU.to_string();
+    let authority = account.authority().to_string();
+    let published = publish(&governor);
+    let device_labels = [("device", device.as_str())];
+    let gauge = |name, labels: &[(&str, &str)]| value(&published, MetricKind::Gauge, name, labels);
+    assert_eq!(gauge("memory_governor_device_overdraft_limit_bytes", &device_labels), Some(5_000.0));
+    assert_eq!(gauge("memory_governor_device_overdraft_bytes", &device_labels), Some(1_000.0));
+    assert_eq!(gauge("memory_governor_device_overdraft_peak_bytes", &device_labels), Some(3_000.0));
+    assert_eq!(
+        value(&published, MetricKind::Counter, "memory_governor_device_overdraft_refusals_total", &device_labels),
+        Some(1.0)
+    );
+    let account_labels = [("device", device.as_str()), ("authority", authority.as_str())];
+    assert_eq!(gauge("memory_governor_account_overdraft_bytes", &account_labels), Some(1_000.0));
+    assert_eq!(gauge("memory_governor_account_overdraft_peak_bytes", &account_labels), Some(3_000.0));
+    // The overdraft is not a charge: the books of charges did not move.
+    let snapshot = governor.snapshot();
+    let books = snapshot.device(GPU).unwrap();
+    assert_eq!((books.current, books.overdraft.current, books.overdraft.draws), (0, 1_000, 2));
+    assert!(snapshot.to_json().contains("\"overdraft\""));
+}
