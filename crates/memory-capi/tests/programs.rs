@@ -1,6 +1,12 @@
-//! A C program and a C++ program, built at test time against the static library,
-//! drive the registry and the governor through `include/memory_capi.h` and check every
-//! status; both also run under valgrind, which must report no error and no leak.
+//! C and C++ programs, built at test time with the system compiler against the static
+//! library and the checked-in headers, drive the registry and the governor through
+//! `include/memory_capi.h` and check every status: the smoke programs (C and C++), every
+//! allocator kind end to end (`tests/c/kinds.c`: system, pooled, virtual, shared, a C
+//! vtable), and the contract a C programmer relies on (`tests/c/contract.c`: argument
+//! checks before any effect, destroy rules, queue capacity, reclaim holders, messages in
+//! C terms). Every program also runs under valgrind, which must report no error and no
+//! leak, and under AddressSanitizer + UndefinedBehaviorSanitizer (gcc's
+//! `-fsanitize=address,undefined`, leak detection on, every finding fatal).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -34,10 +40,22 @@ fn static_library() -> &'static Path {
 }
 
 fn build(language: Language, source: &str, name: &str) -> PathBuf {
+    build_with(language, source, name, &[])
+}
+
+/// The flags of a sanitizer build: AddressSanitizer (leaks included) and
+/// UndefinedBehaviorSanitizer, every finding fatal.
+const SANITIZERS: &[&str] = &["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"];
+
+fn build_with(language: Language, source: &str, name: &str, flags: &[&str]) -> PathBuf {
     let mut build = NativeBuild::new(language)
         .source(manifest().join(source))
         .include(manifest().join("../../include"))
-        .arg(static_library().display().to_string());
+        .include(manifest().join("tests/c"));
+    for flag in flags {
+        build = build.arg(*flag);
+    }
+    build = build.arg(static_library().display().to_string());
     // What a Rust static library needs from the system on Linux.
     for lib in ["-lgcc_s", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl", "-lc"] {
         build = build.arg(lib);
@@ -46,7 +64,11 @@ fn build(language: Language, source: &str, name: &str) -> PathBuf {
 }
 
 fn run(program: &Path) -> String {
-    let output = Command::new(program).output().expect("the program starts");
+    run_with(program, &[])
+}
+
+fn run_with(program: &Path, args: &[&str]) -> String {
+    let output = Command::new(program).args(args).output().expect("the program starts");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
@@ -59,6 +81,10 @@ fn run(program: &Path) -> String {
 }
 
 fn valgrind(program: &Path) {
+    valgrind_with(program, &[]);
+}
+
+fn valgrind_with(program: &Path, args: &[&str]) {
     let valgrind = Path::new("/usr/bin/valgrind");
     let found = valgrind.exists() || Command::new("valgrind").arg("--version").output().is_ok();
     assert!(
@@ -73,6 +99,7 @@ fn valgrind(program: &Path) {
             "--errors-for-leak-kinds=definite,indirect,possible",
         ])
         .arg(program)
+        .args(args)
         .output()
         .expect("valgrind starts");
     let report = String::from_utf8_lossy(&output.stderr).into_owned();
@@ -109,4 +136,69 @@ fn the_c_program_has_no_memory_errors_or_leaks_under_valgrind() {
 #[test]
 fn the_cpp_program_has_no_memory_errors_or_leaks_under_valgrind() {
     valgrind(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp"));
+}
+
+/// Every allocator kind the C API registers without a GPU or a plugin library.
+const KINDS: &[&str] = &["system", "pooled", "virtual", "shared", "vtable"];
+
+#[test]
+fn every_allocator_kind_is_usable_from_c_committed_or_mapped_where_it_reserves() {
+    let program = build(Language::C("c11"), "tests/c/kinds.c", "kinds-c");
+    let stdout = run_with(&program, KINDS);
+    for kind in KINDS {
+        assert!(stdout.contains(&format!("c kinds {kind}:")), "{kind} did not run:\n{stdout}");
+    }
+    assert!(stdout.contains("c kinds:") && stdout.contains("checks passed"), "{stdout}");
+}
+
+#[test]
+fn every_allocator_kind_has_no_memory_errors_or_leaks_under_valgrind() {
+    valgrind_with(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c"), KINDS);
+}
+
+#[test]
+fn the_c_contract_holds_arguments_destroy_rules_queues_holders_and_messages_in_c_terms() {
+    let program = build(Language::C("c11"), "tests/c/contract.c", "contract-c");
+    let stdout = run(&program);
+    assert!(stdout.contains("c contract:") && stdout.contains("failure messages checked"), "{stdout}");
+}
+
+#[test]
+fn the_c_contract_program_has_no_memory_errors_or_leaks_under_valgrind() {
+    valgrind(&build(Language::C("c11"), "tests/c/contract.c", "contract-c"));
+}
+
+/// Runs a sanitizer build; any finding fails it (and the exit status says so too).
+fn sanitized(program: &Path, args: &[&str]) {
+    let output = Command::new(program)
+        .args(args)
+        .env("ASAN_OPTIONS", "detect_leaks=1:halt_on_error=1:abort_on_error=0:exitcode=98")
+        .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1:exitcode=97")
+        .output()
+        .expect("the sanitized program starts");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{} failed under AddressSanitizer + UndefinedBehaviorSanitizer ({}):\n{}{stderr}",
+        program.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stdout)
+    );
+    for finding in ["ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"] {
+        assert!(!stderr.contains(finding), "{} reported {finding}:\n{stderr}", program.display());
+    }
+}
+
+#[test]
+fn the_c_and_cpp_programs_are_clean_under_address_and_undefined_behaviour_sanitizers() {
+    let build = |language, source, name| {
+        let program = build_with(language, source, name, SANITIZERS);
+        // gcc's runtimes are the packages libasan8 and libubsan1 (Debian 12).
+        assert!(program.exists(), "no sanitizer build of {source}; install gcc's libasan and libubsan");
+        program
+    };
+    sanitized(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c-asan"), KINDS);
+    sanitized(&build(Language::C("c11"), "tests/c/contract.c", "contract-c-asan"), &[]);
+    sanitized(&build(Language::C("c11"), "tests/c/smoke.c", "smoke-c-asan"), &[]);
+    sanitized(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp-asan"), &[]);
 }

@@ -1,0 +1,219 @@
+/* Allocator kinds end to end, from C11, as a C programmer uses them (each argument:
+ * system, pooled, virtual, shared or vtable, run in turn in one process): register it governed, bind, allocate, make the
+ * memory usable the way the kind needs (nothing; commit; map a backing), write and read
+ * it, release now and through a queue, tear everything down. Run under valgrind for
+ * every kind by tests/programs.rs (issue 23, items 1 and 2). */
+#include <stdint.h>
+
+#include "check.h"
+
+static int destroyed;
+
+static void on_destroy(void *user) { destroyed += *(int *)user; }
+
+/* A C allocator handed over as a vtable: host memory from aligned_alloc, counted. */
+static int vtable_live, vtable_destroyed;
+static const MpDevice HOST = {MP_TIER_HOST, 2};
+
+static MpStatus vt_allocate(void *instance, const MpRequest *request, MpBlock *out) {
+    (void)instance;
+    uint64_t align = request->align < 16 ? 16 : request->align;
+    uint64_t bytes = (request->bytes + align - 1) / align * align;
+    void *memory = aligned_alloc(align, bytes == 0 ? align : bytes);
+    if (memory == NULL) return MP_ERR_OUT_OF_MEMORY;
+    MpBlock block = {(uint64_t)(uintptr_t)memory, request->bytes, align, HOST, 0};
+    *out = block;
+    vtable_live++;
+    return MP_OK;
+}
+
+static MpStatus vt_release(void *instance, const MpBlock *block, MpReleaseOutcome *outcome) {
+    (void)instance;
+    (void)outcome;
+    free((void *)(uintptr_t)block->address);
+    vtable_live--;
+    return MP_OK;
+}
+
+static void vt_destroy(void *instance) {
+    (void)instance;
+    vtable_destroyed++;
+}
+
+static McStatus register_kind(const char *kind, McRegistry *registry, McGovernor *governor, McContext *context,
+                              McAuthority *tenant, MpAllocator *table, McMechanism **out) {
+    if (strcmp(kind, "system") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_SYSTEM, out);
+    if (strcmp(kind, "pooled") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_POOLED, out);
+    if (strcmp(kind, "virtual") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_VIRTUAL, out);
+    if (strcmp(kind, "shared") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_SHARED, out);
+    if (strcmp(kind, "vtable") == 0) return mc_register_vtable(registry, governor, context, tenant, table, out);
+    fprintf(stderr, "unknown kind %s; use system, pooled, virtual, shared or vtable\n", kind);
+    exit(2);
+}
+
+/* Writes `bytes` bytes of `pattern` at `address` and reads them back. */
+static void write_and_read(uint64_t address, uint64_t bytes, unsigned char pattern) {
+    unsigned char *memory = (unsigned char *)(uintptr_t)address;
+    memset(memory, pattern, bytes);
+    for (uint64_t i = 0; i < bytes; i += 511) TRUE(memory[i] == pattern);
+    TRUE(memory[bytes - 1] == pattern);
+}
+
+static void run_kind(const char *kind) {
+    int before = checks;
+    destroyed = vtable_live = vtable_destroyed = 0;
+    int is_virtual = strcmp(kind, "virtual") == 0, is_shared = strcmp(kind, "shared") == 0;
+    int context_user = 1, tenant_user = 10;
+
+    MpAllocator table;
+    memset(&table, 0, sizeof table);
+    MpHeader header = {(uint32_t)sizeof(MpAllocator), MP_ABI_MAJOR, MP_ABI_MINOR};
+    table.header = header;
+    table.instance = &vtable_live;
+    table.name = "c-vtable";
+    table.device = HOST;
+    table.allocate = vt_allocate;
+    table.release = vt_release;
+    table.destroy = vt_destroy;
+
+    McRegistry *registry = NULL;
+    McGovernor *governor = NULL;
+    McContext *context = NULL;
+    McAuthority *tenant = NULL;
+    McMechanism *mechanism = NULL;
+    McBinding *binding = NULL;
+    OK(mc_registry_create(&registry));
+    OK(mc_governor_create(&governor));
+    OK(mc_context_register(registry, HOST, &context_user, on_destroy, &context));
+    OK(mc_authority_register(registry, HOST, &tenant_user, on_destroy, &tenant));
+    OK(mc_governor_set_device_limit(governor, HOST, 64u << 20));
+    OK(mc_governor_open_account(governor, tenant, 32u << 20, "kinds"));
+    OK(register_kind(kind, registry, governor, context, tenant, &table, &mechanism));
+    OK(mc_bind(registry, HOST, &binding));
+
+    uint64_t granule = 0;
+    if (is_virtual) {
+        OK(mc_virtual_granularity(binding, &granule));
+        EXPECT(mc_shared_granularity(binding, &granule), MC_ERR_UNSUPPORTED);
+    } else if (is_shared) {
+        OK(mc_shared_granularity(binding, &granule));
+        EXPECT(mc_virtual_granularity(binding, &granule), MC_ERR_UNSUPPORTED);
+    } else {
+        EXPECT(mc_virtual_granularity(binding, &granule), MC_ERR_UNSUPPORTED);
+        SAYS("virtual backing");
+        EXPECT(mc_shared_granularity(binding, &granule), MC_ERR_UNSUPPORTED);
+        granule = 4096;
+    }
+    TRUE(granule >= 4096 && (granule & (granule - 1)) == 0);
+    const uint64_t bytes = 4 * granule;
+
+    McAllocation *a = NULL, *b = NULL;
+    McAllocationInfo info, info_b;
+    OK(mc_allocate(binding, bytes, 64, MP_ROLE_KV_CACHE, &a));
+    OK(mc_allocation_info(a, &info));
+    TRUE(info.bytes == bytes && info.address % 64 == 0 && info.device.index == HOST.index);
+
+    if (is_virtual) {
+        /* Reserved, nothing committed: commit two granules, use them, decommit one. */
+        uint64_t committed = 1, released = 0;
+        OK(mc_virtual_committed_bytes(binding, a, &committed));
+        TRUE(committed == 0);
+        OK(mc_virtual_commit(binding, a, 0, 2 * granule, &committed));
+        TRUE(committed == 2 * granule);
+        write_and_read(info.address, 2 * granule, 0x5a);
+        OK(mc_virtual_commit(binding, a, granule, granule, &committed));
+        TRUE(committed == 0); /* already committed */
+        OK(mc_virtual_commit(binding, a, 3 * granule, granule, NULL));
+        write_and_read(info.address + 3 * granule, granule, 0x3c);
+        OK(mc_virtual_decommit(binding, a, granule, granule, &released));
+        TRUE(released == granule);
+        OK(mc_virtual_committed_bytes(binding, a, &committed));
+        TRUE(committed == 2 * granule); /* [0, g) and [3g, 4g) */
+        TRUE(((unsigned char *)(uintptr_t)info.address)[0] == 0x5a); /* the rest keeps its bytes */
+        /* Refused before the allocator runs: out of bounds, off the granularity. */
+        EXPECT(mc_virtual_commit(binding, a, 3 * granule, 2 * granule, NULL), MC_ERR_INVALID_ARGUMENT);
+        SAYS("outside");
+        EXPECT(mc_virtual_commit(binding, a, 100, granule, NULL), MC_ERR_INVALID_ARGUMENT);
+        SAYS("granularity");
+        EXPECT(mc_virtual_commit(binding, NULL, 0, granule, NULL), MC_ERR_NULL_ARGUMENT);
+        EXPECT(mc_virtual_commit(NULL, a, 0, granule, NULL), MC_ERR_NULL_ARGUMENT);
+        EXPECT(mc_virtual_commit(binding, (McAllocation *)binding, 0, granule, NULL), MC_ERR_INVALID_HANDLE);
+        /* A size off the granularity can never commit its last granule, and says so. */
+        McAllocation *odd = NULL;
+        OK(mc_allocate(binding, 100, 64, MP_ROLE_OTHER, &odd));
+        EXPECT(mc_virtual_commit(binding, odd, 0, granule, NULL), MC_ERR_INVALID_ARGUMENT);
+        SAYS("allocate multiples of the granularity");
+        OK(mc_release(binding, odd, NULL));
+    } else if (is_shared) {
+        /* Reserved, nothing mapped: map one backing into two allocations. */
+        McBacking *backing = NULL;
+        uint64_t unmapped = 0;
+        OK(mc_allocate(binding, bytes, 64, MP_ROLE_KV_CACHE, &b));
+        OK(mc_allocation_info(b, &info_b));
+        OK(mc_backing_create(binding, 2 * granule, &backing));
+        EXPECT(mc_backing_create(binding, granule + 1, &backing), MC_ERR_INVALID_ARGUMENT);
+        OK(mc_shared_map(binding, backing, a, 0, 2 * granule, 0, MC_ACCESS_READ_WRITE));
+        OK(mc_shared_map(binding, backing, b, 2 * granule, granule, granule, MC_ACCESS_READ_ONLY));
+        write_and_read(info.address, 2 * granule, 0x77);
+        /* b's third granule reads the backing's second granule, written through a. */
+        TRUE(((unsigned char *)(uintptr_t)info_b.address)[2 * granule] == 0x77);
+        EXPECT(mc_shared_map(binding, backing, a, 0, granule, 0, MC_ACCESS_READ_WRITE), MC_ERR_STATE);
+        SAYS("already mapped");
+        EXPECT(mc_shared_map(binding, backing, a, 2 * granule, granule, 2 * granule, MC_ACCESS_READ_WRITE),
+               MC_ERR_INVALID_ARGUMENT); /* past the backing's end */
+        EXPECT(mc_shared_map(binding, backing, a, 2 * granule, granule, 0, 7), MC_ERR_INVALID_ARGUMENT);
+        SAYS("MC_ACCESS_READ_ONLY");
+        EXPECT(mc_shared_map(binding, NULL, a, 2 * granule, granule, 0, MC_ACCESS_READ_WRITE), MC_ERR_NULL_ARGUMENT);
+        /* The backing's handle can go while ranges still map it. */
+        OK(mc_backing_destroy(backing));
+        EXPECT(mc_backing_destroy(backing), MC_ERR_STALE_HANDLE);
+        TRUE(((unsigned char *)(uintptr_t)info_b.address)[2 * granule] == 0x77);
+        OK(mc_shared_unmap(binding, a, 0, 2 * granule, &unmapped));
+        TRUE(unmapped == 2 * granule);
+        OK(mc_shared_unmap(binding, a, 0, 2 * granule, &unmapped));
+        TRUE(unmapped == 0);
+    } else {
+        /* Usable at once. */
+        write_and_read(info.address, bytes, 0xab);
+        EXPECT(mc_virtual_commit(binding, a, 0, granule, NULL), MC_ERR_UNSUPPORTED);
+        EXPECT(mc_backing_create(binding, granule, NULL), MC_ERR_NULL_ARGUMENT);
+        McBacking *backing = NULL;
+        EXPECT(mc_backing_create(binding, granule, &backing), MC_ERR_UNSUPPORTED);
+    }
+
+    /* Release one now; hand the other to a queue the caller polls. */
+    McReleaseReport report;
+    OK(mc_release(binding, a, &report));
+    TRUE(report.kind == MC_RELEASE_COMPLETE);
+    EXPECT(mc_release(binding, a, &report), MC_ERR_STALE_HANDLE);
+    if (b == NULL) OK(mc_allocate(binding, bytes, 64, MP_ROLE_WORKSPACE, &b));
+    McQueue *queue = NULL;
+    size_t ran = 0;
+    OK(mc_queue_create(HOST, 2, &queue));
+    OK(mc_release_deferred(binding, b, queue));
+    OK(mc_queue_poll(queue, &ran));
+    TRUE(ran == 1);
+    OK(mc_queue_destroy(queue));
+
+    /* Teardown in order; the user destructors run exactly once. */
+    OK(mc_binding_destroy(binding));
+    OK(mc_mechanism_retire(registry, mechanism));
+    OK(mc_mechanism_remove(registry, mechanism));
+    OK(mc_context_remove(registry, context));
+    OK(mc_authority_remove(registry, tenant));
+    OK(mc_registry_destroy(registry));
+    OK(mc_governor_destroy(governor));
+    TRUE(destroyed == 11);
+    if (strcmp(kind, "vtable") == 0) TRUE(vtable_live == 0 && vtable_destroyed == 1);
+    printf("c kinds %s: %d checks passed\n", kind, checks - before);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s system|pooled|virtual|shared|vtable...\n", argv[0]);
+        return 2;
+    }
+    for (int i = 1; i < argc; i++) run_kind(argv[i]);
+    printf("c kinds: %d checks passed (%d failure messages checked)\n", checks, messages_checked);
+    return 0;
+}
