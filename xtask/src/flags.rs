@@ -127,10 +127,11 @@ pub(crate) struct Bench {
     /// (eager vs pool vs VMM allocate+release, VMM commit per granule) and its table.
     #[arg(long)]
     pub(crate) gpu: bool,
-    /// Instead: fetch ONNX Runtime and the real models, then per model p50/p99 latency
-    /// and peak RSS of ORT's arena, no arena, governed pool and governed system
-    /// allocator, alternating, each in its own process, as ratios against the arena
-    /// (arguments after -- go to ort-bench: --rounds N --vad-iters N --ocr-iters N).
+    /// Instead: fetch ONNX Runtime and the real models, then per model and shape sweep
+    /// p50/p99 latency and peak RSS of ORT's arena, no arena, governed pool and governed
+    /// system allocator, alternating, each in its own process, as ratios against the
+    /// arena (arguments after -- go to ort-bench: --rounds N --vad-iters N --ocr-iters N
+    /// --sweeps N --models A,B --configs A,B, or --trace MODEL CONFIG).
     #[arg(long, conflicts_with_all = ["compare", "gpu"])]
     pub(crate) ort: bool,
     /// Passed to every bench binary after `--` (a name filter leaves table rows missing).
