@@ -521,8 +521,8 @@ fn refused_status(shared: &Instance, request: &AllocationRequest, status: MpStat
         // The plugin may or may not own this block: never free it, never trust it.
         shared.suspect(block, false, "allocate answered an unknown status with a block");
         let detail = format!(
-            ", an unknown status, and wrote a block of {} bytes at {:#x}; {SUSPECT}; report the plugin's bug \
-             (allocate answers MP_OK or an MP_ERR_* status)",
+            ", and wrote a block of {} bytes at {:#x}; {SUSPECT}; report the plugin's bug (allocate answers \
+             MP_OK or an MP_ERR_* status)",
             block.bytes, block.address
         );
         return alloc_error(shared, request, status, &detail);
