@@ -218,10 +218,31 @@ const C_TERMS: &[(&str, &str)] = &[
     ("register an allocator for it or call select", "register an allocator for it or call mc_mechanism_select"),
     ("discharged by confirm_context_terminated", "discharged by mc_confirm_terminated"),
     (
+        "release, retry quarantine or terminate first",
+        "release its allocations (mc_release), retry its quarantine (mc_mechanism_retry_quarantined) or confirm \
+         its context terminated (mc_confirm_terminated), and remove the dependent mechanisms (mc_mechanism_remove) \
+         first",
+    ),
+    (
         "or register the composite with register_trusted_composite, attesting that its parts are coherent",
         "or register it as one vtable (mc_register_vtable)",
     ),
-    // allocator-cuda: a sticky error.
+    ("is active; retire it first", "is active; retire it first (mc_mechanism_retire)"),
+    (
+        "is device-lost; confirm its context terminated first",
+        "is device-lost; confirm its context terminated first (mc_confirm_terminated)",
+    ),
+    ("rebind to the selected mechanism", "bind again (mc_bind) to the selected mechanism"),
+    // memory-api: a full queue.
+    (
+        "drain it (poll completed events) or release synchronously",
+        "drain it (mc_queue_poll) or release now (mc_release)",
+    ),
+    // allocator-cuda: no driver, and a sticky error.
+    (
+        "(CPU-only machines should use allocator-cpu)",
+        "(CPU-only machines register MC_CPU_* allocators with mc_register_cpu_allocator)",
+    ),
     ("call invalidate_device for device:", "call mc_invalidate_device for device:"),
     (" on the registry, then recreate the context", ", then recreate the context"),
 ];

@@ -77,7 +77,7 @@ fn parties(
     {
         return Err(Failure::new(
             MC_ERR_INVALID_ARGUMENT,
-            format!("{error}; call mc_governor_open_account for the authority first, or pass a null governor"),
+            format!("{error}, or pass a null governor to register the mechanism ungoverned"),
         ));
     }
     let cell = vacancy(&MECHANISMS)?;

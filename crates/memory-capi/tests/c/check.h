@@ -24,6 +24,9 @@ static const char *const RUST_ITEMS[] = {
 static void check_message(const char *file, int line, const char *call, McStatus status) {
     const char *message = mc_last_error_message();
     messages_checked++;
+#ifdef PRINT_MESSAGES /* to read them all: build with -DPRINT_MESSAGES */
+    printf("%s:%d: %s\n", file, line, message);
+#endif
     if (status != MC_OK && message[0] == '\0') {
         fprintf(stderr, "%s:%d: %s failed with %s and left no message\n", file, line, call, mc_status_name(status));
         exit(1);

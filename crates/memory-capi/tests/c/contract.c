@@ -399,10 +399,102 @@ static void a_reclaim_holder_in_c_frees_memory_when_the_governor_asks(void) {
     TRUE(cache.destroyed == 1);
 }
 
+/* The refusals of the ordinary life of a binding, each message checked by check.h. */
+static void every_refusal_speaks_c(void) {
+    McRegistry *registry = NULL;
+    McContext *context = NULL, *gpu_context = NULL;
+    McAuthority *tenant = NULL, *gpu_tenant = NULL;
+    McMechanism *mechanism = NULL, *cuda = NULL;
+    McBinding *binding = NULL, *other = NULL;
+    McAllocation *block = NULL, *second = NULL;
+    McQueue *queue = NULL, *gpu_queue = NULL;
+    McAllocationInfo info;
+    char small[8];
+    size_t length = 0;
+    OK(mc_registry_create(&registry));
+    OK(mc_context_register(registry, HOST, NULL, NULL, &context));
+    OK(mc_authority_register(registry, HOST, NULL, NULL, &tenant));
+    OK(mc_context_register(registry, GPU, NULL, NULL, &gpu_context));
+    OK(mc_authority_register(registry, GPU, NULL, NULL, &gpu_tenant));
+    /* Without a driver or a device: the backend's reason, in C terms. With one: a mechanism.
+     * (Not under valgrind or the sanitizers, which would check the CUDA driver too.) */
+    McStatus status = MC_OK;
+    if (getenv("MC_TEST_NO_DRIVER") == NULL)
+        status = mc_register_cuda_allocator(registry, NULL, gpu_context, gpu_tenant, MC_CUDA_EAGER, &cuda);
+    checks++;
+    if (status != MC_OK) {
+        TRUE(status == MC_ERR_BACKEND);
+        check_message(__FILE__, __LINE__, "mc_register_cuda_allocator", status);
+        SAYS("mc_register_cpu_allocator");
+    } else if (cuda != NULL) {
+        OK(mc_mechanism_retire(registry, cuda));
+        OK(mc_mechanism_remove(registry, cuda));
+    }
+    OK(mc_register_cpu_allocator(registry, NULL, context, tenant, MC_CPU_POOLED, &mechanism));
+    OK(mc_bind(registry, HOST, &binding));
+    OK(mc_bind_mechanism(registry, mechanism, &other));
+    OK(mc_allocate(binding, 4096, 64, MP_ROLE_WEIGHTS, &block));
+    /* Another binding of the same mechanism is not the one that allocated. */
+    EXPECT(mc_release(other, block, NULL), MC_ERR_FOREIGN);
+    SAYS("stays valid");
+    /* Queues: full, and of another device. */
+    OK(mc_queue_create(HOST, 1, &queue));
+    OK(mc_queue_create(GPU, 1, &gpu_queue));
+    EXPECT(mc_release_deferred(binding, block, gpu_queue), MC_ERR_QUEUE_REFUSED);
+    OK(mc_allocate(binding, 4096, 64, MP_ROLE_WEIGHTS, &second));
+    OK(mc_release_deferred(binding, second, queue));
+    EXPECT(mc_release_deferred(binding, block, queue), MC_ERR_QUEUE_REFUSED);
+    SAYS("mc_queue_poll");
+    OK(mc_queue_poll(queue, NULL));
+    /* A live mechanism cannot be removed; a context it uses neither. */
+    EXPECT(mc_mechanism_remove(registry, mechanism), MC_ERR_STATE);
+    SAYS("mc_mechanism_retire");
+    EXPECT(mc_context_remove(registry, context), MC_ERR_NOT_QUIESCENT);
+    SAYS("mc_mechanism_remove");
+    /* A retired mechanism binds and allocates nothing new, but releases. */
+    OK(mc_mechanism_retire(registry, mechanism));
+    EXPECT(mc_mechanism_retire(registry, mechanism), MC_ERR_STATE);
+    EXPECT(mc_mechanism_select(registry, mechanism), MC_ERR_STATE);
+    EXPECT(mc_allocate(binding, 64, 8, MP_ROLE_OTHER, &second), MC_ERR_INACTIVE);
+    SAYS("mc_bind");
+    EXPECT(mc_bind_mechanism(registry, mechanism, &binding), MC_ERR_INACTIVE);
+    EXPECT(mc_bind(registry, HOST, &binding), MC_ERR_STATE);
+    EXPECT(mc_mechanism_remove(registry, mechanism), MC_ERR_NOT_QUIESCENT);
+    OK(mc_allocation_info(block, &info));
+    OK(mc_release(binding, block, NULL));
+    EXPECT(mc_allocation_info(block, &info), MC_ERR_STALE_HANDLE);
+    EXPECT(mc_snapshot_json(registry, NULL, small, sizeof small, &length), MC_ERR_BUFFER_TOO_SMALL);
+    SAYS("pass a buffer of at least");
+    /* A table too short to be a vtable is refused without a call. */
+    MpAllocator table;
+    memset(&table, 0, sizeof table);
+    MpHeader header = {MP_ALLOCATOR_SIZE_V1_0 - 8, MP_ABI_MAJOR, MP_ABI_MINOR};
+    table.header = header;
+    McMechanism *refused = NULL;
+    EXPECT(mc_register_vtable(registry, NULL, context, tenant, &table, &refused), MC_ERR_PLUGIN);
+    MpHeader wrong_major = {(uint32_t)sizeof(MpAllocator), MP_ABI_MAJOR + 1, 0};
+    table.header = wrong_major;
+    EXPECT(mc_register_vtable(registry, NULL, context, tenant, &table, &refused), MC_ERR_PLUGIN);
+    /* Misaligned out-pointers are refused before anything happens. */
+    _Alignas(8) unsigned char bytes[16];
+    EXPECT(mc_allocation_info(block, (McAllocationInfo *)(void *)(bytes + 1)), MC_ERR_INVALID_ARGUMENT);
+    OK(mc_queue_destroy(queue));
+    OK(mc_queue_destroy(gpu_queue));
+    OK(mc_binding_destroy(binding));
+    OK(mc_binding_destroy(other));
+    OK(mc_mechanism_remove(registry, mechanism));
+    OK(mc_context_remove(registry, context));
+    OK(mc_authority_remove(registry, tenant));
+    OK(mc_context_remove(registry, gpu_context));
+    OK(mc_authority_remove(registry, gpu_tenant));
+    OK(mc_registry_destroy(registry));
+}
+
 int main(void) {
     arguments_are_checked_before_anything_happens();
     registrations_refused_by_the_registry_keep_the_user_pointer();
     a_reclaim_holder_in_c_frees_memory_when_the_governor_asks();
+    every_refusal_speaks_c();
     printf("c contract: %d checks passed (%d failure messages checked)\n", checks, messages_checked);
     return 0;
 }
