@@ -11,8 +11,12 @@
 //! register contexts and authorities with an opaque user pointer and a destructor;
 //! register built-in CPU or CUDA allocators, a plugin from a shared library, or a C
 //! vtable (the plugin ABI's `MpAllocator`), governed or not; select, bind, allocate,
-//! release now or through a queue; invalidate a device, confirm its context terminated;
-//! set limits and quotas; read a snapshot as JSON.
+//! release now or through a queue; commit and decommit ranges of a virtual-backing
+//! allocation, map shared backings into allocations; invalidate a device, confirm its
+//! context terminated; set limits, quotas and the admission policy, register reclaim
+//! holders written in C; read a snapshot as JSON. The functions are grouped in `api`'s
+//! modules by what a C programmer looks up (registry, governor, mechanisms, bindings,
+//! capabilities, queues, plugins, snapshot).
 //!
 //! # Correctness at the boundary
 //! - Every entry point runs inside one guard that catches panics ([`MC_ERR_PANIC`]);
@@ -32,13 +36,21 @@
 //!   counted compare-and-swap). loom models (`src/loom_handles.rs`, `cargo xtask loom`)
 //!   check that a value is never dropped while a borrow reads it, dropped exactly once
 //!   and never leaked; each model fails when the part it guards is removed.
-//! - Every out-pointer is checked (null, alignment) before anything is mutated.
-//! - User destructors run exactly once, with no lock held.
+//! - Every argument is checked (pointers for null and alignment, handles, enum values,
+//!   sizes, a free handle for what the call makes) before anything has an effect: no
+//!   driver is loaded, no plugin instantiated and no vtable negotiated for a refused call.
+//! - Messages reaching C name C functions: advice the Rust crates give in Rust terms is
+//!   put in C terms at the boundary (`status::in_c_terms`).
+//! - User destructors run exactly once, with no lock held, and never for a registration
+//!   that failed.
 //! - `unsafe` is confined to the handle tables, pointer arguments and the plugin
 //!   vtable; every block says why it is sound.
 //!
-//! Tests (`tests/`) build a C program and a C++ program against the static library at
-//! test time and run them (the C one also under valgrind), compile the headers as C11
+//! Tests (`tests/`) build C and C++ programs against the static library at test time and
+//! run them, under valgrind and under AddressSanitizer + UBSan too: the smoke programs,
+//! every allocator kind end to end (`tests/c/kinds.c`), and the contract of every
+//! function (`tests/c/contract.c`: arguments checked before any effect, destroy rules,
+//! reclaim holders, no Rust item in any message). They also compile the headers as C11
 //! and C++17 and check every struct's size and field offsets against Rust, regenerate
 //! the headers to catch drift, and destroy a binding while threads allocate through it.
 //!
