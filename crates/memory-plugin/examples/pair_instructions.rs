@@ -5,12 +5,17 @@
 //!
 //! ```text
 //! cargo build --release -p memory-plugin --example pair_instructions
-//! valgrind --tool=callgrind --callgrind-out-file=/dev/null --toggle-collect='*plugin_batch*' \
-//!   target/release/examples/pair_instructions 100000 2>&1 | grep refs   # / 100000 per pair
+//! for n in 10000 110000; do
+//!   valgrind --tool=callgrind --callgrind-out-file=cg.$n --toggle-collect='*plugin_batch*' \
+//!     target/release/examples/pair_instructions $n
+//!   callgrind_annotate --inclusive=no --threshold=100 cg.$n   # self cost per function, by object
+//! done   # (second − first) / 100000 = instructions per pair
 //! ```
 //!
-//! The count includes the plugin's own `posix_memalign` / `free`; the loader's part is
-//! what changes between two commits of this crate.
+//! The total includes the plugin's own `posix_memalign` / `free`, and glibc's share moves
+//! with the heap's layout between two builds (how often `malloc_consolidate` runs), so
+//! compare the executable's own functions (the loader and the registry) between two
+//! commits of this crate.
 
 use std::hint::black_box;
 use std::path::Path;

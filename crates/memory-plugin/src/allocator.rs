@@ -148,7 +148,7 @@ impl Instance {
         let bytes = usize::try_from(block.bytes).map_err(|_| too_large)?;
         let align = usize::try_from(block.align).ok().filter(|a| a.is_power_of_two()).ok_or(too_large)?;
         let tag =
-            self.ranges.admit(block, &self.records, || self.records.insert(block)).map_err(Unrecorded::Aliases)?;
+            self.ranges.admit(block, &self.records, || self.records.insert_ref(block)).map_err(Unrecorded::Aliases)?;
         let tag = tag.ok_or(Unrecorded::Unfit(
             "; the loader cannot record another block from this thread (it records at most 2^24 - 32 live blocks \
              per thread): release some, or allocate from more threads",

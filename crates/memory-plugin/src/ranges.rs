@@ -2,12 +2,12 @@
 //! still live (a plugin handing the same memory out twice) is refused before the
 //! registry ever sees two allocations sharing memory.
 //!
-//! - An ordered map per shard: block start → (size, the tag of its record). Live
+//! - An ordered map per shard: block start → (size, where its record is). Live
 //!   entries of one shard never overlap (an overlapping block is refused), so the
 //!   entries that can overlap a new block `[start, end)` are the ones just below `end`,
 //!   walked down until one ends at or before `start`.
 //! - Only `allocate` touches it; a release does not. Entries are dropped lazily: an entry
-//!   whose record ([`Records::holds`]) is no longer live is removed when a new block
+//!   whose record ([`Records::is_live`]) is no longer live is removed when a new block
 //!   overlaps it, and by a sweep once a shard has doubled since its last one, so stale
 //!   entries never outnumber live ones by more than that.
 //! - The usual answer of an honest plugin is an address it handed out before (its free
@@ -36,7 +36,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use memory_plugin_abi::MpBlock;
 
-use crate::records::Records;
+use crate::records::{RecordRef, Records};
 
 /// Address bits per region: 64 MiB, glibc's per-thread heap size.
 const REGION_BITS: u32 = 26;
@@ -52,9 +52,9 @@ pub(crate) struct Span {
     pub(crate) bytes: u64,
 }
 
-/// Entries of one shard: start → (bytes, record tag).
+/// Entries of one shard: start → (bytes, where the block is recorded).
 struct Entries {
-    map: BTreeMap<u64, (u64, u64)>,
+    map: BTreeMap<u64, (u64, RecordRef)>,
     sweep_at: usize,
 }
 
@@ -85,11 +85,11 @@ impl Entries {
     fn live_overlap(&mut self, start: u64, end: u64, records: &Records) -> Option<Span> {
         let mut below = end;
         loop {
-            let (&at, &(bytes, tag)) = self.map.range(..below).next_back()?;
+            let (&at, &(bytes, recorded)) = self.map.range(..below).next_back()?;
             if end_of(at, bytes) <= start {
                 return None;
             }
-            if records.holds(tag, at, bytes) {
+            if records.is_live(recorded) {
                 return Some(Span { address: at, bytes });
             }
             if at != start {
@@ -100,8 +100,8 @@ impl Entries {
     }
 
     #[inline]
-    fn insert(&mut self, start: u64, bytes: u64, tag: u64, records: &Records) {
-        self.map.insert(start, (bytes, tag));
+    fn insert(&mut self, start: u64, bytes: u64, recorded: RecordRef, records: &Records) {
+        self.map.insert(start, (bytes, recorded));
         if self.map.len() >= self.sweep_at {
             self.sweep(records);
         }
@@ -109,7 +109,7 @@ impl Entries {
 
     #[cold]
     fn sweep(&mut self, records: &Records) {
-        self.map.retain(|&at, &mut (bytes, tag)| records.holds(tag, at, bytes));
+        self.map.retain(|_, &mut (_, recorded)| records.is_live(recorded));
         self.sweep_at = (self.map.len() * 2).max(FIRST_SWEEP);
     }
 }
@@ -127,7 +127,8 @@ impl LiveRanges {
     }
 
     /// Admits `block` if it overlaps no live block: calls `record` (which records it
-    /// and returns its tag, or `None` when it cannot) with the block's shards locked, so
+    /// and returns its tag and record, or `None` when it cannot) with the block's shards
+    /// locked, so
     /// two overlapping blocks admitted at once are seen by whichever comes second.
     /// `Err` names the live block it overlaps; `Ok(None)` when `record` failed.
     #[inline(always)]
@@ -135,7 +136,7 @@ impl LiveRanges {
         &self,
         block: &MpBlock,
         records: &Records,
-        record: impl FnOnce() -> Option<u64>,
+        record: impl FnOnce() -> Option<(u64, RecordRef)>,
     ) -> Result<Option<u64>, Span> {
         let (start, end) = (block.address, end_of(block.address, block.bytes));
         let first = shard_of(start);
@@ -147,21 +148,21 @@ impl LiveRanges {
         // entry, when no smaller than the new block, proves nothing else overlaps it
         // (entries never overlap one another), so one lookup does.
         if let Some(entry) = entries.map.get_mut(&start) {
-            let (bytes, tag) = *entry;
-            if records.holds(tag, start, bytes) {
+            let (bytes, recorded) = *entry;
+            if records.is_live(recorded) {
                 return Err(Span { address: start, bytes });
             }
             if block.bytes.max(1) <= bytes.max(1) {
-                let Some(tag) = record() else { return Ok(None) };
-                *entry = (block.bytes, tag);
+                let Some((tag, recorded)) = record() else { return Ok(None) };
+                *entry = (block.bytes, recorded);
                 return Ok(Some(tag));
             }
         }
         if let Some(live) = entries.live_overlap(start, end, records) {
             return Err(live);
         }
-        let Some(tag) = record() else { return Ok(None) };
-        entries.insert(start, block.bytes, tag, records);
+        let Some((tag, recorded)) = record() else { return Ok(None) };
+        entries.insert(start, block.bytes, recorded, records);
         Ok(Some(tag))
     }
 
@@ -171,7 +172,7 @@ impl LiveRanges {
         &self,
         block: &MpBlock,
         records: &Records,
-        record: impl FnOnce() -> Option<u64>,
+        record: impl FnOnce() -> Option<(u64, RecordRef)>,
     ) -> Result<Option<u64>, Span> {
         let (start, end) = (block.address, end_of(block.address, block.bytes));
         let mut guards: Vec<MutexGuard<'_, Entries>> =
@@ -181,9 +182,9 @@ impl LiveRanges {
                 return Err(live);
             }
         }
-        let Some(tag) = record() else { return Ok(None) };
+        let Some((tag, recorded)) = record() else { return Ok(None) };
         for entries in &mut guards {
-            entries.insert(start, block.bytes, tag, records);
+            entries.insert(start, block.bytes, recorded, records);
         }
         Ok(Some(tag))
     }
@@ -223,7 +224,7 @@ mod tests {
     }
 
     fn admit(ranges: &LiveRanges, records: &Records, block: &MpBlock) -> Result<u64, Span> {
-        ranges.admit(block, records, || records.insert(block)).map(Option::unwrap)
+        ranges.admit(block, records, || records.insert_ref(block)).map(Option::unwrap)
     }
 
     fn release(records: &Records, block: &MpBlock, tag: u64) {

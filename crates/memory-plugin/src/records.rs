@@ -124,6 +124,17 @@ impl Part {
     }
 }
 
+/// Where a block is recorded: its part, slot and full generation. The live-range index's
+/// handle on a record: unlike a tag's low 24 bits, a part never reuses a generation, so
+/// the record's state word equals it exactly while that block is recorded there and no
+/// release of it is under way.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RecordRef {
+    owner: u32,
+    slot: u32,
+    generation: u64,
+}
+
 pub(crate) struct Records {
     parts: PerThread<Box<Part>>,
     /// The records of threads whose index is [`NO_OWNER`] or above (an index a tag
@@ -164,27 +175,33 @@ impl Records {
 
     /// Records `block` in the calling thread's part; returns the tag that names the
     /// record. `None` when the part has 2^24 - 32 blocks live.
-    #[inline(always)]
+    #[cfg(test)]
     pub(crate) fn insert(&self, block: &MpBlock) -> Option<u64> {
+        self.insert_ref(block).map(|(tag, _)| tag)
+    }
+
+    /// [`Records::insert`], with where the block is recorded.
+    #[inline(always)]
+    pub(crate) fn insert_ref(&self, block: &MpBlock) -> Option<(u64, RecordRef)> {
         self.insert_as(thread_index(), block)
     }
 
-    /// [`Records::insert`] for the thread whose index is `owner`.
+    /// [`Records::insert_ref`] for the thread whose index is `owner`.
     #[inline]
-    fn insert_as(&self, owner: usize, block: &MpBlock) -> Option<u64> {
+    fn insert_as(&self, owner: usize, block: &MpBlock) -> Option<(u64, RecordRef)> {
         if owner >= NO_OWNER {
             return self.insert_overflow(block);
         }
         let part = self.parts.get_or(owner, || Box::new(Part::new()));
         let (slot, generation) = part.record(block)?;
-        Some(tag(owner, slot, generation))
+        Some((tag(owner, slot, generation), RecordRef { owner: owner as u32, slot, generation }))
     }
 
     #[cold]
-    fn insert_overflow(&self, block: &MpBlock) -> Option<u64> {
+    fn insert_overflow(&self, block: &MpBlock) -> Option<(u64, RecordRef)> {
         let _claims = lock(&self.overflow_claims);
         let (slot, generation) = self.overflow.record(block)?;
-        Some(tag(NO_OWNER, slot, generation))
+        Some((tag(NO_OWNER, slot, generation), RecordRef { owner: NO_OWNER as u32, slot, generation }))
     }
 
     /// The part a tag's owner index names.
@@ -242,19 +259,15 @@ impl Records {
         (unchanged && matches(&recorded, block, device)).then_some(recorded)
     }
 
-    /// Whether the record `tag` names is live (no release of it under way) and holds the
-    /// block at `address` of `bytes` (any thread; for the live-range index, whose entries
-    /// are not removed on release). A record in transit is not live here: the plugin may
-    /// already have freed its block, and may hand the memory out again before the
-    /// releasing thread frees the record.
+    /// Whether the block recorded at `at` is still recorded there with no release of it
+    /// under way (any thread; for the live-range index, whose entries are not removed on
+    /// release). A record in transit is not live here: the plugin may already have freed
+    /// its block, and may hand the memory out again before the releasing thread frees
+    /// the record.
     #[inline]
-    pub(crate) fn holds(&self, tag: u64, address: u64, bytes: u64) -> bool {
-        let Some((_, _, _, record, state)) = self.lookup(tag) else { return false };
-        let (recorded_address, recorded_bytes) =
-            (record.address.load(Ordering::Relaxed), record.bytes.load(Ordering::Relaxed));
-        // As in `get`: unchanged after the reads, they were that generation's block.
-        fence(Ordering::Acquire);
-        record.state.load(Ordering::Relaxed) == state && recorded_address == address && recorded_bytes == bytes
+    pub(crate) fn is_live(&self, at: RecordRef) -> bool {
+        let record = self.part(at.owner as usize).and_then(|part| part.slots.get(at.slot));
+        record.is_some_and(|record| record.state.load(Ordering::Acquire) == at.generation)
     }
 
     /// Blocks recorded and their bytes, releases under way included (cold: reads every
@@ -348,7 +361,7 @@ mod tests {
         let first = block(0x1000);
         let recorded = records.insert(&first).unwrap();
         // The overflow part holds records too, and still the all-ones slot is never one.
-        let overflowed = records.insert_as(NO_OWNER, &first).unwrap();
+        let (overflowed, _) = records.insert_as(NO_OWNER, &first).unwrap();
         assert_eq!(untag(overflowed).0, NO_OWNER);
         for forged in [u64::MAX, recorded ^ 1, overflowed ^ 1] {
             let forged = raw(&first, forged);
@@ -365,7 +378,7 @@ mod tests {
         // Indices the tag cannot name, as a thread past 65534 or one recording in its
         // thread-local destructors has.
         let tags: Vec<u64> =
-            blocks.iter().enumerate().map(|(i, b)| records.insert_as(NO_OWNER + i, b).unwrap()).collect();
+            blocks.iter().enumerate().map(|(i, b)| records.insert_as(NO_OWNER + i, b).unwrap().0).collect();
         assert!(tags.iter().all(|&tag| untag(tag).0 == NO_OWNER));
         assert_eq!(records.count(), (40, 40 * 256));
         // Released from another thread: the slots come back for the next overflowing
@@ -380,7 +393,7 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(records.count(), (0, 0));
-        let reused: Vec<u32> = blocks.iter().map(|b| untag(records.insert_as(NO_OWNER, b).unwrap()).1).collect();
+        let reused: Vec<u32> = blocks.iter().map(|b| untag(records.insert_as(NO_OWNER, b).unwrap().0).1).collect();
         assert!(reused.iter().all(|&slot| slot < 40), "{reused:?}");
     }
 
@@ -443,20 +456,24 @@ mod tests {
     }
 
     #[test]
-    fn holds_answers_only_for_a_live_record_of_that_block() {
+    fn is_live_answers_only_while_that_record_is_live() {
         let records = Records::new();
         let first = block(0x5000);
-        let tag = records.insert(&first).unwrap();
-        assert!(records.holds(tag, 0x5000, 256));
-        assert!(!records.holds(tag, 0x5000, 512) && !records.holds(tag, 0x6000, 256), "another block");
+        let (tag, at) = records.insert_ref(&first).unwrap();
+        assert!(records.is_live(at));
         let taken = records.take(&raw(&first, tag), HOST).unwrap();
-        assert!(!records.holds(tag, 0x5000, 256), "in transit: the plugin may have freed it already");
+        assert!(!records.is_live(at), "in transit: the plugin may have freed it already");
         taken.restore();
-        assert!(records.holds(tag, 0x5000, 256), "restored under its tag");
+        assert!(records.is_live(at), "restored under its tag");
         assert_eq!(take_free(&records, &raw(&first, tag), HOST), Some(first));
-        assert!(!records.holds(tag, 0x5000, 256), "released");
-        let again = records.insert(&first).unwrap();
-        assert!(!records.holds(tag, 0x5000, 256) && records.holds(again, 0x5000, 256), "a reused slot");
+        assert!(!records.is_live(at), "released");
+        let (_, again) = records.insert_ref(&first).unwrap();
+        assert_eq!(again.slot, at.slot, "the slot is reused");
+        assert!(!records.is_live(at) && records.is_live(again), "under a new generation");
+        let (_, overflowed) = records.insert_as(NO_OWNER, &first).unwrap();
+        assert!(records.is_live(overflowed));
+        let forged = RecordRef { owner: 7, slot: 3, generation: 1 };
+        assert!(!records.is_live(forged), "a part that does not exist");
     }
 
     #[test]
