@@ -123,8 +123,12 @@ impl GovernedOrtAllocator {
         self.core.blocks.live_blocks()
     }
 
-    /// The raw `OrtAllocator*` ONNX Runtime calls. Getting it is safe; calling through
-    /// it is the caller's unsafe obligation, valid while this handle lives.
+    /// The handle's own `OrtAllocator*` (sessions get tables of their own). Getting it is
+    /// safe; calling through it is the caller's unsafe obligation, valid while this
+    /// handle lives. Its calls belong to no run: a refused request is answered with null
+    /// (there is no run to stop), so check the pointer (ONNX Runtime's
+    /// `CreateTensorAsOrtValue` does not). While a block it handed out is live, the
+    /// binding's provider context is held open (termination waits for its `Free`).
     pub fn as_ort_allocator(&self) -> *mut ort::sys::OrtAllocator {
         Core::as_ort(&self.core)
     }

@@ -211,6 +211,13 @@ enum Block {
     Sink { bytes: usize },
 }
 
+/// A block ONNX Runtime holds, and the table that handed it out (its address: the
+/// block holds a count of that table's core, given back when it is freed).
+struct Record {
+    block: Block,
+    origin: usize,
+}
+
 /// The governed blocks of one adapter (shared by every session's table).
 pub(crate) struct GovernedBlocks {
     binding: MemoryBinding,
@@ -218,7 +225,7 @@ pub(crate) struct GovernedBlocks {
     config: OrtAllocatorConfig,
     alignment: usize,
     release: ReleasePath,
-    live: DashMap<usize, Block>,
+    live: DashMap<usize, Record>,
     refusal_answer: RefusalAnswer,
     counters: Counters,
     last_refusal: Mutex<Option<String>>,
@@ -262,7 +269,7 @@ impl GovernedBlocks {
     /// the run is stopped and the block served per [`RefusalAnswer`]; idle, null. The
     /// reason is logged and kept for [`GovernedBlocks::last_refusal`]. A zero-byte
     /// request gets `None` without a refusal, as ONNX Runtime's own allocator answers it.
-    pub(crate) fn allocate(&self, caller: &Caller, size: usize, kind: RequestKind) -> Option<usize> {
+    pub(crate) fn allocate(&self, caller: &Caller, origin: usize, size: usize, kind: RequestKind) -> Option<usize> {
         if size == 0 {
             return None;
         }
@@ -274,13 +281,13 @@ impl GovernedBlocks {
             .and_then(|request| self.binding.allocate(request.with_role(role)).map_err(|err| err.to_string()));
         let block = match granted {
             Ok(block) => block,
-            Err(reason) => return self.refused(caller, phase, size, role, &reason),
+            Err(reason) => return self.refused(caller, origin, phase, size, role, &reason),
         };
         let address = block.address().get() as usize;
         let bytes = block.bytes() as u64;
         match self.live.entry(address) {
             Entry::Vacant(slot) => {
-                slot.insert(Block::Governed(block));
+                slot.insert(Record { block: Block::Governed(block), origin });
             }
             Entry::Occupied(_) => {
                 // The allocator handed out an address ONNX Runtime still holds: never
@@ -300,7 +307,15 @@ impl GovernedBlocks {
     }
 
     /// Answers a refused request (see [`GovernedBlocks::allocate`]).
-    fn refused(&self, caller: &Caller, phase: Phase, size: usize, role: MemoryRole, reason: &str) -> Option<usize> {
+    fn refused(
+        &self,
+        caller: &Caller,
+        origin: usize,
+        phase: Phase,
+        size: usize,
+        role: MemoryRole,
+        reason: &str,
+    ) -> Option<usize> {
         let reason = self.refuse(caller, size, role, reason);
         match phase {
             Phase::Idle => {
@@ -318,7 +333,7 @@ impl GovernedBlocks {
                 caller.refused(&reason);
                 match self.refusal_answer {
                     RefusalAnswer::Null => None,
-                    RefusalAnswer::OverdraftAndStop => self.overdraft(caller, size),
+                    RefusalAnswer::OverdraftAndStop => self.overdraft(caller, origin, size),
                 }
             }
         }
@@ -327,48 +342,62 @@ impl GovernedBlocks {
     /// Serves a refused run-time block while its run is being stopped: from the
     /// governor's overdraft, or past its limit (or without an account to book it to)
     /// from the scratch sink.
-    fn overdraft(&self, caller: &Caller, size: usize) -> Option<usize> {
+    fn overdraft(&self, caller: &Caller, origin: usize, size: usize) -> Option<usize> {
         let draw = self.account.as_ref().map(|account| account.draw_overdraft(size as u64));
-        match draw {
-            Some(Ok(draw)) => {
-                let address = crate::ffi::overdraft_allocate(size, self.alignment)?;
-                self.live.insert(address, Block::Overdraft { bytes: size, _draw: draw });
-                both(&self.counters, &caller.counters, |counters| counters.overdrawn(size as u64));
-                tracing::warn!(bytes = size, "refused block served from the overdraft; the run is being stopped");
-                Some(address)
-            }
-            refused => {
-                let address = crate::sink::allocate(size, self.alignment)?;
-                self.live.insert(address, Block::Sink { bytes: size });
-                both(&self.counters, &caller.counters, |counters| {
-                    counters.sink_blocks.fetch_add(1, Ordering::Relaxed);
-                });
-                match refused {
-                    Some(Err(refused)) => tracing::warn!(
-                        bytes = size, %refused,
-                        "refused block past the overdraft limit served from the scratch sink; the run is being stopped"
-                    ),
-                    _ => tracing::warn!(
-                        bytes = size,
-                        "refused block (no account to book an overdraft to) served from the scratch sink; the run is \
-                         being stopped"
-                    ),
+        let draw = match draw {
+            Some(Ok(draw)) => match crate::ffi::overdraft_allocate(size, self.alignment) {
+                Some(address) => {
+                    self.live.insert(address, Record { block: Block::Overdraft { bytes: size, _draw: draw }, origin });
+                    both(&self.counters, &caller.counters, |counters| counters.overdrawn(size as u64));
+                    tracing::warn!(bytes = size, "refused block served from the overdraft; the run is being stopped");
+                    return Some(address);
                 }
-                Some(address)
-            }
+                // The host could not give the overdraft: the draw goes back, the sink serves.
+                None => None,
+            },
+            other => other,
+        };
+        let address = crate::sink::allocate(size, self.alignment)?;
+        self.live.insert(address, Record { block: Block::Sink { bytes: size }, origin });
+        both(&self.counters, &caller.counters, |counters| {
+            counters.sink_blocks.fetch_add(1, Ordering::Relaxed);
+        });
+        match draw {
+            Some(Err(refused)) => tracing::warn!(
+                bytes = size, %refused,
+                "refused block past the overdraft limit served from the scratch sink; the run is being stopped"
+            ),
+            _ => tracing::warn!(
+                bytes = size,
+                "refused block (no account to book an overdraft to, or no host memory for it) served from the \
+                 scratch sink; the run is being stopped"
+            ),
         }
+        Some(address)
     }
 
-    /// Frees the block at `address` through the binding it came from; `caller` is the
-    /// table the free came through.
-    pub(crate) fn free(&self, caller: &Caller, address: usize) -> Freed {
-        let Some((_, block)) = self.live.remove(&address) else {
+    /// Frees the block at `address` through the binding it came from. `caller` is the
+    /// table the free came through, `caller_of` finds the table that handed the block
+    /// out (whose figures it is counted in); the answer names that table's address, whose
+    /// count the block held.
+    pub(crate) fn free<'c>(
+        &self,
+        caller: &Caller,
+        address: usize,
+        caller_of: impl FnOnce(usize) -> &'c Caller,
+    ) -> (Freed, usize) {
+        let Some((_, Record { block, origin })) = self.live.remove(&address) else {
             both(&self.counters, &caller.counters, |counters| {
                 counters.unknown_frees.fetch_add(1, Ordering::Relaxed);
             });
             tracing::error!(address, "onnx runtime freed a pointer this allocator never handed out; ignored");
-            return Freed::Unknown;
+            return (Freed::Unknown, 0);
         };
+        let caller = caller_of(origin);
+        (self.free_block(caller, address, block), origin)
+    }
+
+    fn free_block(&self, caller: &Caller, address: usize, block: Block) -> Freed {
         let block = match block {
             Block::Governed(block) => block,
             Block::Overdraft { bytes, _draw } => {

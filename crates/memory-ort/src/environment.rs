@@ -176,10 +176,13 @@ impl OrtEnvironment {
         let (created, refusal) = {
             let _window = REGISTRATION.lock().unwrap_or_else(PoisonError::into_inner);
             self.register(&core)?;
+            // Unregisters and ends the commit phase also if `create` unwinds: the
+            // environment must never keep the table of a core that is gone.
+            let window = CommitWindow { environment: self, core: &core };
             core.caller.begin(Phase::Committing, None);
             let created = create(&mut builder);
             let refusal = core.caller.end();
-            self.unregister(&core);
+            drop(window);
             (created, refusal)
         };
         drop(builder);
@@ -247,6 +250,19 @@ impl std::fmt::Debug for GovernedSession {
     }
 }
 
+/// Closes a commit's registration window when dropped (also if the commit panics).
+struct CommitWindow<'a> {
+    environment: &'a OrtEnvironment,
+    core: &'a Arc<Core>,
+}
+
+impl Drop for CommitWindow<'_> {
+    fn drop(&mut self) {
+        let _ = self.core.caller.end();
+        self.environment.unregister(self.core);
+    }
+}
+
 /// Ends a run's phase when dropped (also if the run panics).
 struct RunPhase<'c>(&'c Core);
 
@@ -298,7 +314,9 @@ impl GovernedSession {
     /// output selector, a terminate set from another thread). A refusal sets the
     /// options' terminate flag for the rest of the run and clears it again when the run
     /// returns, so the options can be reused; a terminate of the caller's own fails the
-    /// run with [`OrtAdapterError::Runtime`] as ONNX Runtime reports it.
+    /// run with [`OrtAdapterError::Runtime`] as ONNX Runtime reports it (one set during a
+    /// refused run is cleared with the refusal's, the run being over). Give each
+    /// concurrent run options of its own: a refusal terminates every run sharing them.
     ///
     /// # Errors
     /// As [`GovernedSession::run`].
@@ -322,33 +340,38 @@ impl GovernedSession {
         self.session.create_binding().map_err(|err| runtime("create an io binding", &err))
     }
 
-    /// Runs the session on an I/O binding, with the session's own run options.
+    /// Runs the session on an I/O binding, with the session's own run options. After a
+    /// refused run the binding's outputs are cleared (ONNX Runtime would otherwise keep
+    /// the stopped run's output buffers, overdraft or sink memory, and write the next
+    /// run's outputs into them): bind them again before the next run.
     ///
     /// # Errors
     /// As [`GovernedSession::run`].
     pub fn run_binding<'b, 's: 'b>(
         &'s mut self,
-        binding: &'b IoBinding,
+        binding: &'b mut IoBinding,
     ) -> Result<SessionOutputs<'b>, OrtAdapterError> {
         self.run_options.unterminate().map_err(|err| runtime("reset the run options", &err))?;
         let phase = RunPhase::begin(&self.core, StopFlag::of(self.run_options.ptr()));
+        let outputs: *mut IoBinding = binding;
         let result = self.session.run_binding_with_options(binding, &self.run_options);
-        finish(phase.end(), result)
+        finish_binding(phase.end(), result, outputs)
     }
 
     /// Runs the session on an I/O binding with the caller's run options (see
-    /// [`GovernedSession::run_with_options`]).
+    /// [`GovernedSession::run_with_options`] and [`GovernedSession::run_binding`]).
     ///
     /// # Errors
     /// As [`GovernedSession::run`].
     pub fn run_binding_with_options<'r, 'b, 's: 'b>(
         &'s mut self,
-        binding: &'b IoBinding,
+        binding: &'b mut IoBinding,
         options: &'r RunOptions<NoSelectedOutputs>,
     ) -> Result<SessionOutputs<'b>, OrtAdapterError> {
         let phase = RunPhase::begin(&self.core, StopFlag::of(options.ptr()));
+        let outputs: *mut IoBinding = binding;
         let result = self.session.run_binding_with_options(binding, options);
-        finish(phase.end(), result)
+        finish_binding(phase.end(), result, outputs)
     }
 
     /// The `ort` session (inputs, outputs, metadata). Runs go through
@@ -374,6 +397,28 @@ impl GovernedSession {
     pub fn serial(&self) -> u64 {
         self.serial
     }
+}
+
+/// [`finish`] for a run on an I/O binding: a refused run's bound outputs are cleared.
+fn finish_binding<'b>(
+    refusal: Option<String>,
+    result: ort::Result<SessionOutputs<'b>>,
+    binding: *mut IoBinding,
+) -> Result<SessionOutputs<'b>, OrtAdapterError> {
+    let Some(reason) = refusal else { return finish(None, result) };
+    // The outputs (the only borrow of the binding made by the run) go first.
+    let error = match finish(Some(reason), result.map(drop)) {
+        Err(error) => error,
+        Ok(()) => OrtAdapterError::Runtime { action: "run", message: "a refused run reported success".to_owned() },
+    };
+    #[allow(unsafe_code)]
+    // SAFETY: `binding` came from the caller's `&'b mut IoBinding`; the run's borrow of it
+    // (its outputs) was dropped above, and nothing else borrows it on this path (a
+    // refused run returns no outputs), so this is the only access.
+    unsafe {
+        (*binding).clear_outputs()
+    };
+    Err(error)
 }
 
 /// A run's result, failed with the governor's reason when the run was refused memory

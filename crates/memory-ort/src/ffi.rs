@@ -33,7 +33,7 @@
 use std::ffi::{CString, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::{self, NonNull};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use memory_governor::CallerHold;
 use ort::sys::{OrtAllocator, OrtErrorCode, OrtKeyValuePairs, OrtMemoryInfo, OrtStatus, OrtStatusPtr};
@@ -143,6 +143,9 @@ pub(crate) struct Core {
     base: Option<Arc<Core>>,
     /// A session core's hold on the provider context (see the module docs).
     _hold: Option<CallerHold>,
+    /// The base core's live blocks and, while there are any, its hold on the provider
+    /// context (blocks handed out through the handle's own table can call `Free` too).
+    base_blocks: Mutex<(usize, Option<CallerHold>)>,
 }
 
 // SAFETY: the table holds only a version number and function pointers, written once
@@ -186,7 +189,27 @@ impl Core {
         // optional slot means unsupported.
         table.AllocOnStream = None;
         table.Shrink = Some(shrink);
-        Arc::new(Core { table, info, blocks, caller: Caller::default(), base, _hold: hold })
+        let base_blocks = Mutex::new((0, None));
+        Arc::new(Core { table, info, blocks, caller: Caller::default(), base, _hold: hold, base_blocks })
+    }
+
+    /// A block left through the base table: the first one takes a hold.
+    fn base_block_taken(&self) {
+        let mut held = self.base_blocks.lock().unwrap_or_else(PoisonError::into_inner);
+        held.0 += 1;
+        if held.1.is_none() {
+            held.1 = Some(self.blocks.binding().hold_callers("blocks of the ort allocator's own table"));
+        }
+    }
+
+    /// A block of the base table came back: the last one drops the hold.
+    fn base_block_given_back(&self) {
+        let released = {
+            let mut held = self.base_blocks.lock().unwrap_or_else(PoisonError::into_inner);
+            held.0 = held.0.saturating_sub(1);
+            if held.0 == 0 { held.1.take() } else { None }
+        };
+        drop(released);
     }
 
     /// Whether this is a session's table (not the adapter's base table).
@@ -218,6 +241,16 @@ unsafe fn core<'a>(this: *const OrtAllocator) -> &'a Core {
     unsafe { &*this.cast::<Core>() }
 }
 
+/// The core at `address`.
+///
+/// # Safety
+/// `address` must be a core's address (a table's) whose strong count the caller knows
+/// to be held for as long as the reference is used.
+unsafe fn core_at<'a>(address: usize) -> &'a Core {
+    // SAFETY: per the contract, a live `Core`; only shared references are made.
+    unsafe { &*std::ptr::with_exposed_provenance::<Core>(address) }
+}
+
 /// Runs an allocation entry: on success the block takes a strong count of the core.
 ///
 /// # Safety
@@ -228,11 +261,15 @@ unsafe fn allocate_entry(this: *const OrtAllocator, size: usize, kind: RequestKi
     }
     // SAFETY: forwarded contract.
     let core = unsafe { core(this) };
-    match catch_unwind(AssertUnwindSafe(|| core.blocks.allocate(&core.caller, size, kind))) {
+    let origin = this.addr();
+    match catch_unwind(AssertUnwindSafe(|| core.blocks.allocate(&core.caller, origin, size, kind))) {
         Ok(Some(address)) => {
             // SAFETY: `this` is a live Arc<Core>'s pointer (contract); the count taken here
-            // is given back by `free` for this block.
+            // is given back by `free` of this block, through whichever table it comes.
             unsafe { Arc::increment_strong_count(this.cast::<Core>()) };
+            if !core.is_session() {
+                core.base_block_taken();
+            }
             ptr::with_exposed_provenance_mut(address)
         }
         Ok(None) => ptr::null_mut(),
@@ -257,20 +294,35 @@ unsafe extern "system" fn free(this: *mut OrtAllocator, p: *mut c_void) {
     if this.is_null() || p.is_null() {
         return;
     }
-    // SAFETY: ONNX Runtime frees through the table that allocated the block; the block's
-    // strong count keeps the core alive until the end of this function.
+    // SAFETY: ONNX Runtime calls through a table whose session (or handle) is alive.
     let core = unsafe { core(this) };
-    let freed = catch_unwind(AssertUnwindSafe(|| core.blocks.free(&core.caller, p.expose_provenance())));
+    let address = p.expose_provenance();
+    let freed = catch_unwind(AssertUnwindSafe(|| {
+        core.blocks.free(&core.caller, address, |origin| {
+            // SAFETY: `origin` is the address of the core whose table handed the block
+            // out; the block holds a strong count of it until the decrement below.
+            unsafe { &core_at(origin).caller }
+        })
+    }));
     match freed {
-        Ok(Freed::Unknown) => {}
-        Ok(Freed::Released | Freed::AfterLoss | Freed::Refused) => {
+        Ok((Freed::Unknown, _)) => {}
+        Ok((Freed::Released | Freed::AfterLoss | Freed::Refused, origin)) => {
+            if origin != this.addr() {
+                tracing::warn!(address, "onnx runtime freed a block through another table than the one that made it");
+            }
             // The last count drops the core, its binding and whatever they release: a
             // panic there must not unwind into ONNX Runtime.
             let dropped = catch_unwind(AssertUnwindSafe(|| {
-                // SAFETY: this block held one strong count, taken in `allocate_entry`; it
-                // is given back exactly once (the block left the live table above), and
-                // `core` is not used after this line (it may be the last count).
-                unsafe { Arc::decrement_strong_count(this.cast::<Core>().cast_const()) };
+                // SAFETY: the block held one strong count of its origin core.
+                let origin_core = unsafe { core_at(origin) };
+                if !origin_core.is_session() {
+                    origin_core.base_block_given_back();
+                }
+                // SAFETY: this block held one strong count of its origin core, taken in
+                // `allocate_entry`; it is given back exactly once (the block left the live
+                // table above), and neither core reference is used after this line (it may
+                // be the last count).
+                unsafe { Arc::decrement_strong_count(std::ptr::with_exposed_provenance::<Core>(origin)) };
             }));
             if dropped.is_err() {
                 tracing::error!("panic while dropping the ort allocator's core after its last block");

@@ -123,3 +123,24 @@ fn a_panic_inside_the_allocator_answers_null_and_the_process_lives_on() {
     common::table_free(&allocator, foreign.as_mut_ptr().cast());
     assert_eq!(allocator.stats().unknown_frees, 1);
 }
+
+#[test]
+fn a_block_of_the_handles_own_table_holds_termination_until_it_is_freed() {
+    let name = "a_block_of_the_handles_own_table_holds_termination_until_it_is_freed";
+    let Some((env, _)) = common::ort(name) else { return };
+    let tenant = Tenant::new("direct", 64 << 20, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let block = common::table_alloc(&allocator, 4096, false);
+    assert!(!block.is_null());
+    tenant.registry.invalidate_device(tenant.device, "lost while a caller holds a block");
+    let not_yet = tenant.registry.confirm_context_terminated(&tenant.context).unwrap_err();
+    assert!(
+        matches!(not_yet, memory_governor::RegistryError::ContextNotQuiescent { holds: 1, .. }),
+        "the caller may still free its block: {not_yet}"
+    );
+    common::table_free(&allocator, block);
+    assert_eq!(allocator.stats().frees_after_loss, 1);
+    let report = tenant.registry.confirm_context_terminated(&tenant.context).unwrap();
+    assert_eq!(report.lost_allocations, 1);
+    assert_eq!(tenant.charged_total(), 0);
+}

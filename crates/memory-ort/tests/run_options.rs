@@ -66,7 +66,7 @@ fn outputs_bound_ahead_of_a_run_are_allocated_through_the_governed_table() {
     let cpu = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Device, MemoryType::Default).unwrap();
     binding.bind_output_to_device("Y", &cpu).unwrap();
     let allocs = session.stats().allocs;
-    let outputs = session.run_binding(&binding).unwrap();
+    let outputs = session.run_binding(&mut binding).unwrap();
     let values = outputs["Y"].try_extract_tensor::<f32>().unwrap().1.to_vec();
     assert_eq!(values.len(), batch * tiny_model::FEATURES);
     assert!(allocator.stats().allocs > allocs, "the run allocated through the governed tables");
@@ -74,16 +74,36 @@ fn outputs_bound_ahead_of_a_run_are_allocated_through_the_governed_table() {
     drop(outputs);
     drop(binding);
 
-    // Refused under the caller's options: the binding's run fails with the reason.
+    // Refused under the caller's options: the binding's run fails with the reason, and
+    // the stopped run's output buffers (overdraft, then sink) do not stay bound.
     let weights = tenant.charged(MemoryRole::Weights);
-    tenant.governor.set_quota(tenant.authority, weights + 1000).unwrap();
-    let mut binding = session.create_binding().unwrap();
-    binding.bind_input("X", &input(512)).unwrap();
-    binding.bind_output_to_device("Y", &cpu).unwrap();
-    let options = RunOptions::new().unwrap();
-    let err = session.run_binding_with_options(&binding, &options).map(|_| ()).unwrap_err();
-    assert!(matches!(err, OrtAdapterError::Refused { .. }), "{err}");
-    drop(binding);
+    let batch = 512;
+    for overdraft_limit in [64 << 20, 0] {
+        tenant.governor.set_overdraft_limit(tenant.device, overdraft_limit);
+        tenant.governor.set_quota(tenant.authority, weights + 1000).unwrap();
+        let mut binding = session.create_binding().unwrap();
+        binding.bind_input("X", &input(batch)).unwrap();
+        binding.bind_output_to_device("Y", &cpu).unwrap();
+        let options = RunOptions::new().unwrap();
+        let err = session.run_binding_with_options(&mut binding, &options).map(|_| ()).unwrap_err();
+        assert!(matches!(err, OrtAdapterError::Refused { .. }), "{err}");
+        assert_eq!(session.stats().overdraft_in_use, 0, "the refused run's outputs were unbound");
+        let device = tenant.governor.snapshot().device(tenant.device).cloned().unwrap();
+        assert_eq!(device.overdraft.current, 0);
+        assert_eq!(tenant.charged_total(), weights);
+
+        // Bound again under a quota that fits: the right values, charged as activations.
+        tenant.governor.set_quota(tenant.authority, 64 << 20).unwrap();
+        binding.bind_output_to_device("Y", &cpu).unwrap();
+        let data: Vec<f32> = (0..batch * tiny_model::FEATURES).map(|i| (i % 7) as f32 / 7.0).collect();
+        let outputs = session.run_binding(&mut binding).unwrap();
+        let values = outputs["Y"].try_extract_tensor::<f32>().unwrap().1.to_vec();
+        for (got, want) in values.iter().zip(tiny_model::reference(&data)) {
+            assert!((got - want).abs() < 1e-4, "limit {overdraft_limit}: {got} vs {want}");
+        }
+        assert!(tenant.charged(MemoryRole::Activations) >= (batch * tiny_model::FEATURES * 4) as u64);
+        drop(outputs);
+    }
     drop(session);
     assert_eq!(tenant.charged_total(), 0);
 }

@@ -112,15 +112,20 @@ pub fn every_byte_is_governed(env: &OrtEnvironment, model: &std::path::Path, mod
     assert_eq!(device.overdraft.current, 0, "{mode:?}");
     assert_eq!(tenant.snapshot().unwrap().overdraft.peak, device.overdraft.peak, "{mode:?}: the tenant's figure");
 
-    // Past the overdraft limit: the sink serves the stopped run, the overdraft never
-    // passes the limit, and the run still fails cleanly.
-    tenant.governor.set_overdraft_limit(tenant.device, 0);
-    let err = detect_text(&mut session, ocr_image(5, PAGE.0, PAGE.1), PAGE.0, PAGE.1).unwrap_err();
-    assert!(matches!(err, OrtAdapterError::Refused { .. }), "{mode:?}: {err}");
-    assert!(session.stats().sink_blocks > 0, "{mode:?}: {:?}", session.stats());
-    let device = tenant.governor.snapshot().device(tenant.device).cloned().unwrap();
-    assert!(device.overdraft.refused > 0 && device.overdraft.current == 0, "{mode:?}: {:?}", device.overdraft);
-    assert_eq!(tenant.charged_total(), weights);
+    // A small overdraft limit, then none: the overdraft never passes the limit, the sink
+    // serves the rest of the stopped run, and the run still fails cleanly.
+    for small in [256 * 1024, 0] {
+        tenant.governor.set_overdraft_limit(tenant.device, small);
+        let sunk = session.stats().sink_blocks;
+        let err = detect_text(&mut session, ocr_image(5, PAGE.0, PAGE.1), PAGE.0, PAGE.1).unwrap_err();
+        assert!(matches!(err, OrtAdapterError::Refused { .. }), "{mode:?}: {err}");
+        assert!(session.stats().sink_blocks > sunk, "{mode:?}: {:?}", session.stats());
+        let device = tenant.governor.snapshot().device(tenant.device).cloned().unwrap();
+        assert!(device.overdraft.refused > 0 && device.overdraft.current == 0, "{mode:?}: {:?}", device.overdraft);
+        assert_eq!(tenant.charged_total(), weights);
+    }
+    let peak = tenant.snapshot().unwrap().overdraft.peak;
+    assert!(peak <= limit, "{mode:?}: the tenant's overdraft peaked at {peak}, over the limit {limit}");
 
     // A larger quota: the session runs again, with the same result.
     tenant.governor.set_quota(tenant.authority, 512 * MIB).unwrap();
