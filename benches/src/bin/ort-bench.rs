@@ -329,7 +329,7 @@ fn parent(args: &[String]) -> Result<(), String> {
             );
             if *config == "governed-pool" && configs[0] == "arena" {
                 verdicts.push(format!(
-                    "{name}: (c) p50 {:.3}x (a) [target <= 1.00x: {}], peak RSS {:.3}x (a) [target <= 1.00x: {}]",
+                    "{name}: {label} p50 {:.3}x (a) [target <= 1.00x: {}], peak RSS {:.3}x (a) [target <= 1.00x: {}]",
                     p50 / base_p50,
                     if p50 <= base_p50 { "met" } else { "missed" },
                     rss as f64 / base_rss as f64,
@@ -539,6 +539,9 @@ fn trace(args: &[String]) -> Result<(), String> {
             proc_status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0,
             proc_status_kib("VmHWM:").unwrap_or(0) as f64 / 1024.0,
         );
+    }
+    if let Some(pool) = &bench.handles.pool {
+        println!("# the pool at the end: {:?}", pool.pool_stats());
     }
     Ok(())
 }
