@@ -61,9 +61,10 @@ runs=(
     # The rest of memory-capi loads plugins and compiles C programs, which Miri cannot.
     "memory-capi|--lib|handles::"
     # The per-thread tables and owner slots under the record tables, and the plugin
-    # loader's block records built on them (the rest of memory-plugin loads plugins).
+    # loader's block records built on them and its live-range index over those (the rest
+    # of memory-plugin loads plugins).
     "memory-sync|--lib|per_thread:: owner_slots::"
-    "memory-plugin|--lib|records::"
+    "memory-plugin|--lib|records:: ranges::"
 )
 
 wanted=("$@")

@@ -63,7 +63,9 @@
 //! table), every capability, unload refusal and success, and dishonest answers. The
 //! block records (`records`, safe code over `memory_sync`'s per-thread tables and owner
 //! slots) are model-checked with loom (`cargo xtask loom`: racing releases of one block,
-//! a stale tag against a reused slot) and their tests run under Miri.
+//! a stale tag against a reused slot) and their tests run under Miri, as do those of the
+//! live-range index (`ranges`, safe code: an ordered map per address region under a
+//! lock, consulted and written only by `allocate`).
 //!
 //! # Quickstart
 //! ```no_run
