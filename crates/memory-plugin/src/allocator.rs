@@ -265,12 +265,15 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Every block it hands out is recorded on the host side, so a forged, foreign or
 /// already released block is refused (`NotOwned`) without calling the plugin. Every
 /// answer is checked: a block on another device, misaligned, too small or at address
-/// zero is handed back and the allocation fails; a release outcome about another block,
-/// of an unknown kind or with an unknown status is a quarantine of the whole block.
+/// zero is handed back and the allocation fails; a block overlapping a live block of the
+/// instance is refused and kept as suspect, as is one answered with an unknown status;
+/// a release outcome about another block, of an unknown kind or with an unknown status
+/// is a quarantine of the whole block.
 ///
 /// The instance (and, for a loaded plugin, its library) lives while any clone, any
 /// registry mechanism, binding, allocation or queued release holding it, any shared
-/// backing or release queue made through it lives.
+/// backing or release queue made through it lives, and while it keeps a suspect block
+/// (until [`PluginAllocator::retry_suspects`] discharges it).
 #[derive(Clone)]
 pub struct PluginAllocator {
     pub(crate) shared: Arc<Instance>,
@@ -285,7 +288,8 @@ impl PluginAllocator {
     /// As for a plugin's table (see [`PluginError`]). On every error nothing of the
     /// table was called: the instance is still the caller's. On success it belongs to
     /// the returned allocator, which calls `destroy` once, when its last clone drops
-    /// (or never, if [`PluginAllocator::relinquish`] hands it back).
+    /// (or never, if [`PluginAllocator::relinquish`] hands it back, or while it keeps a
+    /// suspect block).
     ///
     /// # Safety
     /// `table` is null or points to a readable, aligned [`MpAllocator`] of at least the
@@ -327,8 +331,8 @@ impl PluginAllocator {
     /// unchanged. An instance a plugin library made is never handed back.
     ///
     /// # Errors
-    /// The allocator itself, when another clone is alive, a block is live, or the
-    /// instance came from a library.
+    /// The allocator itself, when another clone is alive, a block is live or kept as
+    /// suspect, or the instance came from a library.
     pub fn relinquish(self) -> Result<(), PluginAllocator> {
         let shared = self.shared;
         if shared.library.is_some() {
