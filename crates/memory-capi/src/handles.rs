@@ -378,8 +378,8 @@ impl<T: Send + Sync + 'static> Slots<T> {
 
     /// Stores `value`; returns its handle, or the value back when the table is full.
     /// (The C API reserves a [`Vacancy`] before a call has any effect instead; the
-    /// tests and the loom models store values directly.)
-    #[cfg(any(test, memory_loom))]
+    /// unit tests and the loom models store values directly.)
+    #[cfg(test)]
     #[inline]
     pub(crate) fn insert(&'static self, value: T) -> Result<u64, (T, Fault)> {
         match self.vacancy() {

@@ -261,17 +261,17 @@ pub(crate) struct UserPointer {
     destroy: crate::types::McDestroyFn,
     /// Cleared when a registration fails: the pointer stays the caller's and
     /// `destroy` is not called (docs/C-ABI.md §2).
-    armed: std::sync::atomic::AtomicBool,
+    armed: crate::sync::AtomicBool,
 }
 
 impl UserPointer {
     pub(crate) fn new(user: *mut c_void, destroy: crate::types::McDestroyFn) -> UserPointer {
-        UserPointer { user, destroy, armed: std::sync::atomic::AtomicBool::new(true) }
+        UserPointer { user, destroy, armed: crate::sync::AtomicBool::new(true) }
     }
 
     /// Hands the pointer back to the caller: `destroy` will not run.
     pub(crate) fn disarm(&self) {
-        self.armed.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.armed.store(false, crate::sync::Ordering::SeqCst);
     }
 }
 
@@ -286,7 +286,7 @@ unsafe impl Sync for UserPointer {}
 impl Drop for UserPointer {
     fn drop(&mut self) {
         if let Some(destroy) = self.destroy
-            && self.armed.load(std::sync::atomic::Ordering::SeqCst)
+            && self.armed.load(crate::sync::Ordering::SeqCst)
         {
             // SAFETY: the caller registered this destructor for this pointer; it runs
             // exactly once (the last reference is gone) and with no lock held (the

@@ -1,9 +1,12 @@
 /* Allocator kinds end to end, from C11, as a C programmer uses them (each argument:
- * system, pooled, virtual, shared or vtable, run in turn in one process): register it governed, bind, allocate, make the
+ * system, pooled, virtual, shared, vtable or vtable-virtual, run in turn in one process): register it governed, bind, allocate, make the
  * memory usable the way the kind needs (nothing; commit; map a backing), write and read
  * it, release now and through a queue, tear everything down. Run under valgrind for
  * every kind by tests/programs.rs (issue 23, items 1 and 2). */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, madvise */
 #include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "check.h"
 
@@ -40,6 +43,85 @@ static void vt_destroy(void *instance) {
     vtable_destroyed++;
 }
 
+/* A C allocator with MP_CAP_VIRTUAL_BACKING: blocks are PROT_NONE reservations, commit
+ * makes pages readable and writable, decommit drops them (the C twin of MC_CPU_VIRTUAL,
+ * to show the capability calls reach a vtable's slots). Up to 8 blocks of 64 pages. */
+#define VT_BLOCKS 8
+static struct {
+    uint64_t address, bytes, committed; /* `committed`: a bit per page */
+} vt_blocks[VT_BLOCKS];
+static uint64_t vt_page;
+
+static int vt_find(const MpBlock *block) {
+    for (int i = 0; i < VT_BLOCKS; i++)
+        if (vt_blocks[i].address == block->address && vt_blocks[i].bytes != 0) return i;
+    return -1;
+}
+
+static MpStatus vv_allocate(void *instance, const MpRequest *request, MpBlock *out) {
+    (void)instance;
+    uint64_t bytes = (request->bytes + vt_page - 1) / vt_page * vt_page;
+    if (bytes == 0 || bytes > 64 * vt_page || request->align > vt_page) return MP_ERR_UNSUPPORTED;
+    for (int i = 0; i < VT_BLOCKS; i++) {
+        if (vt_blocks[i].bytes != 0) continue;
+        void *memory = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (memory == MAP_FAILED) return MP_ERR_OUT_OF_MEMORY;
+        vt_blocks[i].address = (uint64_t)(uintptr_t)memory;
+        vt_blocks[i].bytes = bytes;
+        vt_blocks[i].committed = 0;
+        MpBlock block = {vt_blocks[i].address, request->bytes, vt_page, HOST, (uint64_t)i};
+        *out = block;
+        vtable_live++;
+        return MP_OK;
+    }
+    return MP_ERR_OUT_OF_MEMORY;
+}
+
+static MpStatus vv_release(void *instance, const MpBlock *block, MpReleaseOutcome *outcome) {
+    (void)instance, (void)outcome;
+    int i = vt_find(block);
+    if (i < 0) return MP_ERR_NOT_OWNED;
+    munmap((void *)(uintptr_t)block->address, vt_blocks[i].bytes);
+    vt_blocks[i].bytes = 0;
+    vtable_live--;
+    return MP_OK;
+}
+
+static MpStatus vv_range(const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes, int commit) {
+    int i = vt_find(block);
+    if (i < 0) return MP_ERR_NOT_OWNED;
+    uint64_t changed = 0;
+    for (uint64_t page = offset / vt_page; page < (offset + length) / vt_page; page++) {
+        uint64_t bit = (uint64_t)1 << page;
+        if (((vt_blocks[i].committed & bit) != 0) == commit) continue;
+        void *at = (void *)(uintptr_t)(block->address + page * vt_page);
+        if (!commit) madvise(at, vt_page, MADV_DONTNEED);
+        if (mprotect(at, vt_page, commit ? PROT_READ | PROT_WRITE : PROT_NONE) != 0) return MP_ERR_BACKEND;
+        vt_blocks[i].committed ^= bit;
+        changed += vt_page;
+    }
+    *bytes = changed;
+    return MP_OK;
+}
+
+static MpStatus vv_commit(void *instance, const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes) {
+    (void)instance;
+    return vv_range(block, offset, length, bytes, 1);
+}
+
+static MpStatus vv_decommit(void *instance, const MpBlock *block, uint64_t offset, uint64_t length, uint64_t *bytes) {
+    (void)instance;
+    return vv_range(block, offset, length, bytes, 0);
+}
+
+static MpStatus vv_committed(void *instance, const MpBlock *block, uint64_t *bytes) {
+    (void)instance;
+    int i = vt_find(block);
+    if (i < 0) return MP_ERR_NOT_OWNED;
+    *bytes = (uint64_t)__builtin_popcountll(vt_blocks[i].committed) * vt_page;
+    return MP_OK;
+}
+
 static McStatus register_kind(const char *kind, McRegistry *registry, McGovernor *governor, McContext *context,
                               McAuthority *tenant, MpAllocator *table, McMechanism **out) {
     if (strcmp(kind, "system") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_SYSTEM, out);
@@ -47,7 +129,18 @@ static McStatus register_kind(const char *kind, McRegistry *registry, McGovernor
     if (strcmp(kind, "virtual") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_VIRTUAL, out);
     if (strcmp(kind, "shared") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_SHARED, out);
     if (strcmp(kind, "vtable") == 0) return mc_register_vtable(registry, governor, context, tenant, table, out);
-    fprintf(stderr, "unknown kind %s; use system, pooled, virtual, shared or vtable\n", kind);
+    if (strcmp(kind, "vtable-virtual") == 0) {
+        table->capabilities = MP_CAP_VIRTUAL_BACKING;
+        table->name = "c-vtable-virtual";
+        table->allocate = vv_allocate;
+        table->release = vv_release;
+        table->virtual_granularity = vt_page;
+        table->commit = vv_commit;
+        table->decommit = vv_decommit;
+        table->committed_bytes = vv_committed;
+        return mc_register_vtable(registry, governor, context, tenant, table, out);
+    }
+    fprintf(stderr, "unknown kind %s; use system, pooled, virtual, shared, vtable or vtable-virtual\n", kind);
     exit(2);
 }
 
@@ -62,7 +155,8 @@ static void write_and_read(uint64_t address, uint64_t bytes, unsigned char patte
 static void run_kind(const char *kind) {
     int before = checks;
     destroyed = vtable_live = vtable_destroyed = 0;
-    int is_virtual = strcmp(kind, "virtual") == 0, is_shared = strcmp(kind, "shared") == 0;
+    int is_vtable = strncmp(kind, "vtable", 6) == 0;
+    int is_virtual = strcmp(kind, "virtual") == 0 || strcmp(kind, "vtable-virtual") == 0, is_shared = strcmp(kind, "shared") == 0;
     int context_user = 1, tenant_user = 10;
 
     MpAllocator table;
@@ -204,15 +298,16 @@ static void run_kind(const char *kind) {
     OK(mc_registry_destroy(registry));
     OK(mc_governor_destroy(governor));
     TRUE(destroyed == 11);
-    if (strcmp(kind, "vtable") == 0) TRUE(vtable_live == 0 && vtable_destroyed == 1);
+    if (is_vtable) TRUE(vtable_live == 0 && vtable_destroyed == 1);
     printf("c kinds %s: %d checks passed\n", kind, checks - before);
 }
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s system|pooled|virtual|shared|vtable...\n", argv[0]);
+        fprintf(stderr, "usage: %s system|pooled|virtual|shared|vtable|vtable-virtual...\n", argv[0]);
         return 2;
     }
+    vt_page = (uint64_t)sysconf(_SC_PAGESIZE);
     for (int i = 1; i < argc; i++) run_kind(argv[i]);
     printf("c kinds: %d checks passed (%d failure messages checked)\n", checks, messages_checked);
     return 0;
