@@ -13,6 +13,10 @@
 //! detection over page sizes, and the PP-OCR direction classifier over batch sizes. A
 //! sweep's latencies are those of its single runs (every shape equally often in every
 //! configuration), and its peak resident memory is the process's over the whole sweep.
+//! The ratio columns compare like with like: each run's latency is divided by the
+//! baseline's median for the same input, and the p50 (p99) of those quotients is
+//! divided by the baseline's own (for fixed-size work, the plain ratio of p50s);
+//! otherwise which shape happens to sit at a sweep's median would decide its ratio.
 //!
 //! Each (model, configuration) is measured in a child process of its own (this binary
 //! with `--child`), so its peak resident memory (`VmHWM`) is its own; the children run
@@ -241,6 +245,8 @@ fn list_flag(
 #[derive(Default)]
 struct Samples {
     latencies: Vec<u64>,
+    /// The input (position in the workload's cycle) of each latency.
+    inputs: Vec<usize>,
     peaks: Vec<u64>,
     faults: Vec<u64>,
 }
@@ -287,7 +293,9 @@ fn parent(args: &[String]) -> Result<(), String> {
                 let entry = samples.entry((name, config)).or_default();
                 entry.peaks.push(hwm);
                 entry.faults.push(faulted);
-                entry.latencies.extend(fields.filter_map(|v| v.parse::<u64>().ok()));
+                let timed: Vec<u64> = fields.filter_map(|v| v.parse::<u64>().ok()).collect();
+                entry.inputs.extend((0..timed.len()).map(|i| (work.warm_up() + i) % work.cycle()));
+                entry.latencies.extend(timed);
             }
         }
         eprintln!("ort-bench: round {}/{rounds} done ({:.0} s)", round + 1, started.elapsed().as_secs_f64());
@@ -307,11 +315,15 @@ fn parent(args: &[String]) -> Result<(), String> {
     let mut verdicts = Vec::new();
     for &name in &models {
         let base = &samples[&(name, configs[0])];
-        let (base_p50, base_p99) = (percentile(&base.latencies, 0.5), percentile(&base.latencies, 0.99));
+        let base_medians = base.medians_by_input();
+        let base_normal = base.normalised(&base_medians);
+        let (base_p50, base_p99) = (percentile_f(&base_normal, 0.5), percentile_f(&base_normal, 0.99));
         let base_rss = median(&base.peaks);
         for (index, config) in configs.iter().enumerate() {
             let s = &samples[&(name, *config)];
-            let (p50, p99) = (percentile(&s.latencies, 0.5), percentile(&s.latencies, 0.99));
+            let normal = s.normalised(&base_medians);
+            let (p50_ms, p99_ms) = (percentile(&s.latencies, 0.5), percentile(&s.latencies, 0.99));
+            let (p50, p99) = (percentile_f(&normal, 0.5), percentile_f(&normal, 0.99));
             let rss = median(&s.peaks);
             let iters = s.latencies.len() as f64 / s.peaks.len() as f64;
             let faults_per_run = median(&s.faults) as f64 / iters;
@@ -319,8 +331,8 @@ fn parent(args: &[String]) -> Result<(), String> {
             println!(
                 "| {name} | {label} | {} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3}x | {:.3}x | {:.3}x |",
                 s.latencies.len(),
-                p50 / 1e3,
-                p99 / 1e3,
+                p50_ms / 1e3,
+                p99_ms / 1e3,
                 rss as f64 / 1024.0,
                 faults_per_run,
                 p50 / base_p50,
@@ -703,6 +715,36 @@ fn minor_faults() -> Option<u64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     let after_name = stat.get(stat.rfind(')')? + 1..)?;
     after_name.split_whitespace().nth(7)?.parse().ok()
+}
+
+impl Samples {
+    /// The baseline's median latency of each input of the cycle.
+    fn medians_by_input(&self) -> BTreeMap<usize, f64> {
+        let mut by_input: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for (&latency, &input) in self.latencies.iter().zip(&self.inputs) {
+            by_input.entry(input).or_default().push(latency);
+        }
+        by_input.into_iter().map(|(input, latencies)| (input, percentile(&latencies, 0.5))).collect()
+    }
+
+    /// Each latency over the baseline's median for the same input, so a sweep's ratios
+    /// compare like with like (for fixed-size work this is a plain ratio).
+    fn normalised(&self, medians: &BTreeMap<usize, f64>) -> Vec<f64> {
+        self.latencies
+            .iter()
+            .zip(&self.inputs)
+            .map(|(&latency, input)| latency as f64 / medians.get(input).copied().unwrap_or(1.0).max(1.0))
+            .collect()
+    }
+}
+
+fn percentile_f(samples: &[f64], q: f64) -> f64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_unstable_by(f64::total_cmp);
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 fn percentile(samples: &[u64], q: f64) -> f64 {
