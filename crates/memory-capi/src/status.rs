@@ -312,3 +312,39 @@ pub(crate) fn last_message() -> *const c_char {
     }
     MESSAGE.try_with(|message| message.borrow().as_ptr()).unwrap_or(EMPTY.as_ptr())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What no message reaching C may contain (as `tests/c/check.h` checks).
+    fn names_a_rust_item(text: &str) -> bool {
+        ["::", "Governor", "call select", "call invalidate_device", "confirm_context_terminated", "ReclaimThenFail"]
+            .iter()
+            .any(|item| text.contains(item))
+    }
+
+    #[test]
+    fn every_piece_of_rust_advice_reaches_c_as_c_advice() {
+        for (rust, c) in C_TERMS {
+            assert_eq!(in_c_terms(rust), *c, "{rust:?} is not translated as the table says");
+            assert!(!names_a_rust_item(c), "the C term {c:?} names a Rust item");
+            assert!(c.contains("mc_") || c.contains("MC_") || !rust.contains('('), "{c:?} names no C function");
+        }
+        // In a sentence, with the longer phrase winning over the names inside it.
+        let message = "authority a already has an account on host:0; use Governor::account to get it, or \
+                       Governor::set_quota to change its quota";
+        assert_eq!(
+            in_c_terms(message),
+            "authority a already has an account on host:0; change its quota with mc_governor_set_quota"
+        );
+        let advice = "raise a's quota (Governor::set_quota), release memory it holds, or ask for less; or register \
+                      a reclaim holder (Governor::register_holder)";
+        let c = in_c_terms(advice);
+        assert!(
+            !names_a_rust_item(&c) && c.contains("mc_governor_set_quota") && c.contains("mc_governor_register_holder"),
+            "{c}"
+        );
+        assert_eq!(in_c_terms("nothing to translate"), "nothing to translate");
+    }
+}

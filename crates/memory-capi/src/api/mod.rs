@@ -151,6 +151,7 @@ pub(crate) fn borrow_optional<T: Send + Sync + 'static, P>(
 
 /// A free cell of `slots`, reserved before a call has any effect, so that running out
 /// of handles is an error before anything happened rather than after.
+#[inline(always)]
 pub(crate) fn vacancy<T: Send + Sync + 'static>(
     slots: &'static Slots<T>,
 ) -> Result<crate::handles::Vacancy<T>, Failure> {
@@ -158,6 +159,7 @@ pub(crate) fn vacancy<T: Send + Sync + 'static>(
 }
 
 /// Fills a vacancy; returns the handle as the C type.
+#[inline(always)]
 pub(crate) fn fill<T: Send + Sync + 'static, P>(vacancy: crate::handles::Vacancy<T>, value: T) -> *mut P {
     pointer(vacancy.fill(value))
 }
