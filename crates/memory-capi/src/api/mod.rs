@@ -170,6 +170,7 @@ pub(crate) fn remove<T: Send + Sync + 'static, P>(slots: &'static Slots<T>, hand
 }
 
 /// Checks an out-pointer before anything is mutated.
+#[inline]
 pub(crate) fn check_out<T>(out: *mut T, what: &str) -> Result<(), Failure> {
     if out.is_null() {
         return Err(Failure::null(what));
@@ -181,6 +182,7 @@ pub(crate) fn check_out<T>(out: *mut T, what: &str) -> Result<(), Failure> {
 }
 
 /// Checks an optional out-pointer (null is allowed) before anything is mutated.
+#[inline]
 pub(crate) fn check_optional_out<T>(out: *mut T, what: &str) -> Result<(), Failure> {
     if out.is_null() { Ok(()) } else { check_out(out, what) }
 }
@@ -189,6 +191,7 @@ pub(crate) fn check_optional_out<T>(out: *mut T, what: &str) -> Result<(), Failu
 ///
 /// # Safety
 /// `out` was accepted by [`check_out`] and points to writable memory for a `T`.
+#[inline]
 pub(crate) unsafe fn write<T>(out: *mut T, value: T) {
     // SAFETY: non-null and aligned (checked), writable (the caller's contract).
     unsafe { out.write(value) };
@@ -198,6 +201,7 @@ pub(crate) unsafe fn write<T>(out: *mut T, value: T) {
 ///
 /// # Safety
 /// `out` is null or was accepted by [`check_out`] and points to writable memory for a `T`.
+#[inline]
 pub(crate) unsafe fn write_optional<T>(out: *mut T, value: T) {
     if !out.is_null() {
         // SAFETY: non-null, checked and writable (the caller's contract).
@@ -232,6 +236,7 @@ pub(crate) unsafe fn text_or<'a>(value: *const c_char, what: &str, default: &'a 
     }
 }
 
+#[inline]
 pub(crate) fn device_key(device: MpDevice) -> Result<DeviceKey, Failure> {
     match device.tier {
         MP_TIER_DEVICE => Ok(DeviceKey::device(device.index)),
@@ -244,6 +249,7 @@ pub(crate) fn device_key(device: MpDevice) -> Result<DeviceKey, Failure> {
     }
 }
 
+#[inline]
 pub(crate) fn role(code: u32) -> Result<MemoryRole, Failure> {
     MemoryRole::ALL.get(code as usize).copied().ok_or_else(|| {
         Failure::new(MC_ERR_INVALID_ARGUMENT, format!("role {code} is unknown; use MP_ROLE_WEIGHTS .. MP_ROLE_OTHER"))
@@ -251,6 +257,7 @@ pub(crate) fn role(code: u32) -> Result<MemoryRole, Failure> {
 }
 
 /// A byte count or offset from C as a host `usize`.
+#[inline]
 pub(crate) fn host_size(value: u64, what: &str) -> Result<usize, Failure> {
     usize::try_from(value)
         .map_err(|_| Failure::new(MC_ERR_INVALID_ARGUMENT, format!("{what} {value} does not fit this host's usize")))
