@@ -187,6 +187,19 @@ pub fn two_sessions_share_one_allocator(env: &OrtEnvironment, model: &std::path:
     assert_eq!(per_session.iter().map(|s| s.in_use).sum::<u64>(), all.in_use, "{mode:?}");
     assert_eq!(all.in_use, weights, "{mode:?}: what ONNX Runtime holds is what is booked");
     assert_ne!(sessions[0].serial(), sessions[1].serial());
+
+    // A refusal belongs to the run it stopped: the other session's figures and runs are
+    // untouched.
+    tenant.governor.set_quota(tenant.authority, weights + 64 * 1024).unwrap();
+    let (h, w) = sizes[0];
+    let err = detect_text(&mut sessions[0], ocr_image(9, h, w), h, w).unwrap_err();
+    assert!(matches!(err, OrtAdapterError::Refused { action: "run", .. }), "{mode:?}: {err}");
+    assert!(sessions[0].stats().refusals > 0, "{mode:?}");
+    assert_eq!(sessions[1].stats().refusals, 0, "{mode:?}: the other session was not refused");
+    tenant.governor.set_quota(tenant.authority, 512 * MIB).unwrap();
+    let (h, w) = sizes[1];
+    assert_eq!(detect_text(&mut sessions[1], ocr_image(1, h, w), h, w).unwrap().1, expected[1], "{mode:?}");
+    assert_eq!(tenant.charged_total(), weights, "{mode:?}");
     drop(sessions);
     assert_eq!(tenant.charged_total(), 0, "{mode:?}");
     assert_eq!(tenant.registry_live(), (0, 0), "{mode:?}");
