@@ -14,7 +14,7 @@
 #   CARGO_TARGET_DIR as usual; Miri builds under <target>/miri
 #
 # Flags. -Zmiri-strict-provenance cannot be used: by design, addresses are integers
-# (`DeviceAddress`, DESIGN.md section 3) and host backends turn them back into
+# (`DeviceAddress`, see memory-api) and host backends turn them back into
 # pointers with `std::ptr::with_exposed_provenance_mut` (memory-api's
 # `DeviceAddress::as_host_ptr`, allocator-cpu's SystemAllocator and its tests), which
 # strict provenance rejects as unsupported. -Zmiri-permissive-provenance accepts

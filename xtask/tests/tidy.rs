@@ -1,4 +1,4 @@
-//! Architecture tidy: the layering rules of DESIGN.md section 2 (written down in
+//! Architecture tidy: the layering rules of the workspace (written down in
 //! docs/ARCHITECTURE.md as "Architecture Invariant:" lines), checked as ordinary tests
 //! against `cargo metadata --format-version 1 --no-deps` and the manifests' text.
 //!
@@ -440,7 +440,7 @@ fn synthetic_package(name: &str, deps: &[Dep]) -> Value {
     })
 }
 
-/// A workspace laid out as DESIGN.md section 2 says, plus `extra` edges of `from`.
+/// A workspace laid out as docs/ARCHITECTURE.md says, plus `extra` edges of `from`.
 fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
     let mut layout: Vec<(&str, Vec<Dep>)> = vec![
         ("memory-api", vec![("thiserror", None)]),

@@ -610,7 +610,7 @@ fn refused_capability_calls_make_no_allocator_call_at_all() {
         let (reason, back) = caller.call(entry, block);
         block = back;
         assert!(matches!(reason, HandleError::BindingMismatch { .. }), "{entry:?}: {reason}");
-        // DESIGN.md section 4: a cross-binding handle is rejected before the
+        // docs/LIFECYCLE.md: a cross-binding handle is rejected before the
         // allocator or a capability is called, capability discovery included.
         assert_eq!(other_allocator.counts(), before, "{entry:?} called the other allocator before rejecting");
     }

@@ -1,4 +1,4 @@
-//! A plain, sequential reference model of the `BindingRegistry` (DESIGN.md section 4,
+//! A plain, sequential reference model of the `BindingRegistry` (docs/ARCHITECTURE.md,
 //! docs/LIFECYCLE.md): the executable specification that the property test
 //! (`crates/memory-binding/tests/model.rs`) and the fuzz harness (`fuzz/src/lib.rs`)
 //! both run beside the real registry.
