@@ -49,13 +49,13 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, Once, PoisonError};
 
+use allocator_cpu::HostReleaseQueue;
 use arbitrary::Arbitrary;
 use memory_api::ReleaseSummary;
 use memory_api::{
     AllocError, AllocationIdentity, AllocationRequest, AllocatorStats, AuthorityIdentity, DeferredReleaseQueue,
-    DeviceAllocator, DeviceKey, IdentityIssuer, MaybeBytes, MechanismIdentity, PreparedRelease,
-    ProviderContextIdentity, QueueRefusal, QueueRefusalReason, RawAllocation, ReleaseOutcome, SharedMapping,
-    VirtualBacking,
+    DeviceAllocator, DeviceKey, IdentityIssuer, MaybeBytes, MechanismIdentity, ProviderContextIdentity,
+    QueueRefusalReason, RawAllocation, ReleaseOutcome, SharedMapping, VirtualBacking,
 };
 use memory_binding::{
     AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, ContextState, DropPolicy, HandleError,
@@ -496,47 +496,19 @@ impl fmt::Debug for Ledger {
 // The deferred-release queue
 // ---------------------------------------------------------------------------------
 
-/// A bounded queue that holds prepared releases until an operation runs or abandons them.
-struct HeldQueue {
-    device: DeviceKey,
-    capacity: usize,
-    held: Mutex<Vec<PreparedRelease>>,
+/// The bounded queue that holds prepared releases until an operation runs or abandons
+/// them: the C API's own (`allocator_cpu::HostReleaseQueue`), so the fuzzer drives the
+/// queue C callers get.
+type HeldQueue = HostReleaseQueue;
+
+/// Whether `queue` holds the release of `identity`.
+fn holds(queue: &HeldQueue, identity: &AllocationIdentity) -> bool {
+    queue.count_where(|release| release.identity() == identity) != 0
 }
 
-impl DeferredReleaseQueue for HeldQueue {
-    fn device(&self) -> DeviceKey {
-        self.device
-    }
-
-    fn enqueue(&self, release: PreparedRelease) -> Result<(), QueueRefusal> {
-        if release.device() != self.device {
-            let reason = QueueRefusalReason::WrongDevice { queue: self.device, release: release.device() };
-            return Err(QueueRefusal { release, reason });
-        }
-        let mut held = lock(&self.held);
-        if held.len() >= self.capacity {
-            return Err(QueueRefusal { release, reason: QueueRefusalReason::Full { capacity: self.capacity } });
-        }
-        held.push(release);
-        Ok(())
-    }
-}
-
-impl HeldQueue {
-    /// Takes up to `count` releases, oldest first (the lock is released before they run).
-    fn take(&self, count: usize) -> Vec<PreparedRelease> {
-        let mut held = lock(&self.held);
-        let n = count.min(held.len());
-        held.drain(..n).collect()
-    }
-
-    fn contains(&self, identity: &AllocationIdentity) -> bool {
-        lock(&self.held).iter().any(|r| r.identity() == identity)
-    }
-
-    fn count_for(&self, mechanism: &MechanismIdentity) -> usize {
-        lock(&self.held).iter().filter(|r| r.identity().binding().mechanism() == *mechanism).count()
-    }
+/// How many releases of `mechanism` `queue` holds.
+fn count_for(queue: &HeldQueue, mechanism: &MechanismIdentity) -> usize {
+    queue.count_where(|release| release.identity().binding().mechanism() == *mechanism)
 }
 
 // ---------------------------------------------------------------------------------
@@ -805,7 +777,7 @@ impl World {
             None => BindingRegistry::new(),
         };
         let capacity = usize::from(input.queue_capacity % 4);
-        let queue = |dev: Dev| Arc::new(HeldQueue { device: dev.key(), capacity, held: Mutex::new(Vec::new()) });
+        let queue = |dev: Dev| Arc::new(HeldQueue::new(dev.key(), capacity));
         World {
             limited: input.serial_limit.is_some(),
             registry,
@@ -832,11 +804,11 @@ impl World {
     }
 
     fn queued_for(&self, mechanism: &MechanismIdentity) -> usize {
-        self.queues.iter().map(|q| q.count_for(mechanism)).sum()
+        self.queues.iter().map(|q| count_for(q, mechanism)).sum()
     }
 
     fn queued(&self, identity: &AllocationIdentity) -> bool {
-        self.queues.iter().any(|q| q.contains(identity))
+        self.queues.iter().any(|q| holds(q, identity))
     }
 
     fn held(&self) -> Vec<usize> {
@@ -1287,7 +1259,7 @@ impl World {
         let actual = match b.release_deferred(handle, &*held) {
             Ok(()) => {
                 let i = index.expect("only our handles can be deferred");
-                assert!(held.contains(&self.allocs[i].identity), "the queue does not hold the deferred release");
+                assert!(holds(&held, &self.allocs[i].identity), "the queue does not hold the deferred release");
                 Out::Deferred
             }
             Err(rejected) => self.rejected(rejected, index),
@@ -1513,7 +1485,7 @@ impl World {
             assert_eq!(mech.ledger.faulty().pending(), self.model.mechanisms[m].pending_faults(), "pending faults");
         }
         for (q, queue) in self.queues.iter().enumerate() {
-            let held: Vec<_> = lock(&queue.held).iter().map(|r| *r.identity()).collect();
+            let held = queue.identities();
             let expected: Vec<_> = self.model.queues[q].iter().map(|&i| self.allocs[i].identity).collect();
             assert_eq!(held, expected, "queue {q} holds other releases than the model");
         }
@@ -1607,7 +1579,7 @@ impl World {
             self.step(Op::DropAllocation(0));
         }
         for dev in Dev::ALL {
-            while !lock(&self.queues[dev.index()].held).is_empty() {
+            while !self.queues[dev.index()].is_empty() {
                 self.step(Op::RunQueued { queue: dev, count: 3 });
             }
         }

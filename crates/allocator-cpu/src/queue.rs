@@ -4,7 +4,10 @@
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use memory_api::{DeferredReleaseQueue, DeviceKey, PreparedRelease, QueueRefusal, QueueRefusalReason, ReleaseSummary};
+use memory_api::{
+    AllocationIdentity, DeferredReleaseQueue, DeviceKey, PreparedRelease, QueueRefusal, QueueRefusalReason,
+    ReleaseSummary,
+};
 
 /// A bounded [`DeferredReleaseQueue`] for one device that holds prepared releases until
 /// its owner runs them ([`HostReleaseQueue::run_all`], after it has synchronised the
@@ -56,6 +59,11 @@ impl HostReleaseQueue {
         let mut pending = self.pending();
         let n = count.min(pending.len());
         pending.drain(..n).collect()
+    }
+
+    /// The allocations whose releases it holds, oldest first.
+    pub fn identities(&self) -> Vec<AllocationIdentity> {
+        self.pending().iter().map(|release| *release.identity()).collect()
     }
 
     /// How many held releases `matches` accepts (for example those of one mechanism).
