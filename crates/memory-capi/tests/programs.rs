@@ -140,15 +140,34 @@ fn the_cpp_program_has_no_memory_errors_or_leaks_under_valgrind() {
     valgrind(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp"));
 }
 
-/// Every allocator kind the C API registers without a GPU or a plugin library (and a C
-/// vtable with virtual backing, so the capability calls reach a vtable's slots).
-const KINDS: &[&str] = &["system", "pooled", "virtual", "shared", "vtable", "vtable-virtual"];
+/// Every allocator kind the C API registers without a GPU (and a C vtable with virtual
+/// backing, so the capability calls reach a vtable's slots), and memory-plugin's example
+/// plugin as a shared library (`plugin:PATH`).
+fn kinds() -> &'static [String] {
+    static KINDS: OnceLock<Vec<String>> = OnceLock::new();
+    KINDS.get_or_init(|| {
+        let plugin = NativeBuild::new(Language::C("c11"))
+            .source(manifest().join("../memory-plugin/tests/c/example_plugin.c"))
+            .include(manifest().join("../../include"))
+            .arg("-lpthread")
+            .shared_library(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin"), "libexample_plugin.so");
+        ["system", "pooled", "virtual", "shared", "vtable", "vtable-virtual"]
+            .iter()
+            .map(|kind| (*kind).to_owned())
+            .chain(std::iter::once(format!("plugin:{}", plugin.display())))
+            .collect()
+    })
+}
+
+fn kind_args() -> Vec<&'static str> {
+    kinds().iter().map(String::as_str).collect()
+}
 
 #[test]
 fn every_allocator_kind_is_usable_from_c_committed_or_mapped_where_it_reserves() {
     let program = build(Language::C("c11"), "tests/c/kinds.c", "kinds-c");
-    let stdout = run_with(&program, KINDS);
-    for kind in KINDS {
+    let stdout = run_with(&program, &kind_args());
+    for kind in kinds() {
         assert!(stdout.contains(&format!("c kinds {kind}:")), "{kind} did not run:\n{stdout}");
     }
     assert!(stdout.contains("c kinds:") && stdout.contains("checks passed"), "{stdout}");
@@ -156,7 +175,7 @@ fn every_allocator_kind_is_usable_from_c_committed_or_mapped_where_it_reserves()
 
 #[test]
 fn every_allocator_kind_has_no_memory_errors_or_leaks_under_valgrind() {
-    valgrind_with(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c"), KINDS);
+    valgrind_with(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c"), &kind_args());
 }
 
 #[test]
@@ -201,7 +220,7 @@ fn the_c_and_cpp_programs_are_clean_under_address_and_undefined_behaviour_saniti
         assert!(program.exists(), "no sanitizer build of {source}; install gcc's libasan and libubsan");
         program
     };
-    sanitized(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c-asan"), KINDS);
+    sanitized(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c-asan"), &kind_args());
     sanitized(&build(Language::C("c11"), "tests/c/contract.c", "contract-c-asan"), &[]);
     sanitized(&build(Language::C("c11"), "tests/c/smoke.c", "smoke-c-asan"), &[]);
     sanitized(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp-asan"), &[]);

@@ -1,5 +1,6 @@
 /* Allocator kinds end to end, from C11, as a C programmer uses them (each argument:
- * system, pooled, virtual, shared, vtable or vtable-virtual, run in turn in one process): register it governed, bind, allocate, make the
+ * system, pooled, virtual, shared, vtable, vtable-virtual or plugin:PATH (a plugin
+ * library, claiming only deferred release), run in turn in one process): register it governed, bind, allocate, make the
  * memory usable the way the kind needs (nothing; commit; map a backing), write and read
  * it, release now and through a queue, tear everything down. Run under valgrind for
  * every kind by tests/programs.rs (issue 23, items 1 and 2). */
@@ -122,8 +123,16 @@ static MpStatus vv_committed(void *instance, const MpBlock *block, uint64_t *byt
     return MP_OK;
 }
 
+static McPluginLibrary *library;
+
 static McStatus register_kind(const char *kind, McRegistry *registry, McGovernor *governor, McContext *context,
                               McAuthority *tenant, MpAllocator *table, McMechanism **out) {
+    if (strncmp(kind, "plugin:", 7) == 0) {
+        OK(mc_plugin_load(kind + 7, &library));
+        /* On this program's device, claiming deferred release only (its other
+         * capabilities are bookkeeping over plain memory, which kinds.c cannot read back). */
+        return mc_register_plugin(registry, governor, context, tenant, library, "index=2 claim=4 name=c-kinds", out);
+    }
     if (strcmp(kind, "system") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_SYSTEM, out);
     if (strcmp(kind, "pooled") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_POOLED, out);
     if (strcmp(kind, "virtual") == 0) return mc_register_cpu_allocator(registry, governor, context, tenant, MC_CPU_VIRTUAL, out);
@@ -140,7 +149,8 @@ static McStatus register_kind(const char *kind, McRegistry *registry, McGovernor
         table->committed_bytes = vv_committed;
         return mc_register_vtable(registry, governor, context, tenant, table, out);
     }
-    fprintf(stderr, "unknown kind %s; use system, pooled, virtual, shared, vtable or vtable-virtual\n", kind);
+    fprintf(stderr, "unknown kind %s; use system, pooled, virtual, shared, vtable, vtable-virtual or plugin:PATH\n",
+            kind);
     exit(2);
 }
 
@@ -155,7 +165,7 @@ static void write_and_read(uint64_t address, uint64_t bytes, unsigned char patte
 static void run_kind(const char *kind) {
     int before = checks;
     destroyed = vtable_live = vtable_destroyed = 0;
-    int is_vtable = strncmp(kind, "vtable", 6) == 0;
+    int is_vtable = strncmp(kind, "vtable", 6) == 0, is_plugin = strncmp(kind, "plugin:", 7) == 0;
     int is_virtual = strcmp(kind, "virtual") == 0 || strcmp(kind, "vtable-virtual") == 0, is_shared = strcmp(kind, "shared") == 0;
     int context_user = 1, tenant_user = 10;
 
@@ -283,9 +293,16 @@ static void run_kind(const char *kind) {
     if (b == NULL) OK(mc_allocate(binding, bytes, 64, MP_ROLE_WORKSPACE, &b));
     McQueue *queue = NULL;
     size_t ran = 0;
-    OK(mc_queue_create(HOST, 2, &queue));
-    OK(mc_release_deferred(binding, b, queue));
-    OK(mc_queue_poll(queue, &ran));
+    if (is_plugin) {
+        /* The plugin's own queue: ready once the plugin reports the ticket done. */
+        OK(mc_plugin_queue_create(mechanism, 2, &queue));
+        OK(mc_release_deferred(binding, b, queue));
+        for (int polls = 0; polls < 4 && ran == 0; polls++) OK(mc_queue_poll(queue, &ran));
+    } else {
+        OK(mc_queue_create(HOST, 2, &queue));
+        OK(mc_release_deferred(binding, b, queue));
+        OK(mc_queue_poll(queue, &ran));
+    }
     TRUE(ran == 1);
     OK(mc_queue_destroy(queue));
 
@@ -299,6 +316,15 @@ static void run_kind(const char *kind) {
     OK(mc_governor_destroy(governor));
     TRUE(destroyed == 11);
     if (is_vtable) TRUE(vtable_live == 0 && vtable_destroyed == 1);
+    if (is_plugin) {
+        /* Nothing made through the library lives on either side: it unloads. */
+        McPluginTallies tallies;
+        OK(mc_plugin_tally(library, &tallies));
+        TRUE(tallies.host_instances == 0 && tallies.host_allocations == 0);
+        OK(mc_plugin_unload(library));
+        EXPECT(mc_plugin_unload(library), MC_ERR_STALE_HANDLE);
+        library = NULL;
+    }
     printf("c kinds %s: %d checks passed\n", kind, checks - before);
 }
 
