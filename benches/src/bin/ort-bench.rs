@@ -552,6 +552,27 @@ fn trace(args: &[String]) -> Result<(), String> {
             proc_status_kib("VmHWM:").unwrap_or(0) as f64 / 1024.0,
         );
     }
+    for (what, log) in [("pool", &bench.handles.above), ("system", &bench.handles.below)] {
+        let Some(log) = log else { continue };
+        let log = log.lock().map(|l| l.clone()).unwrap_or_default();
+        let buckets: [(usize, &str); 5] = [
+            (64 << 10, "< 64 KiB"),
+            (1 << 20, "< 1 MiB"),
+            (4 << 20, "< 4 MiB"),
+            (16 << 20, "< 16 MiB"),
+            (usize::MAX, ">= 16 MiB"),
+        ];
+        let counts: Vec<String> = buckets
+            .iter()
+            .enumerate()
+            .map(|(i, (below, label))| {
+                let above = if i == 0 { 0 } else { buckets[i - 1].0 };
+                let sizes: Vec<usize> = log.iter().copied().filter(|b| *b >= above && *b < *below).collect();
+                format!("{label}: {} ({:.1} MiB)", sizes.len(), mib(sizes.iter().sum()))
+            })
+            .collect();
+        println!("# requests that reached the {what}, by size: {}", counts.join(", "));
+    }
     if let Some(pool) = &bench.handles.pool {
         println!("# the pool at the end: {:?}", pool.pool_stats());
     }
