@@ -120,7 +120,7 @@ fn every_public_item_resolves_through_the_governor() {
     same_types!(binding => memory_binding:
         BindingRegistry, InvalidationReport, MechanismOptions, DropPolicy, Resource, MechanismState,
         AllocationView<'static>, BoundAllocation, MemoryBinding,
-        BoundSharedMapping, BoundVirtualBacking,
+        BoundSharedMapping, BoundVirtualBacking, CallerHold,
         AllocationState, AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot,
         RetryReport, TerminationReport,
         AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError,
