@@ -190,7 +190,14 @@ impl OrtEnvironment {
             Ok(session) => {
                 let run_options = RunOptions::new().map_err(|err| runtime("create the session's run options", &err))?;
                 tracing::info!(binding = %allocator.binding().identity(), serial, "governed ort session committed");
-                Ok(GovernedSession { session, run_options, allocator: allocator.clone(), core, serial })
+                Ok(GovernedSession {
+                    session,
+                    run_options,
+                    allocator: allocator.clone(),
+                    core,
+                    serial,
+                    shapes: SeenShapes::default(),
+                })
             }
             Err(err) => Err(explain(refusal, "create the session", &err.to_string())),
         }
@@ -238,6 +245,46 @@ pub struct GovernedSession {
     allocator: GovernedOrtAllocator,
     core: Arc<Core>,
     serial: u64,
+    shapes: SeenShapes,
+}
+
+/// The input shapes a session has run (hashed), so its allocator's cache is trimmed
+/// after the first run of each (see [`OrtAllocatorConfig::trim_on_new_shapes`](crate::OrtAllocatorConfig::trim_on_new_shapes)).
+/// Bounded: past [`SeenShapes::CAPACITY`] keys it starts over.
+#[derive(Default)]
+struct SeenShapes(std::collections::HashSet<u64>);
+
+impl SeenShapes {
+    const CAPACITY: usize = 256;
+
+    /// The key of `inputs`' element types and dimensions, `None` for inputs that are not
+    /// all tensors.
+    fn key<const N: usize>(inputs: &SessionInputs<'_, '_, N>) -> Option<u64> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        let mut hash = |value: &ort::value::Value| match value.dtype() {
+            ort::value::ValueType::Tensor { ty, shape, .. } => {
+                (*ty as u32).hash(&mut hasher);
+                (**shape).hash(&mut hasher);
+                Some(())
+            }
+            _ => None,
+        };
+        match inputs {
+            SessionInputs::ValueMap(values) => values.iter().try_for_each(|(_, value)| hash(value))?,
+            SessionInputs::ValueSlice(values) => values.iter().try_for_each(|value| hash(value))?,
+            SessionInputs::ValueArray(values) => values.iter().try_for_each(|value| hash(value))?,
+        }
+        Some(hasher.finish())
+    }
+
+    /// Whether `key` is new (and remembers it).
+    fn first_run(&mut self, key: u64) -> bool {
+        if self.0.len() >= SeenShapes::CAPACITY && !self.0.contains(&key) {
+            self.0.clear();
+        }
+        self.0.insert(key)
+    }
 }
 
 impl std::fmt::Debug for GovernedSession {
@@ -304,10 +351,14 @@ impl GovernedSession {
         inputs: impl Into<SessionInputs<'i, 'v, N>>,
     ) -> Result<SessionOutputs<'s>, OrtAdapterError> {
         self.run_options.unterminate().map_err(|err| runtime("reset the run options", &err))?;
+        let inputs = inputs.into();
+        let new_shape = self.new_shape(&inputs);
         let stop = StopFlag::of(self.run_options.ptr());
         let phase = RunPhase::begin(&self.core, stop);
         let result = self.session.run_with_options(inputs, &self.run_options);
-        finish(phase.end(), result)
+        let refusal = phase.end();
+        trim_after(&self.core, self.serial, new_shape);
+        finish(refusal, result)
     }
 
     /// Runs the session with the caller's run options (a run tag, a log level, an
@@ -325,9 +376,20 @@ impl GovernedSession {
         inputs: impl Into<SessionInputs<'i, 'v, N>>,
         options: &'r RunOptions<O>,
     ) -> Result<SessionOutputs<'r>, OrtAdapterError> {
+        let inputs = inputs.into();
+        let new_shape = self.new_shape(&inputs);
         let phase = RunPhase::begin(&self.core, StopFlag::of(options.ptr()));
         let result = self.session.run_with_options(inputs, options);
-        finish(phase.end(), result)
+        let refusal = phase.end();
+        trim_after(&self.core, self.serial, new_shape);
+        finish(refusal, result)
+    }
+
+    /// Whether `inputs` are of shapes this session has not run yet (when the allocator
+    /// trims after new shapes).
+    fn new_shape<const N: usize>(&mut self, inputs: &SessionInputs<'_, '_, N>) -> bool {
+        self.allocator.config().trims_new_shapes()
+            && SeenShapes::key(inputs).is_some_and(|key| self.shapes.first_run(key))
     }
 
     /// An I/O binding for this session: bind inputs and outputs ahead of the run
@@ -396,6 +458,15 @@ impl GovernedSession {
     /// The process-unique serial of the session (in logs and the caller hold's name).
     pub fn serial(&self) -> u64 {
         self.serial
+    }
+}
+
+/// After the first run of new shapes: returns what the allocator caches of the buffers
+/// ONNX Runtime will not ask for again.
+fn trim_after(core: &Core, serial: u64, new_shape: bool) {
+    if new_shape {
+        let returned = core.blocks.trim();
+        tracing::debug!(serial, returned, "first run of new input shapes: allocator cache trimmed");
     }
 }
 

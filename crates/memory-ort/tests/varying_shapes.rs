@@ -127,3 +127,43 @@ fn the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_re
     drop(session);
     assert_books_are_empty(&tenant, &allocator);
 }
+
+#[test]
+fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its_planned_block() {
+    let name = "the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its_planned_block";
+    let Some((env, assets)) = common::ort(name) else { return };
+    let widths = [80, 320, 800, 160];
+    let mut cached = Vec::new();
+    let mut outputs = Vec::new();
+    for trim in [true, false] {
+        let pool = std::sync::Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::new()));
+        let inner: std::sync::Arc<dyn memory_governor::DeviceAllocator> = pool.clone();
+        let tenant = Tenant::new("trim", 512 * MIB, Backing::Custom(inner));
+        let binding = tenant.registry.bind_registered(&tenant.mechanism).unwrap();
+        let config = memory_ort::OrtAllocatorConfig::default().trim_on_new_shapes(trim);
+        let allocator =
+            memory_ort::GovernedOrtAllocator::cpu(env, binding, Some(tenant.account.clone()), config).unwrap();
+        let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_rec).unwrap();
+        let mut values = Vec::new();
+        for (seed, width) in widths.into_iter().enumerate() {
+            values.push(recognize_text(&mut session, ocr_lines(seed as u64, 1, width), 1, width).unwrap().1);
+        }
+        let after_sweep = pool.pool_stats().cached_bytes;
+        // A shape seen before: no trim, its planned block comes from the cache.
+        recognize_text(&mut session, ocr_lines(9, 1, 160), 1, 160).unwrap();
+        let before = pool.pool_stats();
+        recognize_text(&mut session, ocr_lines(9, 1, 160), 1, 160).unwrap();
+        let after = pool.pool_stats();
+        assert_eq!(after.trims, before.trims, "trim {trim}: a repeated shape does not trim");
+        assert_eq!(after.misses, before.misses, "trim {trim}: a repeated shape is served from the cache: {after:?}");
+        cached.push(after_sweep);
+        outputs.push(values);
+    }
+    assert_eq!(outputs[0], outputs[1], "trimming changes no output");
+    assert!(
+        cached[0] * 2 < cached[1],
+        "after a sweep the trimming pool caches far less: {} vs {} bytes",
+        cached[0],
+        cached[1]
+    );
+}
