@@ -96,9 +96,10 @@ impl OrtAllocatorConfig {
     /// are untouched.
     ///
     /// Measured with `cargo xtask bench --ort` (peak RSS against ONNX Runtime's arena,
-    /// governed pool): PP-OCRv4 recognition over a width sweep 1.64x without, 1.15x
-    /// with; detection over a size sweep 1.43x / 0.85x; the direction classifier over
-    /// batch sizes 1.39x / 1.10x; detection at one size 0.95x / 0.67x.
+    /// governed pool, without / with): PP-OCRv4 recognition over a width sweep 1.64x /
+    /// 1.16x; detection over a size sweep 1.43x / 0.87x; the direction classifier over
+    /// batch sizes 1.39x / 1.10x; detection at one size 0.95x / 0.69x. What remains above
+    /// the arena is the pool's own policy (exact-size segments that do not merge).
     #[must_use]
     pub fn trim_on_new_shapes(mut self, enabled: bool) -> OrtAllocatorConfig {
         self.trim_new_shapes = enabled;
