@@ -684,7 +684,7 @@ impl DeviceAllocator for PluginAllocator {
             let error = release_error(shared, &allocation, MP_ERR_UNSUPPORTED);
             return keep(shared, taken, allocation, |raw| ReleaseOutcome::failed(raw, error));
         };
-        let record = taken.block();
+        let record = taken.value();
         let mut out = MpReleaseOutcome::default();
         // SAFETY: `release` was checked non-null at negotiation; `record` is the copy the
         // plugin wrote when it issued the block (taken from our records by this release
@@ -767,7 +767,7 @@ impl DeviceAllocator for PluginAllocator {
                 tracing::warn!(plugin = %shared.name, ?block, "forget_lost: not a block of this plugin instance");
                 continue;
             };
-            let record = *taken.block();
+            let record = *taken.value();
             // The host forgets the block whatever the plugin answers.
             taken.free();
             if let Some(forget) = shared.table.forget_lost {

@@ -19,15 +19,22 @@
 //! - [`per_thread`] keeps one value per thread and per object ([`per_thread::PerThread`]),
 //!   indexed by a small thread index that is recycled only once its thread can no longer
 //!   ask for it, so "is the calling thread this value's owner?" is one load and a
-//!   compare. The registry's pins and anchors and the plugin loader's block records are
-//!   owner-local through it, with [`owner_slots::OwnerSlots`]: slot numbers that the
-//!   owner hands out with no read-modify-write and that any thread gives back.
+//!   compare. The registry's pins and anchors are owner-local through it, with
+//!   [`owner_slots::OwnerSlots`]: slot numbers that the owner hands out with no
+//!   read-modify-write and that any thread gives back.
+//! - [`records`] is the record table built on both: per-block records inserted by the
+//!   owner thread with plain stores, taken from any thread with one compare-and-swap,
+//!   restored under the same tag or freed, named by tags (owner, slot, generation) that
+//!   a forged or stale tag cannot match. The plugin loader and the governed allocator
+//!   keep their block records in it.
 //! - [`CachePadded`] keeps per-thread slots on lines of their own; [`lock()`], [`read()`]
 //!   and [`write()`] recover a poisoned lock (the crates never run a callback under a
 //!   lock, so a panic cannot leave a half-updated value behind one).
 //!
 //! # Correctness
 //! - No `unsafe` code (`#![forbid(unsafe_code)]`).
+//! - The owner slots' give-back and the record table's take, restore, rewrite and reuse
+//!   are checked by loom models (`src/loom_records.rs`, and in `src/owner_slots.rs`).
 //! - The barrier pair's guarantee in fence mode is the textbook store-buffering fix,
 //!   checked by a loom model in this crate (`cargo xtask loom`), together with a model
 //!   that shows loom finds the missed store when the barriers are left out. The
@@ -63,6 +70,7 @@ mod lock;
 pub mod owner_slots;
 pub mod per_thread;
 pub mod primitives;
+pub mod records;
 mod thread_local;
 
 // The public interface.
@@ -77,3 +85,5 @@ pub use loom as __loom;
 
 #[cfg(all(test, memory_loom))]
 mod loom_barrier;
+#[cfg(all(test, memory_loom))]
+mod loom_records;
