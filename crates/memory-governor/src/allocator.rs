@@ -23,40 +23,38 @@
 //! [`RawAllocation::new`] is public and safe, so a block's `provider_tag` is a claim,
 //! not a proof. Every block the governed allocator hands out has a *record*: the inner
 //! allocator's block (address, size, alignment, device, its own tag), the role, the
-//! bytes still charged, and whether it is quarantined or being released. The governed
-//! block's tag only names its record (shard, slot, generation). Release, capability
-//! calls and `forget_lost` look the record up and refuse a block whose tag names no
-//! record, or a record of another block, as the `DeviceAllocator` contract says
-//! ([`ReleaseError::NotOwned`], [`CapabilityError::NotOwned`]; nothing is refunded and
-//! the inner allocator is not called). A record being released cannot be released
-//! again concurrently, so one block is refunded at most once.
+//! bytes still charged, and whether it is quarantined. The governed block's tag only
+//! names its record. Release, capability calls and `forget_lost` look the record up
+//! and refuse a block whose tag names no live record, or a record of another block, as
+//! the `DeviceAllocator` contract says ([`ReleaseError::NotOwned`],
+//! [`CapabilityError::NotOwned`]; nothing is refunded and the inner allocator is not
+//! called). A record being released cannot be released again concurrently, so one
+//! block is refunded at most once.
 //!
-//! Records live in 64 shards, one per thread (more threads share them), each behind a
-//! leaf spin lock on its own cache line: allocations on different threads write
-//! different lines, and a release on another thread locks the allocating thread's shard
-//! for a few instructions. No lock is held across an inner-allocator call.
+//! The records live in `memory_sync`'s record table, as every layer's do: the thread
+//! that allocates records the block in its own part with plain stores; a release from
+//! any thread takes the record with one compare-and-swap (the record is then *in
+//! transit*: a second release, a capability call or `forget_lost` of the block is
+//! refused), and settles it after the inner allocator answered: freed on a complete
+//! release, restored under the same tag with what is still charged on a quarantine or
+//! a failure. No lock, and none held across an inner-allocator call. The tag is the
+//! table's (owner thread 16 bits, slot 24, generation 24): a thread holds at most
+//! 2^24 - 32 governed blocks live at once, past which an allocation is refused with a
+//! `governor`/`record` backend error (the block given back, the charge cancelled).
 
 use std::fmt;
 
 use memory_api::{
     AllocError, AllocationRequest, AllocatorStats, BackendError, ByteRange, CapabilityError, DeviceAddress,
     DeviceAllocator, DeviceKey, MappingAccess, MemoryRole, RawAllocation, ReleaseError, ReleaseOutcome, SharedBacking,
-    SharedMapping, SharedPlacement, VirtualBacking,
+    SharedMapping, SharedPlacement, Tier, VirtualBacking,
 };
-use slab::Slab;
+use memory_sync::records::{Payload, RecordTable, TakenRecord};
 
 use crate::error::{AdmissionError, GovernError, GovernFailure};
 use crate::governor::Account;
-use crate::sync::{Arc, CachePadded, LeafMutex, Ordering, lock_leaf, thread_number};
+use crate::sync::{Arc, AtomicU64, Ordering};
 use crate::timeline::TimelineEventKind;
-
-/// Record shards per governed allocator (threads beyond this share shards).
-const SHARDS: usize = 1 << SHARD_BITS;
-const SHARD_BITS: u32 = 6;
-const SLOT_BITS: u32 = 30;
-const GENERATION_BITS: u32 = 64 - SHARD_BITS - SLOT_BITS;
-const GENERATION: u64 = (1 << GENERATION_BITS) - 1;
-const SLOT: u64 = (1 << SLOT_BITS) - 1;
 
 /// Whether `error` is a governor refusal (a quota, limit or reserve), as returned
 /// through the `DeviceAllocator` interface by a [`GovernedAllocator`].
@@ -64,32 +62,8 @@ pub fn is_governor_refusal(error: &AllocError) -> bool {
     matches!(error, AllocError::AdmissionRefused { .. })
 }
 
-/// What a governed block's tag names: a record's shard, slot and generation.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Key {
-    shard: usize,
-    slot: usize,
-    generation: u64,
-}
-
-impl Key {
-    fn decode(tag: u64) -> Key {
-        Key {
-            shard: (tag >> (SLOT_BITS + GENERATION_BITS)) as usize,
-            slot: ((tag >> GENERATION_BITS) & SLOT) as usize,
-            generation: tag & GENERATION,
-        }
-    }
-
-    fn encode(self) -> u64 {
-        ((self.shard as u64) << (SLOT_BITS + GENERATION_BITS))
-            | ((self.slot as u64) << GENERATION_BITS)
-            | self.generation
-    }
-}
-
 /// The inner allocator's block, as it returned it.
-#[derive(Copy, Clone, Debug)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct Block {
     address: DeviceAddress,
     bytes: usize,
@@ -110,6 +84,7 @@ impl Block {
     }
 
     /// Whether `raw` describes this block (address, size, alignment, device).
+    #[inline]
     fn is(&self, raw: &RawAllocation) -> bool {
         raw.address() == self.address
             && raw.bytes() == self.bytes
@@ -122,150 +97,164 @@ impl Block {
         RawAllocation::new(self.address, self.bytes, self.align, self.device, self.tag)
     }
 
-    /// The block as the governed allocator hands it out.
-    fn governed(&self, key: Key) -> RawAllocation {
-        RawAllocation::new(self.address, self.bytes, self.align, self.device, key.encode())
+    /// The block as the governed allocator hands it out, named by `tag`.
+    fn governed(&self, tag: u64) -> RawAllocation {
+        RawAllocation::new(self.address, self.bytes, self.align, self.device, tag)
     }
 }
 
-/// One governed block's record.
-#[derive(Debug)]
+/// One governed block's record, as plain data.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct Record {
-    generation: u64,
     block: Block,
     role: MemoryRole,
     /// Bytes still charged for the block.
     charged: u64,
     /// Whether `charged` is counted in the role's quarantined bytes.
     quarantined: bool,
-    /// A release of the block is in progress (a second one is refused).
-    releasing: bool,
 }
 
-/// What a release or `forget_lost` learned from a record.
-#[derive(Copy, Clone, Debug)]
-struct Claim {
-    key: Key,
-    block: Block,
-    role: MemoryRole,
-    charged: u64,
-    quarantined: bool,
+/// Where a record keeps its fields (any thread reads them without a lock; the table
+/// orders the loads and stores).
+#[derive(Default)]
+struct RecordCells {
+    address: AtomicU64,
+    bytes: AtomicU64,
+    align: AtomicU64,
+    tag: AtomicU64,
+    charged: AtomicU64,
+    /// The device's index (bits 0-31) and tier (32-33), the role (40-42) and the
+    /// quarantine flag (48): see [`pack`].
+    meta: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct Shard {
-    records: Slab<Record>,
-    next_generation: u64,
+const TIER_SHIFT: u32 = 32;
+const ROLE_SHIFT: u32 = 40;
+const QUARANTINED: u64 = 1 << 48;
+
+/// A tier's code in [`RecordCells::meta`]; `None` for a tier this governor cannot
+/// record (none today: `Tier` is `non_exhaustive`, so a new tier needs a code here).
+fn tier_code(tier: Tier) -> Option<u64> {
+    match tier {
+        Tier::Device => Some(0),
+        Tier::Host => Some(1),
+        Tier::Disk => Some(2),
+        _ => None,
+    }
 }
+
+/// [`RecordCells::meta`] of a record; `None` when its device's tier has no code.
+#[inline]
+fn pack(record: &Record) -> Option<u64> {
+    let tier = tier_code(record.block.device.tier())?;
+    let quarantined = if record.quarantined { QUARANTINED } else { 0 };
+    Some(
+        u64::from(record.block.device.index())
+            | tier << TIER_SHIFT
+            | (record.role.ordinal() as u64) << ROLE_SHIFT
+            | quarantined,
+    )
+}
+
+/// A stored address is never zero (every record is written from a block's address);
+/// this stands in should a torn read of a record being rewritten ever see one.
+const NO_ADDRESS: DeviceAddress = match DeviceAddress::new(u64::MAX) {
+    Some(address) => address,
+    None => unreachable!(),
+};
+
+impl Payload for RecordCells {
+    type Value = Record;
+
+    #[inline]
+    fn store(&self, record: &Record) {
+        let block = &record.block;
+        self.address.store(block.address.get(), Ordering::Relaxed);
+        self.bytes.store(block.bytes as u64, Ordering::Relaxed);
+        self.align.store(block.align as u64, Ordering::Relaxed);
+        self.tag.store(block.tag, Ordering::Relaxed);
+        self.charged.store(record.charged, Ordering::Relaxed);
+        // A record whose tier has no code is never stored (`Records::insert` refuses
+        // it first; its rewrites keep the device).
+        self.meta.store(pack(record).unwrap_or(0), Ordering::Relaxed);
+    }
+
+    #[inline]
+    fn load(&self) -> Record {
+        let meta = self.meta.load(Ordering::Relaxed);
+        let index = meta as u32;
+        let device = match (meta >> TIER_SHIFT) & 3 {
+            0 => DeviceKey::device(index),
+            2 => DeviceKey::disk(index),
+            _ => DeviceKey::host(index),
+        };
+        let role = MemoryRole::ALL.get(((meta >> ROLE_SHIFT) & 7) as usize).copied().unwrap_or_default();
+        Record {
+            block: Block {
+                address: DeviceAddress::new(self.address.load(Ordering::Relaxed)).unwrap_or(NO_ADDRESS),
+                bytes: self.bytes.load(Ordering::Relaxed) as usize,
+                align: self.align.load(Ordering::Relaxed) as usize,
+                device,
+                tag: self.tag.load(Ordering::Relaxed),
+            },
+            role,
+            charged: self.charged.load(Ordering::Relaxed),
+            quarantined: meta & QUARANTINED != 0,
+        }
+    }
+}
+
+/// A record taken for a release or `forget_lost`.
+type Taken<'a> = TakenRecord<'a, RecordCells>;
 
 /// Every record of one governed allocator.
-#[derive(Debug)]
 struct Records {
-    shards: Box<[CachePadded<LeafMutex<Shard>>]>,
-    /// Records one shard may hold (slots the tag can name).
-    max_slots: usize,
+    table: RecordTable<RecordCells>,
 }
 
 impl Records {
     fn new() -> Records {
-        Records::with_max_slots(1 << SLOT_BITS)
+        Records { table: RecordTable::new() }
     }
 
-    fn with_max_slots(max_slots: usize) -> Records {
-        Records { shards: (0..SHARDS).map(|_| CachePadded::new(LeafMutex::new(Shard::default()))).collect(), max_slots }
+    /// Records that hold at most `limit` blocks per thread (tests of a full table).
+    #[cfg(test)]
+    fn with_limit(limit: u32) -> Records {
+        Records { table: RecordTable::with_limit(limit) }
     }
 
     /// Records a block the inner allocator returned; the governed block, or the inner
-    /// block back when the calling thread's shard is full.
+    /// block back when the calling thread's part of the table is full (or the block is
+    /// on a tier the record has no code for).
+    #[inline]
     fn insert(&self, inner: RawAllocation, role: MemoryRole, charged: u64) -> Result<RawAllocation, RawAllocation> {
-        let shard = thread_number() % SHARDS;
         let block = Block::of(&inner);
-        let mut guard = lock_leaf(&self.shards[shard]);
-        let shard_records = &mut *guard;
-        let generation = shard_records.next_generation;
-        let entry = shard_records.records.vacant_entry();
-        let slot = entry.key();
-        if slot >= self.max_slots {
+        let record = Record { block, role, charged, quarantined: false };
+        if tier_code(block.device.tier()).is_none() {
             return Err(inner);
         }
-        entry.insert(Record { generation, block, role, charged, quarantined: false, releasing: false });
-        shard_records.next_generation = (generation + 1) & GENERATION;
-        Ok(block.governed(Key { shard, slot, generation }))
-    }
-
-    /// Runs `f` on the record `raw` names, if it is the record of exactly that block.
-    fn with_record<R>(&self, raw: &RawAllocation, f: impl FnOnce(&mut Slab<Record>, Key) -> R) -> Option<R> {
-        let key = Key::decode(raw.provider_tag());
-        let mut guard = lock_leaf(self.shards.get(key.shard)?);
-        let record = guard.records.get(key.slot)?;
-        if record.generation != key.generation || !record.block.is(raw) {
-            return None;
-        }
-        Some(f(&mut guard.records, key))
-    }
-
-    /// Marks the record of `raw` as being released and returns what it says; `None`
-    /// when `raw` is not a governed block of this allocator or is being released.
-    fn claim(&self, raw: &RawAllocation) -> Option<Claim> {
-        self.with_record(raw, |records, key| {
-            let record = &mut records[key.slot];
-            if record.releasing {
-                return None;
-            }
-            record.releasing = true;
-            Some(Claim {
-                key,
-                block: record.block,
-                role: record.role,
-                charged: record.charged,
-                quarantined: record.quarantined,
-            })
-        })
-        .flatten()
-    }
-
-    /// Ends a claim: the record now holds `charged` bytes of `block` (quarantined or
-    /// not) and may be released again.
-    fn settle(&self, key: Key, block: Block, charged: u64, quarantined: bool) {
-        let mut guard = lock_leaf(&self.shards[key.shard]);
-        if let Some(record) = guard.records.get_mut(key.slot) {
-            *record = Record { block, charged, quarantined, releasing: false, ..*record };
+        match self.table.insert(&record) {
+            Some((tag, _)) => Ok(block.governed(tag)),
+            None => Err(inner),
         }
     }
 
-    /// Ends a claim: the block is gone.
-    fn remove(&self, key: Key) {
-        let mut guard = lock_leaf(&self.shards[key.shard]);
-        guard.records.try_remove(key.slot);
-    }
-
-    /// Removes the record of `raw` (a block lost with its device); `None` when `raw` is
-    /// not a governed block of this allocator or is being released.
-    fn take(&self, raw: &RawAllocation) -> Option<Claim> {
-        self.with_record(raw, |records, key| {
-            if records[key.slot].releasing {
-                return None;
-            }
-            let record = records.remove(key.slot);
-            Some(Claim {
-                key,
-                block: record.block,
-                role: record.role,
-                charged: record.charged,
-                quarantined: record.quarantined,
-            })
-        })
-        .flatten()
+    /// Takes the record of `raw` for a release (or `forget_lost`); `None` when `raw` is
+    /// not a governed block of this allocator, names a record of another block, or is
+    /// being released.
+    #[inline(always)]
+    fn take(&self, raw: &RawAllocation) -> Option<Taken<'_>> {
+        self.table.take(raw.provider_tag(), |record| record.block.is(raw))
     }
 
     /// Records held (blocks handed out and not yet released or lost).
     fn len(&self) -> usize {
-        self.shards.iter().map(|shard| lock_leaf(shard).records.len()).sum()
+        self.table.recorded().count()
     }
 
     /// The inner allocator's view of a governed block (for capability calls).
     fn inner_view(&self, raw: &RawAllocation) -> Option<RawAllocation> {
-        self.with_record(raw, |records, key| records[key.slot].block.inner())
+        self.table.get(raw.provider_tag(), |record| record.block.is(raw)).map(|record| record.block.inner())
     }
 }
 
@@ -408,7 +397,7 @@ impl GovernedAllocator {
 
     /// Blocks this allocator has handed out and still holds records of: live,
     /// quarantined, or lost with their device and not yet handed to `forget_lost`
-    /// (cold path: locks every record shard in turn).
+    /// (cold path: reads every record).
     pub fn live_blocks(&self) -> usize {
         self.records.len()
     }
@@ -452,8 +441,8 @@ impl GovernedAllocator {
                         operation: "record",
                         code: 0,
                         detail: format!(
-                            "{} could not record the block: this thread's record shard is full; \
-                             release some of its blocks first",
+                            "{} could not record the block: this thread holds 2^24 - 32 governed blocks \
+                             (the record table's bound per thread); release some of its blocks first",
                             self.forward.name
                         ),
                     },
@@ -489,7 +478,7 @@ impl GovernedAllocator {
     }
 
     /// Moves a record's charge in or out of the role's quarantined bytes.
-    fn requarantine(&self, claim: &Claim, keep: Option<u64>) {
+    fn requarantine(&self, claim: &Record, keep: Option<u64>) {
         let quarantined = &self.account.role_stats(claim.role).quarantined;
         // Add before subtracting, so that the figure never dips below zero.
         if let Some(keep) = keep {
@@ -518,21 +507,29 @@ impl Drop for PendingCharge<'_> {
     }
 }
 
-/// A claimed record whose release is in the inner allocator: dropped while armed (the
-/// inner allocator panicked), it keeps the whole block charged as a quarantine, as the
-/// registry does, so that a retry or termination can settle it.
+/// A taken record whose release is in the inner allocator: dropped while it still
+/// holds the record (the inner allocator panicked), it keeps the whole block charged as
+/// a quarantine, as the registry does, so that a retry or termination can settle it.
 struct PendingRelease<'a> {
     governed: &'a GovernedAllocator,
-    claim: Claim,
-    armed: bool,
+    record: Record,
+    taken: Option<Taken<'a>>,
+}
+
+impl<'a> PendingRelease<'a> {
+    /// The taken record, back from the inner allocator's call, for the caller to settle.
+    #[inline]
+    fn disarm(mut self) -> Taken<'a> {
+        self.taken.take().expect("a pending release holds its record until disarmed")
+    }
 }
 
 impl Drop for PendingRelease<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            let claim = &self.claim;
-            self.governed.requarantine(claim, Some(claim.charged));
-            self.governed.records.settle(claim.key, claim.block, claim.charged, true);
+        if let Some(taken) = self.taken.take() {
+            let record = &self.record;
+            self.governed.requarantine(record, Some(record.charged));
+            taken.restore_with(&Record { quarantined: true, ..*record });
         }
     }
 }
@@ -589,11 +586,13 @@ impl DeviceAllocator for GovernedAllocator {
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        let Some(claim) = self.records.claim(&allocation) else {
+        let tag = allocation.provider_tag();
+        let Some(taken) = self.records.take(&allocation) else {
             return self.not_owned(allocation);
         };
-        let mut pending = PendingRelease { governed: self, claim, armed: true };
-        let sent = claim.block;
+        let record = *taken.value();
+        let pending = PendingRelease { governed: self, record, taken: Some(taken) };
+        let sent = record.block;
         let outcome = match self.forward.inner.release(sent.inner()) {
             ReleaseOutcome::Quarantined(q) if !sent.is(q.allocation()) => {
                 about_another_block(sent.inner(), q.unmapped_bytes(), q.residual_bytes())
@@ -601,35 +600,39 @@ impl DeviceAllocator for GovernedAllocator {
             ReleaseOutcome::Failed(f) if !sent.is(f.allocation()) => about_another_block(sent.inner(), 0, sent.bytes),
             outcome => outcome,
         };
-        pending.armed = false;
-        let role = claim.role;
+        let taken = pending.disarm();
+        let role = record.role;
         match outcome {
             ReleaseOutcome::Complete(done) => {
-                self.records.remove(claim.key);
-                self.requarantine(&claim, None);
-                self.account.refund(role, claim.charged, true);
+                taken.free();
+                self.requarantine(&record, None);
+                self.account.refund(role, record.charged, true);
                 ReleaseOutcome::Complete(done)
             }
             ReleaseOutcome::Quarantined(quarantine) => {
-                let keep = (quarantine.residual_bytes() as u64).min(claim.charged);
+                let keep = (quarantine.residual_bytes() as u64).min(record.charged);
                 let (unmapped, residual) = (quarantine.unmapped_bytes(), quarantine.residual_bytes());
                 let (block, error) = quarantine.into_parts();
                 let block = Block::of(&block);
-                self.requarantine(&claim, Some(keep));
-                self.records.settle(claim.key, block, keep, true);
-                let refunded = claim.charged - keep;
+                self.requarantine(&record, Some(keep));
+                taken.restore_with(&Record { block, charged: keep, quarantined: true, ..record });
+                let refunded = record.charged - keep;
                 self.account.refund(role, refunded, false);
                 tracing::warn!(
                     allocator = %self.forward.name, authority = %self.account.authority(), role = %role,
                     refunded, still_charged = keep, "quarantined release: residual stays charged"
                 );
-                ReleaseOutcome::quarantined(block.governed(claim.key), unmapped, residual, error)
+                ReleaseOutcome::quarantined(block.governed(tag), unmapped, residual, error)
             }
             ReleaseOutcome::Failed(failed) => {
                 let (block, error) = failed.into_parts();
                 let block = Block::of(&block);
-                self.records.settle(claim.key, block, claim.charged, claim.quarantined);
-                ReleaseOutcome::failed(block.governed(claim.key), error)
+                if block == record.block {
+                    taken.restore();
+                } else {
+                    taken.restore_with(&Record { block, ..record });
+                }
+                ReleaseOutcome::failed(block.governed(tag), error)
             }
         }
     }
@@ -653,11 +656,13 @@ impl DeviceAllocator for GovernedAllocator {
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
         let mut inner = Vec::with_capacity(lost.len());
         for block in lost {
-            let Some(claim) = self.records.take(&block) else {
+            let Some(taken) = self.records.take(&block) else {
                 tracing::error!(allocator = %self.forward.name, block = ?block,
                     "lost block was not handed out by this governed allocator; not refunded");
                 continue;
             };
+            let claim = *taken.value();
+            taken.free();
             let stats = self.account.role_stats(claim.role);
             self.requarantine(&claim, None);
             stats.lost_bytes.fetch_add(claim.charged, Ordering::Relaxed);
@@ -684,29 +689,51 @@ impl DeviceAllocator for GovernedAllocator {
 mod tests {
     use super::*;
 
+    /// The record table's tag: owner thread (16 bits), slot (24), generation (24).
+    fn owner_and_slot(tag: u64) -> (u64, u64) {
+        (tag >> 48, (tag >> 24) & 0xff_ffff)
+    }
+
+    fn host_block(address: u64, bytes: usize, tag: u64) -> RawAllocation {
+        RawAllocation::new(DeviceAddress::new(address).unwrap(), bytes, 8, DeviceKey::HOST, tag)
+    }
+
     #[test]
-    fn keys_round_trip_through_tags() {
-        for key in [
-            Key { shard: 0, slot: 0, generation: 0 },
-            Key { shard: SHARDS - 1, slot: SLOT as usize, generation: GENERATION },
-            Key { shard: 5, slot: 12345, generation: 678 },
+    fn records_round_trip_through_their_cells() {
+        let cells = RecordCells::default();
+        for (role, device, quarantined) in [
+            (MemoryRole::Weights, DeviceKey::device(7), false),
+            (MemoryRole::Other, DeviceKey::host(u32::MAX), true),
+            (MemoryRole::Staging, DeviceKey::disk(3), true),
+            (MemoryRole::KvCache, DeviceKey::HOST, false),
         ] {
-            assert_eq!(Key::decode(key.encode()), key);
+            let block =
+                Block { address: DeviceAddress::new(u64::MAX - 1).unwrap(), bytes: 4096, align: 256, device, tag: 99 };
+            let record = Record { block, role, charged: u64::MAX, quarantined };
+            cells.store(&record);
+            assert_eq!(cells.load(), record);
+        }
+        for role in MemoryRole::ALL {
+            let block =
+                Block { address: DeviceAddress::new(1).unwrap(), bytes: 1, align: 1, device: DeviceKey::HOST, tag: 0 };
+            let record = Record { block, role, charged: 0, quarantined: false };
+            cells.store(&record);
+            assert_eq!(cells.load().role, role);
         }
     }
 
     #[test]
-    fn a_full_shard_refuses_to_record_and_hands_the_block_back() {
-        let records = Records::with_max_slots(1);
-        let address = DeviceAddress::new(0x4000).unwrap();
-        let first = records.insert(RawAllocation::new(address, 64, 8, DeviceKey::HOST, 7), MemoryRole::KvCache, 64);
+    fn a_full_table_refuses_to_record_and_hands_the_block_back() {
+        let records = Records::with_limit(1);
+        let first = records.insert(host_block(0x4000, 64, 7), MemoryRole::KvCache, 64);
         let first = first.expect("one record fits");
-        let second = RawAllocation::new(DeviceAddress::new(0x8000).unwrap(), 32, 8, DeviceKey::HOST, 9);
-        let back = records.insert(second, MemoryRole::KvCache, 32).expect_err("the shard is full");
+        let back = records.insert(host_block(0x8000, 32, 9), MemoryRole::KvCache, 32).expect_err("the table is full");
         assert_eq!((back.address().get(), back.provider_tag()), (0x8000, 9));
-        let claim = records.take(&first).expect("the first record is there");
-        assert_eq!((claim.block.tag, claim.charged), (7, 64));
+        let taken = records.take(&first).expect("the first record is there");
+        assert_eq!((taken.value().block.tag, taken.value().charged), (7, 64));
+        taken.free();
         assert!(records.take(&first).is_none(), "taken exactly once");
+        assert!(records.insert(host_block(0x8000, 32, 9), MemoryRole::KvCache, 32).is_ok(), "its slot is free again");
     }
 
     #[test]
@@ -717,12 +744,12 @@ mod tests {
         let account = governor.open_account(crate::AccountConfig::new(DeviceKey::HOST, authority)).unwrap();
         let recording = Arc::new(RecordingAllocator::on_device(DeviceKey::HOST));
         let inner = Arc::clone(&recording) as Arc<dyn DeviceAllocator>;
-        let governed = GovernedAllocator::with_records(inner, account.clone(), Records::with_max_slots(0)).unwrap();
+        let governed = GovernedAllocator::with_records(inner, account.clone(), Records::with_limit(0)).unwrap();
         let request = AllocationRequest::new(4096, 64).unwrap();
         let err = governed.allocate(&request).unwrap_err();
         let AllocError::Backend { source, .. } = &err else { panic!("expected a backend error, got {err}") };
         assert_eq!((source.backend, source.operation), ("governor", "record"));
-        assert!(err.to_string().contains("record shard is full"), "{err}");
+        assert!(err.to_string().contains("release some of its blocks first"), "{err}");
         assert_eq!(recording.calls(Callback::Release), 1, "the block went back to the inner allocator");
         assert_eq!(governed.live_blocks(), 0);
         let snapshot = account.snapshot();
@@ -730,40 +757,49 @@ mod tests {
     }
 
     #[test]
-    fn threads_record_in_different_shards() {
+    fn threads_record_in_parts_of_their_own() {
         let records = Arc::new(Records::new());
-        let shard_of_a_new_thread = |address: u64| {
+        let owner_of_a_new_thread = |address: u64| {
             let records = Arc::clone(&records);
             std::thread::spawn(move || {
-                let block = RawAllocation::new(DeviceAddress::new(address).unwrap(), 64, 8, DeviceKey::HOST, 0);
-                Key::decode(records.insert(block, MemoryRole::Weights, 64).unwrap().provider_tag()).shard
+                let governed = records.insert(host_block(address, 64, 0), MemoryRole::Weights, 64).unwrap();
+                owner_and_slot(governed.provider_tag()).0
             })
             .join()
             .unwrap()
         };
-        let (first, second) = (shard_of_a_new_thread(0x1000), shard_of_a_new_thread(0x2000));
-        assert_ne!(first, second, "two threads share a record shard (and its cache line)");
+        // Two threads alive at once hold different indexes (an exited thread's index is
+        // recycled, with its part).
+        let first = records.insert(host_block(0x3000, 64, 0), MemoryRole::Weights, 64).unwrap();
+        let second = owner_of_a_new_thread(0x1000);
+        assert_ne!(owner_and_slot(first.provider_tag()).0, second, "two threads share a part (and its lines)");
         assert_eq!(records.len(), 2);
     }
 
     #[test]
-    fn generations_tell_a_reused_slot_apart() {
+    fn generations_tell_a_reused_slot_apart_and_a_differing_block_takes_nothing() {
         let records = Records::new();
-        let address = DeviceAddress::new(0x4000).unwrap();
-        let block = |tag| RawAllocation::new(address, 64, 8, DeviceKey::HOST, tag);
+        let block = |tag| host_block(0x4000, 64, tag);
         // The same block recorded again and again in the same slot: every earlier tag
         // is stale, never a name for the live record.
         let mut stale = Vec::new();
         for _ in 0..8 {
             let governed = records.insert(block(0), MemoryRole::Weights, 64).unwrap();
             let tag = governed.provider_tag();
-            assert!(stale.iter().all(|&old| Key::decode(old).slot == Key::decode(tag).slot), "the slot is reused");
+            assert!(stale.iter().all(|&old| owner_and_slot(old) == owner_and_slot(tag)), "the slot is reused");
             for &old in &stale {
                 assert_ne!(old, tag, "a generation came back");
                 assert!(records.take(&block(old)).is_none());
             }
             stale.push(tag);
-            assert_eq!(records.take(&governed).map(|claim| claim.charged), Some(64));
+            for other in [host_block(0x8000, 64, tag), host_block(0x4000, 128, tag), block(tag ^ 1)] {
+                assert!(records.take(&other).is_none() && records.inner_view(&other).is_none(), "{other:?}");
+            }
+            assert_eq!(records.inner_view(&governed).map(|inner| inner.provider_tag()), Some(0));
+            let taken = records.take(&governed).expect("the live record");
+            assert_eq!(taken.value().charged, 64);
+            assert!(records.take(&governed).is_none() && records.inner_view(&governed).is_none(), "in transit");
+            taken.free();
         }
         assert_eq!(records.len(), 0);
     }

@@ -25,32 +25,6 @@
 pub(crate) use memory_sync::primitives::*;
 pub(crate) use memory_sync::{BarrierMode, CachePadded, heavy_barrier, light_barrier, lock, read, write};
 
-/// The leaf lock of a governed allocator's record shard: held for a few instructions,
-/// almost never contended (only a release on another thread than the allocation meets
-/// the owner). A spin lock unlocks with a plain release store where a futex mutex needs
-/// an atomic swap: one read-modify-write less per allocation and release. Under loom it
-/// is loom's mutex.
-#[cfg(not(memory_loom))]
-pub(crate) type LeafMutex<T> = spin::Mutex<T>;
-#[cfg(not(memory_loom))]
-pub(crate) type LeafGuard<'a, T> = spin::MutexGuard<'a, T>;
-#[cfg(memory_loom)]
-pub(crate) type LeafMutex<T> = loom::sync::Mutex<T>;
-#[cfg(memory_loom)]
-pub(crate) type LeafGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
-
-/// Locks a leaf mutex (a spin lock has no poisoning, and no callback runs under it).
-#[cfg(not(memory_loom))]
-pub(crate) fn lock_leaf<T>(mutex: &LeafMutex<T>) -> LeafGuard<'_, T> {
-    mutex.lock()
-}
-
-/// Locks a leaf mutex, recovering from poisoning (no callback runs under it).
-#[cfg(memory_loom)]
-pub(crate) fn lock_leaf<T>(mutex: &LeafMutex<T>) -> LeafGuard<'_, T> {
-    lock(mutex)
-}
-
 /// Tells the scheduler (loom's, under the models) that this thread waits for another
 /// one to finish a short, callback-free window (a credit move another thread has marked
 /// busy).
@@ -63,26 +37,3 @@ pub(crate) fn wait_for_other_thread() {
 /// loom atomic cannot live in a `static`, and would only multiply the models' states).
 #[allow(clippy::disallowed_types, reason = "ids, not a protocol under check")]
 pub(crate) type IdCounter = std::sync::atomic::AtomicU64;
-
-/// A small number that stays the same for the calling thread and differs between
-/// threads that started one after the other: which record shard a thread uses. A
-/// placement hint only (two threads sharing a shard is correct, just slower), so it is
-/// std's thread-local under loom too.
-#[allow(clippy::disallowed_types, reason = "a placement hint, not part of any protocol")]
-pub(crate) fn thread_number() -> usize {
-    use std::cell::Cell;
-    use std::sync::atomic::AtomicUsize as StdAtomicUsize;
-    static NEXT: StdAtomicUsize = StdAtomicUsize::new(0);
-    std::thread_local! {
-        static NUMBER: Cell<usize> = const { Cell::new(usize::MAX) };
-    }
-    NUMBER
-        .try_with(|number| {
-            if number.get() == usize::MAX {
-                number.set(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-            }
-            number.get()
-        })
-        // During thread teardown: any shard will do.
-        .unwrap_or(0)
-}
