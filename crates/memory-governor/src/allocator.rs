@@ -103,18 +103,91 @@ impl Block {
     }
 }
 
-/// One governed block's record, as plain data.
+/// One governed block's record as the table keeps it: six words, compared with a
+/// presented block without decoding ([`Packed::is`]). The device is kept only to be
+/// compared: a block that matched its record is on the device the caller presented.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Record {
-    block: Block,
-    role: MemoryRole,
+struct Packed {
+    address: u64,
+    bytes: u64,
+    align: u64,
+    /// The inner allocator's own tag for the block.
+    tag: u64,
     /// Bytes still charged for the block.
     charged: u64,
-    /// Whether `charged` is counted in the role's quarantined bytes.
-    quarantined: bool,
+    /// The device's index (bits 0-31) and tier (32-33), the role (40-42) and whether
+    /// `charged` is counted in the role's quarantined bytes (48).
+    meta: u64,
 }
 
-/// Where a record keeps its fields (any thread reads them without a lock; the table
+const TIER_SHIFT: u32 = 32;
+const DEVICE_BITS: u64 = (1 << 34) - 1;
+const ROLE_SHIFT: u32 = 40;
+const QUARANTINED: u64 = 1 << 48;
+
+/// A device's bits in [`Packed::meta`]; `None` for a tier this governor cannot record
+/// (none today: `Tier` is `non_exhaustive`, so a new tier needs a code here).
+#[inline]
+fn device_bits(device: DeviceKey) -> Option<u64> {
+    let tier = match device.tier() {
+        Tier::Device => 0,
+        Tier::Host => 1,
+        Tier::Disk => 2,
+        _ => return None,
+    };
+    Some(u64::from(device.index()) | tier << TIER_SHIFT)
+}
+
+impl Packed {
+    /// The record of a block just handed out, charged `charged` bytes under `role`;
+    /// `None` when its device's tier has no code.
+    #[inline]
+    fn new(block: &Block, role: MemoryRole, charged: u64) -> Option<Packed> {
+        Some(Packed {
+            address: block.address.get(),
+            bytes: block.bytes as u64,
+            align: block.align as u64,
+            tag: block.tag,
+            charged,
+            meta: device_bits(block.device)? | (role.ordinal() as u64) << ROLE_SHIFT,
+        })
+    }
+
+    /// Whether `raw` describes this record's block (address, size, alignment, device).
+    #[inline]
+    fn is(&self, raw: &RawAllocation) -> bool {
+        raw.address().get() == self.address
+            && raw.bytes() as u64 == self.bytes
+            && raw.align() as u64 == self.align
+            && device_bits(raw.device()) == Some(self.meta & DEVICE_BITS)
+    }
+
+    /// The inner allocator's block, given a block that [`Packed::is`] this record's.
+    #[inline]
+    fn inner(&self, presented: &RawAllocation) -> Block {
+        Block { tag: self.tag, ..Block::of(presented) }
+    }
+
+    #[inline]
+    fn role(&self) -> MemoryRole {
+        MemoryRole::ALL.get(((self.meta >> ROLE_SHIFT) & 7) as usize).copied().unwrap_or_default()
+    }
+
+    #[inline]
+    fn quarantined(&self) -> bool {
+        self.meta & QUARANTINED != 0
+    }
+
+    /// This record after a release that kept `charged` bytes of it, as a quarantine or
+    /// not, and the inner allocator's (possibly new) tag.
+    #[inline]
+    fn settled(&self, tag: u64, charged: u64, quarantined: bool) -> Packed {
+        let meta = if quarantined { self.meta | QUARANTINED } else { self.meta & !QUARANTINED };
+        Packed { tag, charged, meta, ..*self }
+    }
+}
+
+/// Where a record keeps its words (any thread reads them without a lock; the table
 /// orders the loads and stores).
 #[derive(Default)]
 struct RecordCells {
@@ -123,83 +196,31 @@ struct RecordCells {
     align: AtomicU64,
     tag: AtomicU64,
     charged: AtomicU64,
-    /// The device's index (bits 0-31) and tier (32-33), the role (40-42) and the
-    /// quarantine flag (48): see [`pack`].
     meta: AtomicU64,
 }
 
-const TIER_SHIFT: u32 = 32;
-const ROLE_SHIFT: u32 = 40;
-const QUARANTINED: u64 = 1 << 48;
-
-/// A tier's code in [`RecordCells::meta`]; `None` for a tier this governor cannot
-/// record (none today: `Tier` is `non_exhaustive`, so a new tier needs a code here).
-fn tier_code(tier: Tier) -> Option<u64> {
-    match tier {
-        Tier::Device => Some(0),
-        Tier::Host => Some(1),
-        Tier::Disk => Some(2),
-        _ => None,
-    }
-}
-
-/// [`RecordCells::meta`] of a record; `None` when its device's tier has no code.
-#[inline]
-fn pack(record: &Record) -> Option<u64> {
-    let tier = tier_code(record.block.device.tier())?;
-    let quarantined = if record.quarantined { QUARANTINED } else { 0 };
-    Some(
-        u64::from(record.block.device.index())
-            | tier << TIER_SHIFT
-            | (record.role.ordinal() as u64) << ROLE_SHIFT
-            | quarantined,
-    )
-}
-
-/// A stored address is never zero (every record is written from a block's address);
-/// this stands in should a torn read of a record being rewritten ever see one.
-const NO_ADDRESS: DeviceAddress = match DeviceAddress::new(u64::MAX) {
-    Some(address) => address,
-    None => unreachable!(),
-};
-
 impl Payload for RecordCells {
-    type Value = Record;
+    type Value = Packed;
 
     #[inline]
-    fn store(&self, record: &Record) {
-        let block = &record.block;
-        self.address.store(block.address.get(), Ordering::Relaxed);
-        self.bytes.store(block.bytes as u64, Ordering::Relaxed);
-        self.align.store(block.align as u64, Ordering::Relaxed);
-        self.tag.store(block.tag, Ordering::Relaxed);
-        self.charged.store(record.charged, Ordering::Relaxed);
-        // A record whose tier has no code is never stored (`Records::insert` refuses
-        // it first; its rewrites keep the device).
-        self.meta.store(pack(record).unwrap_or(0), Ordering::Relaxed);
+    fn store(&self, packed: &Packed) {
+        self.address.store(packed.address, Ordering::Relaxed);
+        self.bytes.store(packed.bytes, Ordering::Relaxed);
+        self.align.store(packed.align, Ordering::Relaxed);
+        self.tag.store(packed.tag, Ordering::Relaxed);
+        self.charged.store(packed.charged, Ordering::Relaxed);
+        self.meta.store(packed.meta, Ordering::Relaxed);
     }
 
     #[inline]
-    fn load(&self) -> Record {
-        let meta = self.meta.load(Ordering::Relaxed);
-        let index = meta as u32;
-        let device = match (meta >> TIER_SHIFT) & 3 {
-            0 => DeviceKey::device(index),
-            2 => DeviceKey::disk(index),
-            _ => DeviceKey::host(index),
-        };
-        let role = MemoryRole::ALL.get(((meta >> ROLE_SHIFT) & 7) as usize).copied().unwrap_or_default();
-        Record {
-            block: Block {
-                address: DeviceAddress::new(self.address.load(Ordering::Relaxed)).unwrap_or(NO_ADDRESS),
-                bytes: self.bytes.load(Ordering::Relaxed) as usize,
-                align: self.align.load(Ordering::Relaxed) as usize,
-                device,
-                tag: self.tag.load(Ordering::Relaxed),
-            },
-            role,
+    fn load(&self) -> Packed {
+        Packed {
+            address: self.address.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            align: self.align.load(Ordering::Relaxed),
+            tag: self.tag.load(Ordering::Relaxed),
             charged: self.charged.load(Ordering::Relaxed),
-            quarantined: meta & QUARANTINED != 0,
+            meta: self.meta.load(Ordering::Relaxed),
         }
     }
 }
@@ -229,11 +250,10 @@ impl Records {
     #[inline]
     fn insert(&self, inner: RawAllocation, role: MemoryRole, charged: u64) -> Result<RawAllocation, RawAllocation> {
         let block = Block::of(&inner);
-        let record = Record { block, role, charged, quarantined: false };
-        if tier_code(block.device.tier()).is_none() {
+        let Some(packed) = Packed::new(&block, role, charged) else {
             return Err(inner);
-        }
-        match self.table.insert(&record) {
+        };
+        match self.table.insert(&packed) {
             Some((tag, _)) => Ok(block.governed(tag)),
             None => Err(inner),
         }
@@ -244,7 +264,7 @@ impl Records {
     /// being released.
     #[inline(always)]
     fn take(&self, raw: &RawAllocation) -> Option<Taken<'_>> {
-        self.table.take(raw.provider_tag(), |record| record.block.is(raw))
+        self.table.take(raw.provider_tag(), |packed| packed.is(raw))
     }
 
     /// Records held (blocks handed out and not yet released or lost).
@@ -254,7 +274,7 @@ impl Records {
 
     /// The inner allocator's view of a governed block (for capability calls).
     fn inner_view(&self, raw: &RawAllocation) -> Option<RawAllocation> {
-        self.table.get(raw.provider_tag(), |record| record.block.is(raw)).map(|record| record.block.inner())
+        self.table.get(raw.provider_tag(), |packed| packed.is(raw)).map(|packed| packed.inner(raw).inner())
     }
 }
 
@@ -478,14 +498,14 @@ impl GovernedAllocator {
     }
 
     /// Moves a record's charge in or out of the role's quarantined bytes.
-    fn requarantine(&self, claim: &Record, keep: Option<u64>) {
-        let quarantined = &self.account.role_stats(claim.role).quarantined;
+    fn requarantine(&self, record: &Packed, keep: Option<u64>) {
+        let quarantined = &self.account.role_stats(record.role()).quarantined;
         // Add before subtracting, so that the figure never dips below zero.
         if let Some(keep) = keep {
             quarantined.fetch_add(keep, Ordering::Relaxed);
         }
-        if claim.quarantined {
-            quarantined.fetch_sub(claim.charged, Ordering::Relaxed);
+        if record.quarantined() {
+            quarantined.fetch_sub(record.charged, Ordering::Relaxed);
         }
     }
 }
@@ -507,29 +527,39 @@ impl Drop for PendingCharge<'_> {
     }
 }
 
-/// A taken record whose release is in the inner allocator: dropped while it still
-/// holds the record (the inner allocator panicked), it keeps the whole block charged as
-/// a quarantine, as the registry does, so that a retry or termination can settle it.
+/// A record taken for a release whose inner-allocator call is under way: dropped still
+/// holding it (the inner allocator panicked), it keeps the whole block charged as a
+/// quarantine, as the registry does, so that a retry or termination can settle it.
 struct PendingRelease<'a> {
     governed: &'a GovernedAllocator,
-    record: Record,
     taken: Option<Taken<'a>>,
 }
 
-impl<'a> PendingRelease<'a> {
-    /// The taken record, back from the inner allocator's call, for the caller to settle.
+impl PendingRelease<'_> {
+    /// The block is gone: the record is freed.
     #[inline]
-    fn disarm(mut self) -> Taken<'a> {
-        self.taken.take().expect("a pending release holds its record until disarmed")
+    fn free(&mut self) {
+        if let Some(taken) = self.taken.take() {
+            taken.free();
+        }
+    }
+
+    /// The block is still owned: the record is live again under its tag, holding
+    /// `record`.
+    #[inline]
+    fn restore(&mut self, record: &Packed) {
+        if let Some(taken) = self.taken.take() {
+            if taken.value() == record { taken.restore() } else { taken.restore_with(record) }
+        }
     }
 }
 
 impl Drop for PendingRelease<'_> {
     fn drop(&mut self) {
         if let Some(taken) = self.taken.take() {
-            let record = &self.record;
-            self.governed.requarantine(record, Some(record.charged));
-            taken.restore_with(&Record { quarantined: true, ..*record });
+            let record = *taken.value();
+            self.governed.requarantine(&record, Some(record.charged));
+            taken.restore_with(&record.settled(record.tag, record.charged, true));
         }
     }
 }
@@ -586,13 +616,13 @@ impl DeviceAllocator for GovernedAllocator {
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        let tag = allocation.provider_tag();
-        let Some(taken) = self.records.take(&allocation) else {
+        let mut pending = PendingRelease { governed: self, taken: self.records.take(&allocation) };
+        let Some(taken) = &pending.taken else {
             return self.not_owned(allocation);
         };
         let record = *taken.value();
-        let pending = PendingRelease { governed: self, record, taken: Some(taken) };
-        let sent = record.block;
+        let tag = allocation.provider_tag();
+        let sent = record.inner(&allocation);
         let outcome = match self.forward.inner.release(sent.inner()) {
             ReleaseOutcome::Quarantined(q) if !sent.is(q.allocation()) => {
                 about_another_block(sent.inner(), q.unmapped_bytes(), q.residual_bytes())
@@ -600,11 +630,10 @@ impl DeviceAllocator for GovernedAllocator {
             ReleaseOutcome::Failed(f) if !sent.is(f.allocation()) => about_another_block(sent.inner(), 0, sent.bytes),
             outcome => outcome,
         };
-        let taken = pending.disarm();
-        let role = record.role;
+        let role = record.role();
         match outcome {
             ReleaseOutcome::Complete(done) => {
-                taken.free();
+                pending.free();
                 self.requarantine(&record, None);
                 self.account.refund(role, record.charged, true);
                 ReleaseOutcome::Complete(done)
@@ -613,9 +642,10 @@ impl DeviceAllocator for GovernedAllocator {
                 let keep = (quarantine.residual_bytes() as u64).min(record.charged);
                 let (unmapped, residual) = (quarantine.unmapped_bytes(), quarantine.residual_bytes());
                 let (block, error) = quarantine.into_parts();
+                // The same block as sent (checked above), perhaps under a new inner tag.
                 let block = Block::of(&block);
                 self.requarantine(&record, Some(keep));
-                taken.restore_with(&Record { block, charged: keep, quarantined: true, ..record });
+                pending.restore(&record.settled(block.tag, keep, true));
                 let refunded = record.charged - keep;
                 self.account.refund(role, refunded, false);
                 tracing::warn!(
@@ -627,11 +657,7 @@ impl DeviceAllocator for GovernedAllocator {
             ReleaseOutcome::Failed(failed) => {
                 let (block, error) = failed.into_parts();
                 let block = Block::of(&block);
-                if block == record.block {
-                    taken.restore();
-                } else {
-                    taken.restore_with(&Record { block, ..record });
-                }
+                pending.restore(&record.settled(block.tag, record.charged, record.quarantined()));
                 ReleaseOutcome::failed(block.governed(tag), error)
             }
         }
@@ -663,21 +689,22 @@ impl DeviceAllocator for GovernedAllocator {
             };
             let claim = *taken.value();
             taken.free();
-            let stats = self.account.role_stats(claim.role);
+            let role = claim.role();
+            let stats = self.account.role_stats(role);
             self.requarantine(&claim, None);
             stats.lost_bytes.fetch_add(claim.charged, Ordering::Relaxed);
             stats.lost_allocations.fetch_add(1, Ordering::Relaxed);
-            self.account.refund(claim.role, claim.charged, true);
+            self.account.refund(role, claim.charged, true);
             if self.account.timeline().enabled() {
                 self.account.timeline().record(
                     TimelineEventKind::Lost,
                     self.account.device(),
                     self.account.authority(),
-                    claim.role,
+                    role,
                     claim.charged,
                 );
             }
-            inner.push(claim.block.inner());
+            inner.push(claim.inner(&block).inner());
         }
         tracing::info!(allocator = %self.forward.name, authority = %self.account.authority(), blocks = inner.len(),
             "lost blocks refunded after termination");
@@ -699,26 +726,36 @@ mod tests {
     }
 
     #[test]
-    fn records_round_trip_through_their_cells() {
+    fn records_round_trip_through_their_cells_and_match_only_their_block() {
         let cells = RecordCells::default();
-        for (role, device, quarantined) in [
-            (MemoryRole::Weights, DeviceKey::device(7), false),
-            (MemoryRole::Other, DeviceKey::host(u32::MAX), true),
-            (MemoryRole::Staging, DeviceKey::disk(3), true),
-            (MemoryRole::KvCache, DeviceKey::HOST, false),
+        for (role, device) in [
+            (MemoryRole::Weights, DeviceKey::device(7)),
+            (MemoryRole::Other, DeviceKey::host(u32::MAX)),
+            (MemoryRole::Staging, DeviceKey::disk(3)),
+            (MemoryRole::KvCache, DeviceKey::HOST),
         ] {
-            let block =
-                Block { address: DeviceAddress::new(u64::MAX - 1).unwrap(), bytes: 4096, align: 256, device, tag: 99 };
-            let record = Record { block, role, charged: u64::MAX, quarantined };
+            let address = DeviceAddress::new(u64::MAX - 1).unwrap();
+            let block = Block { address, bytes: 4096, align: 256, device, tag: 99 };
+            let record = Packed::new(&block, role, u64::MAX).unwrap();
             cells.store(&record);
-            assert_eq!(cells.load(), record);
-        }
-        for role in MemoryRole::ALL {
-            let block =
-                Block { address: DeviceAddress::new(1).unwrap(), bytes: 1, align: 1, device: DeviceKey::HOST, tag: 0 };
-            let record = Record { block, role, charged: 0, quarantined: false };
-            cells.store(&record);
-            assert_eq!(cells.load().role, role);
+            let back = cells.load();
+            assert_eq!(back, record);
+            assert_eq!((back.role(), back.charged, back.quarantined()), (role, u64::MAX, false));
+            let presented = block.governed(12345);
+            assert!(back.is(&presented));
+            assert_eq!(back.inner(&presented), block, "the inner block, with the inner allocator's tag");
+            let settled = back.settled(7, 10, true);
+            assert_eq!((settled.tag, settled.charged, settled.quarantined(), settled.role()), (7, 10, true, role));
+            assert!(settled.is(&presented) && !settled.settled(7, 10, false).quarantined());
+            for other in [
+                Block { device: DeviceKey::device(device.index().wrapping_add(1)), ..block },
+                Block { device: DeviceKey::host(device.index()), ..block },
+                Block { bytes: 4097, ..block },
+                Block { align: 128, ..block },
+                Block { address: DeviceAddress::new(0x1000).unwrap(), ..block },
+            ] {
+                assert!(other == block || !back.is(&other.governed(12345)), "{other:?}");
+            }
         }
     }
 
@@ -730,7 +767,7 @@ mod tests {
         let back = records.insert(host_block(0x8000, 32, 9), MemoryRole::KvCache, 32).expect_err("the table is full");
         assert_eq!((back.address().get(), back.provider_tag()), (0x8000, 9));
         let taken = records.take(&first).expect("the first record is there");
-        assert_eq!((taken.value().block.tag, taken.value().charged), (7, 64));
+        assert_eq!((taken.value().tag, taken.value().charged), (7, 64));
         taken.free();
         assert!(records.take(&first).is_none(), "taken exactly once");
         assert!(records.insert(host_block(0x8000, 32, 9), MemoryRole::KvCache, 32).is_ok(), "its slot is free again");
