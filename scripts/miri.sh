@@ -60,10 +60,10 @@ runs=(
     # The C ABI's handle tables (cells, generations, hazard slots, in-place values).
     # The rest of memory-capi loads plugins and compiles C programs, which Miri cannot.
     "memory-capi|--lib|handles::"
-    # The per-thread tables and owner slots under the record tables, and the plugin
-    # loader's block records built on them and its live-range index over those (the rest
+    # The per-thread tables, owner slots and the record table built on them, and the
+    # plugin loader's block records in it and its live-range index over those (the rest
     # of memory-plugin loads plugins).
-    "memory-sync|--lib|per_thread:: owner_slots::"
+    "memory-sync|--lib|per_thread:: owner_slots:: records::"
     "memory-plugin|--lib|records:: ranges::"
 )
 

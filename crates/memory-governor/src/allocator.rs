@@ -239,7 +239,7 @@ impl Records {
     }
 
     /// Records that hold at most `limit` blocks per thread (tests of a full table).
-    #[cfg(test)]
+    #[cfg(all(test, not(memory_loom)))]
     fn with_limit(limit: u32) -> Records {
         Records { table: RecordTable::with_limit(limit) }
     }

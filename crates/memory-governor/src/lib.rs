@@ -45,8 +45,9 @@
 //!   reclaim never reclaims again ([`AdmissionError::ReentrantReclaim`]).
 //!   Lock order: a device's change lock (limit, quota and policy changes; cold) may be
 //!   held while a slot list is copied or the policy swapped; every other lock (slot
-//!   lists, policy, holders, account and device tables, timeline, a governed
-//!   allocator's record shards) is a leaf, held for a copy or an insert only. A panic
+//!   lists, policy, holders, account and device tables, timeline) is a leaf, held for a
+//!   copy or an insert only; a governed allocator's records (`memory_sync`'s record
+//!   table) take no lock. A panic
 //!   poisons nothing into a permanent error.
 //! - Trust: a governed allocator takes role, charge and quarantine state from its own
 //!   records, never from a block's `provider_tag`, and believes no release answer

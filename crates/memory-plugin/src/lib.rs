@@ -61,9 +61,9 @@
 //! plugin in C at test time (`tests/c/example_plugin.c`) with a scripted fault mode and
 //! load it through this crate: negotiation (older and newer minors, wrong major, short
 //! table), every capability, unload refusal and success, and dishonest answers. The
-//! block records (`records`, safe code over `memory_sync`'s per-thread tables and owner
-//! slots) are model-checked with loom (`cargo xtask loom`: racing releases of one block,
-//! a stale tag against a reused slot) and their tests run under Miri, as do those of the
+//! block records (`records`, a payload in `memory_sync`'s record table, safe code whose
+//! loom models live in `memory-sync`: racing releases of one block, a stale tag against
+//! a reused slot, a restore racing a release) and their tests run under Miri, as do those of the
 //! live-range index (`ranges`, safe code: an ordered map per address region under a
 //! lock, consulted and written only by `allocate`).
 //!

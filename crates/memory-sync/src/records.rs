@@ -197,6 +197,16 @@ pub struct RecordTable<P> {
     limit: u32,
 }
 
+/// A live record [`RecordTable::lookup`] found: its part, owner index, slot, the record
+/// and its state word as loaded.
+struct Found<'a, P> {
+    part: &'a Part<P>,
+    owner: usize,
+    slot: u32,
+    record: &'a Record<P>,
+    state: u64,
+}
+
 #[inline]
 fn tag(owner: usize, slot: u32, generation: u64) -> u64 {
     (owner as u64) << (SLOT_BITS + GENERATION_BITS) | u64::from(slot) << GENERATION_BITS | generation & GENERATION_MASK
@@ -260,16 +270,15 @@ impl<P: Payload> RecordTable<P> {
         if owner >= NO_OWNER { Some(&self.overflow) } else { self.parts.get(owner).map(|part| &**part) }
     }
 
-    /// The live record a tag names, its owner, slot and state word, if its generation
-    /// matches and it is not taken.
+    /// The live record a tag names, if its generation matches and it is not taken.
     #[inline(always)]
-    fn lookup(&self, tag: u64) -> Option<(&Part<P>, usize, u32, &Record<P>, u64)> {
+    fn lookup(&self, tag: u64) -> Option<Found<'_, P>> {
         let (owner, slot, generation) = untag(tag);
         let part = self.part(owner)?;
         let record = part.slots.get(slot)?;
         let state = record.state.load(Ordering::Acquire);
         let live = state != FREE && state & IN_TRANSIT == 0 && state & GENERATION_MASK == generation;
-        live.then_some((part, owner, slot, record, state))
+        live.then_some(Found { part, owner, slot, record, state })
     }
 
     /// Takes the record `tag` names, if it is live and `accept` says its payload is the
@@ -282,7 +291,7 @@ impl<P: Payload> RecordTable<P> {
     /// that `perf` showed costing as much as the compare-and-swap.
     #[inline(always)]
     pub fn take(&self, tag: u64, accept: impl Fn(&P::Value) -> bool) -> Option<TakenRecord<'_, P>> {
-        let (part, owner, slot, record, state) = self.lookup(tag)?;
+        let Found { part, owner, slot, record, state } = self.lookup(tag)?;
         // Acquire: a count this even was published after its rewrite's payload.
         let rewrites = record.rewrites.load(Ordering::Acquire);
         let mut value = record.payload.load();
@@ -311,7 +320,7 @@ impl<P: Payload> RecordTable<P> {
     /// A copy of the payload of the record `tag` names, if it is live (not taken) and
     /// `accept` says it is the one the caller presents (any thread, no write).
     pub fn get(&self, tag: u64, accept: impl FnOnce(&P::Value) -> bool) -> Option<P::Value> {
-        let (_, _, _, record, state) = self.lookup(tag)?;
+        let Found { record, state, .. } = self.lookup(tag)?;
         let rewrites = record.rewrites.load(Ordering::Acquire);
         let value = record.payload.load();
         // The reads above before the second looks: unchanged, they were one version of
