@@ -327,6 +327,17 @@ McStatus mc_allocation_info(struct McAllocation *allocation, struct McAllocation
 // `report` is null or writable.
 McStatus mc_release(struct McBinding *binding, struct McAllocation *allocation, struct McReleaseReport *report);
 
+// Releases `allocation` through the allocator that made it, with no binding: the
+// binding it was allocated through may be destroyed already, or be another object's.
+// The registry checks the allocation's own identity (its record and generation in the
+// mechanism it pins) before the allocator runs; a lost device is `MC_ERR_DEVICE_LOST`
+// with no callback. On success the handle is stale; on any error it stays valid and
+// yours. `report` may be null.
+//
+// # Safety
+// `report` is null or writable.
+McStatus mc_allocation_release(struct McAllocation *allocation, struct McReleaseReport *report);
+
 // Hands the release of `allocation` to `queue`; the handle is stale on success.
 McStatus mc_release_deferred(struct McBinding *binding, struct McAllocation *allocation, struct McQueue *queue);
 

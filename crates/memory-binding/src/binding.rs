@@ -367,6 +367,44 @@ impl BoundAllocation {
         })
     }
 
+    /// Releases this allocation through the allocator that made it, from any thread,
+    /// without the binding it was made through (which may be gone): the registry checks
+    /// the allocation's own record, under its generation, in the mechanism it pins, as
+    /// [`MemoryBinding::release`] does once it has checked the binding. A runtime that
+    /// frees on another object than the one that allocated needs only the handle.
+    ///
+    /// # Errors
+    /// A [`Rejected`] handing the allocation back when its generation is stale, its
+    /// device was lost (no callback runs then), or the allocator refused without
+    /// mutating anything.
+    #[inline]
+    pub fn release(mut self) -> Result<ReleaseSummary, Rejected<BoundAllocation>> {
+        match release_now(&mut self) {
+            Ok(summary) => {
+                // Emptied (its pin is taken): nothing is left for `Drop` to do.
+                std::mem::forget(self);
+                Ok(summary)
+            }
+            Err(reason) => Err(Rejected { handle: self, reason }),
+        }
+    }
+
+    /// [`release`](Self::release) of the allocation kept in `place`, read where it lies
+    /// (as [`MemoryBinding::release_from`]). On success `place` is `None`; on error it
+    /// holds the allocation as it was.
+    ///
+    /// # Errors
+    /// As [`release`](Self::release), with the reason only;
+    /// [`HandleError::StaleAllocation`] when `place` is `None`.
+    #[inline]
+    pub fn release_in_place(place: &mut Option<BoundAllocation>) -> Result<ReleaseSummary, HandleError> {
+        let Some(allocation) = place.as_mut() else { return Err(HandleError::StaleAllocation) };
+        let summary = release_now(allocation)?;
+        // Emptied: forgetting it only clears `place`.
+        std::mem::forget(place.take());
+        Ok(summary)
+    }
+
     /// A view of `len` bytes at `offset`. It borrows the allocation, so the
     /// allocation cannot be released while the view exists.
     ///

@@ -445,3 +445,38 @@ fn bindings_cloned_on_any_thread_outlive_removal_and_the_last_one_drops_the_allo
         assert_eq!(registry.bind(HOST).unwrap().identity().mechanism(), next);
     }
 }
+
+#[test]
+fn allocations_outlive_their_dropped_binding_and_release_by_handle_on_other_threads() {
+    let registry = BindingRegistry::new();
+    let recorder = Arc::new(memory_testkit::RecordingAllocator::on_device(GPU0));
+    let (_, _, mechanism) = register(&registry, recorder.clone());
+    let binding = registry.bind_registered(&mechanism).unwrap();
+    let blocks: Vec<BoundAllocation> = (0..200).map(|_| binding.allocate(request(256)).unwrap()).collect();
+    let identities: Vec<_> = blocks.iter().map(|block| block.identity().unwrap()).collect();
+    drop(binding);
+
+    // Two threads that never saw the binding: one moves handles into `release`, the
+    // other releases them where they lie in its own table.
+    let (moved, placed): (Vec<_>, Vec<_>) = blocks.into_iter().enumerate().partition(|(index, _)| index % 2 == 0);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for (_, block) in moved {
+                block.release().unwrap();
+            }
+        });
+        scope.spawn(move || {
+            let mut table: Vec<Option<BoundAllocation>> = placed.into_iter().map(|(_, block)| Some(block)).collect();
+            for place in &mut table {
+                BoundAllocation::release_in_place(place).unwrap();
+            }
+            assert!(table.iter().all(Option::is_none));
+        });
+    });
+    assert_eq!(recorder.calls(memory_testkit::Callback::Release), 200);
+    assert!(identities.iter().all(|identity| registry.allocation_state(identity) == AllocationState::Gone));
+    let snapshot = registry.snapshot(&mechanism).unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.quarantined.len(), snapshot.in_flight), (0, 0, 0));
+    registry.retire(&mechanism).unwrap();
+    registry.remove(&mechanism).unwrap();
+}

@@ -10,7 +10,7 @@ use common::{Caps, HeldQueue, PAGE, bind, register, register_with, request};
 use memory_api::ReleaseSummary;
 use memory_api::{ByteRange, DeviceAllocator, DeviceKey, Identity};
 use memory_binding::{
-    AllocateError, AllocationState, BindError, BindingRegistry, ContextState, DropPolicy, HandleError,
+    AllocateError, AllocationState, BindError, BindingRegistry, BoundAllocation, ContextState, DropPolicy, HandleError,
     MechanismOptions, MechanismState, RegistryError, ViewError,
 };
 use memory_testkit::{Callback, FaultyAllocator, RecordingAllocator};
@@ -503,4 +503,95 @@ fn a_caller_hold_keeps_termination_not_quiescent_until_it_drops_and_makes_no_cal
     assert_eq!(report.lost_allocations, 1);
     assert_eq!(recorder.calls(Callback::Release), 0);
     assert_eq!(recorder.calls(Callback::ForgetLost), 1);
+}
+
+#[test]
+fn an_allocation_releases_by_its_handle_alone_through_its_original_allocator_after_its_binding_is_dropped() {
+    let registry = BindingRegistry::new();
+    let first = Arc::new(RecordingAllocator::new(FaultyAllocator::new(memory_testkit::HostHeap::on_device(GPU0))));
+    let second = Arc::new(RecordingAllocator::on_device(GPU0));
+    let (_, _, m1) = register(&registry, first.clone());
+    let (_, _, m2) = register(&registry, second.clone());
+    let binding = bind(&registry, &m1);
+    let block = binding.allocate(request(PAGE)).unwrap();
+    let kept = binding.allocate(request(PAGE)).unwrap();
+    let refused = binding.allocate(request(PAGE)).unwrap();
+    let (block_id, kept_id) = (block.identity().unwrap(), kept.identity().unwrap());
+    drop(binding);
+    // The selection moves on; the allocations stay pinned to the mechanism that made them.
+    registry.select(&m2).unwrap();
+
+    assert_eq!(block.release().unwrap(), ReleaseSummary::Complete { unmapped_bytes: PAGE });
+    assert_eq!(first.calls(Callback::Release), 1);
+    assert_eq!(registry.allocation_state(&block_id), AllocationState::Gone);
+    assert_eq!(registry.allocation_state(&kept_id), AllocationState::Live);
+
+    // From a place: emptied on success; an empty place is stale and calls nothing.
+    let mut place = Some(kept);
+    assert_eq!(
+        BoundAllocation::release_in_place(&mut place).unwrap(),
+        ReleaseSummary::Complete { unmapped_bytes: PAGE }
+    );
+    assert!(place.is_none());
+    assert_eq!(registry.allocation_state(&kept_id), AllocationState::Gone);
+    assert_eq!(first.calls(Callback::Release), 2);
+    assert_eq!(BoundAllocation::release_in_place(&mut place).unwrap_err(), HandleError::StaleAllocation);
+    assert_eq!(first.calls(Callback::Release), 2, "no callback for an empty place");
+
+    // A refusal by the allocator hands the same allocation back, still releasable.
+    let refused_id = refused.identity().unwrap();
+    first.inner().fail_nth(Callback::Release, 1);
+    let rejected = refused.release().unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::ReleaseFailed(_)), "{}", rejected.reason);
+    assert_eq!(rejected.handle.identity(), Some(refused_id));
+    assert_eq!(registry.allocation_state(&refused_id), AllocationState::Live);
+    let mut place = Some(rejected.handle);
+    first.inner().fail_nth(Callback::Release, 1);
+    assert!(matches!(BoundAllocation::release_in_place(&mut place), Err(HandleError::ReleaseFailed(_))));
+    assert_eq!(place.as_ref().and_then(BoundAllocation::identity), Some(refused_id));
+    BoundAllocation::release_in_place(&mut place).unwrap();
+    assert_eq!(registry.allocation_state(&refused_id), AllocationState::Gone);
+
+    assert_eq!(
+        (second.calls(Callback::Allocate), second.calls(Callback::Release)),
+        (0, 0),
+        "the selected mechanism's allocator never runs"
+    );
+    assert_eq!(registry.snapshot(&m1).unwrap().live_allocations, 0);
+    registry.retire(&m1).unwrap();
+    registry.remove(&m1).unwrap();
+}
+
+#[test]
+fn release_by_handle_on_a_lost_device_or_after_termination_hands_it_back_with_no_callback() {
+    let registry = BindingRegistry::new();
+    let recorder = Arc::new(RecordingAllocator::on_device(GPU0));
+    let (context, _, mechanism) = register(&registry, recorder.clone());
+    let binding = bind(&registry, &mechanism);
+    let block = binding.allocate(request(256)).unwrap();
+    let mut place = Some(binding.allocate(request(256)).unwrap());
+    let identity = block.identity().unwrap();
+    drop(binding);
+
+    registry.invalidate_device(GPU0, "Xid 79: fell off the bus");
+    let before = recorder.counts();
+    let rejected = block.release().unwrap_err();
+    assert!(matches!(&rejected.reason, HandleError::DeviceLost { reason, .. } if reason.contains("Xid 79")));
+    assert!(rejected.handle.is_valid());
+    assert_eq!(rejected.handle.identity(), Some(identity));
+    assert!(matches!(BoundAllocation::release_in_place(&mut place), Err(HandleError::DeviceLost { .. })));
+    assert!(place.as_ref().is_some_and(BoundAllocation::is_valid), "a refused release leaves the place as it was");
+    assert_eq!(recorder.counts(), before, "a lost device gets no callback");
+
+    // After termination the records are retired: the handle's generation no longer
+    // validates, and still nothing is called.
+    registry.confirm_context_terminated(&context).unwrap();
+    let before = recorder.counts();
+    let stale = rejected.handle.release().unwrap_err();
+    assert_eq!(stale.reason, HandleError::StaleAllocation);
+    assert!(!stale.handle.is_valid());
+    assert_eq!(BoundAllocation::release_in_place(&mut place).unwrap_err(), HandleError::StaleAllocation);
+    drop((stale, place));
+    assert_eq!(recorder.counts(), before, "a stale handle gets no callback");
+    registry.remove(&mechanism).unwrap();
 }

@@ -381,11 +381,8 @@ fn concurrent_mixed_operations_with_faults_and_device_loss_account_for_every_blo
     // the mailbox, or lost with its device), quarantined, queued, or forgotten.
     let mechanisms = std::mem::take(&mut *shared.mechanisms.lock().unwrap());
     for m in &mechanisms {
-        let queued: usize = shared
-            .queues
-            .iter()
-            .map(|q| q.held.lock().unwrap().iter().filter(|p| p.identity().binding().mechanism() == m.id).count())
-            .sum();
+        let queued: usize =
+            shared.queues.iter().map(|q| q.count_where(|p| p.identity().binding().mechanism() == m.id)).sum();
         let (live, quarantined, in_flight) = match registry.snapshot(&m.id) {
             Ok(s) => (s.live_allocations, s.quarantined.len(), s.in_flight),
             Err(RegistryError::Unknown { .. }) => (0, 0, 0), // removed while quiescent

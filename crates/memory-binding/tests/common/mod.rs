@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use memory_api::{
-    AllocError, AllocationRequest, ByteRange, CapabilityError, DeferredReleaseQueue, DeviceAddress, DeviceAllocator,
-    DeviceKey, MappingAccess, PreparedRelease, QueueRefusal, QueueRefusalReason, RawAllocation, ReleaseOutcome,
-    ReleaseSummary, SharedBacking, SharedBackingResource, SharedMapping, SharedPlacement, VirtualBacking,
+    AllocError, AllocationRequest, ByteRange, CapabilityError, DeviceAddress, DeviceAllocator, DeviceKey,
+    MappingAccess, RawAllocation, ReleaseOutcome, SharedBacking, SharedBackingResource, SharedMapping, SharedPlacement,
+    VirtualBacking,
 };
 use memory_binding::{BindingRegistry, MechanismOptions, MemoryBinding};
 use tracing::field::{Field, Visit};
@@ -153,42 +153,10 @@ impl SharedMapping for Caps {
     }
 }
 
-/// A bounded queue that holds prepared releases until the test runs them.
-pub struct HeldQueue {
-    pub device: DeviceKey,
-    pub capacity: usize,
-    pub held: Mutex<Vec<PreparedRelease>>,
-}
-
-impl HeldQueue {
-    pub fn new(device: DeviceKey, capacity: usize) -> HeldQueue {
-        HeldQueue { device, capacity, held: Mutex::new(Vec::new()) }
-    }
-
-    /// Runs every held release (as if their events completed).
-    pub fn run_all(&self) -> Vec<ReleaseSummary> {
-        let held = std::mem::take(&mut *self.held.lock().unwrap());
-        held.into_iter().map(PreparedRelease::execute).collect()
-    }
-
-    pub fn len(&self) -> usize {
-        self.held.lock().unwrap().len()
-    }
-}
-
-impl DeferredReleaseQueue for HeldQueue {
-    fn device(&self) -> DeviceKey {
-        self.device
-    }
-    fn enqueue(&self, release: PreparedRelease) -> Result<(), QueueRefusal> {
-        let mut held = self.held.lock().unwrap();
-        if held.len() >= self.capacity {
-            return Err(QueueRefusal { release, reason: QueueRefusalReason::Full { capacity: self.capacity } });
-        }
-        held.push(release);
-        Ok(())
-    }
-}
+/// The bounded queue that holds prepared releases until the test runs them: the one
+/// the C API hands out (`allocator_cpu::HostReleaseQueue`), not a copy of its own.
+#[allow(unused_imports, reason = "not every test binary that includes this module defers releases")]
+pub use allocator_cpu::HostReleaseQueue as HeldQueue;
 
 /// Registers context + authority + `allocator` on its device.
 pub fn register(

@@ -177,6 +177,59 @@ pub unsafe extern "C" fn mc_release(
     })
 }
 
+/// What an accepted release did, for C.
+fn report_of(done: ReleaseSummary) -> McReleaseReport {
+    match done {
+        ReleaseSummary::Complete { unmapped_bytes } => McReleaseReport {
+            kind: MC_RELEASE_COMPLETE,
+            reserved: 0,
+            unmapped_bytes: unmapped_bytes as u64,
+            residual_bytes: 0,
+        },
+        ReleaseSummary::Quarantined { unmapped_bytes, residual_bytes } => McReleaseReport {
+            kind: MC_RELEASE_QUARANTINED,
+            reserved: 0,
+            unmapped_bytes: unmapped_bytes as u64,
+            residual_bytes: residual_bytes as u64,
+        },
+        _ => McReleaseReport::default(),
+    }
+}
+
+/// Releases `allocation` through the allocator that made it, with no binding: the
+/// binding it was allocated through may be destroyed already, or be another object's.
+/// The registry checks the allocation's own identity (its record and generation in the
+/// mechanism it pins) before the allocator runs; a lost device is `MC_ERR_DEVICE_LOST`
+/// with no callback. On success the handle is stale; on any error it stays valid and
+/// yours. `report` may be null.
+///
+/// # Safety
+/// `report` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mc_allocation_release(
+    allocation: *mut McAllocation,
+    report: *mut McReleaseReport,
+) -> McStatus {
+    guard("mc_allocation_release", || {
+        check_optional_out(report, "report")?;
+        let number = number(allocation);
+        let mut taken = ALLOCATIONS.take(number).map_err(|fault| handle_failure("allocation", number, fault))?;
+        match BoundAllocation::release_in_place(taken.value_mut()) {
+            Ok(done) => {
+                taken.free();
+                // SAFETY: checked above.
+                unsafe { write_optional(report, report_of(done)) };
+                Ok(())
+            }
+            Err(reason) => {
+                let failure = Failure::from(&reason);
+                taken.restore();
+                Err(failure)
+            }
+        }
+    })
+}
+
 /// Hands the release of `allocation` to `queue`; the handle is stale on success.
 #[unsafe(no_mangle)]
 pub extern "C" fn mc_release_deferred(

@@ -490,11 +490,50 @@ static void every_refusal_speaks_c(void) {
     OK(mc_registry_destroy(registry));
 }
 
+/* An allocation is released with its handle alone, after its binding is gone. */
+static void an_allocation_is_released_without_its_binding(void) {
+    McRegistry *registry = NULL;
+    McContext *context = NULL;
+    McAuthority *tenant = NULL;
+    McMechanism *mechanism = NULL;
+    McBinding *binding = NULL, *other = NULL;
+    McAllocation *block = NULL, *lost = NULL;
+    McReleaseReport report;
+    OK(mc_registry_create(&registry));
+    OK(mc_context_register(registry, GPU, NULL, NULL, &context));
+    OK(mc_authority_register(registry, GPU, NULL, NULL, &tenant));
+    OK(mc_register_cpu_allocator(registry, NULL, context, tenant, MC_CPU_POOLED, &mechanism));
+    OK(mc_bind_mechanism(registry, mechanism, &binding));
+    OK(mc_bind_mechanism(registry, mechanism, &other));
+    OK(mc_allocate(binding, 4096, 64, MP_ROLE_KV_CACHE, &block));
+    OK(mc_allocate(binding, 4096, 64, MP_ROLE_KV_CACHE, &lost));
+    OK(mc_binding_destroy(binding));
+    /* Another binding of the same mechanism is still not the one that made it... */
+    EXPECT(mc_release(other, block, NULL), MC_ERR_FOREIGN);
+    /* ...but the handle alone releases it, through its own allocator. */
+    EXPECT(mc_allocation_release(NULL, &report), MC_ERR_NULL_ARGUMENT);
+    EXPECT(mc_allocation_release((McAllocation *)other, &report), MC_ERR_INVALID_HANDLE);
+    OK(mc_allocation_release(block, &report));
+    TRUE(report.kind == MC_RELEASE_COMPLETE);
+    EXPECT(mc_allocation_release(block, &report), MC_ERR_STALE_HANDLE);
+    /* A lost device: refused with no callback, and the handle stays valid. */
+    OK(mc_invalidate_device(registry, GPU, "simulated", NULL));
+    EXPECT(mc_allocation_release(lost, NULL), MC_ERR_DEVICE_LOST);
+    OK(mc_confirm_terminated(registry, context, NULL));
+    OK(mc_allocation_drop(lost));
+    OK(mc_binding_destroy(other));
+    OK(mc_mechanism_remove(registry, mechanism));
+    OK(mc_context_remove(registry, context));
+    OK(mc_authority_remove(registry, tenant));
+    OK(mc_registry_destroy(registry));
+}
+
 int main(void) {
     arguments_are_checked_before_anything_happens();
     registrations_refused_by_the_registry_keep_the_user_pointer();
     a_reclaim_holder_in_c_frees_memory_when_the_governor_asks();
     every_refusal_speaks_c();
+    an_allocation_is_released_without_its_binding();
     printf("c contract: %d checks passed (%d failure messages checked)\n", checks, messages_checked);
     return 0;
 }
