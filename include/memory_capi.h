@@ -12,7 +12,7 @@
 #define MC_API_MAJOR 1
 
 // The C API's minor version.
-#define MC_API_MINOR 1
+#define MC_API_MINOR 2
 
 // [`McReleaseReport::kind`]: everything was released.
 #define MC_RELEASE_COMPLETE 0
@@ -120,6 +120,14 @@ typedef uint32_t McCpuAllocator;
 
 // Built-in CUDA allocators (`mc_register_cuda_allocator`).
 typedef uint32_t McCudaAllocator;
+
+// What a suspect retry did (`mc_plugin_retry_suspects`, `mc_mechanism_retry_suspects`).
+typedef struct McSuspectRetry {
+  // Suspect blocks the plugin took back or said it does not hold: no longer kept.
+  uint64_t discharged;
+  // Suspect blocks still kept (each keeps its instance and the library loaded).
+  uint64_t still_suspect;
+} McSuspectRetry;
 
 // Both sides' tallies of a plugin library (`mc_plugin_tally`).
 typedef struct McPluginTallies {
@@ -238,6 +246,10 @@ typedef struct McTermination {
 
 // A panic inside the library was caught; the registry stays consistent.
 #define MC_ERR_PANIC 21
+
+// The plugin library cannot be unloaded: the host keeps blocks of it as suspect
+// (`mc_plugin_retry_suspects` hands them back to the plugin); the count is in the message.
+#define MC_ERR_SUSPECT_BLOCKS 22
 
 // The system allocator: an allocation is usable memory at once.
 #define MC_CPU_SYSTEM 0
@@ -519,6 +531,17 @@ McStatus mc_mechanism_remove(struct McRegistry *registry, struct McMechanism *me
 // `released` and `still_quarantined` are null or writable.
 McStatus mc_mechanism_retry_quarantined(struct McRegistry *registry, struct McMechanism *mechanism, uint64_t *released, uint64_t *still_quarantined);
 
+// Hands the blocks the host keeps as suspect through `mechanism`'s plugin instance (a
+// `mc_register_plugin` or `mc_register_vtable` mechanism, while it is registered) back
+// to the plugin's `release`, as `mc_plugin_retry_suspects` does for a whole library,
+// and writes how many were discharged and how many are still kept. A built-in
+// mechanism keeps no suspect blocks: `MC_ERR_UNSUPPORTED`. While its device is lost
+// (before `mc_confirm_terminated`) nothing is handed back: `MC_ERR_DEVICE_LOST`.
+//
+// # Safety
+// `out` is null or writable.
+McStatus mc_mechanism_retry_suspects(struct McRegistry *registry, struct McMechanism *mechanism, struct McSuspectRetry *out);
+
 // Loads a plugin library.
 //
 // # Safety
@@ -532,9 +555,24 @@ McStatus mc_plugin_load(const char *path, struct McPluginLibrary **out);
 // `out` is null or writable.
 McStatus mc_plugin_tally(struct McPluginLibrary *library, struct McPluginTallies *out);
 
+// Hands every block the host keeps as suspect through `library` (any of its instances,
+// ones kept only for their suspect blocks included) back to the plugin's `release`: a
+// block the plugin takes back, or says it does not hold, is discharged; any other answer
+// keeps it. A block that overlapped a live block goes back only once no live block
+// overlaps it. An instance left with no suspect block is no longer kept, so the library
+// can unload once nothing else lives. Writes how many were discharged and how many are
+// still kept. The library belongs to no registry: to keep a lost device's plugin from
+// being called, confirm its context terminated first (`mc_confirm_terminated`).
+//
+// # Safety
+// `out` is null or writable.
+McStatus mc_plugin_retry_suspects(struct McPluginLibrary *library, struct McSuspectRetry *out);
+
 // Unloads a plugin library if nothing made through it lives on either side, and frees
-// the handle. Otherwise `MC_ERR_UNLOAD_REFUSED` with both tallies in the message; the
-// handle stays valid.
+// the handle. Otherwise the handle stays valid and the status says why:
+// `MC_ERR_SUSPECT_BLOCKS` while the host keeps blocks of it as suspect (their count in
+// the message; `mc_plugin_retry_suspects` hands them back), else
+// `MC_ERR_UNLOAD_REFUSED`, with both tallies in the message either way.
 McStatus mc_plugin_unload(struct McPluginLibrary *library);
 
 // Creates a queue for `device` holding at most `capacity` (1 or more) releases, which

@@ -54,6 +54,9 @@ pub const MC_ERR_BACKEND: McStatus = 19;
 pub const MC_ERR_EXHAUSTED: McStatus = 20;
 /// A panic inside the library was caught; the registry stays consistent.
 pub const MC_ERR_PANIC: McStatus = 21;
+/// The plugin library cannot be unloaded: the host keeps blocks of it as suspect
+/// (`mc_plugin_retry_suspects` hands them back to the plugin); the count is in the message.
+pub const MC_ERR_SUSPECT_BLOCKS: McStatus = 22;
 
 /// The name of a status code.
 pub(crate) fn status_name(status: McStatus) -> &'static str {
@@ -80,6 +83,7 @@ pub(crate) fn status_name(status: McStatus) -> &'static str {
         MC_ERR_BACKEND => "MC_ERR_BACKEND",
         MC_ERR_EXHAUSTED => "MC_ERR_EXHAUSTED",
         MC_ERR_PANIC => "MC_ERR_PANIC",
+        MC_ERR_SUSPECT_BLOCKS => "MC_ERR_SUSPECT_BLOCKS",
         _ => "unknown status",
     }
 }
@@ -189,8 +193,9 @@ thread_local! {
 
 /// Advice in the messages of the Rust crates below that names a Rust item, and what a C
 /// caller does instead. Applied in order to every message that reaches C; the longer
-/// phrases come before the names they contain. `tests/c/errors.c` walks every failure
-/// the C API produces and checks no message names a Rust item.
+/// phrases come before the names they contain. The C programs (`tests/c/contract.c`
+/// walks every failure the C API produces; `tests/c/suspects.c` the loader's) check,
+/// through `tests/c/check.h`, that no message names a Rust item.
 const C_TERMS: &[(&str, &str)] = &[
     // memory-governor: exhaustion advice and account errors.
     (
@@ -245,6 +250,12 @@ const C_TERMS: &[(&str, &str)] = &[
     ),
     ("call invalidate_device for device:", "call mc_invalidate_device for device:"),
     (" on the registry, then recreate the context", ", then recreate the context"),
+    // memory-plugin: suspect blocks, discharged by a suspect retry.
+    (
+        "until a suspect retry discharges it",
+        "until mc_plugin_retry_suspects (or mc_mechanism_retry_suspects) discharges it",
+    ),
+    ("retry the suspect blocks (each goes", "retry the suspect blocks with mc_plugin_retry_suspects (each goes"),
 ];
 
 /// `message` in a C caller's terms (see [`C_TERMS`]).

@@ -179,6 +179,22 @@ pub struct McTermination {
     pub discharged_quarantine: u64,
 }
 
+/// What a suspect retry did (`mc_plugin_retry_suspects`, `mc_mechanism_retry_suspects`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct McSuspectRetry {
+    /// Suspect blocks the plugin took back or said it does not hold: no longer kept.
+    pub discharged: u64,
+    /// Suspect blocks still kept (each keeps its instance and the library loaded).
+    pub still_suspect: u64,
+}
+
+impl From<memory_plugin::SuspectRetry> for McSuspectRetry {
+    fn from(retry: memory_plugin::SuspectRetry) -> McSuspectRetry {
+        McSuspectRetry { discharged: retry.discharged as u64, still_suspect: retry.still_suspect as u64 }
+    }
+}
+
 /// Both sides' tallies of a plugin library (`mc_plugin_tally`).
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

@@ -133,6 +133,23 @@ fn messages_say_what_was_asked_found_and_what_to_do() {
     assert_eq!(name.to_str().unwrap(), "MC_ERR_STALE_HANDLE");
 }
 
+#[test]
+fn every_status_has_its_name_and_an_unknown_one_says_so() {
+    let name = |status| {
+        // SAFETY: the name is a static C string.
+        unsafe { std::ffi::CStr::from_ptr(mc_status_name(status)) }.to_str().unwrap().to_owned()
+    };
+    let names: Vec<String> = (MC_OK..=MC_ERR_SUSPECT_BLOCKS).map(name).collect();
+    assert!(names.iter().all(|n| n.starts_with("MC_")), "{names:?}");
+    let mut distinct = names.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), names.len(), "{names:?}");
+    assert_eq!(name(MC_ERR_SUSPECT_BLOCKS), "MC_ERR_SUSPECT_BLOCKS");
+    assert_eq!(name(MC_ERR_SUSPECT_BLOCKS + 1), "unknown status");
+    assert_eq!(name(-1), "unknown status");
+}
+
 /// Counts a context's user destructor (its user pointer is the count).
 unsafe extern "C" fn count_destroy(user: *mut std::ffi::c_void) {
     // SAFETY: the tests below pass a pointer to a live (leaked) counter.

@@ -58,6 +58,7 @@ layouts! {
         host_other_pins, plugin_reported, reserved, plugin,
     }
     McReclaimRequest { device, bytes, role, reserved }
+    McSuspectRetry { discharged, still_suspect }
 }
 
 fn probe(language: Language, extension: &str) -> BTreeMap<String, usize> {

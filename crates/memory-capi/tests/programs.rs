@@ -4,7 +4,8 @@
 //! allocator kind end to end (`tests/c/kinds.c`: system, pooled, virtual, shared, a C
 //! vtable), and the contract a C programmer relies on (`tests/c/contract.c`: argument
 //! checks before any effect, destroy rules, queue capacity, reclaim holders, messages in
-//! C terms). Every program also runs under valgrind, which must report no error and no
+//! C terms), and suspect plugin blocks (`tests/c/suspects.c`: an unknown status or an
+//! overlap keeps the block, the instance and the library until a suspect retry). Every program also runs under valgrind, which must report no error and no
 //! leak, and under AddressSanitizer + UndefinedBehaviorSanitizer (gcc's
 //! `-fsanitize=address,undefined`, leak detection on, every finding fatal).
 
@@ -140,17 +141,30 @@ fn the_cpp_program_has_no_memory_errors_or_leaks_under_valgrind() {
     valgrind(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp"));
 }
 
+/// memory-plugin's example plugin (`crates/memory-plugin/tests/c/example_plugin.c`), built
+/// once as a shared library; its configuration scripts its faults.
+fn example_plugin() -> &'static Path {
+    static PLUGIN: OnceLock<PathBuf> = OnceLock::new();
+    PLUGIN.get_or_init(|| {
+        NativeBuild::new(Language::C("c11"))
+            .source(manifest().join("../memory-plugin/tests/c/example_plugin.c"))
+            .include(manifest().join("../../include"))
+            .arg("-lpthread")
+            .shared_library(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin"), "libexample_plugin.so")
+    })
+}
+
+fn plugin_arg() -> Vec<&'static str> {
+    vec![example_plugin().to_str().expect("the target directory's path is UTF-8")]
+}
+
 /// Every allocator kind the C API registers without a GPU (and a C vtable with virtual
 /// backing, so the capability calls reach a vtable's slots), and memory-plugin's example
 /// plugin as a shared library (`plugin:PATH`).
 fn kinds() -> &'static [String] {
     static KINDS: OnceLock<Vec<String>> = OnceLock::new();
     KINDS.get_or_init(|| {
-        let plugin = NativeBuild::new(Language::C("c11"))
-            .source(manifest().join("../memory-plugin/tests/c/example_plugin.c"))
-            .include(manifest().join("../../include"))
-            .arg("-lpthread")
-            .shared_library(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin"), "libexample_plugin.so");
+        let plugin = example_plugin();
         ["system", "pooled", "virtual", "shared", "vtable", "vtable-virtual"]
             .iter()
             .map(|kind| (*kind).to_owned())
@@ -190,6 +204,18 @@ fn the_c_contract_program_has_no_memory_errors_or_leaks_under_valgrind() {
     valgrind(&build(Language::C("c11"), "tests/c/contract.c", "contract-c"));
 }
 
+#[test]
+fn suspect_plugin_blocks_keep_the_library_loaded_until_a_retry_hands_them_back() {
+    let program = build(Language::C("c11"), "tests/c/suspects.c", "suspects-c");
+    let stdout = run_with(&program, &plugin_arg());
+    assert!(stdout.contains("c suspects:") && stdout.contains("failure messages checked"), "{stdout}");
+}
+
+#[test]
+fn the_c_suspects_program_has_no_memory_errors_or_leaks_under_valgrind() {
+    valgrind_with(&build(Language::C("c11"), "tests/c/suspects.c", "suspects-c"), &plugin_arg());
+}
+
 /// Runs a sanitizer build; any finding fails it (and the exit status says so too).
 fn sanitized(program: &Path, args: &[&str]) {
     let output = Command::new(program)
@@ -222,6 +248,7 @@ fn the_c_and_cpp_programs_are_clean_under_address_and_undefined_behaviour_saniti
     };
     sanitized(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c-asan"), &kind_args());
     sanitized(&build(Language::C("c11"), "tests/c/contract.c", "contract-c-asan"), &[]);
+    sanitized(&build(Language::C("c11"), "tests/c/suspects.c", "suspects-c-asan"), &plugin_arg());
     sanitized(&build(Language::C("c11"), "tests/c/smoke.c", "smoke-c-asan"), &[]);
     sanitized(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp-asan"), &[]);
 }

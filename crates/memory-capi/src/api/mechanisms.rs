@@ -1,5 +1,6 @@
 //! Mechanisms: built-in CPU and CUDA allocators, plugin instances and C vtables
-//! registered with a registry (governed or not); select, retire, remove, retry.
+//! registered with a registry (governed or not); select, retire, remove, retry
+//! (quarantined releases; a plugin's or vtable's suspect blocks).
 //!
 //! Every registration borrows and checks all it names (registry, governor, context,
 //! authority, kind, out-pointer, a free handle) before any allocator is made: no driver
@@ -12,7 +13,7 @@ use allocator_cpu::{PooledAllocator, SystemAllocator};
 #[cfg(unix)]
 use allocator_cpu::{SharedHostAllocator, VirtualHostAllocator};
 use allocator_cuda::{CudaAllocator, CudaDevice, CudaPoolAllocator, CudaStream, CudaVmmAllocator};
-use memory_governor::{BindingRegistry, DeviceAllocator, Governor, MechanismIdentity, RegistryError};
+use memory_governor::{BindingRegistry, DeviceAllocator, Governor, MechanismIdentity, MechanismState, RegistryError};
 use memory_plugin::{InstanceOptions, PluginAllocator};
 use memory_plugin_abi::{MP_CAP_ALL, MpAllocator};
 
@@ -23,7 +24,9 @@ use super::registry::{
 };
 use super::{borrow, borrow_optional, check_optional_out, check_out, fill, text_or, vacancy, write, write_optional};
 use crate::handles::{Borrow, Scheme, Vacancy};
-use crate::status::{Failure, MC_ERR_BACKEND, MC_ERR_INVALID_ARGUMENT, MC_ERR_UNSUPPORTED, McStatus, guard};
+use crate::status::{
+    Failure, MC_ERR_BACKEND, MC_ERR_DEVICE_LOST, MC_ERR_INVALID_ARGUMENT, MC_ERR_UNSUPPORTED, McStatus, guard,
+};
 use crate::types::*;
 
 pub(crate) const KIND_MECHANISM: u8 = 0xa5;
@@ -338,6 +341,55 @@ pub unsafe extern "C" fn mc_mechanism_retry_quarantined(
         unsafe { write_optional(released, report.released as u64) };
         // SAFETY: as above.
         unsafe { write_optional(still_quarantined, report.still_quarantined as u64) };
+        Ok(())
+    })
+}
+
+/// Hands the blocks the host keeps as suspect through `mechanism`'s plugin instance (a
+/// `mc_register_plugin` or `mc_register_vtable` mechanism, while it is registered) back
+/// to the plugin's `release`, as `mc_plugin_retry_suspects` does for a whole library,
+/// and writes how many were discharged and how many are still kept. A built-in
+/// mechanism keeps no suspect blocks: `MC_ERR_UNSUPPORTED`. While its device is lost
+/// (before `mc_confirm_terminated`) nothing is handed back: `MC_ERR_DEVICE_LOST`.
+///
+/// # Safety
+/// `out` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mc_mechanism_retry_suspects(
+    registry: *mut McRegistry,
+    mechanism: *mut McMechanism,
+    out: *mut McSuspectRetry,
+) -> McStatus {
+    guard("mc_mechanism_retry_suspects", || {
+        check_out(out, "out")?;
+        let registry_entry = borrow(&REGISTRIES, registry)?;
+        let entry = borrow(&MECHANISMS, mechanism)?;
+        check_issued(&registry_entry, &entry.ticket, "mechanism", mechanism.cast())?;
+        let Some(plugin) = &entry.plugin else {
+            return Err(Failure::new(
+                MC_ERR_UNSUPPORTED,
+                format!(
+                    "mechanism {:#x} is a built-in allocator (mc_register_cpu_allocator or \
+                     mc_register_cuda_allocator), which keeps no suspect blocks; only mc_register_plugin and \
+                     mc_register_vtable mechanisms do",
+                    crate::handles::number(mechanism)
+                ),
+            ));
+        };
+        let state = registry_entry.snapshot(&entry.identity)?.state;
+        if state == MechanismState::DeviceLost {
+            return Err(Failure::new(
+                MC_ERR_DEVICE_LOST,
+                format!(
+                    "mechanism {:#x} is device-lost: no block is handed back to a lost device; confirm its context \
+                     terminated (mc_confirm_terminated), then retry",
+                    crate::handles::number(mechanism)
+                ),
+            ));
+        }
+        let retry = McSuspectRetry::from(plugin.retry_suspects());
+        // SAFETY: checked above.
+        unsafe { write(out, retry) };
         Ok(())
     })
 }

@@ -5,11 +5,11 @@
 //! | (here) | `mc_api_version`, `mc_last_error_message`, `mc_status_name` | — |
 //! | `registry` | registry, contexts, authorities, device loss and termination | `McRegistry`, `McContext`, `McAuthority` |
 //! | `governor` | governor, limits, quotas, accounts, policy, reclaim holders | `McGovernor`, `McReclaimHolder` |
-//! | `mechanisms` | CPU, CUDA, plugin and vtable registration; select, retire, remove | `McMechanism` |
+//! | `mechanisms` | CPU, CUDA, plugin and vtable registration; select, retire, remove, retry | `McMechanism` |
 //! | `bindings` | bind, allocate, release (now, deferred, by the handle alone), drop | `McBinding`, `McAllocation` |
 //! | `capabilities` | virtual backing (commit, decommit) and shared mapping (map, unmap) | `McBacking` |
 //! | `queues` | deferred-release queues | `McQueue` |
-//! | `plugins` | plugin libraries: load, tally, unload | `McPluginLibrary` |
+//! | `plugins` | plugin libraries: load, tally, retry suspect blocks, unload | `McPluginLibrary` |
 //! | `snapshot` | the JSON snapshot | — |
 //!
 //! Each function runs inside [`guard`] (no panic crosses the boundary), checks every
@@ -74,7 +74,7 @@ pub use snapshot::*;
 /// The C API's version: major changes break callers, minor ones only add.
 pub const MC_API_MAJOR: u32 = 1;
 /// The C API's minor version.
-pub const MC_API_MINOR: u32 = 1;
+pub const MC_API_MINOR: u32 = 2;
 
 /// What a handle of `tag` is, for a message about a handle of the wrong kind.
 fn kind_name(tag: u8) -> &'static str {
@@ -366,6 +366,7 @@ pub extern "C" fn mc_status_name(status: McStatus) -> *const c_char {
         MC_ERR_BUFFER_TOO_SMALL,
         MC_ERR_BACKEND,
         MC_ERR_EXHAUSTED,
-        MC_ERR_PANIC
+        MC_ERR_PANIC,
+        MC_ERR_SUSPECT_BLOCKS
     )
 }

@@ -1,4 +1,4 @@
-//! Plugin libraries: load, tally, unload (docs/C-ABI.md §4).
+//! Plugin libraries: load, tally, retry suspect blocks, unload (docs/C-ABI.md §4).
 
 use std::ffi::c_char;
 
@@ -6,7 +6,7 @@ use memory_plugin::PluginLibrary;
 
 use super::{borrow, check_out, fill, handle_failure, text, vacancy, write};
 use crate::handles::{Scheme, number};
-use crate::status::{Failure, MC_ERR_UNLOAD_REFUSED, McStatus, guard};
+use crate::status::{Failure, MC_ERR_SUSPECT_BLOCKS, MC_ERR_UNLOAD_REFUSED, McStatus, guard};
 use crate::types::*;
 
 pub(crate) const KIND_LIBRARY: u8 = 0xa8;
@@ -74,9 +74,34 @@ fn tallies(host: &memory_plugin::HostTally, plugin: Option<memory_plugin::Plugin
     }
 }
 
+/// Hands every block the host keeps as suspect through `library` (any of its instances,
+/// ones kept only for their suspect blocks included) back to the plugin's `release`: a
+/// block the plugin takes back, or says it does not hold, is discharged; any other answer
+/// keeps it. A block that overlapped a live block goes back only once no live block
+/// overlaps it. An instance left with no suspect block is no longer kept, so the library
+/// can unload once nothing else lives. Writes how many were discharged and how many are
+/// still kept. The library belongs to no registry: to keep a lost device's plugin from
+/// being called, confirm its context terminated first (`mc_confirm_terminated`).
+///
+/// # Safety
+/// `out` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mc_plugin_retry_suspects(library: *mut McPluginLibrary, out: *mut McSuspectRetry) -> McStatus {
+    guard("mc_plugin_retry_suspects", || {
+        check_out(out, "out")?;
+        let library = borrow(&LIBRARIES, library)?;
+        let retry = McSuspectRetry::from(library.retry_suspects());
+        // SAFETY: checked above.
+        unsafe { write(out, retry) };
+        Ok(())
+    })
+}
+
 /// Unloads a plugin library if nothing made through it lives on either side, and frees
-/// the handle. Otherwise `MC_ERR_UNLOAD_REFUSED` with both tallies in the message; the
-/// handle stays valid.
+/// the handle. Otherwise the handle stays valid and the status says why:
+/// `MC_ERR_SUSPECT_BLOCKS` while the host keeps blocks of it as suspect (their count in
+/// the message; `mc_plugin_retry_suspects` hands them back), else
+/// `MC_ERR_UNLOAD_REFUSED`, with both tallies in the message either way.
 #[unsafe(no_mangle)]
 pub extern "C" fn mc_plugin_unload(library: *mut McPluginLibrary) -> McStatus {
     guard("mc_plugin_unload", || {
@@ -89,9 +114,10 @@ pub extern "C" fn mc_plugin_unload(library: *mut McPluginLibrary) -> McStatus {
                 Ok(())
             }
             Err(refused) => {
+                let status = if refused.suspect_blocks() > 0 { MC_ERR_SUSPECT_BLOCKS } else { MC_ERR_UNLOAD_REFUSED };
                 let message = refused.to_string();
                 reservation.restore(refused.library);
-                Err(Failure::new(MC_ERR_UNLOAD_REFUSED, message))
+                Err(Failure::new(status, message))
             }
         }
     })
