@@ -257,7 +257,7 @@ fn a_queue_refusing_with_a_forged_release_cannot_corrupt_the_books() {
         queue.address.store(address, Ordering::SeqCst);
 
         let collector = Collector::default();
-        let traced = tracing::subscriber::set_default(collector.clone());
+        let traced = collector.install();
         let result = binding.release_deferred(block, &queue);
         drop(traced);
         assert!(result.is_ok(), "{what}: a release the queue lost has no handle left to give back: {result:?}");
@@ -694,7 +694,7 @@ fn an_unfit_block_returned_after_device_loss_is_kept_for_forget_lost_not_release
     lose_device_inside_allocate(&ledger, &registry, 1);
     ledger.short_blocks.store(true, Ordering::SeqCst);
     let collector = Collector::default();
-    let traced = tracing::subscriber::set_default(collector.clone());
+    let traced = collector.install();
     let error = binding.allocate(request(PAGE)).unwrap_err();
     drop(traced);
     assert!(matches!(error, AllocateError::InvalidBlock { .. }), "{error}");
@@ -740,7 +740,7 @@ fn an_unfit_block_the_allocator_will_not_take_back_is_traced_as_an_error() {
     ledger.short_blocks.store(true, Ordering::SeqCst);
     ledger.refuse_releases.store(true, Ordering::SeqCst);
     let collector = Collector::default();
-    let traced = tracing::subscriber::set_default(collector.clone());
+    let traced = collector.install();
     assert!(matches!(binding.allocate(request(PAGE)), Err(AllocateError::InvalidBlock { .. })));
     drop(traced);
     let events = collector.take();
@@ -805,7 +805,7 @@ fn a_release_panicking_in_a_drop_during_unwinding_quarantines_without_aborting()
     let block = binding.allocate(request(64)).unwrap();
     ledger.panic_on_release.store(true, Ordering::SeqCst);
     let collector = Collector::default();
-    let traced = tracing::subscriber::set_default(collector.clone());
+    let traced = collector.install();
     while_unwinding(move || drop(block));
     drop(traced);
     let events = collector.take();
@@ -854,7 +854,7 @@ fn a_deferring_drop_whose_queue_panics_during_unwinding_quarantines_without_abor
     let binding = registry.bind_registered(&mechanism).unwrap();
     let block = binding.allocate(request(64)).unwrap();
     let collector = Collector::default();
-    let traced = tracing::subscriber::set_default(collector.clone());
+    let traced = collector.install();
     while_unwinding(move || drop(block));
     drop(traced);
     let events = collector.take();
@@ -938,7 +938,7 @@ fn a_complete_release_claiming_more_than_the_block_is_corrected_and_counted() {
 
     ledger.complete_claims.store(1 << 40, Ordering::SeqCst);
     let collector = Collector::default();
-    let traced = tracing::subscriber::set_default(collector.clone());
+    let traced = collector.install();
     let report = binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap();
     drop(traced);
     assert_eq!(report, ReleaseSummary::Complete { unmapped_bytes: PAGE }, "the claim was not checked");

@@ -14,7 +14,7 @@ use tracing::Level;
 #[test]
 fn lifecycle_transitions_are_traced_and_the_hot_path_stays_at_trace() {
     let collector = Collector::default();
-    let _default = tracing::subscriber::set_default(collector.clone());
+    let _default = collector.install();
     let registry = BindingRegistry::new();
     let gpu = DeviceKey::device(0);
 

@@ -14,6 +14,7 @@ use memory_api::{
 use memory_binding::{BindingRegistry, MechanismOptions, MemoryBinding};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
+use tracing::subscriber::Interest;
 use tracing::{Event, Level, Metadata, Subscriber};
 
 pub const PAGE: usize = 4096;
@@ -204,6 +205,12 @@ impl Visit for Message {
 }
 
 impl Subscriber for Collector {
+    // "Sometimes", not the default "always": a callsite's interest is cached process-wide
+    // from every live subscriber, and tests on other threads run without this one; with
+    // "sometimes" every event asks the current thread's subscriber instead of a cache.
+    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
+        Interest::sometimes()
+    }
     fn enabled(&self, _: &Metadata<'_>) -> bool {
         true
     }
@@ -222,6 +229,16 @@ impl Subscriber for Collector {
 }
 
 impl Collector {
+    /// Makes this collector the calling thread's subscriber until the guard drops, and
+    /// rebuilds every callsite's cached interest, so a callsite first reached on another
+    /// thread while no collector was installed cannot stay disabled here (a test run
+    /// under load once missed an event that way).
+    pub fn install(&self) -> tracing::subscriber::DefaultGuard {
+        let guard = tracing::subscriber::set_default(self.clone());
+        tracing::callsite::rebuild_interest_cache();
+        guard
+    }
+
     pub fn take(&self) -> Vec<(Level, String)> {
         std::mem::take(&mut *self.0.lock().unwrap())
     }
