@@ -22,7 +22,11 @@ use crate::binding::MemoryBinding;
 use crate::sync::Ordering;
 
 /// Keeps the provider context of a binding's mechanism from being confirmed
-/// terminated until dropped (see the [module docs](self)). Also pins the binding.
+/// terminated until dropped: while it lives,
+/// [`confirm_context_terminated`](crate::BindingRegistry::confirm_context_terminated)
+/// answers [`ContextNotQuiescent`](crate::RegistryError::ContextNotQuiescent). For an
+/// adapter whose foreign runtime (an ONNX Runtime session, a C program) may still call
+/// `Free` on the mechanism's blocks. Also pins the binding.
 #[must_use = "the hold ends as soon as it is dropped"]
 pub struct CallerHold {
     binding: MemoryBinding,
