@@ -12,24 +12,13 @@ use memory_ort::{OrtAssets, OrtEnvironment};
 use ort::environment::GlobalThreadPoolOptions;
 
 fn environment(test: &str) -> Option<(&'static OrtEnvironment, &'static OrtAssets)> {
-    static LOADED: OnceLock<Result<(OrtEnvironment, OrtAssets), String>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(|| {
-        let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
-        let env = OrtEnvironment::load_with(&assets.library, |builder| {
+    static LOADED: OnceLock<common::Loaded> = OnceLock::new();
+    common::ort_with(test, &LOADED, |assets| {
+        OrtEnvironment::load_with(&assets.library, |builder| {
             let pool = GlobalThreadPoolOptions::default().with_intra_threads(2)?.with_inter_threads(2)?;
             Ok(builder.with_global_thread_pool(pool))
         })
-        .map_err(|err| err.to_string())?;
-        Ok((env, assets))
-    });
-    match loaded {
-        Ok((env, assets)) => Some((env, assets)),
-        Err(reason) if OrtAssets::required() => panic!("{test}: {reason}"),
-        Err(reason) => {
-            eprintln!("skipped {test}: {reason}");
-            None
-        }
-    }
+    })
 }
 
 #[test]

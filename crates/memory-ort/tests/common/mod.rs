@@ -17,10 +17,23 @@ use memory_ort::{GovernedOrtAllocator, OrtAllocatorConfig, OrtAssets, OrtEnviron
 /// The environment and assets, or `None` after printing that `test` was skipped.
 /// Under `cargo xtask test` (`MEMORY_ORT_REQUIRED=1`) a missing asset fails the test.
 pub fn ort(test: &str) -> Option<(&'static OrtEnvironment, &'static OrtAssets)> {
-    static LOADED: OnceLock<Result<(OrtEnvironment, OrtAssets), String>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(|| {
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
+    ort_with(test, &LOADED, |assets| OrtEnvironment::load(&assets.library))
+}
+
+/// What a test binary's one environment load gave.
+pub type Loaded = Result<(OrtEnvironment, OrtAssets), String>;
+
+/// As [`ort`], with the binary's environment kept in `loaded` and built by `load` (a
+/// binary whose environment needs options of its own, such as a global thread pool).
+pub fn ort_with(
+    test: &str,
+    loaded: &'static OnceLock<Loaded>,
+    load: impl FnOnce(&OrtAssets) -> Result<OrtEnvironment, memory_ort::OrtAdapterError>,
+) -> Option<(&'static OrtEnvironment, &'static OrtAssets)> {
+    let loaded = loaded.get_or_init(|| {
         let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
-        let env = OrtEnvironment::load(&assets.library).map_err(|err| err.to_string())?;
+        let env = load(&assets).map_err(|err| err.to_string())?;
         Ok((env, assets))
     });
     match loaded {
