@@ -123,6 +123,8 @@ struct Packed {
 const TIER_SHIFT: u32 = 32;
 const DEVICE_BITS: u64 = (1 << 34) - 1;
 const ROLE_SHIFT: u32 = 40;
+// A role is packed into 3 bits: a ninth role must widen them, not decode as another.
+const _: () = assert!(MemoryRole::ALL.len() <= 8);
 const QUARANTINED: u64 = 1 << 48;
 
 /// A device's bits in [`Packed::meta`]; `None` for a tier this governor cannot record

@@ -314,7 +314,7 @@ impl<P: Payload> RecordTable<P> {
         }
         // Slots of the overflow part always go back through its remote stack.
         let owned_here = owner < NO_OWNER && is_current(owner);
-        Some(TakenRecord { part, slot, owned_here, record, live: state, value })
+        Some(TakenRecord { part, slot, owned_here, record, live: state, value, _this_thread: std::marker::PhantomData })
     }
 
     /// A copy of the payload of the record `tag` names, if it is live (not taken) and
@@ -366,6 +366,9 @@ pub struct TakenRecord<'a, P: Payload> {
     /// The record's state word while live (its generation).
     live: u64,
     value: P::Value,
+    /// Not `Send`: `owned_here` is the taking thread's answer, and a free on another
+    /// thread would push onto the owner's single-writer list.
+    _this_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl<P: Payload> TakenRecord<'_, P> {
