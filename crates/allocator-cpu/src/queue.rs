@@ -49,7 +49,8 @@ impl HostReleaseQueue {
 
     /// Runs every held release, oldest first, with no lock held; returns what each did.
     pub fn run_all(&self) -> Vec<ReleaseSummary> {
-        let ready: Vec<PreparedRelease> = self.pending().drain(..).collect();
+        // Taken whole under the lock (no copy), run after it is released.
+        let ready = std::mem::take(&mut *self.pending());
         ready.into_iter().map(PreparedRelease::execute).collect()
     }
 

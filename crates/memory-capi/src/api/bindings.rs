@@ -149,21 +149,7 @@ pub unsafe extern "C" fn mc_release(
         match binding.release_from(taken.value_mut()) {
             Ok(done) => {
                 taken.free();
-                let written = match done {
-                    ReleaseSummary::Complete { unmapped_bytes } => McReleaseReport {
-                        kind: MC_RELEASE_COMPLETE,
-                        reserved: 0,
-                        unmapped_bytes: unmapped_bytes as u64,
-                        residual_bytes: 0,
-                    },
-                    ReleaseSummary::Quarantined { unmapped_bytes, residual_bytes } => McReleaseReport {
-                        kind: MC_RELEASE_QUARANTINED,
-                        reserved: 0,
-                        unmapped_bytes: unmapped_bytes as u64,
-                        residual_bytes: residual_bytes as u64,
-                    },
-                    _ => McReleaseReport::default(),
-                };
+                let written = report_of(done);
                 // SAFETY: checked above.
                 unsafe { write_optional(report, written) };
                 Ok(())
