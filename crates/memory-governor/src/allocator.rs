@@ -249,7 +249,7 @@ impl Records {
     /// Records a block the inner allocator returned; the governed block, or the inner
     /// block back when the calling thread's part of the table is full (or the block is
     /// on a tier the record has no code for).
-    #[inline]
+    #[inline(always)]
     fn insert(&self, inner: RawAllocation, role: MemoryRole, charged: u64) -> Result<RawAllocation, RawAllocation> {
         let block = Block::of(&inner);
         let Some(packed) = Packed::new(&block, role, charged) else {
@@ -431,7 +431,13 @@ impl GovernedAllocator {
     /// the real size of the block the inner allocator returned, which is then given
     /// back); [`GovernedAllocError::Allocator`] when the inner allocator fails (the
     /// charge is cancelled then).
+    #[inline]
     pub fn try_allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, GovernedAllocError> {
+        self.allocate_governed(request)
+    }
+
+    #[inline(always)]
+    fn allocate_governed(&self, request: &AllocationRequest) -> Result<RawAllocation, GovernedAllocError> {
         let role = request.role();
         let bytes = request.bytes() as u64;
         self.account.charge(role, bytes).map_err(GovernedAllocError::Refused)?;
@@ -444,33 +450,66 @@ impl GovernedAllocator {
         charge.armed = false;
         // The books count the block's real size.
         let actual = block.bytes() as u64;
-        if actual > bytes {
-            if let Err(refusal) = self.account.grow(role, bytes, actual - bytes) {
-                self.give_back_unrecorded(block, role, bytes);
+        if actual != bytes {
+            return self.resized(block, role, bytes, actual);
+        }
+        self.record(block, role, actual)
+    }
+
+    /// Charges a block the inner allocator made larger (or smaller) than asked at its
+    /// real size, then records it.
+    #[cold]
+    #[inline(never)]
+    fn resized(
+        &self,
+        block: RawAllocation,
+        role: MemoryRole,
+        asked: u64,
+        actual: u64,
+    ) -> Result<RawAllocation, GovernedAllocError> {
+        if actual > asked {
+            if let Err(refusal) = self.account.grow(role, asked, actual - asked) {
+                self.give_back_unrecorded(block, role, asked);
                 return Err(GovernedAllocError::Refused(refusal));
             }
-        } else if actual < bytes {
-            self.account.refund(role, bytes - actual, false);
+        } else {
+            self.account.refund(role, asked - actual, false);
         }
-        match self.records.insert(block, role, actual) {
+        self.record(block, role, actual)
+    }
+
+    /// Records a block charged `charged` bytes; the governed block.
+    #[inline(always)]
+    fn record(
+        &self,
+        block: RawAllocation,
+        role: MemoryRole,
+        charged: u64,
+    ) -> Result<RawAllocation, GovernedAllocError> {
+        match self.records.insert(block, role, charged) {
             Ok(governed) => Ok(governed),
-            Err(block) => {
-                self.give_back_unrecorded(block, role, actual);
-                Err(GovernedAllocError::Allocator(AllocError::Backend {
-                    device: self.device(),
-                    source: BackendError {
-                        backend: "governor",
-                        operation: "record",
-                        code: 0,
-                        detail: format!(
-                            "{} could not record the block: this thread holds 2^24 - 32 governed blocks \
-                             (the record table's bound per thread); release some of its blocks first",
-                            self.forward.name
-                        ),
-                    },
-                }))
-            }
+            Err(block) => Err(self.unrecorded(block, role, charged)),
         }
+    }
+
+    /// The calling thread's part of the record table is full: the block goes back.
+    #[cold]
+    #[inline(never)]
+    fn unrecorded(&self, block: RawAllocation, role: MemoryRole, charged: u64) -> GovernedAllocError {
+        self.give_back_unrecorded(block, role, charged);
+        GovernedAllocError::Allocator(AllocError::Backend {
+            device: self.device(),
+            source: BackendError {
+                backend: "governor",
+                operation: "record",
+                code: 0,
+                detail: format!(
+                    "{} could not record the block: this thread holds 2^24 - 32 governed blocks \
+                     (the record table's bound per thread); release some of its blocks first",
+                    self.forward.name
+                ),
+            },
+        })
     }
 
     /// Releases a block the inner allocator made but the governor never handed out,
@@ -488,6 +527,13 @@ impl GovernedAllocator {
         }
     }
 
+    #[cold]
+    #[inline(never)]
+    fn alloc_error(&self, error: GovernedAllocError) -> AllocError {
+        error.into_alloc_error(self.device())
+    }
+
+    #[cold]
     fn not_owned(&self, allocation: RawAllocation) -> ReleaseOutcome {
         tracing::error!(allocator = %self.forward.name, block = ?allocation,
             "release of a block this governed allocator did not hand out (or is releasing); refused");
@@ -508,6 +554,61 @@ impl GovernedAllocator {
         }
         if record.quarantined() {
             quarantined.fetch_sub(record.charged, Ordering::Relaxed);
+        }
+    }
+}
+
+impl GovernedAllocator {
+    /// A release the inner allocator did not complete: what it still holds stays
+    /// charged (as a quarantine) and the record live under `tag`; an answer about
+    /// another block than `sent` is not believed.
+    #[cold]
+    #[inline(never)]
+    fn settle_partial(
+        &self,
+        mut pending: PendingRelease<'_>,
+        record: &Packed,
+        sent: Block,
+        tag: u64,
+        outcome: ReleaseOutcome,
+    ) -> ReleaseOutcome {
+        let outcome = match outcome {
+            ReleaseOutcome::Quarantined(q) if !sent.is(q.allocation()) => {
+                about_another_block(sent.inner(), q.unmapped_bytes(), q.residual_bytes())
+            }
+            ReleaseOutcome::Failed(f) if !sent.is(f.allocation()) => about_another_block(sent.inner(), 0, sent.bytes),
+            outcome => outcome,
+        };
+        let role = record.role();
+        match outcome {
+            ReleaseOutcome::Complete(done) => {
+                pending.free();
+                self.requarantine(record, None);
+                self.account.refund(role, record.charged, true);
+                ReleaseOutcome::Complete(done)
+            }
+            ReleaseOutcome::Quarantined(quarantine) => {
+                let keep = (quarantine.residual_bytes() as u64).min(record.charged);
+                let (unmapped, residual) = (quarantine.unmapped_bytes(), quarantine.residual_bytes());
+                let (block, error) = quarantine.into_parts();
+                // The same block as sent (checked above), perhaps under a new inner tag.
+                let block = Block::of(&block);
+                self.requarantine(record, Some(keep));
+                pending.restore(&record.settled(block.tag, keep, true));
+                let refunded = record.charged - keep;
+                self.account.refund(role, refunded, false);
+                tracing::warn!(
+                    allocator = %self.forward.name, authority = %self.account.authority(), role = %role,
+                    refunded, still_charged = keep, "quarantined release: residual stays charged"
+                );
+                ReleaseOutcome::quarantined(block.governed(tag), unmapped, residual, error)
+            }
+            ReleaseOutcome::Failed(failed) => {
+                let (block, error) = failed.into_parts();
+                let block = Block::of(&block);
+                pending.restore(&record.settled(block.tag, record.charged, record.quarantined()));
+                ReleaseOutcome::failed(block.governed(tag), error)
+            }
         }
     }
 }
@@ -614,7 +715,10 @@ impl DeviceAllocator for GovernedAllocator {
     }
 
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        self.try_allocate(request).map_err(|error| error.into_alloc_error(self.device()))
+        match self.allocate_governed(request) {
+            Ok(block) => Ok(block),
+            Err(error) => Err(self.alloc_error(error)),
+        }
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
@@ -623,45 +727,18 @@ impl DeviceAllocator for GovernedAllocator {
             return self.not_owned(allocation);
         };
         let record = *taken.value();
-        let tag = allocation.provider_tag();
         let sent = record.inner(&allocation);
-        let outcome = match self.forward.inner.release(sent.inner()) {
-            ReleaseOutcome::Quarantined(q) if !sent.is(q.allocation()) => {
-                about_another_block(sent.inner(), q.unmapped_bytes(), q.residual_bytes())
-            }
-            ReleaseOutcome::Failed(f) if !sent.is(f.allocation()) => about_another_block(sent.inner(), 0, sent.bytes),
-            outcome => outcome,
-        };
-        let role = record.role();
-        match outcome {
+        match self.forward.inner.release(sent.inner()) {
+            // The common case, kept short: the block is gone, so is its charge.
             ReleaseOutcome::Complete(done) => {
                 pending.free();
-                self.requarantine(&record, None);
-                self.account.refund(role, record.charged, true);
+                if record.quarantined() {
+                    self.requarantine(&record, None);
+                }
+                self.account.refund(record.role(), record.charged, true);
                 ReleaseOutcome::Complete(done)
             }
-            ReleaseOutcome::Quarantined(quarantine) => {
-                let keep = (quarantine.residual_bytes() as u64).min(record.charged);
-                let (unmapped, residual) = (quarantine.unmapped_bytes(), quarantine.residual_bytes());
-                let (block, error) = quarantine.into_parts();
-                // The same block as sent (checked above), perhaps under a new inner tag.
-                let block = Block::of(&block);
-                self.requarantine(&record, Some(keep));
-                pending.restore(&record.settled(block.tag, keep, true));
-                let refunded = record.charged - keep;
-                self.account.refund(role, refunded, false);
-                tracing::warn!(
-                    allocator = %self.forward.name, authority = %self.account.authority(), role = %role,
-                    refunded, still_charged = keep, "quarantined release: residual stays charged"
-                );
-                ReleaseOutcome::quarantined(block.governed(tag), unmapped, residual, error)
-            }
-            ReleaseOutcome::Failed(failed) => {
-                let (block, error) = failed.into_parts();
-                let block = Block::of(&block);
-                pending.restore(&record.settled(block.tag, record.charged, record.quarantined()));
-                ReleaseOutcome::failed(block.governed(tag), error)
-            }
+            outcome => self.settle_partial(pending, &record, sent, allocation.provider_tag(), outcome),
         }
     }
 

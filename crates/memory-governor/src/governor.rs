@@ -358,30 +358,37 @@ impl AccountShared {
 
     /// Runs `f` on the calling thread's slot for `role` and its tallies, creating them
     /// on first use. `None` while the thread is being torn down (its slots are gone).
-    #[inline]
+    #[inline(always)]
     fn with_thread<R>(&self, role: usize, f: impl FnOnce(&ThreadSlot) -> R) -> Option<R> {
         THREAD_SLOTS
             .try_with(|cell| {
                 let mut slots = cell.try_borrow_mut().ok()?;
-                if let Some(entry) = slots.entries.iter().find(|e| e.account == self.uid && e.role == role) {
-                    return Some(f(entry));
-                }
-                let slot = self.register_slot(role);
-                let tallies = self.levels(role).map(|charges| {
-                    let known = slots.tallies.iter().find(|tally| tally.counts(charges)).cloned();
-                    known.unwrap_or_else(|| {
-                        let tally = Rc::new(Tally::new(Arc::clone(charges)));
-                        slots.tallies.push(Rc::clone(&tally));
-                        tally
-                    })
-                });
-                let entry = ThreadSlot { account: self.uid, role, slot, tallies };
-                let result = f(&entry);
-                slots.entries.push(entry);
-                Some(result)
+                let index = match slots.entries.iter().position(|e| e.account == self.uid && e.role == role) {
+                    Some(index) => index,
+                    None => self.add_thread_slot(&mut slots, role),
+                };
+                slots.entries.get(index).map(f)
             })
             .ok()
             .flatten()
+    }
+
+    /// Gives the calling thread a slot for `role` (its first charge or refund of the
+    /// role on this account); its index in `slots.entries`.
+    #[cold]
+    #[inline(never)]
+    fn add_thread_slot(&self, slots: &mut ThreadSlots, role: usize) -> usize {
+        let slot = self.register_slot(role);
+        let tallies = self.levels(role).map(|charges| {
+            let known = slots.tallies.iter().find(|tally| tally.counts(charges)).cloned();
+            known.unwrap_or_else(|| {
+                let tally = Rc::new(Tally::new(Arc::clone(charges)));
+                slots.tallies.push(Rc::clone(&tally));
+                tally
+            })
+        });
+        slots.entries.push(ThreadSlot { account: self.uid, role, slot, tallies });
+        slots.entries.len() - 1
     }
 
     /// Runs `f` on the calling thread's slot for `role` (see [`AccountShared::with_thread`]).
@@ -667,30 +674,49 @@ impl Account {
     /// when the quota or the device limit cannot hold it after the policy had its say.
     #[inline]
     pub(crate) fn charge(&self, role: MemoryRole, bytes: u64) -> Result<(), AdmissionError> {
+        let shared = &*self.shared;
+        let r = role.ordinal();
+        let fast = bytes <= MAX_CHARGE
+            && shared
+                .with_thread(r, |entry| {
+                    let admitted = entry.slot.admit_fast(bytes);
+                    if admitted {
+                        entry.charged(bytes, shared.peak_slack);
+                    }
+                    admitted
+                })
+                .unwrap_or(false);
+        if !fast {
+            self.charge_slow(role, bytes)?;
+        }
+        if shared.device.timeline.enabled() {
+            self.record_charge(role, bytes);
+        }
+        Ok(())
+    }
+
+    /// A charge the calling thread's credit could not admit: the shared books, then
+    /// the policy.
+    #[cold]
+    #[inline(never)]
+    fn charge_slow(&self, role: MemoryRole, bytes: u64) -> Result<(), AdmissionError> {
         if bytes > MAX_CHARGE {
             return Err(AdmissionError::Overflow { role, requested: bytes, held: 0, max: MAX_CHARGE });
         }
         let shared = &*self.shared;
         let r = role.ordinal();
-        let fast = shared
-            .with_thread(r, |entry| {
-                let admitted = entry.slot.admit_fast(bytes);
-                if admitted {
-                    entry.charged(bytes, shared.peak_slack);
-                }
-                admitted
-            })
-            .unwrap_or(false);
-        if !fast {
-            if let Err(short) = shared.admit(r, bytes) {
-                shared.admit_with_policy(role, bytes, short)?;
-            }
-            shared.tally_charge(r, bytes);
+        if let Err(short) = shared.admit(r, bytes) {
+            shared.admit_with_policy(role, bytes, short)?;
         }
-        if shared.device.timeline.enabled() {
-            shared.device.timeline.record(TimelineEventKind::Charge, shared.device.key, shared.authority, role, bytes);
-        }
+        shared.tally_charge(r, bytes);
         Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_charge(&self, role: MemoryRole, bytes: u64) {
+        let shared = &*self.shared;
+        shared.device.timeline.record(TimelineEventKind::Charge, shared.device.key, shared.authority, role, bytes);
     }
 
     /// Charges `extra` more bytes for an existing charge of `held` bytes (no new count).
@@ -712,7 +738,7 @@ impl Account {
     }
 
     /// Refunds `bytes` of `role`; `close` counts the end of one charge.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn refund(&self, role: MemoryRole, bytes: u64, close: bool) {
         let shared = &*self.shared;
         let r = role.ordinal();
@@ -722,17 +748,33 @@ impl Account {
             entry.refunded(bytes, shared.peak_slack);
         });
         if refunded.is_none() {
-            shared.path(r).give_back(bytes);
-            if close {
-                shared.roles[r].retired_closed.fetch_add(1, Ordering::Relaxed);
-            }
-            for charges in shared.levels(r) {
-                charges.publish_now(-(bytes as i64));
-            }
+            self.refund_without_slot(r, bytes, close);
         }
         if shared.device.timeline.enabled() {
-            shared.device.timeline.record(TimelineEventKind::Refund, shared.device.key, shared.authority, role, bytes);
+            self.record_refund(role, bytes);
         }
+    }
+
+    /// A refund on a thread whose slots are gone (thread teardown): straight to the
+    /// shared books and the published charges.
+    #[cold]
+    #[inline(never)]
+    fn refund_without_slot(&self, r: usize, bytes: u64, close: bool) {
+        let shared = &*self.shared;
+        shared.path(r).give_back(bytes);
+        if close {
+            shared.roles[r].retired_closed.fetch_add(1, Ordering::Relaxed);
+        }
+        for charges in shared.levels(r) {
+            charges.publish_now(-(bytes as i64));
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_refund(&self, role: MemoryRole, bytes: u64) {
+        let shared = &*self.shared;
+        shared.device.timeline.record(TimelineEventKind::Refund, shared.device.key, shared.authority, role, bytes);
     }
 
     /// Refunds a charge whose memory was never handed out (the allocator failed after
