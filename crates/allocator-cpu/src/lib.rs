@@ -73,6 +73,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// The allocators that build everywhere, and what they share. `pooled` is a folder,
+// one file per cache: `classes` (the size classes), `segments` (large blocks carved
+// from segments, BFC-style) and `stats` (the counters both keep); `table` holds the
+// record slabs and per-thread shards the allocators validate a release against.
 mod pooled;
 mod queue;
 mod system;

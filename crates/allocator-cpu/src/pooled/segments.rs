@@ -1,0 +1,536 @@
+//! The segment cache (BFC-style): requests larger than
+//! [`PoolConfig::max_class_bytes`](super::PoolConfig) round up to 4 KiB and are carved
+//! best-fit from inner blocks (segments) split into pieces that tile them. The smallest
+//! free piece that holds a request at its alignment serves it, split when the rest
+//! could serve another large request; a freed piece merges with its free neighbours,
+//! so a wholly free segment is one piece again. Wholly free segments beyond the cap go
+//! back to the inner allocator least recently idle first. Segments sit behind one lock:
+//! a request that large costs far more than the lock, and any thread's free segment
+//! memory serves every thread.
+
+use std::collections::BTreeSet;
+use std::sync::{MutexGuard, PoisonError};
+
+use memory_api::{AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, RawAllocation, ReleaseOutcome};
+
+use super::{PoolStats, PooledAllocator, capped};
+use crate::table::{Slab, tag};
+
+/// Granularity (and least alignment) of segments and of the pieces carved from them.
+pub(super) const LARGE_ROUND: usize = 4096;
+/// Marks a provider tag's slot as a piece of a segment rather than a class record
+/// (slots never come near 2^47).
+pub(super) const PIECE_TAG: usize = 1 << 47;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum PieceState {
+    /// Handed out with this size and alignment.
+    Live { bytes: usize, align: usize },
+    /// Free (in the free index unless its segment is lost, quarantined or being
+    /// released).
+    Free,
+    /// Its whole segment is being released to the inner allocator for the caller.
+    Releasing,
+    /// Given up with its device (`forget_lost`): never reused or freed.
+    Lost,
+}
+
+/// `size` bytes at `offset` in `segment`, with its neighbours in address order.
+#[derive(Copy, Clone, Debug)]
+struct Piece {
+    state: PieceState,
+    segment: usize,
+    offset: usize,
+    size: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+/// An inner block split into pieces that tile it. No two neighbouring pieces are both
+/// free, so a wholly free segment is a single piece, its `head`.
+struct Segment {
+    /// The inner block; `None` while it is being released.
+    block: Option<RawAllocation>,
+    /// Its size (what was asked of the inner allocator).
+    size: usize,
+    /// The piece at offset 0 (never merged into another, so its slot is stable).
+    head: usize,
+    /// Pieces handed out now.
+    live: usize,
+    /// The clock when it last became wholly free (least recently idle goes first).
+    idle_since: u64,
+    /// Some piece was given up with the device: nothing in it is reused or freed.
+    lost: bool,
+    /// The inner allocator quarantined it on release; the next trim retries.
+    quarantined: bool,
+}
+
+impl Segment {
+    fn is_idle(&self) -> bool {
+        self.live == 0 && !self.lost && !self.quarantined && self.block.is_some()
+    }
+}
+
+/// A wholly free segment taken out of the cache, to be released after unlocking.
+struct Eviction {
+    segment: usize,
+    block: RawAllocation,
+}
+
+#[derive(Default)]
+pub(super) struct Segments {
+    pieces: Slab<Piece>,
+    segments: Slab<Segment>,
+    /// Free pieces by (size, slot): best fit is the first at or above the request.
+    free: BTreeSet<(usize, usize)>,
+    cached_bytes: usize,
+    clock: u64,
+    counters: PoolStats,
+}
+
+impl Segments {
+    /// The address of piece `slot`, while its segment holds its block.
+    fn address(&self, slot: usize) -> Option<DeviceAddress> {
+        let piece = self.pieces.get(slot)?;
+        self.segments.get(piece.segment)?.block.as_ref()?.address().checked_add(piece.offset)
+    }
+
+    fn piece_mut(&mut self, slot: usize) -> &mut Piece {
+        self.pieces.get_mut(slot).expect("pieces link only to live slots")
+    }
+
+    /// A new segment over `block` (`size` bytes), handed out whole for `request`.
+    fn insert(&mut self, block: RawAllocation, size: usize, request: &AllocationRequest) -> usize {
+        let segment = self.segments.insert(Segment {
+            block: Some(block),
+            size,
+            head: usize::MAX,
+            live: 1,
+            idle_since: 0,
+            lost: false,
+            quarantined: false,
+        });
+        let state = PieceState::Live { bytes: request.bytes(), align: request.align() };
+        let slot = self.pieces.insert(Piece { state, segment, offset: 0, size, prev: None, next: None });
+        if let Some(segment) = self.segments.get_mut(segment) {
+            segment.head = slot;
+        }
+        slot
+    }
+
+    /// Carves `bytes` at an address aligned to `align` out of the smallest free piece
+    /// that holds it, splitting off the rest when it is larger than `split_above` (so
+    /// another large request could use it; a smaller rest stays with the piece).
+    fn take(
+        &mut self,
+        bytes: usize,
+        align: usize,
+        split_above: usize,
+        request: &AllocationRequest,
+    ) -> Option<(usize, DeviceAddress)> {
+        let (size, slot) = self
+            .free
+            .range((bytes, 0)..)
+            .copied()
+            .find(|&(_, slot)| self.address(slot).is_some_and(|address| address.is_aligned_to(align)))?;
+        let address = self.address(slot)?;
+        self.free.remove(&(size, slot));
+        let Piece { segment, offset, next, .. } = *self.pieces.get(slot)?;
+        let rest = size - bytes;
+        let taken = if rest > split_above {
+            let split = self.pieces.insert(Piece {
+                state: PieceState::Free,
+                segment,
+                offset: offset + bytes,
+                size: rest,
+                prev: Some(slot),
+                next,
+            });
+            if let Some(following) = next {
+                self.piece_mut(following).prev = Some(split);
+            }
+            let piece = self.piece_mut(slot);
+            (piece.size, piece.next) = (bytes, Some(split));
+            self.free.insert((rest, split));
+            bytes
+        } else {
+            size
+        };
+        self.cached_bytes -= taken;
+        self.piece_mut(slot).state = PieceState::Live { bytes: request.bytes(), align: request.align() };
+        if let Some(segment) = self.segments.get_mut(segment) {
+            segment.live += 1;
+        }
+        Some((slot, address))
+    }
+
+    /// Frees live piece `slot` into the cache, merging it with free neighbours.
+    fn free_piece(&mut self, slot: usize) {
+        let Some(&Piece { segment, size, prev, next, .. }) = self.pieces.get(slot) else { return };
+        self.piece_mut(slot).state = PieceState::Free;
+        self.cached_bytes += size;
+        let mut merged = slot;
+        if let Some(after) = self.free_neighbour(next) {
+            self.absorb_next(merged, after);
+        }
+        if let Some(before) = self.free_neighbour(prev) {
+            self.absorb_next(before, merged);
+            merged = before;
+        }
+        let merged_size = self.piece_mut(merged).size;
+        self.free.insert((merged_size, merged));
+        if let Some(segment) = self.segments.get_mut(segment) {
+            segment.live -= 1;
+            if segment.live == 0 {
+                segment.idle_since = self.clock;
+                self.clock += 1;
+            }
+        }
+    }
+
+    fn free_neighbour(&self, slot: Option<usize>) -> Option<usize> {
+        let slot = slot?;
+        (self.pieces.get(slot)?.state == PieceState::Free).then_some(slot)
+    }
+
+    /// Merges free piece `after` into its left neighbour `into` (which leaves the free
+    /// index while it grows).
+    fn absorb_next(&mut self, into: usize, after: usize) {
+        let Some(absorbed) = self.pieces.remove(after) else { return };
+        self.free.remove(&(absorbed.size, after));
+        let piece = self.piece_mut(into);
+        let into_size = piece.size;
+        (piece.size, piece.next) = (into_size + absorbed.size, absorbed.next);
+        self.free.remove(&(into_size, into));
+        if let Some(following) = absorbed.next {
+            self.piece_mut(following).prev = Some(into);
+        }
+    }
+
+    /// Wholly free segments, least recently idle first, except `keep`.
+    fn idle_lru(&self, keep: Option<usize>) -> Vec<usize> {
+        let mut idle: Vec<(u64, usize)> = self
+            .segments
+            .iter()
+            .filter(|&(index, segment)| Some(index) != keep && segment.is_idle())
+            .map(|(index, segment)| (segment.idle_since, index))
+            .collect();
+        idle.sort_unstable();
+        idle.into_iter().map(|(_, index)| index).collect()
+    }
+
+    /// Takes wholly free (or quarantined) segment `index` out of the cache for release.
+    fn take_out(&mut self, index: usize) -> Option<Eviction> {
+        let segment = self.segments.get_mut(index)?;
+        let was_quarantined = std::mem::take(&mut segment.quarantined);
+        let block = segment.block.take()?;
+        let (head, size) = (segment.head, segment.size);
+        if !was_quarantined {
+            self.free.remove(&(size, head));
+            self.cached_bytes -= size;
+        }
+        Some(Eviction { segment: index, block })
+    }
+
+    /// Puts back a segment the inner allocator did not release: free again, or held
+    /// (quarantined) for the next trim.
+    fn put_back(&mut self, index: usize, block: RawAllocation, quarantined: bool) {
+        let Some(segment) = self.segments.get_mut(index) else { return };
+        (segment.block, segment.quarantined) = (Some(block), quarantined);
+        if !quarantined {
+            let (head, size) = (segment.head, segment.size);
+            self.free.insert((size, head));
+            self.cached_bytes += size;
+        }
+    }
+
+    /// Forgets a released segment and its single piece.
+    fn remove(&mut self, index: usize) -> Option<Segment> {
+        let segment = self.segments.remove(index)?;
+        self.pieces.remove(segment.head);
+        Some(segment)
+    }
+
+    /// The pieces of `segment` in address order.
+    fn pieces_of(&self, segment: usize) -> Vec<usize> {
+        let mut pieces = Vec::new();
+        let mut cursor = self.segments.get(segment).map(|segment| segment.head);
+        while let Some(slot) = cursor {
+            pieces.push(slot);
+            cursor = self.pieces.get(slot).and_then(|piece| piece.next);
+        }
+        pieces
+    }
+
+    /// Gives up live piece `slot` with its device; once its segment has no live piece
+    /// left, the segment is dropped and its block returned, to be forgotten.
+    fn lose(&mut self, slot: usize) -> Option<RawAllocation> {
+        let segment = self.pieces.get(slot)?.segment;
+        self.piece_mut(slot).state = PieceState::Lost;
+        if self.segments.get(segment).is_some_and(|entry| !entry.lost) {
+            // Its free pieces leave the cache for good.
+            for piece in self.pieces_of(segment) {
+                let Piece { state, size, .. } = *self.pieces.get(piece)?;
+                if state == PieceState::Free && self.free.remove(&(size, piece)) {
+                    self.cached_bytes -= size;
+                }
+            }
+        }
+        let entry = self.segments.get_mut(segment)?;
+        entry.lost = true;
+        entry.live -= 1;
+        if entry.live > 0 {
+            return None;
+        }
+        for piece in self.pieces_of(segment) {
+            self.pieces.remove(piece);
+        }
+        self.segments.remove(segment)?.block
+    }
+
+    /// Adds the segments' counters, free pieces and segments to `total`.
+    pub(super) fn count_into(&self, total: &mut PoolStats) {
+        total.add_counters(&self.counters);
+        total.cached_bytes += self.cached_bytes as u64;
+        total.cached_blocks += self.free.len() as u64;
+        for (_, segment) in self.segments.iter() {
+            total.segments += 1;
+            total.segment_bytes += segment.size as u64;
+            total.quarantined_blocks += u64::from(segment.quarantined);
+        }
+    }
+
+    /// Panics unless pieces tile their segment in address order with consistent
+    /// links, no two free pieces neighbour, live counts match, the free index holds
+    /// exactly the reusable free pieces, and the cached bytes are their sum.
+    #[cfg(test)]
+    pub(super) fn assert_consistent(&self) {
+        let (mut cached, mut indexed, mut tiled) = (0, 0, 0);
+        for (index, segment) in self.segments.iter() {
+            let (mut offset, mut live, mut previous, mut previous_free) = (0, 0, None, false);
+            for slot in self.pieces_of(index) {
+                let piece = self.pieces.get(slot).expect("a piece");
+                assert_eq!((piece.segment, piece.offset, piece.prev), (index, offset, previous), "piece {slot}");
+                let free = piece.state == PieceState::Free;
+                assert!(!(free && previous_free), "two free pieces neighbour in segment {index}");
+                live += usize::from(matches!(piece.state, PieceState::Live { .. } | PieceState::Releasing));
+                let reusable = free && !segment.lost && !segment.quarantined && segment.block.is_some();
+                assert_eq!(self.free.contains(&(piece.size, slot)), reusable, "free index at piece {slot}");
+                if reusable {
+                    cached += piece.size;
+                    indexed += 1;
+                }
+                (offset, previous, previous_free) = (offset + piece.size, Some(slot), free);
+                tiled += 1;
+            }
+            assert_eq!(offset, segment.size, "pieces of segment {index} do not tile it");
+            assert_eq!(live, segment.live, "live pieces of segment {index}");
+        }
+        assert_eq!(tiled, self.pieces.len(), "pieces outside any segment");
+        assert_eq!(indexed, self.free.len(), "the free index holds stale entries");
+        assert_eq!(cached, self.cached_bytes, "cached bytes of the segments");
+    }
+}
+
+impl<A: DeviceAllocator> PooledAllocator<A> {
+    /// Locks the segments. Every critical section leaves them consistent before it can
+    /// panic, so a poisoned lock is still usable.
+    pub(super) fn segments(&self) -> MutexGuard<'_, Segments> {
+        self.segments.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A piece of `slot` as the caller's block.
+    fn piece_block(&self, slot: usize, address: DeviceAddress, request: &AllocationRequest) -> RawAllocation {
+        RawAllocation::new(address, request.bytes(), request.align(), self.device(), tag(0, PIECE_TAG | slot))
+    }
+
+    pub(super) fn allocate_large(
+        &self,
+        (bytes, align): (usize, usize),
+        inner_request: &AllocationRequest,
+        request: &AllocationRequest,
+    ) -> Result<RawAllocation, AllocError> {
+        {
+            let mut large = self.segments();
+            if let Some((slot, address)) = large.take(bytes, align, self.config.max_class_bytes, request) {
+                large.counters.served(request, true);
+                return Ok(self.piece_block(slot, address, request));
+            }
+        }
+        let block =
+            self.allocate_inner(inner_request, request).inspect_err(|_| self.segments().counters.failures += 1)?;
+        let address = block.address();
+        let mut large = self.segments();
+        let slot = large.insert(block, inner_request.bytes(), request);
+        large.counters.served(request, false);
+        Ok(self.piece_block(slot, address, request))
+    }
+
+    /// Takes wholly free segments out, least recently idle first and never `keep`,
+    /// until `incoming` more free bytes fit under the cap. The caller releases them
+    /// with [`PooledAllocator::finish_evictions`] after unlocking.
+    fn make_room(&self, large: &mut Segments, incoming: usize, keep: Option<usize>) -> Vec<Eviction> {
+        let cap = self.config.max_cached_bytes;
+        if large.cached_bytes + incoming <= cap {
+            return Vec::new();
+        }
+        let mut evictions = Vec::new();
+        for segment in large.idle_lru(keep) {
+            if large.cached_bytes + incoming <= cap {
+                break;
+            }
+            evictions.extend(large.take_out(segment));
+        }
+        evictions
+    }
+
+    /// Releases segments taken out of the cache to the inner allocator (eviction or
+    /// trim); returns the bytes released. One the inner allocator refuses is cached
+    /// again; one it quarantines is held for the next trim.
+    fn finish_evictions(&self, evictions: Vec<Eviction>, trimming: bool) -> usize {
+        let mut returned = 0;
+        for Eviction { segment, block } in evictions {
+            let outcome = self.inner.release(block);
+            let mut large = self.segments();
+            match outcome {
+                ReleaseOutcome::Complete(_) => {
+                    let Some(gone) = large.remove(segment) else { continue };
+                    returned += gone.size;
+                    if trimming {
+                        large.counters.trimmed_bytes += gone.size as u64;
+                    } else {
+                        large.counters.evicted_segments += 1;
+                        large.counters.evicted_bytes += gone.size as u64;
+                        tracing::debug!(bytes = gone.size, "pooled allocator evicted an idle segment");
+                    }
+                }
+                ReleaseOutcome::Failed(failed) => {
+                    let (block, error) = failed.into_parts();
+                    tracing::debug!(%error, "inner allocator refused a free segment; it stays cached");
+                    large.put_back(segment, block, false);
+                }
+                ReleaseOutcome::Quarantined(quarantine) => {
+                    tracing::warn!(error = %quarantine.error(), "inner allocator quarantined a free segment");
+                    let (block, _) = quarantine.into_parts();
+                    large.put_back(segment, block, true);
+                }
+            }
+        }
+        returned
+    }
+
+    /// Releases a piece: back into its segment (merged with free neighbours), evicting
+    /// idle segments to stay under the cap. A piece that is its whole segment and alone
+    /// does not fit is released to the inner allocator, its outcome the caller's.
+    pub(super) fn release_piece(&self, slot: usize, allocation: RawAllocation) -> ReleaseOutcome {
+        let mut guard = self.segments();
+        let large: &mut Segments = &mut guard;
+        let valid = large.pieces.get(slot).is_some_and(|piece| {
+            matches!(piece.state, PieceState::Live { bytes, align } if bytes == allocation.bytes() && align == allocation.align())
+        }) && large.address(slot) == Some(allocation.address());
+        if !valid {
+            drop(guard);
+            return self.refuse(allocation);
+        }
+        large.counters.live_bytes -= allocation.bytes() as u64;
+        large.counters.live_blocks -= 1;
+        let Piece { segment, size, prev, next, .. } = *large.pieces.get(slot).expect("validated above");
+        if large.segments.get(segment).is_some_and(|entry| entry.lost) {
+            // Another piece went with the device: nothing in the segment is reused or freed.
+            let forgotten = large.lose(slot);
+            drop(guard);
+            self.inner.forget_lost(forgotten.into_iter().collect());
+            return ReleaseOutcome::complete(0);
+        }
+        let whole = prev.is_none() && next.is_none();
+        let evictions = if whole {
+            let evictions = self.make_room(large, size, Some(segment));
+            if large.cached_bytes + size > self.config.max_cached_bytes {
+                return self.pass_piece_through(guard, slot, segment, allocation, evictions);
+            }
+            large.free_piece(slot);
+            evictions
+        } else {
+            large.free_piece(slot);
+            self.make_room(large, 0, None)
+        };
+        drop(guard);
+        self.finish_evictions(evictions, false);
+        ReleaseOutcome::complete(0)
+    }
+
+    /// Releases the whole segment of piece `slot` to the inner allocator for the caller.
+    fn pass_piece_through(
+        &self,
+        mut guard: MutexGuard<'_, Segments>,
+        slot: usize,
+        segment: usize,
+        allocation: RawAllocation,
+        evictions: Vec<Eviction>,
+    ) -> ReleaseOutcome {
+        let large: &mut Segments = &mut guard;
+        large.piece_mut(slot).state = PieceState::Releasing;
+        let entry = large.segments.get_mut(segment).expect("a piece has its segment");
+        let block = entry.block.take().expect("a segment with a live piece holds its block");
+        large.counters.passed_through += 1;
+        drop(guard);
+        self.finish_evictions(evictions, false);
+        let outcome = self.inner.release(block);
+        let mut large = self.segments();
+        let (block, result) = match outcome {
+            ReleaseOutcome::Complete(done) => {
+                large.remove(segment);
+                return ReleaseOutcome::complete(done.unmapped_bytes());
+            }
+            ReleaseOutcome::Failed(failed) => {
+                let (block, error) = failed.into_parts();
+                (block, Err(error))
+            }
+            ReleaseOutcome::Quarantined(quarantine) => {
+                let (block, error, unmapped, residual) = capped(quarantine, &allocation);
+                (block, Ok((error, unmapped, residual)))
+            }
+        };
+        // Live again: the caller may retry.
+        if let Some(entry) = large.segments.get_mut(segment) {
+            entry.block = Some(block);
+        }
+        large.piece_mut(slot).state = PieceState::Live { bytes: allocation.bytes(), align: allocation.align() };
+        large.counters.live_bytes += allocation.bytes() as u64;
+        large.counters.live_blocks += 1;
+        large.counters.passed_through -= 1;
+        drop(large);
+        match result {
+            Err(error) => ReleaseOutcome::failed(allocation, error),
+            Ok((error, unmapped, residual)) => ReleaseOutcome::quarantined(allocation, unmapped, residual, error),
+        }
+    }
+
+    pub(super) fn trim_segments(&self) -> usize {
+        let taken = {
+            let mut large = self.segments();
+            let candidates: Vec<usize> = large
+                .segments
+                .iter()
+                .filter(|(_, segment)| segment.is_idle() || (segment.quarantined && segment.live == 0))
+                .map(|(index, _)| index)
+                .collect();
+            candidates.into_iter().filter_map(|segment| large.take_out(segment)).collect()
+        };
+        self.finish_evictions(taken, true)
+    }
+
+    /// Gives up live piece `slot` with its device; returns its segment's inner block
+    /// once no piece of it is live, to be forgotten.
+    pub(super) fn forget_piece(&self, slot: usize, allocation: &RawAllocation) -> Option<RawAllocation> {
+        let mut large = self.segments();
+        let valid = large.pieces.get(slot).is_some_and(|piece| matches!(piece.state, PieceState::Live { .. }))
+            && large.address(slot) == Some(allocation.address());
+        if valid {
+            large.counters.live_bytes -= allocation.bytes() as u64;
+            large.counters.live_blocks -= 1;
+            return large.lose(slot);
+        }
+        None
+    }
+}

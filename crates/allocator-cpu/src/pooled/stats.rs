@@ -1,0 +1,85 @@
+//! The pool's counters: each shard of the size classes and the segment cache keep their
+//! own [`PoolStats`], summed on demand.
+
+use memory_api::{AllocationRequest, DeviceAllocator};
+
+use super::PooledAllocator;
+
+/// Counters of a [`PooledAllocator`], summed over its shards and segments.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes callers asked for, over all successful allocations.
+    pub requested_bytes: u64,
+    /// Allocations served from the cache.
+    pub hits: u64,
+    /// Allocations that went to the inner allocator.
+    pub misses: u64,
+    /// Allocations that failed.
+    pub failures: u64,
+    /// Bytes currently cached: free class blocks and free pieces of segments.
+    pub cached_bytes: u64,
+    /// Blocks currently cached (free class blocks and free pieces).
+    pub cached_blocks: u64,
+    /// Bytes handed out to callers now.
+    pub live_bytes: u64,
+    /// Blocks handed out to callers now.
+    pub live_blocks: u64,
+    /// Releases that went to the inner allocator because the cache was full or the
+    /// block is not cacheable.
+    pub passed_through: u64,
+    /// Calls of `trim`.
+    pub trims: u64,
+    /// Bytes `trim` returned to the inner allocator.
+    pub trimmed_bytes: u64,
+    /// Cached blocks or segments the inner allocator quarantined during a trim or an
+    /// eviction (retried next trim).
+    pub quarantined_blocks: u64,
+    /// Inner blocks held to serve large requests (segments), in use or free.
+    pub segments: u64,
+    /// Their bytes.
+    pub segment_bytes: u64,
+    /// Wholly free segments handed back to the inner allocator to stay under the cap.
+    pub evicted_segments: u64,
+    /// Their bytes.
+    pub evicted_bytes: u64,
+}
+
+impl PoolStats {
+    pub(super) fn add_counters(&mut self, c: &PoolStats) {
+        self.requested_bytes += c.requested_bytes;
+        self.hits += c.hits;
+        self.misses += c.misses;
+        self.failures += c.failures;
+        self.live_bytes += c.live_bytes;
+        self.live_blocks += c.live_blocks;
+        self.passed_through += c.passed_through;
+        self.trims += c.trims;
+        self.trimmed_bytes += c.trimmed_bytes;
+        self.evicted_segments += c.evicted_segments;
+        self.evicted_bytes += c.evicted_bytes;
+    }
+
+    pub(super) fn served(&mut self, request: &AllocationRequest, hit: bool) {
+        if hit {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        self.requested_bytes += request.bytes() as u64;
+        self.live_bytes += request.bytes() as u64;
+        self.live_blocks += 1;
+    }
+}
+
+impl<A: DeviceAllocator> PooledAllocator<A> {
+    /// Pool counters, summed over shards and segments.
+    pub fn pool_stats(&self) -> PoolStats {
+        let mut total = PoolStats::default();
+        for index in 0..self.shards.len() {
+            let Some(shard) = self.shards.lock(index) else { continue };
+            shard.count_into(&mut total);
+        }
+        self.segments().count_into(&mut total);
+        total
+    }
+}
