@@ -25,8 +25,7 @@ use memory_api::{
     RawAllocation, ReleaseError,
 };
 
-use crate::error::ContextState;
-use crate::lifecycle::{InFlightSlot, Lifecycle};
+use crate::lifecycle::{ContextState, InFlightSlot, Lifecycle};
 use crate::sync::{Arc, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, CachePadded, Mutex, Ordering, lock};
 use crate::sync::{FreeLink, NO_SLOT, OwnerSlots, PerThread, thread_index};
 use crate::unit_ref::{UnitHolder, Units, orphan, take_unit_share};

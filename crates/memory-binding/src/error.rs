@@ -9,7 +9,7 @@ use memory_api::{
     MechanismIdentity, ProviderContextIdentity, QueueRefusalReason, RegistryId, ReleaseError,
 };
 
-use crate::lifecycle::MechanismState;
+use crate::lifecycle::{ContextState, MechanismState};
 
 /// Which kind of registry object an error is about.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -217,29 +217,6 @@ pub enum RegistryError {
     /// Identities ran out.
     #[error(transparent)]
     Identity(#[from] IdentityError),
-}
-
-/// The lifecycle of a provider context.
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ContextState {
-    /// Usable.
-    Live,
-    /// Its device was invalidated.
-    Lost,
-    /// Its termination was confirmed; it can never be reused.
-    Terminated,
-}
-
-impl fmt::Display for ContextState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ContextState::Live => "live",
-            ContextState::Lost => "lost",
-            ContextState::Terminated => "terminated",
-        })
-    }
 }
 
 /// Why `bind` failed.

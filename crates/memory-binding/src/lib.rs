@@ -107,7 +107,7 @@ mod unit_ref;
 
 // The registry: registration, selection, lifecycles (the cold path).
 pub use entry::{DropPolicy, Resource};
-pub use lifecycle::MechanismState;
+pub use lifecycle::{AllocationState, ContextState, MechanismState};
 pub use registry::{BindingRegistry, InvalidationReport, MechanismOptions};
 
 // Bindings, allocations, views and bound capabilities (the hot path).
@@ -117,12 +117,11 @@ pub use hold::CallerHold;
 
 // Reports and snapshots.
 pub use snapshot::{
-    AllocationState, AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot,
-    RetryReport, TerminationReport,
+    AuthoritySnapshot, ContextSnapshot, MechanismSnapshot, QuarantineSnapshot, RegistrySnapshot, RetryReport,
+    TerminationReport,
 };
 
 // Errors, one enum per operation family; a rejected handle comes back in `Rejected`.
 pub use error::{
-    AllocateError, BindError, BoundCapabilityError, ContextState, HandleError, ObjectKind, RegistryError, Rejected,
-    ViewError,
+    AllocateError, BindError, BoundCapabilityError, HandleError, ObjectKind, RegistryError, Rejected, ViewError,
 };

@@ -1,4 +1,7 @@
-//! The mechanism lifecycle word and the per-thread in-flight slots.
+//! The lifecycle states, kept together: a mechanism's ([`MechanismState`]), a provider
+//! context's ([`ContextState`]: `Live -> Lost -> Terminated`) and an allocation's
+//! ([`AllocationState`], as a lookup by identity reports it). Then the mechanism's
+//! lifecycle word and the per-thread in-flight slots, which enforce its states:
 //!
 //! ```text
 //!            retire                invalidate_device          confirm_context_terminated
@@ -84,6 +87,44 @@ impl fmt::Display for MechanismState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// The lifecycle of a provider context.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ContextState {
+    /// Usable.
+    Live,
+    /// Its device was invalidated.
+    Lost,
+    /// Its termination was confirmed; it can never be reused.
+    Terminated,
+}
+
+impl fmt::Display for ContextState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ContextState::Live => "live",
+            ContextState::Lost => "lost",
+            ContextState::Terminated => "terminated",
+        })
+    }
+}
+
+/// Where one allocation stands, looked up by identity.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AllocationState {
+    /// Recorded and usable.
+    Live,
+    /// Recorded, but its device was lost.
+    Lost,
+    /// Held in quarantine.
+    Quarantined,
+    /// Released, retired by termination, or never issued here.
+    Gone,
 }
 
 /// Which states an operation may run in.

@@ -24,10 +24,10 @@ use crate::bind_cache;
 use crate::binding::{MemoryBinding, reraise_unless_unwinding};
 use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
-use crate::error::{BindError, ContextState, ObjectIdentity, ObjectKind, RegistryError};
+use crate::error::{BindError, ObjectIdentity, ObjectKind, RegistryError};
 use crate::hot_trace::{HotEvent, hot_trace};
-use crate::lifecycle::{Admit, MechanismState};
-use crate::snapshot::{AllocationState, RetryReport, TerminationReport};
+use crate::lifecycle::{Admit, AllocationState, ContextState, MechanismState};
+use crate::snapshot::{RetryReport, TerminationReport};
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
 use crate::unit_ref::UnitRef;
 

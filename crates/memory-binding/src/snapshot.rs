@@ -6,8 +6,8 @@ use memory_api::{
     RegistryId,
 };
 
-use crate::error::{ContextState, RegistryError};
-use crate::lifecycle::MechanismState;
+use crate::error::RegistryError;
+use crate::lifecycle::{ContextState, MechanismState};
 use crate::registry::BindingRegistry;
 
 /// What `confirm_context_terminated` retired.
@@ -51,21 +51,6 @@ pub struct RetryReport {
     pub released: usize,
     /// Blocks still quarantined.
     pub still_quarantined: usize,
-}
-
-/// Where one allocation stands, looked up by identity.
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AllocationState {
-    /// Recorded and usable.
-    Live,
-    /// Recorded, but its device was lost.
-    Lost,
-    /// Held in quarantine.
-    Quarantined,
-    /// Released, retired by termination, or never issued here.
-    Gone,
 }
 
 /// One quarantined block.
