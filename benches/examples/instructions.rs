@@ -13,12 +13,20 @@
 //! binding), `drop` (allocate, then drop a host allocation), `bind` (bind + drop, one
 //! device), `bind64` (the 64th of 64 devices), `remote` (allocate on this thread,
 //! release on another: counted on both), `governed` (a pair through a governed allocator,
-//! as the governor bench's `governed/counter_governed`). And, for CPU time rather than instructions
-//! (`/usr/bin/time -f %U`), N pairs on each of two threads at once: `shared` (one
-//! binding by reference), `setup` (two bindings made on this thread), `own` (each
-//! thread binds for itself). CPU time per pair that grows from one thread to two is
-//! time spent waiting for cache lines the threads share; unlike wall-clock throughput it
-//! does not depend on the machine being otherwise idle (only on the threads overlapping).
+//! as the governor bench's `governed/counter_governed`), `pooled` and `segment` (a pair
+//! through `&dyn` on allocator-cpu's `PooledAllocator`, warm: a 4 KiB request served from
+//! a size class, a 2 MiB one carved from a segment), `capi` and `capi_pooled` (a pair
+//! through the C API's `mc_allocate` / `mc_release`, on the system allocator or on the
+//! pooled one; see `system_pairs`). `cargo xtask budget` counts these this way (and
+//! memory-plugin's `pair_instructions`), with N at 10000 and 60000, against the budget in
+//! `xtask/instruction-budget.toml`.
+//!
+//! And, for CPU time rather than instructions (`/usr/bin/time -f %U`), N pairs on each
+//! of two threads at once: `shared` (one binding by reference), `setup` (two bindings
+//! made on this thread), `own` (each thread binds for itself). CPU time per pair that
+//! grows from one thread to two is time spent waiting for cache lines the threads share;
+//! unlike wall-clock throughput it does not depend on the machine being otherwise idle
+//! (only on the threads overlapping).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -99,7 +107,24 @@ fn main() {
                 }
             });
         }
-        "system" | "capi" | "alternate" => system_pairs(&what, n),
+        "system" | "capi" | "capi_pooled" | "alternate" => system_pairs(&what, n),
+        "pooled" | "segment" => {
+            // Warm, every request is served from the pool's cache: the inner allocator is
+            // not called, so the count is the pool's own bookkeeping.
+            let pool: Arc<dyn DeviceAllocator> =
+                Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::new()));
+            let request = match what.as_str() {
+                "pooled" => request,
+                _ => AllocationRequest::new(2 << 20, 256).expect("request"),
+            };
+            for _ in 0..300 {
+                assert!(pool.release(pool.allocate(&request).expect("allocate")).is_complete());
+            }
+            (0..n).for_each(|_| {
+                let block = pool.allocate(black_box(&request)).expect("allocate");
+                assert!(black_box(pool.release(block)).is_complete());
+            });
+        }
         "governed" => {
             // The governor bench's `governed/counter_governed`: a pair through a binding
             // whose allocator is governed (an account with a limit on the device).
@@ -124,18 +149,24 @@ fn main() {
         }
         other => {
             panic!(
-                "unknown operation {other}: raw, pair, drop, bind, bind64, remote, governed, system, capi, shared, setup or own"
+                "unknown operation {other}: raw, pair, drop, bind, bind64, remote, governed, pooled, segment, system, capi, \
+                 capi_pooled, shared, setup or own"
             )
         }
     }
 }
 
 /// The ffi bench's `capi_pair`: N pairs of 4 KiB over the system allocator, through a
-/// Rust binding (`system`) or through `mc_allocate` / `mc_release` (`capi`).
+/// Rust binding (`system`) or through `mc_allocate` / `mc_release` (`capi`); or through
+/// `mc_allocate` / `mc_release` over the C API's pooled CPU allocator (`capi_pooled`),
+/// which once warm calls no `malloc` or `free` for a block: glibc's cost for a 4 KiB
+/// block depends on the heap's layout, which differs from one process to the next, so
+/// `capi` counts come in two modes about 200 instructions apart and `capi_pooled` is
+/// the one the instruction budget guards.
 fn system_pairs(what: &str, n: u64) {
     use memory_capi::{
-        MC_CPU_SYSTEM, MC_OK, mc_authority_register, mc_bind_mechanism, mc_context_register, mc_register_cpu_allocator,
-        mc_registry_create,
+        MC_CPU_POOLED, MC_CPU_SYSTEM, MC_OK, mc_authority_register, mc_bind_mechanism, mc_context_register,
+        mc_register_cpu_allocator, mc_registry_create,
     };
     use std::ptr::null_mut;
     let registry = BindingRegistry::new();
@@ -143,6 +174,7 @@ fn system_pairs(what: &str, n: u64) {
     let rust = registry.with_memory(allocator).expect("binding");
     let request = AllocationRequest::new(SYSTEM_BYTES as usize, SYSTEM_ALIGN as usize).expect("request");
     let device = memory_plugin_abi::MpDevice { tier: memory_plugin_abi::MP_TIER_HOST, index: 5 };
+    let kind = if what == "capi_pooled" { MC_CPU_POOLED } else { MC_CPU_SYSTEM };
     let (mut c_registry, mut context, mut authority, mut mechanism, mut c_binding) =
         (null_mut(), null_mut(), null_mut(), null_mut(), null_mut());
     // Every out-pointer is a live local, every handle one an earlier call made.
@@ -154,14 +186,14 @@ fn system_pairs(what: &str, n: u64) {
         // SAFETY: see above.
         unsafe { mc_authority_register(c_registry, device, null_mut(), None, &mut authority) },
         // SAFETY: see above.
-        unsafe { mc_register_cpu_allocator(c_registry, null_mut(), context, authority, MC_CPU_SYSTEM, &mut mechanism) },
+        unsafe { mc_register_cpu_allocator(c_registry, null_mut(), context, authority, kind, &mut mechanism) },
         // SAFETY: see above.
         unsafe { mc_bind_mechanism(c_registry, mechanism, &mut c_binding) },
     ];
     assert!(statuses.iter().all(|&status| status == MC_OK), "{statuses:?}");
     match what {
         "system" => rust_batch(&rust, request, n + 300),
-        "capi" => c_batch(c_binding, n + 300),
+        "capi" | "capi_pooled" => c_batch(c_binding, n + 300),
         // Batches of each in turn (see `memory_benches::interleaved`); run under
         // callgrind with `--toggle-collect=*rust_batch*` or `*c_batch*` to count one side.
         _ => {

@@ -285,16 +285,22 @@ fn resolve_commit(rev: &str, root: &Path) -> Result<String, BenchError> {
 /// The bench executables named in cargo's `--message-format=json` output, by bench
 /// name, sorted and without duplicates. Lines that are not JSON artifacts are ignored.
 pub(crate) fn bench_executables(stdout: &str) -> Vec<(String, PathBuf)> {
+    executables(stdout, "bench")
+}
+
+/// The executables of targets of `kind` (`bench`, `example`) named in cargo's
+/// `--message-format=json` output, by target name, sorted and without duplicates.
+pub(crate) fn executables(stdout: &str, kind: &str) -> Vec<(String, PathBuf)> {
     let mut found: Vec<(String, PathBuf)> = stdout
         .lines()
         .filter_map(|line| serde_json::from_str::<Value>(line).ok())
         .filter(|message| message.get("reason").and_then(Value::as_str) == Some("compiler-artifact"))
         .filter_map(|message| {
             let target = message.get("target")?;
-            let is_bench = target.get("kind")?.as_array()?.iter().any(|kind| kind.as_str() == Some("bench"));
+            let of_kind = target.get("kind")?.as_array()?.iter().any(|each| each.as_str() == Some(kind));
             let name = target.get("name")?.as_str()?;
             let executable = message.get("executable")?.as_str()?;
-            is_bench.then(|| (name.to_owned(), PathBuf::from(executable)))
+            of_kind.then(|| (name.to_owned(), PathBuf::from(executable)))
         })
         .collect();
     found.sort();

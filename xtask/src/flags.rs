@@ -53,6 +53,10 @@ pub(crate) enum Command {
     /// ratios measured in that run against the performance targets; fails if a result
     /// the table needs is missing.
     Bench(Bench),
+    /// Counts the hot path's instructions per operation under callgrind (release builds of
+    /// the counting programs; needs valgrind) and fails when one exceeds its budget in
+    /// xtask/instruction-budget.toml by more than 10 %, printing the table.
+    Budget(Budget),
     /// Runs the bounded stress tests for longer
     /// (MEMORY_STRESS_SECS=N cargo test --release -p memory-binding --test stress);
     /// repeats their ops/s lines at the end.
@@ -153,6 +157,15 @@ impl Default for Bench {
             criterion_args: Vec::new(),
         }
     }
+}
+
+/// Flags of `cargo xtask budget`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Args)]
+pub(crate) struct Budget {
+    /// Instead of judging the figures, write them into the budget file (comments kept);
+    /// review the diff, and say in the commit why each figure that rose may.
+    #[arg(long)]
+    pub(crate) update: bool,
 }
 
 /// Flags of `cargo xtask stress`.
@@ -367,6 +380,13 @@ mod tests {
     }
 
     #[test]
+    fn budget_judges_by_default_and_updates_when_asked() {
+        assert_eq!(parse_str(&["budget"]).unwrap(), Command::Budget(Budget { update: false }));
+        assert_eq!(parse_str(&["budget", "--update"]).unwrap(), Command::Budget(Budget { update: true }));
+        assert!(rejected(&["budget", "--write"]).contains("--write"));
+    }
+
+    #[test]
     fn mutants_takes_an_optional_file() {
         assert_eq!(parse_str(&["mutants"]).unwrap(), Command::Mutants(Mutants { file: None }));
         let file = "crates/memory-binding/src/binding.rs";
@@ -381,7 +401,7 @@ mod tests {
         let help = parse_str(&["--help"]).unwrap_err();
         assert_eq!(help.kind(), ErrorKind::DisplayHelp);
         let text = help.to_string();
-        for command in ["test", "loom", "bench", "stress", "miri", "fuzz", "mutants", "demo"] {
+        for command in ["test", "loom", "bench", "budget", "stress", "miri", "fuzz", "mutants", "demo"] {
             assert!(text.contains(command), "help lacks `{command}`:\n{text}");
         }
         let bench_help = parse_str(&["bench", "--help"]).unwrap_err().to_string();

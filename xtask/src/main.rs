@@ -2,13 +2,15 @@
 //! `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
 //!
 //! - `cargo xtask test [--gpu]`: what CI runs (fmt, architecture tidy, clippy, tests,
-//!   docs); `--gpu` adds a CUDA device probe and the GPU-gated tests, and fails when no
+//!   the instruction budget, docs); `--gpu` adds a CUDA device probe and the GPU-gated tests, and fails when no
 //!   device is present or no GPU test ran.
 //! - `cargo xtask loom [--preemptions N]`: the loom models, in `target/loom`.
 //! - `cargo xtask bench [--compare REV]`: the criterion benches, then one table of the
 //!   ratios measured in that run against the performance targets; with `--compare`, the
 //!   per-bench change between REV and the working tree, measured alternately on this
 //!   machine, as markdown.
+//! - `cargo xtask budget [--update]`: the hot path's instructions per operation under
+//!   callgrind against the checked-in budget ([`mod@budget`]); also a step of `test`.
 //! - `cargo xtask stress [--secs N]`: the bounded stress tests, run for longer.
 //! - `cargo xtask mutants [--file F]`: mutation testing of the core crates (weekly).
 //! - `cargo xtask demo [ARGS]`: the demo binary; `demo --ort` fetches ONNX Runtime and
@@ -17,11 +19,13 @@
 //! Layout: [`flags`] parses the command line into types, [`tasks`] turns each command
 //! into a list of steps, [`step`] runs and judges them, [`libtest`] reads test output.
 //! `bench` drives its steps itself ([`mod@bench`]), reads criterion's results
-//! ([`estimates`]) and prints [`ratios`] and [`compare`] tables ([`table`]). The
-//! architecture tidy checks live in `tests/tidy.rs`, an ordinary test.
+//! ([`estimates`]) and prints [`ratios`] and [`compare`] tables ([`table`]); `budget`
+//! builds, counts and judges itself too. The architecture tidy checks live in
+//! `tests/tidy.rs`, an ordinary test.
 #![forbid(unsafe_code)]
 
 mod bench;
+mod budget;
 mod compare;
 mod estimates;
 mod flags;
@@ -54,6 +58,17 @@ fn main() -> ExitCode {
         Command::Miri => step::run_steps("xtask miri", &root, &tasks::miri_steps()),
         Command::Fuzz(fuzz) => step::run_steps("xtask fuzz", &root, &tasks::fuzz_steps(&fuzz)),
         Command::Mutants(mutants) => step::run_steps("xtask mutants", &root, &tasks::mutants_steps(&mutants)),
+        Command::Budget(budget) => {
+            return match budget::run(&budget, &root) {
+                Ok(()) => ExitCode::SUCCESS,
+                // The runner has already printed the failed build.
+                Err(budget::BudgetError::Step(_)) => ExitCode::FAILURE,
+                Err(err) => {
+                    eprintln!("xtask budget: {err}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Command::Bench(bench) if bench.ort => step::run_steps("xtask bench --ort", &root, &ort::bench_steps(&bench)),
         Command::Bench(bench) => {
             return match bench::run(&bench, &root) {

@@ -59,6 +59,7 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
     // loom` explores deeper.
     steps.push(loom_lint_step(&loom_target_dir()));
     steps.push(loom_step(LOOM_PREEMPTIONS_IN_TEST, &loom_target_dir()));
+    steps.push(budget_step());
     steps.push(Step::new(
         "docs",
         Cmd::cargo(["doc", "--workspace", "--no-deps", "--locked"])
@@ -85,6 +86,13 @@ pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
         );
     }
     steps
+}
+
+/// `cargo xtask budget` as a step: the hot path's instruction counts against the
+/// checked-in budget ([`crate::budget`]), in a process of its own (it builds the
+/// counting programs, then counts and judges in xtask).
+pub(crate) fn budget_step() -> Step {
+    Step::new("budget", Cmd::cargo(["run", "--quiet", "--locked", "--package", "xtask", "--", "budget"]))
 }
 
 /// The fuzz harness's own tests on stable Rust: fixed seeds replayed through the same
@@ -444,6 +452,7 @@ mod tests {
                 "features",
                 "loom-lint",
                 "loom",
+                "budget",
                 "docs",
                 "package"
             ]
@@ -462,12 +471,14 @@ mod tests {
                 Check::Success,
                 Check::LoomModels,
                 Check::Success,
+                Check::Success,
                 Check::Success
             ]
         );
         assert_eq!(steps[4].cmd.env_value(crate::ort::REQUIRED_ENV), Some("1"), "real-model tests never skip");
         let loom = &steps[8];
         assert_eq!(loom.cmd.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
+        assert_eq!(steps[9].cmd.to_string(), "cargo run --quiet --locked --package xtask -- budget");
     }
 
     #[test]
@@ -486,6 +497,7 @@ mod tests {
                 "features",
                 "loom-lint",
                 "loom",
+                "budget",
                 "docs",
                 "package",
                 "gpu-tests"
