@@ -156,6 +156,10 @@ pub struct AllocatorStats {
     pub live_allocations: u64,
     /// Bytes held by the allocator but not handed out (a pool's cache).
     pub cached_bytes: u64,
+    /// The largest block the allocator could hand out from `cached_bytes` without
+    /// asking for more memory (a pool's largest free piece). With `cached_bytes` it
+    /// says how scattered the cache is: `1 - largest / cached`.
+    pub largest_free_bytes: u64,
     /// Bytes of address space reserved (virtual allocators).
     pub reserved_bytes: u64,
     /// Successful allocations since creation.

@@ -52,7 +52,8 @@ use memory_api::{
 use memory_sync::records::{Payload, RecordTable, TakenRecord};
 
 use crate::error::{AdmissionError, GovernError, GovernFailure};
-use crate::governor::Account;
+use crate::footprint::BackingBooks;
+use crate::governor::{Account, DeviceBooks};
 use crate::sync::{Arc, AtomicU64, Ordering};
 use crate::timeline::TimelineEventKind;
 
@@ -351,23 +352,137 @@ impl SharedMapping for Forward {
     }
 }
 
-/// Wraps any [`DeviceAllocator`] and charges each allocation to an account. Register
-/// it in the `BindingRegistry` like any allocator: identity and governance compose.
-/// The accounting rules are written down in `docs/ACCOUNTING.md`.
-pub struct GovernedAllocator {
-    account: Account,
+/// Whose books a governed allocator keeps: a tenant's [`Account`] (a
+/// [`GovernedAllocator`]) or the device's cache backings (a [`CacheBacking`]). One
+/// mechanism, two payers: the records, the release protocol and the trust rules are the
+/// same.
+pub(crate) trait Books: Send + Sync + 'static {
+    /// Who pays, for messages.
+    fn payer(&self) -> String;
+    fn charge(&self, role: MemoryRole, bytes: u64) -> Result<(), AdmissionError>;
+    fn grow(&self, role: MemoryRole, held: u64, extra: u64) -> Result<(), AdmissionError>;
+    fn refund(&self, role: MemoryRole, bytes: u64, close: bool);
+    fn cancel(&self, role: MemoryRole, bytes: u64);
+    fn quarantined(&self, role: MemoryRole) -> &AtomicU64;
+    /// Counts a block lost with its device (its refund follows).
+    fn lost(&self, role: MemoryRole, bytes: u64);
+    /// The tenant a recovery ladder runs for; `None` for books that run none.
+    #[inline(always)]
+    fn tenant(&self) -> Option<&Account> {
+        None
+    }
+}
+
+impl Books for Account {
+    fn payer(&self) -> String {
+        self.authority().to_string()
+    }
+
+    #[inline(always)]
+    fn charge(&self, role: MemoryRole, bytes: u64) -> Result<(), AdmissionError> {
+        Account::charge(self, role, bytes)
+    }
+
+    fn grow(&self, role: MemoryRole, held: u64, extra: u64) -> Result<(), AdmissionError> {
+        Account::grow(self, role, held, extra)
+    }
+
+    #[inline(always)]
+    fn refund(&self, role: MemoryRole, bytes: u64, close: bool) {
+        Account::refund(self, role, bytes, close);
+    }
+
+    fn cancel(&self, role: MemoryRole, bytes: u64) {
+        Account::cancel(self, role, bytes);
+    }
+
+    fn quarantined(&self, role: MemoryRole) -> &AtomicU64 {
+        &self.role_stats(role).quarantined
+    }
+
+    fn lost(&self, role: MemoryRole, bytes: u64) {
+        let stats = self.role_stats(role);
+        stats.lost_bytes.fetch_add(bytes, Ordering::Relaxed);
+        stats.lost_allocations.fetch_add(1, Ordering::Relaxed);
+        self.record_event(TimelineEventKind::Lost, role, bytes);
+    }
+
+    #[inline(always)]
+    fn tenant(&self) -> Option<&Account> {
+        Some(self)
+    }
+}
+
+/// The allocator both payers share (see [`Books`]).
+struct Governed<B> {
+    books: B,
     records: Arc<Records>,
     forward: Forward,
     has_virtual: bool,
     has_shared: bool,
 }
 
+/// Wraps any [`DeviceAllocator`] and charges each allocation to an account. Register
+/// it in the `BindingRegistry` like any allocator: identity and governance compose.
+/// The accounting rules are written down in `docs/ACCOUNTING.md`.
+///
+/// When the inner allocator runs out of memory (or a cache's backing refuses it, see
+/// [`Governor::cache_backing`](crate::Governor::cache_backing)), or a cache grew past
+/// the device limit while serving it, the governed allocator runs the recovery ladder
+/// outside every lock: trim the device's caches (the largest idle first), ask the
+/// reclaim holders, retrying after each; then refuse with [`LimitScope::Reserved`](crate::LimitScope::Reserved).
+pub struct GovernedAllocator(Governed<Account>);
+
+/// Wraps the backing of a cache (made by
+/// [`Governor::cache_backing`](crate::Governor::cache_backing)): every block the cache
+/// takes is counted in its device's `held_by_caches`, refused past the device limit
+/// ([`AdmissionError::CacheLimit`]), and recorded like a governed block.
+pub struct CacheBacking(Governed<BackingBooks>);
+
 impl fmt::Debug for GovernedAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GovernedAllocator")
-            .field("inner", &self.forward.inner.name())
-            .field("account", &self.account)
+            .field("inner", &self.0.forward.inner.name())
+            .field("account", &self.0.books)
             .finish()
+    }
+}
+
+impl fmt::Debug for CacheBacking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheBacking").field("inner", &self.0.forward.inner.name()).finish()
+    }
+}
+
+impl<B: Books> Governed<B> {
+    fn new(inner: Arc<dyn DeviceAllocator>, books: B, records: Records, name: String) -> Governed<B> {
+        let records = Arc::new(records);
+        let has_virtual = inner.virtual_backing().is_some();
+        let has_shared = inner.shared_mapping().is_some();
+        Governed {
+            books,
+            forward: Forward { inner, records: Arc::clone(&records), name },
+            records,
+            has_virtual,
+            has_shared,
+        }
+    }
+}
+
+impl CacheBacking {
+    pub(crate) fn new(inner: Arc<dyn DeviceAllocator>, device: Arc<DeviceBooks>) -> CacheBacking {
+        let name = format!("cache-backing({})", inner.name());
+        CacheBacking(Governed::new(inner, BackingBooks::new(device), Records::new(), name))
+    }
+
+    /// The wrapped backing allocator.
+    pub fn inner(&self) -> &Arc<dyn DeviceAllocator> {
+        &self.0.forward.inner
+    }
+
+    /// Blocks the cache holds from its backing (cold path: reads every record).
+    pub fn live_blocks(&self) -> usize {
+        self.0.records.len()
     }
 }
 
@@ -394,34 +509,27 @@ impl GovernedAllocator {
             };
             return Err(GovernError { failure, allocator: inner });
         }
-        let records = Arc::new(records);
-        let has_virtual = inner.virtual_backing().is_some();
-        let has_shared = inner.shared_mapping().is_some();
+        // The device asks it for its cache's figures, and trims it on the ladder.
+        account.device_books().caches.register(account.authority(), &inner);
         let name = format!("governed({})", inner.name());
-        Ok(GovernedAllocator {
-            account,
-            forward: Forward { inner, records: Arc::clone(&records), name },
-            records,
-            has_virtual,
-            has_shared,
-        })
+        Ok(GovernedAllocator(Governed::new(inner, account, records, name)))
     }
 
     /// The account charged.
     pub fn account(&self) -> &Account {
-        &self.account
+        &self.0.books
     }
 
     /// The wrapped allocator.
     pub fn inner(&self) -> &Arc<dyn DeviceAllocator> {
-        &self.forward.inner
+        &self.0.forward.inner
     }
 
     /// Blocks this allocator has handed out and still holds records of: live,
     /// quarantined, or lost with their device and not yet handed to `forget_lost`
     /// (cold path: reads every record).
     pub fn live_blocks(&self) -> usize {
-        self.records.len()
+        self.0.records.len()
     }
 
     /// Allocates like [`DeviceAllocator::allocate`], with the governor's own error.
@@ -433,27 +541,115 @@ impl GovernedAllocator {
     /// charge is cancelled then).
     #[inline]
     pub fn try_allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, GovernedAllocError> {
-        self.allocate_governed(request)
+        self.0.allocate_governed(request)
     }
+}
 
+/// Whether an inner allocator's failure is one the recovery ladder may cure.
+fn for_lack_of_memory(error: &AllocError) -> bool {
+    matches!(error, AllocError::OutOfMemory { .. } | AllocError::AdmissionRefused { .. })
+}
+
+impl<B: Books> Governed<B> {
     #[inline(always)]
     fn allocate_governed(&self, request: &AllocationRequest) -> Result<RawAllocation, GovernedAllocError> {
         let role = request.role();
         let bytes = request.bytes() as u64;
-        self.account.charge(role, bytes).map_err(GovernedAllocError::Refused)?;
+        self.books.charge(role, bytes).map_err(GovernedAllocError::Refused)?;
         // Cancels the charge if the inner allocator fails or panics.
-        let mut charge = PendingCharge { account: &self.account, role, bytes, armed: true };
+        let mut charge = PendingCharge { books: &self.books, role, bytes, armed: true };
+        // A cache of the device grew across the inner call: what the process holds is
+        // checked against the limit after it (one load here).
+        let growth = self.books.tenant().map_or(0, |tenant| tenant.device_books().caches.growth());
         let block = match self.forward.inner.allocate(request) {
             Ok(block) => block,
-            Err(error) => return Err(GovernedAllocError::Allocator(error)),
+            Err(error) => match self.books.tenant() {
+                Some(tenant) if for_lack_of_memory(&error) => self.recover(tenant, request, error)?,
+                _ => return Err(GovernedAllocError::Allocator(error)),
+            },
         };
         charge.armed = false;
         // The books count the block's real size.
         let actual = block.bytes() as u64;
-        if actual != bytes {
-            return self.resized(block, role, bytes, actual);
+        let governed =
+            if actual != bytes { self.resized(block, role, bytes, actual) } else { self.record(block, role, actual) }?;
+        match self.books.tenant() {
+            Some(tenant) if tenant.device_books().caches.growth() != growth => {
+                self.check_footprint(tenant, governed, role, actual)
+            }
+            _ => Ok(governed),
         }
-        self.record(block, role, actual)
+    }
+
+    /// Rungs (a) and (b) of the recovery ladder, after the inner allocator failed for
+    /// lack of memory, each followed by one retry; then (c), the refusal. Runs with no
+    /// lock held (the inner allocator returned). The charge stays made throughout.
+    #[cold]
+    #[inline(never)]
+    fn recover(
+        &self,
+        tenant: &Account,
+        request: &AllocationRequest,
+        error: AllocError,
+    ) -> Result<RawAllocation, GovernedAllocError> {
+        let (role, bytes) = (request.role(), request.bytes() as u64);
+        let trimmed = tenant.device_books().caches.trim_largest_first(bytes);
+        tenant.record_event(TimelineEventKind::Trim, role, trimmed.bytes);
+        if trimmed.bytes > 0
+            && let Ok(block) = self.forward.inner.allocate(request)
+        {
+            return Ok(block);
+        }
+        let reclaimed = tenant.reclaim_for_ladder(role, bytes);
+        if reclaimed.is_some_and(|freed| freed > 0)
+            && let Ok(block) = self.forward.inner.allocate(request)
+        {
+            return Ok(block);
+        }
+        tracing::warn!(allocator = %self.forward.name, error = %error, trimmed = trimmed.bytes, reclaimed = ?reclaimed,
+            "inner allocator out of memory after trimming caches and asking reclaim holders");
+        match error {
+            // A cache's backing refused at the device limit: the governor's refusal.
+            AllocError::AdmissionRefused { .. } => Err(GovernedAllocError::Refused(tenant.refuse_over_reserved(
+                role,
+                bytes,
+                tenant.footprint_after(Some(trimmed.bytes)).without(bytes, false),
+                reclaimed,
+            ))),
+            error => Err(GovernedAllocError::Allocator(error)),
+        }
+    }
+
+    /// A cache grew while serving `governed`: if what the process holds on the device
+    /// (allocated + cached) is over its limit, the ladder runs (trim, reclaim), and if
+    /// it stays over, the block goes back and the allocation is refused.
+    #[cold]
+    #[inline(never)]
+    fn check_footprint(
+        &self,
+        tenant: &Account,
+        governed: RawAllocation,
+        role: MemoryRole,
+        bytes: u64,
+    ) -> Result<RawAllocation, GovernedAllocError> {
+        let books = tenant.device_books();
+        let limit = books.limit();
+        let over = |trimmed| Some(tenant.footprint_after(trimmed)).filter(|f| f.device_reserved > limit);
+        let Some(footprint) = over(None) else { return Ok(governed) };
+        let trimmed = books.caches.trim_largest_first(footprint.device_reserved - limit);
+        tenant.record_event(TimelineEventKind::Trim, role, trimmed.bytes);
+        let Some(footprint) = over(Some(trimmed.bytes)) else { return Ok(governed) };
+        let reclaimed = tenant.reclaim_for_ladder(role, footprint.device_reserved - limit);
+        let Some(footprint) = over(Some(trimmed.bytes)) else { return Ok(governed) };
+        // The block goes back, and with a trim what its cache grew by for it.
+        let outcome = self.release(governed);
+        if !outcome.is_complete() {
+            tracing::warn!(allocator = %self.forward.name, outcome = %outcome.summary(),
+                "a block refused over the device's reserved limit could not be given back");
+        }
+        books.caches.trim_largest_first(bytes);
+        let footprint = footprint.without(bytes, true);
+        Err(GovernedAllocError::Refused(tenant.refuse_over_reserved(role, bytes, footprint, reclaimed)))
     }
 
     /// Charges a block the inner allocator made larger (or smaller) than asked at its
@@ -468,12 +664,12 @@ impl GovernedAllocator {
         actual: u64,
     ) -> Result<RawAllocation, GovernedAllocError> {
         if actual > asked {
-            if let Err(refusal) = self.account.grow(role, asked, actual - asked) {
+            if let Err(refusal) = self.books.grow(role, asked, actual - asked) {
                 self.give_back_unrecorded(block, role, asked);
                 return Err(GovernedAllocError::Refused(refusal));
             }
         } else {
-            self.account.refund(role, asked - actual, false);
+            self.books.refund(role, asked - actual, false);
         }
         self.record(block, role, actual)
     }
@@ -519,9 +715,9 @@ impl GovernedAllocator {
     fn give_back_unrecorded(&self, block: RawAllocation, role: MemoryRole, charged: u64) {
         let outcome = self.forward.inner.release(block);
         if outcome.is_complete() {
-            self.account.cancel(role, charged);
+            self.books.cancel(role, charged);
         } else {
-            self.account.role_stats(role).quarantined.fetch_add(charged, Ordering::Relaxed);
+            self.books.quarantined(role).fetch_add(charged, Ordering::Relaxed);
             tracing::warn!(allocator = %self.forward.name, outcome = %outcome.summary(), charged,
                 "could not give back a block the governor did not hand out; its charge stays, quarantined");
         }
@@ -547,7 +743,7 @@ impl GovernedAllocator {
 
     /// Moves a record's charge in or out of the role's quarantined bytes.
     fn requarantine(&self, record: &Packed, keep: Option<u64>) {
-        let quarantined = &self.account.role_stats(record.role()).quarantined;
+        let quarantined = self.books.quarantined(record.role());
         // Add before subtracting, so that the figure never dips below zero.
         if let Some(keep) = keep {
             quarantined.fetch_add(keep, Ordering::Relaxed);
@@ -558,7 +754,7 @@ impl GovernedAllocator {
     }
 }
 
-impl GovernedAllocator {
+impl<B: Books> Governed<B> {
     /// A release the inner allocator did not complete: what it still holds stays
     /// charged (as a quarantine) and the record live under `tag`; an answer about
     /// another block than `sent` is not believed.
@@ -566,7 +762,7 @@ impl GovernedAllocator {
     #[inline(never)]
     fn settle_partial(
         &self,
-        mut pending: PendingRelease<'_>,
+        mut pending: PendingRelease<'_, B>,
         record: &Packed,
         sent: Block,
         tag: u64,
@@ -584,7 +780,7 @@ impl GovernedAllocator {
             ReleaseOutcome::Complete(done) => {
                 pending.free();
                 self.requarantine(record, None);
-                self.account.refund(role, record.charged, true);
+                self.books.refund(role, record.charged, true);
                 ReleaseOutcome::Complete(done)
             }
             ReleaseOutcome::Quarantined(quarantine) => {
@@ -596,9 +792,9 @@ impl GovernedAllocator {
                 self.requarantine(record, Some(keep));
                 pending.restore(&record.settled(block.tag, keep, true));
                 let refunded = record.charged - keep;
-                self.account.refund(role, refunded, false);
+                self.books.refund(role, refunded, false);
                 tracing::warn!(
-                    allocator = %self.forward.name, authority = %self.account.authority(), role = %role,
+                    allocator = %self.forward.name, payer = %self.books.payer(), role = %role,
                     refunded, still_charged = keep, "quarantined release: residual stays charged"
                 );
                 ReleaseOutcome::quarantined(block.governed(tag), unmapped, residual, error)
@@ -615,17 +811,17 @@ impl GovernedAllocator {
 
 /// A charge made for an allocation the inner allocator has not returned yet: dropped
 /// (on an error or an unwinding panic), it cancels the charge.
-struct PendingCharge<'a> {
-    account: &'a Account,
+struct PendingCharge<'a, B: Books> {
+    books: &'a B,
     role: MemoryRole,
     bytes: u64,
     armed: bool,
 }
 
-impl Drop for PendingCharge<'_> {
+impl<B: Books> Drop for PendingCharge<'_, B> {
     fn drop(&mut self) {
         if self.armed {
-            self.account.cancel(self.role, self.bytes);
+            self.books.cancel(self.role, self.bytes);
         }
     }
 }
@@ -633,12 +829,12 @@ impl Drop for PendingCharge<'_> {
 /// A record taken for a release whose inner-allocator call is under way: dropped still
 /// holding it (the inner allocator panicked), it keeps the whole block charged as a
 /// quarantine, as the registry does, so that a retry or termination can settle it.
-struct PendingRelease<'a> {
-    governed: &'a GovernedAllocator,
+struct PendingRelease<'a, B: Books> {
+    governed: &'a Governed<B>,
     taken: Option<Taken<'a>>,
 }
 
-impl PendingRelease<'_> {
+impl<B: Books> PendingRelease<'_, B> {
     /// The block is gone: the record is freed.
     #[inline]
     fn free(&mut self) {
@@ -657,7 +853,7 @@ impl PendingRelease<'_> {
     }
 }
 
-impl Drop for PendingRelease<'_> {
+impl<B: Books> Drop for PendingRelease<'_, B> {
     fn drop(&mut self) {
         if let Some(taken) = self.taken.take() {
             let record = *taken.value();
@@ -705,7 +901,7 @@ fn about_another_block(sent: RawAllocation, claimed_unmapped: usize, claimed_res
     ReleaseOutcome::quarantined(sent, 0, bytes, error)
 }
 
-impl DeviceAllocator for GovernedAllocator {
+impl<B: Books> DeviceAllocator for Governed<B> {
     fn device(&self) -> DeviceKey {
         self.forward.inner.device()
     }
@@ -735,7 +931,7 @@ impl DeviceAllocator for GovernedAllocator {
                 if record.quarantined() {
                     self.requarantine(&record, None);
                 }
-                self.account.refund(record.role(), record.charged, true);
+                self.books.refund(record.role(), record.charged, true);
                 ReleaseOutcome::Complete(done)
             }
             outcome => self.settle_partial(pending, &record, sent, allocation.provider_tag(), outcome),
@@ -769,27 +965,65 @@ impl DeviceAllocator for GovernedAllocator {
             let claim = *taken.value();
             taken.free();
             let role = claim.role();
-            let stats = self.account.role_stats(role);
             self.requarantine(&claim, None);
-            stats.lost_bytes.fetch_add(claim.charged, Ordering::Relaxed);
-            stats.lost_allocations.fetch_add(1, Ordering::Relaxed);
-            self.account.refund(role, claim.charged, true);
-            if self.account.timeline().enabled() {
-                self.account.timeline().record(
-                    TimelineEventKind::Lost,
-                    self.account.device(),
-                    self.account.authority(),
-                    role,
-                    claim.charged,
-                );
-            }
+            self.books.lost(role, claim.charged);
+            self.books.refund(role, claim.charged, true);
             inner.push(claim.inner(&block).inner());
         }
-        tracing::info!(allocator = %self.forward.name, authority = %self.account.authority(), blocks = inner.len(),
+        tracing::info!(allocator = %self.forward.name, payer = %self.books.payer(), blocks = inner.len(),
             "lost blocks refunded after termination");
         self.forward.inner.forget_lost(inner);
     }
 }
+
+/// Both public allocators are the one [`Governed`] allocator with their payer's books.
+macro_rules! delegate_allocator {
+    ($name:ty) => {
+        impl DeviceAllocator for $name {
+            #[inline]
+            fn device(&self) -> DeviceKey {
+                self.0.device()
+            }
+
+            fn name(&self) -> &str {
+                self.0.name()
+            }
+
+            #[inline]
+            fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+                self.0.allocate(request)
+            }
+
+            #[inline]
+            fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+                self.0.release(allocation)
+            }
+
+            fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+                self.0.virtual_backing()
+            }
+
+            fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+                self.0.shared_mapping()
+            }
+
+            fn stats(&self) -> Option<AllocatorStats> {
+                self.0.stats()
+            }
+
+            fn trim(&self) -> usize {
+                self.0.trim()
+            }
+
+            fn forget_lost(&self, lost: Vec<RawAllocation>) {
+                self.0.forget_lost(lost)
+            }
+        }
+    };
+}
+
+delegate_allocator!(GovernedAllocator);
+delegate_allocator!(CacheBacking);
 
 #[cfg(all(test, not(memory_loom)))]
 mod tests {

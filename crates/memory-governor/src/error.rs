@@ -18,6 +18,9 @@ pub enum LimitScope {
     Device,
     /// The authority's quota inside the device budget.
     Authority,
+    /// The device limit on what the process holds there: tenants' blocks plus what
+    /// allocator caches keep idle (`reserved`), after the caches were trimmed.
+    Reserved,
 }
 
 impl LimitScope {
@@ -26,6 +29,7 @@ impl LimitScope {
         match self {
             LimitScope::Device => "device limit",
             LimitScope::Authority => "authority quota",
+            LimitScope::Reserved => "device limit on reserved memory",
         }
     }
 }
@@ -45,6 +49,72 @@ pub struct HolderReport {
     pub reclaimable: u64,
     /// Its place in the reclaim order (lower is asked first).
     pub order: u32,
+}
+
+/// Allocated vs reserved at a refusal: what tenants were charged, and what the process
+/// holds (charged plus what caches keep idle), on the device and for the tenant.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Footprint {
+    /// Bytes charged to every tenant of the device.
+    pub device_allocated: u64,
+    /// `device_allocated` plus what the device's caches keep idle.
+    pub device_reserved: u64,
+    /// Bytes the device's caches keep idle (reported by the caches).
+    pub device_cached: u64,
+    /// Bytes charged to the refused tenant.
+    pub tenant_allocated: u64,
+    /// `tenant_allocated` plus what the tenant's own caches keep idle.
+    pub tenant_reserved: u64,
+    /// The largest block any cache of the device could hand out without asking its
+    /// backing (0 when no cache reports it).
+    pub largest_free: u64,
+    /// Bytes the first rung of the ladder got back by trimming caches, when it ran.
+    pub trimmed: Option<u64>,
+}
+
+impl Footprint {
+    /// These figures without a request of `bytes` that was charged when they were
+    /// taken and is being refused: its charge goes back, and if its block went back
+    /// into a cache (`cached`), the block stays reserved there.
+    pub(crate) fn without(self, bytes: u64, cached: bool) -> Footprint {
+        let kept = if cached { bytes } else { 0 };
+        Footprint {
+            device_allocated: self.device_allocated.saturating_sub(bytes),
+            device_cached: self.device_cached.saturating_add(kept),
+            device_reserved: self.device_reserved.saturating_sub(bytes - kept),
+            tenant_allocated: self.tenant_allocated.saturating_sub(bytes),
+            tenant_reserved: self.tenant_reserved.saturating_sub(bytes - kept),
+            ..self
+        }
+    }
+
+    /// `1 - largest free / cached` over the device's caches, in [0, 1]: 0 when the
+    /// idle bytes are one block (or none), near 1 when they are scattered.
+    pub fn fragmentation(&self) -> f64 {
+        crate::footprint::fragmentation(self.device_cached, self.largest_free)
+    }
+}
+
+impl fmt::Display for Footprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "device: {} bytes allocated, {} reserved ({} idle in caches, largest free block {}, fragmentation {:.0}%); \
+             tenant: {} allocated, {} reserved",
+            self.device_allocated,
+            self.device_reserved,
+            self.device_cached,
+            self.largest_free,
+            self.fragmentation() * 100.0,
+            self.tenant_allocated,
+            self.tenant_reserved
+        )?;
+        if let Some(trimmed) = self.trimmed {
+            write!(f, "; trimming caches gave back {trimmed} bytes")?;
+        }
+        Ok(())
+    }
 }
 
 /// Everything known about a refused admission.
@@ -81,6 +151,8 @@ pub struct Exhaustion {
     pub largest_holder: Option<HolderReport>,
     /// Name of the device's admission policy.
     pub policy: String,
+    /// Allocated vs reserved on the device and for the tenant at the refusal.
+    pub footprint: Footprint,
 }
 
 impl Exhaustion {
@@ -94,6 +166,12 @@ impl Exhaustion {
             LimitScope::Device => format!(
                 "raise the limit of {} (Governor::set_device_limit), release memory other authorities hold \
                  on it, or ask for less",
+                self.device
+            ),
+            LimitScope::Reserved => format!(
+                "the caches' idle memory could not be given back in a piece that fits: lower the caches' bound \
+                 (a pool's max cached bytes) or their segment size, release blocks that pin partly used \
+                 segments, or raise the limit of {} (Governor::set_device_limit)",
                 self.device
             ),
         };
@@ -136,7 +214,7 @@ impl fmt::Display for Exhaustion {
             )?,
             None => write!(f, "; no reclaim holder is registered on {}", self.device)?,
         }
-        write!(f, "; policy {}; {}", self.policy, self.advice())
+        write!(f, "; {}; policy {}; {}", self.footprint, self.policy, self.advice())
     }
 }
 
@@ -173,6 +251,24 @@ pub enum AdmissionError {
         /// The largest charge one lease may hold.
         max: u64,
     },
+    /// A cache asked its backing ([`Governor::cache_backing`](crate::Governor::cache_backing))
+    /// for more than the device limit leaves: the caches of the device already hold
+    /// `held` bytes. The governed allocator above the cache answers with the recovery
+    /// ladder (trim, reclaim, retry) before it refuses its tenant.
+    #[error(
+        "a cache on {device} asked its backing for {requested} bytes, but the device's caches hold {held} of its \
+         {limit}-byte limit; trim the caches, lower their bound, or raise the device limit"
+    )]
+    CacheLimit {
+        /// The device.
+        device: DeviceKey,
+        /// Bytes the cache asked for.
+        requested: u64,
+        /// Bytes the device's caches held.
+        held: u64,
+        /// The device limit.
+        limit: u64,
+    },
 }
 
 impl AdmissionError {
@@ -180,7 +276,7 @@ impl AdmissionError {
     pub fn exhaustion(&self) -> Option<&Exhaustion> {
         match self {
             AdmissionError::Exhausted(exhaustion) | AdmissionError::ReentrantReclaim(exhaustion) => Some(exhaustion),
-            AdmissionError::Overflow { .. } => None,
+            AdmissionError::Overflow { .. } | AdmissionError::CacheLimit { .. } => None,
         }
     }
 }

@@ -7,18 +7,20 @@ use std::sync::atomic::Ordering as StdOrdering;
 
 use memory_api::{AuthorityIdentity, DeviceAllocator, DeviceKey, MemoryRole};
 
-use crate::allocator::GovernedAllocator;
+use crate::allocator::{CacheBacking, GovernedAllocator};
 use crate::credit::{self, AccountCounters, DeviceCounters, MAX_CHUNK, Path, ROLES, Short, Slot, SlotLists, UNLIMITED};
 use crate::error::{
-    AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
-    LimitScope, PolicyError,
+    AccountError, AdmissionError, Exhaustion, Footprint, GovernError, GovernFailure, HolderReport, LeaseRequestError,
+    LimitError, LimitScope, PolicyError,
 };
+use crate::footprint::{Caches, Idle};
 use crate::overdraft::{DEFAULT_OVERDRAFT_LIMIT, OverdraftBooks, OverdraftDraw, OverdraftRefused};
 use crate::peaks::{Bound, Charges, PEAK_SLACK, Tally};
 use crate::policy::{AdmissionPolicy, HardLimit, Shortfall, ShortfallDecision};
 use crate::reclaim::{HolderId, ReclaimHolder, ReclaimRequest, Reclaiming};
 use crate::stats::{
-    self, AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
+    self, AccountSnapshot, CacheSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, LadderSnapshot,
+    ReserveSnapshot, RoleSnapshot, Totals,
 };
 use crate::sync::{Arc, AtomicU64, IdCounter, Mutex, Ordering, RwLock, lock, read, thread_local, write};
 use crate::timeline::{Timeline, TimelineEvent, TimelineEventKind};
@@ -149,6 +151,8 @@ pub(crate) struct DeviceBooks {
     pub(crate) timeline: Arc<Timeline>,
     /// What adapters hold on the device past refusals.
     overdraft: Arc<OverdraftBooks>,
+    /// The allocators governed on the device (their caches) and what cache backings hold.
+    pub(crate) caches: Caches,
 }
 
 impl DeviceBooks {
@@ -164,7 +168,25 @@ impl DeviceBooks {
             changes: Mutex::new(()),
             timeline,
             overdraft: Arc::new(OverdraftBooks::new(overdraft_limit)),
+            caches: Caches::new(),
         }
+    }
+
+    pub(crate) fn key(&self) -> DeviceKey {
+        self.key
+    }
+
+    /// The device limit (`u64::MAX` when none is set).
+    pub(crate) fn limit(&self) -> u64 {
+        self.counters.budget.limit()
+    }
+
+    /// Bytes charged to the device's tenants: what its roles drew, less the credit its
+    /// threads hold (cold: reads every slot).
+    pub(crate) fn allocated(&self) -> u64 {
+        let drawn = stats::sum(self.counters.roles.iter().map(|role| role.used()));
+        let credit = stats::sum(lock(&self.slots).iter().map(|slot| slot.credit()));
+        drawn.saturating_sub(credit)
     }
 
     /// The policy, copied out of its lock (so that it can be called with no lock held).
@@ -479,6 +501,15 @@ impl AccountShared {
                     authority: self.authority,
                 });
                 drop(reclaiming);
+                if self.device.timeline.enabled() {
+                    self.device.timeline.record(
+                        TimelineEventKind::Reclaim,
+                        self.device.key,
+                        self.authority,
+                        role,
+                        freed,
+                    );
+                }
                 match self.admit(r, bytes) {
                     Ok(()) => return Ok(()),
                     Err(short) => last = short,
@@ -517,6 +548,7 @@ impl AccountShared {
             reclaimed,
             largest_holder: self.device.largest_holder(),
             policy: policy.name().to_owned(),
+            footprint: self.footprint(None),
         };
         tracing::warn!(
             tier = %exhaustion.tier, device = %exhaustion.device, authority = %exhaustion.authority,
@@ -532,6 +564,35 @@ impl AccountShared {
             AdmissionError::ReentrantReclaim(Box::new(exhaustion))
         } else {
             AdmissionError::Exhausted(Box::new(exhaustion))
+        }
+    }
+
+    /// Bytes charged to this account (cold: reads its slots).
+    fn allocated(&self) -> u64 {
+        let drawn = stats::sum(self.counters.roles.iter().map(|role| role.used()));
+        let credit = stats::sum(lock(&self.slots).iter().map(|slot| slot.credit()));
+        drawn.saturating_sub(credit)
+    }
+
+    /// Allocated vs reserved on the device and for this account, asking every cache of
+    /// the device for its figures (no lock held). `trimmed`: what the ladder's first
+    /// rung got back, when it ran.
+    pub(crate) fn footprint(&self, trimmed: Option<u64>) -> Footprint {
+        let caches = self.device.caches.poll();
+        let device = Idle::of(&caches);
+        let own = Idle::of(caches.iter().filter(|cache| cache.authority == self.authority));
+        let device_allocated = self.device.allocated();
+        let tenant_allocated = self.allocated();
+        let device_reserved = device_allocated.saturating_add(device.cached);
+        self.device.caches.observe(device_reserved);
+        Footprint {
+            device_allocated,
+            device_reserved,
+            device_cached: device.cached,
+            tenant_allocated,
+            tenant_reserved: tenant_allocated.saturating_add(own.cached),
+            largest_free: device.largest_free,
+            trimmed,
         }
     }
 
@@ -564,11 +625,14 @@ impl AccountShared {
             role.lost_bytes = stats.lost_bytes.load(Ordering::Relaxed);
             role.lost_allocations = stats.lost_allocations.load(Ordering::Relaxed);
         }
+        let current = stats::sum(roles.iter().map(|r| r.current));
+        let own = self.device.caches.poll();
+        let cached = Idle::of(own.iter().filter(|cache| cache.authority == self.authority)).cached;
         AccountSnapshot {
             authority: self.authority.to_string(),
             label: self.label.clone(),
             quota: limit_of(self.counters.budget.limit()),
-            current: stats::sum(roles.iter().map(|r| r.current)),
+            current,
             used: self.counters.budget.used(),
             peak: self.charges.peak(),
             peak_used: self.counters.budget.peak(),
@@ -576,6 +640,9 @@ impl AccountShared {
             totals: Totals::of(&roles),
             roles,
             overdraft: self.overdraft.snapshot(false),
+            allocated: current,
+            cached,
+            reserved: current.saturating_add(cached),
         }
     }
 }
@@ -637,6 +704,87 @@ impl Account {
     /// This account's current figures.
     pub fn snapshot(&self) -> AccountSnapshot {
         self.shared.snapshot()
+    }
+
+    /// Allocated vs reserved on the account's device and for this account, right now
+    /// (cold: asks every cache of the device for its figures).
+    pub fn footprint(&self) -> Footprint {
+        self.shared.footprint(None)
+    }
+
+    /// [`Account::footprint`], noting what the ladder's first rung got back.
+    pub(crate) fn footprint_after(&self, trimmed: Option<u64>) -> Footprint {
+        self.shared.footprint(trimmed)
+    }
+
+    /// The device books (the ladder's caches and reclaim holders).
+    pub(crate) fn device_books(&self) -> &Arc<DeviceBooks> {
+        &self.shared.device
+    }
+
+    /// Rung (b) of the ladder: asks the device's reclaim holders, in order and with no
+    /// lock held, for `bytes`. `None` when this thread is already inside a holder's
+    /// reclaim (asking again would recurse).
+    pub(crate) fn reclaim_for_ladder(&self, role: MemoryRole, bytes: u64) -> Option<u64> {
+        let reclaiming = Reclaiming::enter()?;
+        let shared = &*self.shared;
+        let freed = shared.device.reclaim(ReclaimRequest {
+            device: shared.device.key,
+            bytes,
+            role,
+            authority: shared.authority,
+        });
+        drop(reclaiming);
+        self.record_event(TimelineEventKind::Reclaim, role, freed);
+        Some(freed)
+    }
+
+    /// Records a ladder event on the device's timeline (when it is on).
+    pub(crate) fn record_event(&self, kind: TimelineEventKind, role: MemoryRole, bytes: u64) {
+        let shared = &*self.shared;
+        if shared.device.timeline.enabled() {
+            shared.device.timeline.record(kind, shared.device.key, shared.authority, role, bytes);
+        }
+    }
+
+    /// Rung (c) of the ladder: the refusal of an allocation of `bytes` whose block
+    /// would keep what the process holds on the device over its limit after the
+    /// caches were trimmed and the holders asked.
+    pub(crate) fn refuse_over_reserved(
+        &self,
+        role: MemoryRole,
+        bytes: u64,
+        footprint: Footprint,
+        reclaimed: Option<u64>,
+    ) -> AdmissionError {
+        let shared = &*self.shared;
+        shared.roles[role.ordinal()].failures.fetch_add(1, Ordering::Relaxed);
+        shared.device.caches.count_over_reserved();
+        let limit = shared.device.limit();
+        let exhaustion = Exhaustion {
+            tier: shared.device.key.tier(),
+            device: shared.device.key,
+            authority: shared.authority,
+            account: shared.label.clone(),
+            role,
+            requested: bytes,
+            scope: LimitScope::Reserved,
+            used: footprint.device_reserved,
+            limit,
+            available: limit.saturating_sub(footprint.device_reserved),
+            reclaimed,
+            largest_holder: shared.device.largest_holder(),
+            policy: shared.device.policy().name().to_owned(),
+            footprint,
+        };
+        tracing::warn!(
+            device = %exhaustion.device, authority = %exhaustion.authority, role = %role, requested = bytes,
+            reserved = footprint.device_reserved, allocated = footprint.device_allocated,
+            cached = footprint.device_cached, trimmed = ?footprint.trimmed, reclaimed = ?reclaimed, limit,
+            "allocation refused: what the process holds on the device would pass its limit"
+        );
+        self.record_event(TimelineEventKind::Refusal, role, bytes);
+        AdmissionError::Exhausted(Box::new(exhaustion))
     }
 
     /// Draws `bytes` on the device's overdraft for this account: memory an adapter
@@ -786,10 +934,6 @@ impl Account {
 
     pub(crate) fn role_stats(&self, role: MemoryRole) -> &RoleStats {
         &self.shared.roles[role.ordinal()]
-    }
-
-    pub(crate) fn timeline(&self) -> &Timeline {
-        &self.shared.device.timeline
     }
 
     /// Charges a lease of `bytes` for `role`, refunded when the lease drops.
@@ -1098,6 +1242,18 @@ impl Governor {
         }
     }
 
+    /// Wraps the *backing* of a cache (the allocator a pool takes its memory from) on
+    /// `allocator`'s device: every block the cache takes is counted in the device's
+    /// `held_by_caches` and refused past the device limit
+    /// ([`AdmissionError::CacheLimit`], which the governed allocator above the cache
+    /// answers with the recovery ladder). Build a governed pool as
+    /// `governor.govern(Arc::new(Pool::new(governor.cache_backing(system))), authority)`.
+    /// See `docs/ACCOUNTING.md`, "Allocated and reserved".
+    pub fn cache_backing(&self, allocator: Arc<dyn DeviceAllocator>) -> CacheBacking {
+        let books = self.books(allocator.device());
+        CacheBacking::new(allocator, books)
+    }
+
     /// A snapshot of every device's books.
     pub fn snapshot(&self) -> GovernorSnapshot {
         let devices: Vec<_> = read(&self.inner.devices).values().cloned().collect();
@@ -1119,12 +1275,18 @@ impl Governor {
                     }
                 }
                 let counters = &books.counters;
+                let current = stats::sum(authorities.iter().map(|a| a.current));
+                let caches = books.caches.poll();
+                let idle = Idle::of(&caches);
+                let reserved = current.saturating_add(idle.cached);
+                books.caches.observe(reserved);
+                let backing = books.caches.figures();
                 DeviceSnapshot {
                     device: books.key.to_string(),
                     tier: books.key.tier().name().to_owned(),
                     index: books.key.index(),
                     limit: limit_of(counters.budget.limit()),
-                    current: stats::sum(authorities.iter().map(|a| a.current)),
+                    current,
                     used: counters.budget.used(),
                     peak: books.charges.peak(),
                     peak_used: counters.budget.peak(),
@@ -1148,6 +1310,29 @@ impl Governor {
                     roles,
                     authorities,
                     overdraft: books.overdraft.snapshot(true),
+                    allocated: current,
+                    cached: idle.cached,
+                    reserved,
+                    reserved_peak: backing.reserved_peak,
+                    held_by_caches: backing.held,
+                    held_by_caches_peak: backing.held_peak,
+                    largest_free: idle.largest_free,
+                    caches: caches
+                        .iter()
+                        .map(|cache| CacheSnapshot {
+                            name: cache.name.clone(),
+                            authority: cache.authority.to_string(),
+                            live: cache.stats.live_bytes,
+                            cached: cache.stats.cached_bytes,
+                            reserved: cache.stats.live_bytes.saturating_add(cache.stats.cached_bytes),
+                            largest_free: cache.stats.largest_free_bytes,
+                        })
+                        .collect(),
+                    ladder: LadderSnapshot {
+                        trims: backing.trims,
+                        trimmed_bytes: backing.trimmed_bytes,
+                        refused_over_reserved: backing.over_reserved,
+                    },
                 }
             })
             .collect();

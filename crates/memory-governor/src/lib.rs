@@ -101,6 +101,7 @@
 mod allocator;
 mod credit;
 mod error;
+mod footprint;
 mod governor;
 mod lease;
 #[cfg(feature = "metrics")]
@@ -128,18 +129,21 @@ pub use overdraft::{DEFAULT_OVERDRAFT_LIMIT, OverdraftDraw, OverdraftRefused, Ov
 pub use policy::{AdmissionPolicy, GuaranteedReserve, HardLimit, ReclaimThenFail, Shortfall, ShortfallDecision};
 pub use reclaim::{HolderId, ReclaimHolder, ReclaimRequest};
 
-// Governed allocation: any allocator, charged per block, registered like any other.
-pub use allocator::{GovernedAllocError, GovernedAllocator, is_governor_refusal};
+// Governed allocation: any allocator, charged per block, registered like any other; and
+// the backing of a cache, so that the device limit bounds what caches hold too.
+pub use allocator::{CacheBacking, GovernedAllocError, GovernedAllocator, is_governor_refusal};
+pub use footprint::fragmentation;
 
 // Errors.
 pub use error::{
-    AccountError, AdmissionError, Exhaustion, GovernError, GovernFailure, HolderReport, LeaseRequestError, LimitError,
-    LimitScope, PolicyError, ShrinkError,
+    AccountError, AdmissionError, Exhaustion, Footprint, GovernError, GovernFailure, HolderReport, LeaseRequestError,
+    LimitError, LimitScope, PolicyError, ShrinkError,
 };
 
 // Observability: snapshots and the timeline.
 pub use stats::{
-    AccountSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, ReserveSnapshot, RoleSnapshot, Totals,
+    AccountSnapshot, CacheSnapshot, DeviceSnapshot, GovernorSnapshot, HolderSnapshot, LadderSnapshot, ReserveSnapshot,
+    RoleSnapshot, Totals,
 };
 pub use timeline::{TimelineEvent, TimelineEventKind};
 

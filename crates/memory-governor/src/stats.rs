@@ -156,6 +156,13 @@ pub struct AccountSnapshot {
     pub roles: Vec<RoleSnapshot>,
     /// What adapters hold for this account past refusals (not in `current`).
     pub overdraft: OverdraftSnapshot,
+    /// Bytes charged (the same as `current`): what the tenant's blocks hold.
+    pub allocated: u64,
+    /// Bytes the caches of this authority's governed allocators keep idle, as they
+    /// report them.
+    pub cached: u64,
+    /// `allocated + cached`: what the process holds for this tenant.
+    pub reserved: u64,
 }
 
 /// A role's reserve on a device.
@@ -178,6 +185,38 @@ pub struct HolderSnapshot {
     pub name: String,
     /// Its place in the reclaim order.
     pub order: u32,
+}
+
+/// One allocator a governed allocator wraps, as it reports itself: for a cache, what
+/// it hands out and what it keeps idle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct CacheSnapshot {
+    /// The allocator's name.
+    pub name: String,
+    /// The authority whose governed allocator wraps it.
+    pub authority: String,
+    /// Bytes it has handed out.
+    pub live: u64,
+    /// Bytes it keeps idle.
+    pub cached: u64,
+    /// `live + cached`.
+    pub reserved: u64,
+    /// The largest block it could hand out without asking its backing.
+    pub largest_free: u64,
+}
+
+/// What the recovery ladder did on a device (see `docs/ACCOUNTING.md`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct LadderSnapshot {
+    /// Caches asked to trim (rung a).
+    pub trims: u64,
+    /// Bytes those trims gave back.
+    pub trimmed_bytes: u64,
+    /// Allocations refused because what the process holds would pass the limit
+    /// after the caches were trimmed and the holders asked.
+    pub refused_over_reserved: u64,
 }
 
 /// One device's books.
@@ -218,6 +257,26 @@ pub struct DeviceSnapshot {
     /// What adapters hold on the device past refusals (not in `current`), bounded by
     /// its overdraft limit.
     pub overdraft: OverdraftSnapshot,
+    /// Bytes charged to tenants (the same as `current`).
+    pub allocated: u64,
+    /// Bytes the device's caches keep idle, as they report them.
+    pub cached: u64,
+    /// `allocated + cached`: what the process holds on the device. The device limit
+    /// bounds it where caches grow (see `docs/ACCOUNTING.md`).
+    pub reserved: u64,
+    /// The highest `reserved` observed (at growth checks, refusals and snapshots).
+    pub reserved_peak: u64,
+    /// Bytes cache backings hold (exact: every block a cache took from its backing).
+    pub held_by_caches: u64,
+    /// High-water mark of `held_by_caches`.
+    pub held_by_caches_peak: u64,
+    /// The largest block any cache of the device could hand out without asking its
+    /// backing.
+    pub largest_free: u64,
+    /// Every allocator governed on the device, as it reports itself.
+    pub caches: Vec<CacheSnapshot>,
+    /// What the recovery ladder did.
+    pub ladder: LadderSnapshot,
 }
 
 /// Every device's books.
@@ -243,6 +302,11 @@ impl GovernorSnapshot {
 }
 
 impl DeviceSnapshot {
+    /// `1 - largest_free / cached`, in [0, 1]: how scattered the caches' idle bytes are.
+    pub fn fragmentation(&self) -> f64 {
+        crate::footprint::fragmentation(self.cached, self.largest_free)
+    }
+
     /// The account of `authority`, if it has one here.
     pub fn authority(&self, authority: memory_api::AuthorityIdentity) -> Option<&AccountSnapshot> {
         let name = authority.to_string();

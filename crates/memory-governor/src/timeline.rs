@@ -29,6 +29,11 @@ pub enum TimelineEventKind {
     /// Bytes of lost allocations were refunded at termination (a `Refund` event
     /// records the refund itself).
     Lost,
+    /// The recovery ladder's first rung: caches of the device were trimmed, giving
+    /// back `bytes`.
+    Trim,
+    /// The recovery ladder's second rung: reclaim holders were asked and freed `bytes`.
+    Reclaim,
 }
 
 impl TimelineEventKind {
@@ -38,6 +43,8 @@ impl TimelineEventKind {
             TimelineEventKind::Refund => "refund",
             TimelineEventKind::Refusal => "refusal",
             TimelineEventKind::Lost => "lost",
+            TimelineEventKind::Trim => "trim",
+            TimelineEventKind::Reclaim => "reclaim",
         }
     }
 }
@@ -148,7 +155,12 @@ impl Timeline {
             TimelineEventKind::Charge => *slot = slot.saturating_add(bytes),
             TimelineEventKind::Refund => *slot = slot.saturating_sub(bytes),
             // A loss is recorded beside the refund that takes the bytes off the books.
-            TimelineEventKind::Refusal | TimelineEventKind::Lost => {}
+            // The ladder's rungs free memory the charges do not count (caches') or that
+            // later refunds take off the books (holders').
+            TimelineEventKind::Refusal
+            | TimelineEventKind::Lost
+            | TimelineEventKind::Trim
+            | TimelineEventKind::Reclaim => {}
         }
         let device_charged = *charged;
         if ring.events.len() == ring.capacity {

@@ -427,6 +427,8 @@ impl PluginAllocator {
             live_bytes: out.live_bytes,
             live_allocations: out.live_allocations,
             cached_bytes: out.cached_bytes,
+            // The plugin ABI does not report it.
+            largest_free_bytes: 0,
             reserved_bytes: out.reserved_bytes,
             allocations_total: out.allocations_total,
             failures_total: out.failures_total,

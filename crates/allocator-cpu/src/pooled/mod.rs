@@ -276,6 +276,7 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
             live_bytes: pool.live_bytes,
             live_allocations: pool.live_blocks,
             cached_bytes: pool.cached_bytes,
+            largest_free_bytes: 0,
             reserved_bytes: 0,
             allocations_total: pool.hits + pool.misses,
             failures_total: pool.failures,

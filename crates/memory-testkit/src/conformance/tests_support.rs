@@ -234,6 +234,7 @@ impl DeviceAllocator for PageReserve {
             live_allocations: self.live.load(Ordering::Relaxed),
             allocations_total: self.total.load(Ordering::Relaxed),
             cached_bytes: if self.bug == Bug::TrimLeavesCache { 4096 } else { 0 },
+            largest_free_bytes: 0,
             ..AllocatorStats::default()
         })
     }
