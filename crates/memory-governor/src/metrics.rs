@@ -30,6 +30,17 @@
 //! | `memory_governor_device_overdraft_refusals_total` | counter | `device` |
 //! | `memory_governor_account_overdraft_bytes` | gauge | `device`, `authority`, `label` |
 //! | `memory_governor_account_overdraft_peak_bytes` | gauge | `device`, `authority`, `label` |
+//! | `memory_governor_device_allocated_bytes` | gauge | `device` |
+//! | `memory_governor_device_reserved_bytes` | gauge | `device` |
+//! | `memory_governor_device_reserved_peak_bytes` | gauge | `device` |
+//! | `memory_governor_device_cached_bytes` | gauge | `device` |
+//! | `memory_governor_device_held_by_caches_bytes` | gauge | `device` |
+//! | `memory_governor_device_largest_free_bytes` | gauge | `device` |
+//! | `memory_governor_device_cache_trims_total` | counter | `device` |
+//! | `memory_governor_device_cache_trimmed_bytes_total` | counter | `device` |
+//! | `memory_governor_device_refused_over_reserved_total` | counter | `device` |
+//! | `memory_governor_account_reserved_bytes` | gauge | `device`, `authority`, `label` |
+//! | `memory_governor_account_cached_bytes` | gauge | `device`, `authority`, `label` |
 //!
 //! Counters are set to the governor's cumulative counts (`absolute`), so a restarted
 //! exporter or a missed scrape loses nothing.
@@ -68,7 +79,17 @@ fn publish_device(device: &DeviceSnapshot) {
     }
     gauge!("memory_governor_device_overdraft_bytes", labels.clone()).set(device.overdraft.current as f64);
     gauge!("memory_governor_device_overdraft_peak_bytes", labels.clone()).set(device.overdraft.peak as f64);
-    counter!("memory_governor_device_overdraft_refusals_total", labels).absolute(device.overdraft.refused);
+    counter!("memory_governor_device_overdraft_refusals_total", labels.clone()).absolute(device.overdraft.refused);
+    gauge!("memory_governor_device_allocated_bytes", labels.clone()).set(device.allocated as f64);
+    gauge!("memory_governor_device_reserved_bytes", labels.clone()).set(device.reserved as f64);
+    gauge!("memory_governor_device_reserved_peak_bytes", labels.clone()).set(device.reserved_peak as f64);
+    gauge!("memory_governor_device_cached_bytes", labels.clone()).set(device.cached as f64);
+    gauge!("memory_governor_device_held_by_caches_bytes", labels.clone()).set(device.held_by_caches as f64);
+    gauge!("memory_governor_device_largest_free_bytes", labels.clone()).set(device.largest_free as f64);
+    counter!("memory_governor_device_cache_trims_total", labels.clone()).absolute(device.ladder.trims);
+    counter!("memory_governor_device_cache_trimmed_bytes_total", labels.clone()).absolute(device.ladder.trimmed_bytes);
+    counter!("memory_governor_device_refused_over_reserved_total", labels)
+        .absolute(device.ladder.refused_over_reserved);
     for role in &device.roles {
         publish_role(&device.device, role);
     }
@@ -101,5 +122,7 @@ fn publish_account(device: &str, account: &AccountSnapshot) {
     gauge!("memory_governor_account_peak_bytes", labels.clone()).set(account.peak as f64);
     gauge!("memory_governor_account_overdraft_bytes", labels.clone()).set(account.overdraft.current as f64);
     gauge!("memory_governor_account_overdraft_peak_bytes", labels.clone()).set(account.overdraft.peak as f64);
+    gauge!("memory_governor_account_reserved_bytes", labels.clone()).set(account.reserved as f64);
+    gauge!("memory_governor_account_cached_bytes", labels.clone()).set(account.cached as f64);
     counter!("memory_governor_account_refusals_total", labels).absolute(account.totals.failures);
 }

@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::*;
 use memory_governor::*;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
@@ -133,4 +135,37 @@ fn the_overdraft_of_a_device_and_a_tenant_reaches_the_recorder_live_and_peak() {
     let books = snapshot.device(GPU).unwrap();
     assert_eq!((books.current, books.overdraft.current, books.overdraft.draws), (0, 1_000, 2));
     assert!(snapshot.to_json().contains("\"overdraft\""));
+}
+
+#[test]
+fn allocated_reserved_and_the_ladder_reach_the_recorder() {
+    let (governor, account) = one_account(GPU, 1 << 20, 1 << 20, 4096);
+    let backing: Arc<dyn DeviceAllocator> =
+        Arc::new(governor.cache_backing(Arc::new(allocator_cpu::SystemAllocator::for_device(GPU))));
+    let pool = Arc::new(allocator_cpu::PooledAllocator::new(backing));
+    let governed = governor.govern(pool, account.authority()).unwrap();
+    let request = AllocationRequest::new(64 << 10, 64).unwrap();
+    let kept = governed.allocate(&request).unwrap();
+    let idle = governed.allocate(&request).unwrap();
+    assert!(governed.release(idle).is_complete());
+    governor.return_idle_credit();
+    let device = GPU.to_string();
+    let authority = account.authority().to_string();
+    let published = publish(&governor);
+    let device_labels = [("device", device.as_str())];
+    let gauge = |name, labels: &[(&str, &str)]| value(&published, MetricKind::Gauge, name, labels);
+    let books = governor.snapshot().device(GPU).unwrap().clone();
+    assert_eq!(books.allocated, 64 << 10);
+    assert!(books.cached >= 64 << 10, "the released block is cached: {books:?}");
+    assert_eq!(gauge("memory_governor_device_allocated_bytes", &device_labels), Some(books.allocated as f64));
+    assert_eq!(gauge("memory_governor_device_cached_bytes", &device_labels), Some(books.cached as f64));
+    assert_eq!(gauge("memory_governor_device_reserved_bytes", &device_labels), Some(books.reserved as f64));
+    assert_eq!(gauge("memory_governor_device_held_by_caches_bytes", &device_labels), Some(books.held_by_caches as f64));
+    let account_labels = [("device", device.as_str()), ("authority", authority.as_str())];
+    assert_eq!(gauge("memory_governor_account_reserved_bytes", &account_labels), Some(books.reserved as f64));
+    assert_eq!(
+        value(&published, MetricKind::Counter, "memory_governor_device_cache_trims_total", &device_labels),
+        Some(0.0)
+    );
+    assert!(governed.release(kept).is_complete());
 }
