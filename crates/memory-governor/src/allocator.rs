@@ -51,9 +51,9 @@ use memory_api::{
 };
 use memory_sync::records::{Payload, RecordTable, TakenRecord};
 
+use crate::account::Account;
+use crate::device::DeviceBooks;
 use crate::error::{AdmissionError, GovernError, GovernFailure};
-use crate::footprint::BackingBooks;
-use crate::governor::{Account, DeviceBooks};
 use crate::sync::{Arc, AtomicU64, Ordering};
 use crate::timeline::TimelineEventKind;
 
@@ -410,6 +410,56 @@ impl Books for Account {
     #[inline(always)]
     fn tenant(&self) -> Option<&Account> {
         Some(self)
+    }
+}
+
+/// The books of a cache backing ([`CacheBacking`](crate::CacheBacking)): the device's
+/// `held_by_caches`, bounded by the device limit.
+pub(crate) struct BackingBooks {
+    device: Arc<DeviceBooks>,
+    /// Bytes of blocks the backing could not take back (still held, still counted).
+    quarantined: AtomicU64,
+    /// Bytes of blocks lost with the device and refunded at termination.
+    lost: AtomicU64,
+}
+
+impl BackingBooks {
+    pub(crate) fn new(device: Arc<DeviceBooks>) -> BackingBooks {
+        BackingBooks { device, quarantined: AtomicU64::new(0), lost: AtomicU64::new(0) }
+    }
+}
+
+impl Books for BackingBooks {
+    fn payer(&self) -> String {
+        format!("the caches of {}", self.device.key())
+    }
+
+    fn charge(&self, _role: MemoryRole, bytes: u64) -> Result<(), AdmissionError> {
+        let limit = self.device.limit();
+        match self.device.caches.take(bytes, limit) {
+            Ok(_) => Ok(()),
+            Err(held) => Err(AdmissionError::CacheLimit { device: self.device.key(), requested: bytes, held, limit }),
+        }
+    }
+
+    fn grow(&self, role: MemoryRole, _held: u64, extra: u64) -> Result<(), AdmissionError> {
+        self.charge(role, extra)
+    }
+
+    fn refund(&self, _role: MemoryRole, bytes: u64, _close: bool) {
+        self.device.caches.give_back(bytes);
+    }
+
+    fn cancel(&self, role: MemoryRole, bytes: u64) {
+        self.refund(role, bytes, false);
+    }
+
+    fn quarantined(&self, _role: MemoryRole) -> &AtomicU64 {
+        &self.quarantined
+    }
+
+    fn lost(&self, _role: MemoryRole, bytes: u64) {
+        self.lost.fetch_add(bytes, Ordering::Relaxed);
     }
 }
 

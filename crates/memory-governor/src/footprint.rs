@@ -24,12 +24,9 @@
 
 use std::sync::Weak;
 
-use memory_api::{AllocatorStats, AuthorityIdentity, DeviceAllocator, MemoryRole};
+use memory_api::{AllocatorStats, AuthorityIdentity, DeviceAllocator};
 
-use crate::allocator::Books;
 use crate::credit::bump_peak;
-use crate::error::AdmissionError;
-use crate::governor::DeviceBooks;
 use crate::sync::{Arc, AtomicU64, Ordering, RwLock, read, write};
 
 /// One allocator a governed allocator wraps, as its device knows it.
@@ -216,54 +213,4 @@ impl Idle {
 /// (or there are none), near 1 when they are scattered in small pieces.
 pub fn fragmentation(cached: u64, largest_free: u64) -> f64 {
     if cached == 0 { 0.0 } else { 1.0 - (largest_free.min(cached) as f64 / cached as f64) }
-}
-
-/// The books of a cache backing ([`CacheBacking`](crate::CacheBacking)): the device's
-/// `held_by_caches`, bounded by the device limit.
-pub(crate) struct BackingBooks {
-    device: Arc<DeviceBooks>,
-    /// Bytes of blocks the backing could not take back (still held, still counted).
-    quarantined: AtomicU64,
-    /// Bytes of blocks lost with the device and refunded at termination.
-    lost: AtomicU64,
-}
-
-impl BackingBooks {
-    pub(crate) fn new(device: Arc<DeviceBooks>) -> BackingBooks {
-        BackingBooks { device, quarantined: AtomicU64::new(0), lost: AtomicU64::new(0) }
-    }
-}
-
-impl Books for BackingBooks {
-    fn payer(&self) -> String {
-        format!("the caches of {}", self.device.key())
-    }
-
-    fn charge(&self, _role: MemoryRole, bytes: u64) -> Result<(), AdmissionError> {
-        let limit = self.device.limit();
-        match self.device.caches.take(bytes, limit) {
-            Ok(_) => Ok(()),
-            Err(held) => Err(AdmissionError::CacheLimit { device: self.device.key(), requested: bytes, held, limit }),
-        }
-    }
-
-    fn grow(&self, role: MemoryRole, _held: u64, extra: u64) -> Result<(), AdmissionError> {
-        self.charge(role, extra)
-    }
-
-    fn refund(&self, _role: MemoryRole, bytes: u64, _close: bool) {
-        self.device.caches.give_back(bytes);
-    }
-
-    fn cancel(&self, role: MemoryRole, bytes: u64) {
-        self.refund(role, bytes, false);
-    }
-
-    fn quarantined(&self, _role: MemoryRole) -> &AtomicU64 {
-        &self.quarantined
-    }
-
-    fn lost(&self, _role: MemoryRole, bytes: u64) {
-        self.lost.fetch_add(bytes, Ordering::Relaxed);
-    }
 }

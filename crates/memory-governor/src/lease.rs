@@ -5,8 +5,8 @@ use std::fmt;
 
 use memory_api::MemoryRole;
 
+use crate::account::Account;
 use crate::error::{AdmissionError, ShrinkError};
-use crate::governor::Account;
 
 /// A charge of `bytes` of one role to one account, refunded when dropped.
 ///

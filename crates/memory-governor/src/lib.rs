@@ -98,8 +98,10 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod account;
 mod allocator;
 mod credit;
+mod device;
 mod error;
 mod footprint;
 mod governor;
@@ -121,7 +123,8 @@ mod loom_credit;
 // of published names): every name is here, grouped by what it is for.
 
 // The books: devices, accounts, leases.
-pub use governor::{Account, AccountConfig, Governor, GovernorConfig, MAX_CHARGE};
+pub use account::{Account, AccountConfig, MAX_CHARGE};
+pub use governor::{Governor, GovernorConfig};
 pub use lease::{BorrowedLease, Lease, OwnedLease};
 pub use overdraft::{DEFAULT_OVERDRAFT_LIMIT, OverdraftDraw, OverdraftRefused, OverdraftSnapshot};
 
