@@ -773,7 +773,7 @@ mod loom_records {
         pin.insert(DeviceAddress::new(0x1000).unwrap(), 64, 3, 0).unwrap()
     }
 
-    /// The whole release protocol as `binding.rs` runs it: announce, Dekker point,
+    /// The whole release protocol as `release.rs` runs it: announce, Dekker point,
     /// then free (or withdraw when the state refuses). Returns whether it released.
     fn release(pin: &MechanismPin, slot: u32, generation: NonZeroU64) -> bool {
         let Some(record) = pin.announce(slot, generation) else { return false };

@@ -98,6 +98,7 @@ mod hold;
 mod hot_trace;
 mod lifecycle;
 mod registry;
+mod release;
 mod snapshot;
 mod sync;
 mod unit_ref;

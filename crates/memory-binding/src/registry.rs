@@ -21,12 +21,13 @@ use memory_api::{
 };
 
 use crate::bind_cache;
-use crate::binding::{MemoryBinding, reraise_unless_unwinding};
+use crate::binding::MemoryBinding;
 use crate::capability::split_capability;
 use crate::entry::{Anchor, AuthorityEntry, ContextEntry, DropPolicy, Mechanism, MechanismCore, Resource};
 use crate::error::{BindError, ObjectIdentity, ObjectKind, RegistryError};
 use crate::hot_trace::{HotEvent, hot_trace};
 use crate::lifecycle::{Admit, AllocationState, ContextState, MechanismState};
+use crate::release::reraise_unless_unwinding;
 use crate::snapshot::{RetryReport, TerminationReport};
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
 use crate::unit_ref::UnitRef;
