@@ -82,7 +82,7 @@ struct Package {
 enum Rule {
     MemoryApiIsALeaf,
     SyncIsALeaf,
-    AllocatorsDependOnMemoryApiOnly,
+    AllocatorsDependOnMemoryApiAndSync,
     BindingKnowsNoConcreteAllocator,
     GovernorNamesNoCuda,
     OnlyAllocatorCudaNamesCudarc,
@@ -98,7 +98,7 @@ impl Rule {
     const ALL: [Rule; 12] = [
         Rule::MemoryApiIsALeaf,
         Rule::SyncIsALeaf,
-        Rule::AllocatorsDependOnMemoryApiOnly,
+        Rule::AllocatorsDependOnMemoryApiAndSync,
         Rule::BindingKnowsNoConcreteAllocator,
         Rule::GovernorNamesNoCuda,
         Rule::OnlyAllocatorCudaNamesCudarc,
@@ -120,8 +120,9 @@ impl Rule {
                 "memory-sync depends on no other crate of the workspace (with any kind of dependency) and on \
                  nothing GPU-related"
             }
-            Rule::AllocatorsDependOnMemoryApiOnly => {
-                "allocator-cpu and allocator-cuda depend on memory-api only (dev-dependencies may add memory-testkit)"
+            Rule::AllocatorsDependOnMemoryApiAndSync => {
+                "allocator-cpu and allocator-cuda depend on memory-api and memory-sync only (dev-dependencies may add \
+                 memory-testkit)"
             }
             Rule::BindingKnowsNoConcreteAllocator => {
                 "memory-binding knows no concrete allocator and sits below the governor \
@@ -157,10 +158,10 @@ impl Rule {
         match self {
             Rule::MemoryApiIsALeaf => edge.from == "memory-api" && (edge.internal || is_gpu_related(to)),
             Rule::SyncIsALeaf => edge.from == "memory-sync" && (edge.internal || is_gpu_related(to)),
-            Rule::AllocatorsDependOnMemoryApiOnly => {
+            Rule::AllocatorsDependOnMemoryApiAndSync => {
                 matches!(edge.from.as_str(), "allocator-cpu" | "allocator-cuda")
                     && edge.internal
-                    && to != "memory-api"
+                    && !matches!(to, "memory-api" | "memory-sync")
                     && !(edge.kind == DepKind::Dev && to == "memory-testkit")
             }
             Rule::BindingKnowsNoConcreteAllocator => {
@@ -360,8 +361,8 @@ fn memory_sync_depends_on_nothing_of_the_workspace_or_gpu() {
 }
 
 #[test]
-fn allocators_depend_on_memory_api_only() {
-    assert_clean(Rule::AllocatorsDependOnMemoryApiOnly);
+fn allocators_depend_on_memory_api_and_sync_only() {
+    assert_clean(Rule::AllocatorsDependOnMemoryApiAndSync);
 }
 
 #[test]
@@ -543,19 +544,19 @@ fn synthetic_bad_edges_are_reported_by_name() {
         (
             "allocator-cpu",
             ("memory-binding", None),
-            Rule::AllocatorsDependOnMemoryApiOnly,
+            Rule::AllocatorsDependOnMemoryApiAndSync,
             "allocator-cpu -> memory-binding",
         ),
         (
             "allocator-cuda",
             ("memory-governor", Some("dev")),
-            Rule::AllocatorsDependOnMemoryApiOnly,
+            Rule::AllocatorsDependOnMemoryApiAndSync,
             "allocator-cuda -> memory-governor (dev",
         ),
         (
             "allocator-cpu",
             ("memory-testkit", None),
-            Rule::AllocatorsDependOnMemoryApiOnly,
+            Rule::AllocatorsDependOnMemoryApiAndSync,
             "allocator-cpu -> memory-testkit (normal",
         ),
         (

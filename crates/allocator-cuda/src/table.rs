@@ -1,5 +1,11 @@
-//! The live-block tables: which addresses an allocator handed out, sharded so that
-//! threads allocating at once rarely meet on one lock, and counters for stats.
+//! The live-block records: which blocks an allocator handed out, and counters for stats.
+//!
+//! The block allocators (eager, pool, pinned) keep theirs in `memory_sync`'s record
+//! table, as every layer does: the allocating thread records with plain stores, a
+//! release from any thread takes the record with one compare-and-swap, and a block's
+//! `provider_tag` only names its record (the address, size and alignment presented must
+//! match it). The virtual-memory allocator's reservations carry a map of mapped ranges
+//! behind a mutex, not words, so they stay in the address-keyed [`LiveTable`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,6 +15,7 @@ use memory_api::{
     AllocError, AllocationRequest, AllocatorStats, BackendError, DeviceAddress, DeviceKey, LayoutError, RawAllocation,
     ReleaseError, ReleaseOutcome,
 };
+use memory_sync::records::{Payload, RecordTable};
 
 use crate::device::DeviceInner;
 use crate::error::{BACKEND, CudaError};
@@ -107,19 +114,78 @@ pub(crate) struct Block {
     pub(crate) align: usize,
 }
 
+/// A block's record: the address handed out and the driver's block.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Recorded {
+    address: u64,
+    block: Block,
+}
+
+impl Recorded {
+    /// Whether `allocation` (on this book's device) describes this record's block.
+    fn is(&self, allocation: &RawAllocation) -> bool {
+        allocation.address().get() == self.address
+            && allocation.bytes() == self.block.bytes
+            && allocation.align() == self.block.align
+    }
+}
+
+/// Where a record keeps its words (the table orders the loads and stores).
+#[derive(Default)]
+struct RecordCells {
+    address: AtomicU64,
+    base: AtomicU64,
+    driver_bytes: AtomicU64,
+    bytes: AtomicU64,
+    align: AtomicU64,
+}
+
+impl Payload for RecordCells {
+    type Value = Recorded;
+
+    fn store(&self, value: &Recorded) {
+        self.address.store(value.address, Ordering::Relaxed);
+        self.base.store(value.block.base, Ordering::Relaxed);
+        self.driver_bytes.store(value.block.driver_bytes as u64, Ordering::Relaxed);
+        self.bytes.store(value.block.bytes as u64, Ordering::Relaxed);
+        self.align.store(value.block.align as u64, Ordering::Relaxed);
+    }
+
+    fn load(&self) -> Recorded {
+        Recorded {
+            address: self.address.load(Ordering::Relaxed),
+            block: Block {
+                base: self.base.load(Ordering::Relaxed),
+                driver_bytes: self.driver_bytes.load(Ordering::Relaxed) as usize,
+                bytes: self.bytes.load(Ordering::Relaxed) as usize,
+                align: self.align.load(Ordering::Relaxed) as usize,
+            },
+        }
+    }
+}
+
+/// Why [`BlockBook::adopt`] could not record a driver block.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Unadopted {
+    /// The driver broke its alignment promise: the block cannot hold the request.
+    Misaligned,
+    /// The calling thread's part of the record table is full.
+    Full,
+}
+
 /// Plans and records blocks for allocators whose driver call guarantees a native
 /// alignment: larger alignments are served by over-allocating and aligning inside.
 pub(crate) struct BlockBook {
     key: DeviceKey,
     native_align: usize,
     max_align: usize,
-    live: LiveTable<Block>,
+    live: RecordTable<RecordCells>,
     pub(crate) counters: Counters,
 }
 
 impl BlockBook {
     pub(crate) fn new(key: DeviceKey, native_align: usize, max_align: usize) -> BlockBook {
-        BlockBook { key, native_align, max_align, live: LiveTable::new(), counters: Counters::default() }
+        BlockBook { key, native_align, max_align, live: RecordTable::new(), counters: Counters::default() }
     }
 
     pub(crate) fn key(&self) -> DeviceKey {
@@ -141,39 +207,45 @@ impl BlockBook {
         })
     }
 
-    /// Records the driver's block for `request`; `None` (nothing recorded) when the
-    /// driver broke its alignment promise so that the block cannot hold the request.
-    pub(crate) fn adopt(&self, base: u64, driver_bytes: usize, request: &AllocationRequest) -> Option<RawAllocation> {
+    /// Records the driver's block for `request`; nothing is recorded when the driver
+    /// broke its alignment promise so that the block cannot hold the request, or when
+    /// the calling thread's part of the record table is full.
+    pub(crate) fn adopt(
+        &self,
+        base: u64,
+        driver_bytes: usize,
+        request: &AllocationRequest,
+    ) -> Result<RawAllocation, Unadopted> {
         let align = request.align() as u64;
-        let aligned = base.checked_next_multiple_of(align)?;
-        let offset = aligned - base;
-        let end = aligned.checked_add(request.bytes().max(1) as u64)?;
-        if end > base.checked_add(driver_bytes as u64)? {
-            return None;
-        }
-        let address = DeviceAddress::new(aligned)?;
-        self.live.insert(aligned, Block { base, driver_bytes, bytes: request.bytes(), align: request.align() });
+        let fits = || {
+            let aligned = base.checked_next_multiple_of(align)?;
+            let end = aligned.checked_add(request.bytes().max(1) as u64)?;
+            (end <= base.checked_add(driver_bytes as u64)?).then_some(aligned)
+        };
+        let aligned = fits().ok_or(Unadopted::Misaligned)?;
+        let address = DeviceAddress::new(aligned).ok_or(Unadopted::Misaligned)?;
+        let block = Block { base, driver_bytes, bytes: request.bytes(), align: request.align() };
+        let (tag, _) = self.live.insert(&Recorded { address: aligned, block }).ok_or(Unadopted::Full)?;
         self.counters.allocated(request.bytes());
-        Some(RawAllocation::new(address, request.bytes(), request.align(), self.key, offset))
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.key, tag))
     }
 
-    /// Takes the record of `allocation` out of the table, if this book holds exactly
-    /// that block.
-    pub(crate) fn take(&self, allocation: &RawAllocation) -> Option<Block> {
+    /// Takes the record of `allocation` and settles it with `settle` (with the block it
+    /// records): `true` frees the record, `false` keeps the block live under the same tag
+    /// (the driver refused to free it). `None` when this book holds no such block, or it
+    /// is being released.
+    pub(crate) fn take<R>(&self, allocation: &RawAllocation, settle: impl FnOnce(&Block) -> (bool, R)) -> Option<R> {
         if allocation.device() != self.key {
             return None;
         }
-        let address = allocation.address().get();
-        self.live.remove_if(address, |block| {
-            block.bytes == allocation.bytes()
-                && block.align == allocation.align()
-                && address - block.base == allocation.provider_tag()
-        })
-    }
-
-    /// Puts a taken record back (the driver refused to free it).
-    pub(crate) fn restore(&self, allocation: &RawAllocation, block: Block) {
-        self.live.insert(allocation.address().get(), block);
+        let taken = self.live.take(allocation.provider_tag(), |recorded| recorded.is(allocation))?;
+        let (gone, result) = settle(&taken.value().block);
+        if gone {
+            taken.free()
+        } else {
+            taken.restore()
+        }
+        Some(result)
     }
 
     /// Books a completed release.
@@ -183,18 +255,11 @@ impl BlockBook {
 
     /// Forgets blocks lost with their context: drops the records, frees nothing.
     pub(crate) fn forget(&self, lost: Vec<RawAllocation>) -> usize {
-        let mut forgotten = 0;
-        for allocation in lost {
-            if let Some(block) = self.take(&allocation) {
-                self.released(&block);
-                forgotten += 1;
-            }
-        }
-        forgotten
+        lost.iter().filter_map(|allocation| self.take(allocation, |block| (true, self.released(block)))).count()
     }
 
     pub(crate) fn live_blocks(&self) -> usize {
-        self.live.len()
+        self.live.recorded().count()
     }
 
     /// The allocate path shared by the block allocators: plan the driver size, call
@@ -221,27 +286,30 @@ impl BlockBook {
             }
         };
         match self.adopt(base, size, request) {
-            Some(allocation) => {
+            Ok(allocation) => {
                 tracing::trace!(device = %self.key, address = base, bytes = request.bytes(), "allocated");
                 Ok(allocation)
             }
-            None => {
+            Err(why) => {
                 self.counters.failed();
                 if let Err(error) = driver_free(base) {
-                    tracing::warn!(device = %self.key, "freeing a misaligned driver block failed: {error}");
+                    tracing::warn!(device = %self.key, "freeing an unrecorded driver block failed: {error}");
                 }
+                let detail = match why {
+                    Unadopted::Misaligned => format!(
+                        "the driver returned {base:#x} for {size} bytes, which is not aligned to the promised {} \
+                         bytes; the block was freed (report this driver bug)",
+                        self.native_align
+                    ),
+                    Unadopted::Full => format!(
+                        "this thread holds {} blocks of this allocator, the record table's bound per thread; the \
+                         block was freed: release some blocks first",
+                        memory_sync::records::SLOTS_PER_OWNER
+                    ),
+                };
                 Err(AllocError::Backend {
                     device: self.key,
-                    source: BackendError {
-                        backend: BACKEND,
-                        operation,
-                        code: 0,
-                        detail: format!(
-                            "the driver returned {base:#x} for {size} bytes, which is not aligned to the promised \
-                             {} bytes; the block was freed (report this driver bug)",
-                            self.native_align
-                        ),
-                    },
+                    source: BackendError { backend: BACKEND, operation, code: 0, detail },
                 })
             }
         }
@@ -258,25 +326,28 @@ impl BlockBook {
         allocation: RawAllocation,
         driver_free: impl FnOnce(u64) -> Result<(), CudaError>,
     ) -> ReleaseOutcome {
-        let Some(block) = self.take(&allocation) else {
-            let error = ReleaseError::NotOwned {
-                allocator: allocator.to_owned(),
-                device: self.key,
-                address: allocation.address().get(),
-            };
-            return ReleaseOutcome::failed(allocation, error);
-        };
-        match device.ensure_alive(operation).and_then(|()| driver_free(block.base)) {
+        let freed = self.take(&allocation, |block| match device.ensure_alive(operation).and_then(|()| driver_free(block.base)) {
             Ok(()) => {
-                self.released(&block);
+                self.released(block);
                 tracing::trace!(device = %self.key, address = block.base, "released");
                 // Never more than the block (the driver may have rounded it up).
-                ReleaseOutcome::complete(block.driver_bytes.min(allocation.bytes()))
+                (true, Ok(block.driver_bytes.min(allocation.bytes())))
             }
             Err(error) => {
-                self.restore(&allocation, block);
                 tracing::warn!(device = %self.key, address = block.base, "{operation} failed; the block is handed back: {error}");
-                ReleaseOutcome::failed(allocation, error.into_release(self.key))
+                (false, Err(error))
+            }
+        });
+        match freed {
+            Some(Ok(unmapped)) => ReleaseOutcome::complete(unmapped),
+            Some(Err(error)) => ReleaseOutcome::failed(allocation, error.into_release(self.key)),
+            None => {
+                let error = ReleaseError::NotOwned {
+                    allocator: allocator.to_owned(),
+                    device: self.key,
+                    address: allocation.address().get(),
+                };
+                ReleaseOutcome::failed(allocation, error)
             }
         }
     }
@@ -310,16 +381,20 @@ mod tests {
         let block = book.adopt(0x10_0100, size, &request).expect("fits");
         assert!(block.address().is_aligned_to(4096));
         assert_eq!(block.address().get(), 0x10_1000);
-        assert_eq!(block.provider_tag(), 0x10_1000 - 0x10_0100);
         assert_eq!(book.counters.snapshot().live_bytes, 1000);
-        // A forged block with the same address but another size is not ours.
+        // A forged block with the same address and tag but another size is not ours,
+        // and neither is the right block under another tag.
         let forged = RawAllocation::new(block.address(), 999, 4096, DeviceKey::device(0), block.provider_tag());
-        assert!(book.take(&forged).is_none());
-        let taken = book.take(&block).expect("ours");
-        assert_eq!(taken.base, 0x10_0100);
-        assert!(book.take(&block).is_none(), "a block is taken once");
-        book.restore(&block, taken);
-        assert!(book.take(&block).is_some(), "a restored block can be taken again");
+        assert!(book.take(&forged, |_| (true, ())).is_none());
+        let retagged = RawAllocation::new(block.address(), 1000, 4096, DeviceKey::device(0), block.provider_tag() ^ 1);
+        assert!(book.take(&retagged, |_| (true, ())).is_none());
+        // Kept (the driver refused to free it): live again under the same tag.
+        let base = book.take(&block, |taken| (false, taken.base)).expect("ours");
+        assert_eq!(base, 0x10_0100);
+        assert_eq!(book.live_blocks(), 1);
+        assert!(book.take(&block, |_| (true, ())).is_some(), "a kept block can be taken again");
+        assert!(book.take(&block, |_| (true, ())).is_none(), "a freed block is taken once");
+        assert_eq!(book.live_blocks(), 0);
     }
 
     #[test]
@@ -328,7 +403,7 @@ mod tests {
         let request = AllocationRequest::new(1000, 4096).unwrap();
         let size = book.plan(&request).unwrap();
         // Base only 16-byte aligned: the padding of 3840 bytes is not enough.
-        assert!(book.adopt(0x10_0010, size, &request).is_none());
+        assert_eq!(book.adopt(0x10_0010, size, &request), Err(Unadopted::Misaligned));
         assert_eq!(book.live_blocks(), 0);
         assert_eq!(book.counters.snapshot().live_allocations, 0);
     }
@@ -338,8 +413,8 @@ mod tests {
         let book = book();
         let request = AllocationRequest::new(64, 8).unwrap();
         let block = book.adopt(0x20_0000, 64, &request).unwrap();
-        let other = RawAllocation::new(block.address(), 64, 8, DeviceKey::device(1), 0);
-        assert!(book.take(&other).is_none());
+        let other = RawAllocation::new(block.address(), 64, 8, DeviceKey::device(1), block.provider_tag());
+        assert!(book.take(&other, |_| (true, ())).is_none());
         assert_eq!(book.forget(vec![other]), 0);
         assert_eq!(book.forget(vec![block]), 1);
         assert_eq!(book.counters.snapshot().live_allocations, 0);
