@@ -603,9 +603,22 @@ fn for_lack_of_memory(error: &AllocError) -> bool {
 impl<B: Books> Governed<B> {
     #[inline(always)]
     fn allocate_governed(&self, request: &AllocationRequest) -> Result<RawAllocation, GovernedAllocError> {
+        self.allocate_as(request, |error| error)
+    }
+
+    /// The allocation path, with its errors in the caller's type (`fail` is called on
+    /// cold paths only): the common case builds its result once.
+    #[inline(always)]
+    fn allocate_as<E>(
+        &self,
+        request: &AllocationRequest,
+        fail: impl FnOnce(GovernedAllocError) -> E,
+    ) -> Result<RawAllocation, E> {
         let role = request.role();
         let bytes = request.bytes() as u64;
-        self.books.charge(role, bytes).map_err(GovernedAllocError::Refused)?;
+        if let Err(refusal) = self.books.charge(role, bytes) {
+            return Err(fail(GovernedAllocError::Refused(refusal)));
+        }
         // Cancels the charge if the inner allocator fails or panics.
         let mut charge = PendingCharge { books: &self.books, role, bytes, armed: true };
         // A cache of the device grew across the inner call: what the process holds is
@@ -614,21 +627,33 @@ impl<B: Books> Governed<B> {
         let block = match self.forward.inner.allocate(request) {
             Ok(block) => block,
             Err(error) => match self.books.tenant() {
-                Some(tenant) if for_lack_of_memory(&error) => self.recover(tenant, request, error)?,
-                _ => return Err(GovernedAllocError::Allocator(error)),
+                Some(tenant) if for_lack_of_memory(&error) => match self.recover(tenant, request, error) {
+                    Ok(block) => block,
+                    Err(error) => return Err(fail(error)),
+                },
+                _ => return Err(fail(GovernedAllocError::Allocator(error))),
             },
         };
         charge.armed = false;
         // The books count the block's real size.
         let actual = block.bytes() as u64;
-        let governed =
-            if actual != bytes { self.resized(block, role, bytes, actual) } else { self.record(block, role, actual) }?;
-        match self.books.tenant() {
-            Some(tenant) if tenant.device_books().caches.growth() != growth => {
-                self.check_footprint(tenant, governed, role, actual)
+        let governed = if actual == bytes {
+            match self.records.insert(block, role, actual) {
+                Ok(governed) => governed,
+                Err(block) => return Err(fail(self.unrecorded(block, role, actual))),
             }
-            _ => Ok(governed),
+        } else {
+            match self.resized(block, role, bytes, actual) {
+                Ok(governed) => governed,
+                Err(error) => return Err(fail(error)),
+            }
+        };
+        if let Some(tenant) = self.books.tenant()
+            && tenant.device_books().caches.growth() != growth
+        {
+            return self.check_footprint(tenant, governed, role, actual).map_err(fail);
         }
+        Ok(governed)
     }
 
     /// Rungs (a) and (b) of the recovery ladder, after the inner allocator failed for
@@ -813,11 +838,16 @@ impl<B: Books> Governed<B> {
     fn settle_partial(
         &self,
         mut pending: PendingRelease<'_, B>,
-        record: &Packed,
-        sent: Block,
-        tag: u64,
+        allocation: RawAllocation,
         outcome: ReleaseOutcome,
     ) -> ReleaseOutcome {
+        // `release` took the record before calling here.
+        let Some(record) = pending.taken.as_ref().map(|taken| *taken.value()) else {
+            return outcome;
+        };
+        let record = &record;
+        let tag = allocation.provider_tag();
+        let sent = record.inner(&allocation);
         let outcome = match outcome {
             ReleaseOutcome::Quarantined(q) if !sent.is(q.allocation()) => {
                 about_another_block(sent.inner(), q.unmapped_bytes(), q.residual_bytes())
@@ -961,10 +991,7 @@ impl<B: Books> DeviceAllocator for Governed<B> {
     }
 
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        match self.allocate_governed(request) {
-            Ok(block) => Ok(block),
-            Err(error) => Err(self.alloc_error(error)),
-        }
+        self.allocate_as(request, |error| self.alloc_error(error))
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
@@ -972,19 +999,27 @@ impl<B: Books> DeviceAllocator for Governed<B> {
         let Some(taken) = &pending.taken else {
             return self.not_owned(allocation);
         };
-        let record = *taken.value();
-        let sent = record.inner(&allocation);
-        match self.forward.inner.release(sent.inner()) {
+        // Only what the common case needs is read out of the record.
+        let record = taken.value();
+        let (inner_tag, role, charged, quarantined) = (record.tag, record.role(), record.charged, record.quarantined());
+        let sent = RawAllocation::new(
+            allocation.address(),
+            allocation.bytes(),
+            allocation.align(),
+            allocation.device(),
+            inner_tag,
+        );
+        match self.forward.inner.release(sent) {
             // The common case, kept short: the block is gone, so is its charge.
             ReleaseOutcome::Complete(done) => {
                 pending.free();
-                if record.quarantined() {
-                    self.requarantine(&record, None);
+                if quarantined {
+                    self.books.quarantined(role).fetch_sub(charged, Ordering::Relaxed);
                 }
-                self.books.refund(record.role(), record.charged, true);
+                self.books.refund(role, charged, true);
                 ReleaseOutcome::Complete(done)
             }
-            outcome => self.settle_partial(pending, &record, sent, allocation.provider_tag(), outcome),
+            outcome => self.settle_partial(pending, allocation, outcome),
         }
     }
 

@@ -395,11 +395,15 @@ fn a_governed_pool_over_a_cache_backing_books_its_cache_and_trims_it_on_the_ladd
     assert_eq!(d.allocated, 0);
     assert!(d.cached > 0 && d.reserved == d.cached, "the pool's idle bytes are reserved: {d:?}");
     assert!(d.held_by_caches >= d.cached, "the backing holds at least what the pool keeps idle: {d:?}");
-    // 6 MiB more in one piece: the backing is refused at the limit, the ladder trims the
-    // pool, the retry succeeds.
-    let big = governed.allocate(&request(6 << 20)).expect("served after the pool was trimmed");
+    // 6 MiB more in one piece: with the pool's idle bytes still held, the backing would
+    // pass the limit; the pool gives them back (by its own policy, or trimmed on the
+    // ladder) and the allocation is served within the limit.
+    let cached_before = d.cached;
+    let big = governed.allocate(&request(6 << 20)).expect("served within the limit");
     let d = device(&governor);
-    assert!(d.ladder.trims >= 1 && d.ladder.trimmed_bytes > 0, "{:?}", d.ladder);
-    assert!(d.reserved <= 8 << 20, "{d:?}");
+    assert!(d.held_by_caches <= 8 << 20 && d.reserved <= 8 << 20, "{d:?}");
+    if cached_before + (6 << 20) > 8 << 20 && d.ladder.trims == 0 {
+        assert!(d.cached < cached_before, "the pool gave idle memory back itself: {d:?}");
+    }
     assert!(governed.release(big).is_complete());
 }
