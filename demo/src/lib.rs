@@ -7,8 +7,13 @@
 //! each sequence, activations and workspace come and go per step, and finished
 //! sequences stay cached until reclaim evicts them. Mid-run the mechanism switches
 //! (system to pooled) and a device is lost: its requests fail cleanly, its context is
-//! confirmed terminated once callbacks drain, and a fresh context takes over. The
-//! report ends with the check that every allocation is accounted for.
+//! confirmed terminated once callbacks drain, and a fresh context takes over. Pools
+//! take their memory through the governor's cache backing, so the device limit bounds
+//! what the process holds (`reserved`: tenants' blocks plus what pools keep idle), and a
+//! shortfall runs the recovery ladder (trim the pools, reclaim idle sequences, refuse).
+//! The report gives allocated and reserved per device and tenant with their peaks, one
+//! refusal's message, and ends with the check that every allocation is accounted for
+//! and the footprint's books balance.
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -17,5 +22,5 @@ pub mod report;
 mod sim;
 
 pub use config::{Config, FlagError, Invocation, parse};
-pub use report::{Check, Report};
+pub use report::{Check, RESERVED_PEAK_TARGET, Report, footprint_violations, reserved_ratio};
 pub use sim::{SimError, run};

@@ -45,5 +45,5 @@ fn main() -> ExitCode {
             }
         }
     }
-    if report.check.passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    if report.passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
 }

@@ -2,10 +2,13 @@
 //! host device, each with its own quota: tenant `voice` streams audio through Silero
 //! VAD, tenant `scan` runs PP-OCRv4 text detection on pages of varying sizes, and a
 //! third stream of each runs for the other tenant so both models serve both. Every
-//! byte ONNX Runtime allocates comes from the tenant's governed binding. The report
-//! gives per-tenant request counts and latency percentiles, the governor's books by
-//! role, and ends with the nothing-lost check (registry and governor back to zero, every
-//! charge released, nothing quarantined, no overdraft).
+//! byte ONNX Runtime allocates comes from the tenant's governed binding, a pool of the
+//! tenant's own that takes its memory through the governor's cache backing (so the
+//! device limit bounds what the pools hold, used and idle). The report gives per-tenant
+//! request counts and latency percentiles, allocated and reserved (allocated + idle in
+//! the pools) per device and tenant with their peaks, the governor's books by role, and
+//! ends with the nothing-lost check (registry and governor back to zero, every charge
+//! released, nothing quarantined, no overdraft, the footprint's books balanced).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -13,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use allocator_cpu::{PooledAllocator, SystemAllocator};
 use memory_governor::{
-    AccountConfig, BindingRegistry, DeviceAllocator, DeviceKey, Governor, MechanismIdentity, MemoryRole,
+    AccountConfig, AuthorityIdentity, BindingRegistry, DeviceAllocator, DeviceKey, Footprint, Governor,
+    MechanismIdentity, MemoryRole,
 };
 use memory_ort::workloads::{VadStream, detect_text, ocr_image};
 use memory_ort::{GovernedOrtAllocator, OrtAllocatorConfig, OrtAssets, OrtEnvironment};
@@ -37,6 +41,8 @@ struct Served {
     speech_chunks: usize,
     text_pixels: usize,
     overdraft_blocks: u64,
+    /// The tenant's footprint after its last request, its sessions still open.
+    at_end: Footprint,
 }
 
 /// Runs the real mode, `requests` per tenant and model; returns the report and whether
@@ -53,13 +59,16 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     let device = DeviceKey::HOST;
     governor.set_device_limit(device, 512 << 20).map_err(|err| err.to_string())?;
     let context = registry.register_provider_context(device, Arc::new("onnx runtime")).map_err(|e| e.to_string())?;
-    let mut tenants: Vec<(&TenantSpec, memory_governor::AuthorityIdentity, MechanismIdentity)> = Vec::new();
+    let mut tenants: Vec<(&TenantSpec, AuthorityIdentity, MechanismIdentity)> = Vec::new();
     for spec in &TENANTS {
         let authority = registry.register_authority(device, Arc::new(spec.name)).map_err(|e| e.to_string())?;
         governor
             .open_account(AccountConfig::new(device, authority).with_quota(spec.quota).with_label(spec.name))
             .map_err(|e| e.to_string())?;
-        let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(SystemAllocator::new()));
+        // The tenant's own pool, over a cache backing: its idle blocks are the tenant's
+        // `cached`, and the device limit bounds what all pools hold.
+        let backing = governor.cache_backing(Arc::new(SystemAllocator::new()));
+        let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
         let governed = governor.govern(pool, authority).map_err(|e| e.to_string())?;
         let mechanism =
             registry.register_allocator(&context, &authority, Arc::new(governed)).map_err(|e| e.to_string())?;
@@ -67,6 +76,15 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     }
 
     let started = Instant::now();
+    // The governor keeps a reserved peak per device, not per account: this thread
+    // samples each tenant's while they serve.
+    let accounts: Vec<_> = tenants
+        .iter()
+        .map(|(_, authority, _)| governor.account(*authority))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let mut reserved_peaks = vec![0u64; tenants.len()];
+    let mut samples = 0u64;
     let served: Vec<Result<Served, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = tenants
             .iter()
@@ -75,6 +93,13 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
                 scope.spawn(move || serve(spec, registry, governor, *authority, mechanism, env, assets, requests))
             })
             .collect();
+        while handles.iter().any(|handle| !handle.is_finished()) {
+            for (account, peak) in accounts.iter().zip(&mut reserved_peaks) {
+                *peak = (*peak).max(account.footprint().tenant_reserved);
+            }
+            samples += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
         handles.into_iter().map(|handle| handle.join().map_err(|_| "a tenant thread panicked".to_owned())?).collect()
     });
     let elapsed = started.elapsed();
@@ -107,21 +132,78 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     }
     let snapshot = governor.snapshot();
     let books = snapshot.device(device).ok_or("the governor has no books for the host")?;
-    let _ = writeln!(out, "\n| tenant | quota MiB | peak MiB | weights peak MiB | activations peak MiB | refusals |");
-    let _ = writeln!(out, "|--------|----------:|---------:|-----------------:|---------------------:|---------:|");
-    for (spec, authority, _) in &tenants {
+    let _ = writeln!(
+        out,
+        "\nfootprint: allocated = charged to tenants, reserved = allocated + idle in the pools (each tenant's pool takes \
+         its memory through Governor::cache_backing, so the device limit bounds reserved)"
+    );
+    let _ = writeln!(
+        out,
+        "\n| device | limit MiB | allocated peak MiB | reserved peak MiB | reserved / allocated | held by caches peak MiB \
+         | trims | trimmed MiB | refused over reserved |"
+    );
+    let _ = writeln!(
+        out,
+        "|--------|----------:|-------------------:|------------------:|---------------------:|------------------------:\
+         |------:|------------:|----------------------:|"
+    );
+    let _ = writeln!(
+        out,
+        "| {} | {} | {:.1} | {:.1} | {:.3}x | {:.1} | {} | {:.1} | {} |",
+        books.device,
+        books.limit.map_or("-".to_owned(), |l| (l >> 20).to_string()),
+        mib(books.peak),
+        mib(books.reserved_peak),
+        crate::report::reserved_ratio(books),
+        mib(books.held_by_caches_peak),
+        books.ladder.trims,
+        mib(books.ladder.trimmed_bytes),
+        books.ladder.refused_over_reserved
+    );
+    let _ = writeln!(
+        out,
+        "\nafter the sessions closed, {}: {:.1} MiB allocated, {:.1} MiB idle in the pools ({:.1} MiB reserved, {:.1} MiB \
+         held by the cache backings), largest free block {:.1} MiB, fragmentation {:.0}%",
+        books.device,
+        mib(books.allocated),
+        mib(books.cached),
+        mib(books.reserved),
+        mib(books.held_by_caches),
+        mib(books.largest_free),
+        books.fragmentation() * 100.0
+    );
+    let _ = writeln!(
+        out,
+        "\n| tenant | quota MiB | allocated peak MiB | reserved peak MiB | weights peak MiB | activations peak MiB \
+         | allocated at end MiB | reserved at end MiB | idle after close MiB | refusals |"
+    );
+    let _ = writeln!(
+        out,
+        "|--------|----------:|-------------------:|------------------:|-----------------:|---------------------:\
+         |---------------------:|--------------------:|---------------------:|---------:|"
+    );
+    for (((spec, authority, _), served), peak) in tenants.iter().zip(&served).zip(&reserved_peaks) {
         let account = books.authority(*authority).ok_or("a tenant has no account")?;
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
             spec.name,
             spec.quota >> 20,
             mib(account.peak),
+            mib((*peak).max(served.at_end.tenant_reserved)),
             mib(account.role(MemoryRole::Weights).peak),
             mib(account.role(MemoryRole::Activations).peak),
+            mib(served.at_end.tenant_allocated),
+            mib(served.at_end.tenant_reserved),
+            mib(account.cached),
             account.totals.failures
         );
     }
+    let _ = writeln!(
+        out,
+        "  (reserved peak sampled {samples} times while the tenants served; at end: after each tenant's last request, \
+         its sessions still open)"
+    );
 
     // Nothing lost: every session is gone, so the registry holds no block, the governor
     // no byte, every charge was released, nothing is quarantined, no overdraft served.
@@ -142,6 +224,12 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
             ));
         }
     }
+    failures.extend(crate::report::footprint_violations(&snapshot));
+    for (spec, served) in tenants.iter().map(|t| t.0).zip(&served) {
+        if served.at_end.tenant_reserved < served.at_end.tenant_allocated {
+            failures.push(format!("{}: reserved below allocated at the end: {}", spec.name, served.at_end));
+        }
+    }
     let overdraft: u64 = served.iter().map(|s| s.overdraft_blocks).sum();
     if overdraft != 0 {
         failures.push(format!("{overdraft} refused blocks were served from the overdraft"));
@@ -150,7 +238,8 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     if passed {
         let _ = writeln!(
             out,
-            "\nnothing lost: registry and governor back to zero, every charge released, nothing quarantined"
+            "\nnothing lost: registry and governor back to zero, every charge released, nothing quarantined; \
+             the footprint's books balance"
         );
     } else {
         let _ = writeln!(out, "\nNOTHING-LOST CHECK FAILED:\n  {}", failures.join("\n  "));
@@ -163,7 +252,7 @@ fn serve(
     spec: &TenantSpec,
     registry: &BindingRegistry,
     governor: &Governor,
-    authority: memory_governor::AuthorityIdentity,
+    authority: AuthorityIdentity,
     mechanism: &MechanismIdentity,
     env: &OrtEnvironment,
     assets: &OrtAssets,
@@ -171,7 +260,7 @@ fn serve(
 ) -> Result<Served, String> {
     let binding = registry.bind_registered(mechanism).map_err(|e| e.to_string())?;
     let account = governor.account(authority).map_err(|e| e.to_string())?;
-    let allocator = GovernedOrtAllocator::cpu(env, binding, Some(account), OrtAllocatorConfig::default())
+    let allocator = GovernedOrtAllocator::cpu(env, binding, Some(account.clone()), OrtAllocatorConfig::default())
         .map_err(|e| e.to_string())?;
     let builder = || {
         env.session_builder().and_then(|b| {
@@ -186,7 +275,14 @@ fn serve(
         .commit_from_file(&allocator, builder().map_err(|e| e.to_string())?, &assets.ocr_det)
         .map_err(|e| e.to_string())?;
     let mut streams: Vec<VadStream> = (0..spec.vad_streams).map(VadStream::new).collect();
-    let mut served = Served { vad: Vec::new(), ocr: Vec::new(), speech_chunks: 0, text_pixels: 0, overdraft_blocks: 0 };
+    let mut served = Served {
+        vad: Vec::new(),
+        ocr: Vec::new(),
+        speech_chunks: 0,
+        text_pixels: 0,
+        overdraft_blocks: 0,
+        at_end: Footprint::default(),
+    };
     for request in 0..requests {
         let count = streams.len();
         let stream = &mut streams[request % count];
@@ -204,6 +300,7 @@ fn serve(
         served.text_pixels += pixels;
     }
     served.overdraft_blocks = allocator.stats().overdraft_blocks;
+    served.at_end = account.footprint();
     drop((vad, ocr));
     Ok(served)
 }

@@ -1,15 +1,20 @@
 //! The closing report: what was served and refused, the books per device, tenant and
 //! role, and the check that nothing was lost.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use memory_governor::{GovernorSnapshot, MemoryRole, RegistrySnapshot};
+use memory_governor::{DeviceSnapshot, GovernorSnapshot, MemoryRole, RegistrySnapshot};
 
 use crate::config::Config;
 use crate::sim::world::{Backend, World};
-use crate::sim::{Events, MIB};
+use crate::sim::{Events, MIB, Observed};
+
+/// The simulated server's target for what pools keep idle: the reserved peak of every
+/// device at most this many times its allocated peak.
+pub const RESERVED_PEAK_TARGET: f64 = 1.1;
 
 /// The nothing-lost check: every allocation the demo made is accounted released,
 /// quarantined, lost with its device (and refunded at termination), or still live.
@@ -81,11 +86,87 @@ pub struct Report {
     pub registry: RegistrySnapshot,
     /// The governor timeline in the Chrome trace event format.
     pub trace_json: String,
+    /// The governor's books when the last request finished (before shutdown released
+    /// the weights and idle sequences): allocated, cached and reserved in use.
+    pub at_end: GovernorSnapshot,
+    /// Each account's highest `reserved` (allocated + idle in its pools), sampled by the
+    /// control loop, by authority.
+    pub tenant_reserved_peaks: BTreeMap<String, u64>,
+    /// The governor's refusals of single allocations by the limit that refused
+    /// (`LimitScope` names): count and first message.
+    pub budget_refusals: Vec<(&'static str, u64, String)>,
+    /// Where the footprint's books do not balance (empty when they do).
+    pub footprint_violations: Vec<String>,
     lines: Vec<String>,
 }
 
+/// A device's reserved peak over its allocated peak (1 when nothing was allocated).
+pub fn reserved_ratio(device: &DeviceSnapshot) -> f64 {
+    if device.peak == 0 { 1.0 } else { device.reserved_peak as f64 / device.peak as f64 }
+}
+
+/// Where one snapshot's footprint does not add up: per device, `reserved = allocated +
+/// cached`, `allocated` the sum over its accounts, `cached` the sum over its caches, the
+/// reserved peak at least what is reserved now, what the cache backings hold at least
+/// what the pools over them report; per account, `reserved = allocated + cached` and
+/// `cached` the sum over the caches booked to it.
+pub fn footprint_violations(snapshot: &GovernorSnapshot) -> Vec<String> {
+    let mut violations = Vec::new();
+    let mut expect = |what: String, ok: bool| {
+        if !ok {
+            violations.push(what);
+        }
+    };
+    for device in &snapshot.devices {
+        let name = &device.device;
+        expect(
+            format!(
+                "{name}: reserved {} != allocated {} + cached {}",
+                device.reserved, device.allocated, device.cached
+            ),
+            device.reserved == device.allocated + device.cached,
+        );
+        let tenants: u64 = device.authorities.iter().map(|a| a.allocated).sum();
+        expect(
+            format!("{name}: allocated {} != {tenants} over its accounts", device.allocated),
+            device.allocated == tenants,
+        );
+        let cached: u64 = device.caches.iter().map(|c| c.cached).sum();
+        expect(format!("{name}: cached {} != {cached} over its caches", device.cached), device.cached == cached);
+        expect(
+            format!("{name}: reserved peak {} < reserved {}", device.reserved_peak, device.reserved),
+            device.reserved_peak >= device.reserved,
+        );
+        let backed: u64 = device.caches.iter().filter(|c| c.name.contains("cache-backing(")).map(|c| c.reserved).sum();
+        expect(
+            format!("{name}: the cache backings hold {} < {backed} the pools over them report", device.held_by_caches),
+            device.held_by_caches >= backed,
+        );
+        for account in &device.authorities {
+            let label = format!("{} @ {name}", account.label);
+            expect(
+                format!(
+                    "{label}: reserved {} != allocated {} + cached {}",
+                    account.reserved, account.allocated, account.cached
+                ),
+                account.reserved == account.allocated + account.cached,
+            );
+            let own: u64 = device.caches.iter().filter(|c| c.authority == account.authority).map(|c| c.cached).sum();
+            expect(format!("{label}: cached {} != {own} over its caches", account.cached), account.cached == own);
+        }
+    }
+    violations
+}
+
 impl Report {
-    pub(crate) fn new(world: &World, config: &Config, events: &Events, check: Check, elapsed: Duration) -> Report {
+    pub(crate) fn new(
+        world: &World,
+        config: &Config,
+        events: &Events,
+        observed: &Observed,
+        check: Check,
+        elapsed: Duration,
+    ) -> Report {
         let ledger = &world.ledger;
         let served = ledger.served.load(Ordering::Relaxed);
         let refused: Vec<_> = ledger.refusals().into_iter().map(|(why, n)| (why.name(), n)).collect();
@@ -151,21 +232,117 @@ impl Report {
                 device.totals.failures,
             ));
         }
+        let name_of = |device: &DeviceSnapshot| {
+            world.devices.iter().find(|d| d.key.to_string() == device.device).map_or("?", |d| d.name.as_str())
+        };
+        let at_end = &observed.at_end;
         lines.push(String::new());
         lines.push(format!(
-            "{:<22} {:>10} {:>10} {:>10} {:>9}",
-            "tenant @ device", "quota MiB", "peak MiB", "final MiB", "refusals"
+            "footprint: allocated = charged to tenants, reserved = allocated + idle in pools ({})",
+            if world.gpu {
+                "CUDA pools report what they cache; the device limit bounds what tenants are charged"
+            } else {
+                "pools take their memory through Governor::cache_backing, so the device limit bounds reserved"
+            }
+        ));
+        lines.push(format!(
+            "{:<10} {:>11} {:>11} {:>9} {:>12} {:>6} {:>9} {:>18}",
+            "device",
+            "alloc. peak",
+            "resv. peak",
+            "resv/alloc",
+            "caches peak",
+            "trims",
+            "trim. MiB",
+            "refused over resv."
+        ));
+        let budget_refusals: Vec<_> = ledger
+            .budget_refusals()
+            .into_iter()
+            .map(|(scope, (count, message))| (scope.name(), count, message))
+            .collect();
+        let mut verdicts = Vec::new();
+        for device in &governor.devices {
+            let ratio = reserved_ratio(device);
+            lines.push(format!(
+                "{:<10} {:>11.1} {:>11.1} {:>8.3}x {:>12.1} {:>6} {:>9.1} {:>18}",
+                format!("{} ({})", name_of(device), device.index),
+                mib(device.peak),
+                mib(device.reserved_peak),
+                ratio,
+                mib(device.held_by_caches_peak),
+                device.ladder.trims,
+                mib(device.ladder.trimmed_bytes),
+                device.ladder.refused_over_reserved,
+            ));
+            verdicts.push(format!(
+                "{} {ratio:.3}x [target <= {RESERVED_PEAK_TARGET:.2}x: {}]",
+                name_of(device),
+                if ratio <= RESERVED_PEAK_TARGET { "met" } else { "missed" }
+            ));
+        }
+        lines.push(format!("  reserved peak / allocated peak per device: {}", verdicts.join(", ")));
+        lines.push(format!(
+            "{:<10} {:>11} {:>11} {:>11} {:>12} {:>12} {:>9}   (when the last request finished)",
+            "device", "alloc. MiB", "cached MiB", "resv. MiB", "caches MiB", "largest free", "fragm."
+        ));
+        for device in &at_end.devices {
+            lines.push(format!(
+                "{:<10} {:>11.1} {:>11.1} {:>11.1} {:>12.1} {:>12.1} {:>8.1}%",
+                format!("{} ({})", name_of(device), device.index),
+                mib(device.allocated),
+                mib(device.cached),
+                mib(device.reserved),
+                mib(device.held_by_caches),
+                mib(device.largest_free),
+                device.fragmentation() * 100.0,
+            ));
+        }
+        lines.push(String::new());
+        lines.push(format!(
+            "{:<22} {:>9} {:>11} {:>11} {:>11} {:>11} {:>10} {:>9}",
+            "tenant @ device",
+            "quota MiB",
+            "alloc. peak",
+            "resv. peak",
+            "alloc. end",
+            "cached end",
+            "resv. end",
+            "refusals"
         ));
         for device in &governor.devices {
+            let end = at_end.devices.iter().find(|d| d.device == device.device);
             for account in &device.authorities {
+                let now = end.and_then(|d| d.authorities.iter().find(|a| a.authority == account.authority));
                 lines.push(format!(
-                    "{:<22} {:>10} {:>10.1} {:>10.1} {:>9}",
+                    "{:<22} {:>9} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>10.1} {:>9}",
                     format!("{} @ {}", account.label, device.device),
                     account.quota.map_or("-".to_owned(), |q| (q / MIB).to_string()),
                     mib(account.peak),
-                    mib(account.current),
+                    mib(observed.tenant_reserved_peaks.get(&account.authority).copied().unwrap_or(0)),
+                    mib(now.map_or(0, |a| a.allocated)),
+                    mib(now.map_or(0, |a| a.cached)),
+                    mib(now.map_or(0, |a| a.reserved)),
                     account.totals.failures,
                 ));
+            }
+        }
+        lines.push(format!(
+            "  (resv. peak: sampled {} times by the control loop, a lower bound that can miss a short peak the \
+             governor's alloc. peak caught; end: when the last request finished)",
+            observed.samples
+        ));
+        if !budget_refusals.is_empty() {
+            lines.push(String::new());
+            lines.push(format!(
+                "governor refusals by limit: {}",
+                budget_refusals.iter().map(|(scope, n, _)| format!("{scope} {n}")).collect::<Vec<_>>().join(", ")
+            ));
+            // The first refusal of the most telling limit: the ladder's own when there is one.
+            let (scope, _, message) = &budget_refusals[0];
+            lines.push(format!("example refusal ({scope}):"));
+            for clause in message.split("; ") {
+                lines.push(format!("    {clause}"));
             }
         }
         lines.push(String::new());
@@ -201,6 +378,14 @@ impl Report {
             registry.mechanisms.len(),
             check.removed_mechanisms
         ));
+        let footprint_violations = footprint_violations(at_end);
+        lines.push(if footprint_violations.is_empty() {
+            "footprint: books balance (per device and tenant reserved = allocated + cached; allocated and cached \
+             the sums over tenants and caches; cache backings hold what their pools report)"
+                .to_owned()
+        } else {
+            format!("footprint: BOOKS DO NOT BALANCE: {}", footprint_violations.join("; "))
+        });
         lines.push(format!(
             "check: {} allocations = {} released + {} quarantined + {} lost + {} live; {} lost refunded at termination; \
              charged after shutdown: {} -> {}",
@@ -221,8 +406,17 @@ impl Report {
             trace_json: world.governor.chrome_trace_json(),
             governor,
             registry,
+            at_end: observed.at_end.clone(),
+            tenant_reserved_peaks: observed.tenant_reserved_peaks.clone(),
+            budget_refusals,
+            footprint_violations,
             lines,
         }
+    }
+
+    /// Whether nothing was lost and the footprint's books balance.
+    pub fn passed(&self) -> bool {
+        self.check.passed() && self.footprint_violations.is_empty()
     }
 
     /// The final snapshot as JSON: the governor's books plus the registry's mechanisms
@@ -246,6 +440,11 @@ impl Report {
             .collect();
         let value = serde_json::json!({
             "governor": serde_json::to_value(&self.governor).unwrap_or_default(),
+            "at_end": serde_json::to_value(&self.at_end).unwrap_or_default(),
+            "tenant_reserved_peaks": self.tenant_reserved_peaks,
+            "budget_refusals": self.budget_refusals.iter()
+                .map(|(scope, n, message)| serde_json::json!({"scope": scope, "count": n, "first": message}))
+                .collect::<Vec<_>>(),
             "registry": { "mechanisms": mechanisms },
             "requests": {
                 "served": self.served,
@@ -259,6 +458,7 @@ impl Report {
                 "live": self.check.live,
                 "refunded_lost": self.check.refunded_lost,
                 "passed": self.check.passed(),
+                "footprint_violations": self.footprint_violations,
             },
         });
         serde_json::to_string_pretty(&value).unwrap_or_default()

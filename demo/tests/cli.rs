@@ -24,7 +24,9 @@ fn demo_runs_and_ends_with_the_nothing_lost_check_and_writes_its_files() {
     ]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    for section in ["requests  served", "device", "tenant @ device", "role", "check:", "nothing lost"] {
+    for section in
+        ["requests  served", "device", "footprint:", "resv. peak", "tenant @ device", "role", "check:", "nothing lost"]
+    {
         assert!(stdout.contains(section), "missing {section:?} in:\n{stdout}");
     }
     let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
@@ -46,4 +48,32 @@ fn demo_help_exits_zero_and_bad_flags_are_rejected() {
     let bad = demo(&["--requests", "ten"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid value 'ten' for '--requests <N>'"));
+}
+
+/// `--ort` on two requests per tenant and model: the footprint per device and tenant,
+/// and the nothing-lost check. Skipped by name without the assets, unless
+/// `MEMORY_ORT_REQUIRED=1` (as under `cargo xtask test`), which makes it fail instead.
+#[test]
+fn demo_ort_reports_allocated_and_reserved_per_device_and_tenant_and_loses_nothing() {
+    if let Err(reason) = memory_ort::OrtAssets::locate() {
+        assert!(!memory_ort::OrtAssets::required(), "{reason}");
+        eprintln!("skipped demo_ort_reports_allocated_and_reserved_per_device_and_tenant_and_loses_nothing: {reason}");
+        return;
+    }
+    let output = demo(&["--ort", "--requests", "2"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    for expected in [
+        "Governor::cache_backing",
+        "| allocated peak MiB | reserved peak MiB | reserved / allocated | held by caches peak MiB |",
+        "idle in the pools",
+        "largest free block",
+        "fragmentation",
+        "| reserved at end MiB |",
+        "| voice |",
+        "| scan |",
+        "the footprint's books balance",
+    ] {
+        assert!(stdout.contains(expected), "missing {expected:?} in:\n{stdout}");
+    }
 }

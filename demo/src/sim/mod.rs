@@ -1,6 +1,7 @@
 //! The simulation: workers serve requests while the control thread switches the
 //! mechanism and loses a device mid-run.
 
+mod footprint;
 mod kv;
 pub(crate) mod ledger;
 mod request;
@@ -11,10 +12,11 @@ use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use memory_governor::{RegistryError, TerminationReport};
+use memory_governor::{GovernorSnapshot, RegistryError, TerminationReport};
 
 use crate::config::Config;
 use crate::report::{Check, Report};
+use footprint::TenantPeaks;
 use request::{Shape, serve};
 use world::{Backend, World};
 
@@ -57,6 +59,15 @@ pub(crate) struct Events {
     pub(crate) lost: Option<LossReport>,
 }
 
+/// The footprint over the run: the books when the last request finished (weights
+/// loaded, idle sequences parked, pools holding what they cached), and each account's
+/// sampled reserved peak.
+pub(crate) struct Observed {
+    pub(crate) at_end: GovernorSnapshot,
+    pub(crate) tenant_reserved_peaks: std::collections::BTreeMap<String, u64>,
+    pub(crate) samples: u64,
+}
+
 /// What the device loss did.
 pub(crate) struct LossReport {
     pub(crate) device: String,
@@ -81,6 +92,7 @@ pub fn run(config: &Config) -> Result<Report, SimError> {
     let started = Instant::now();
     let deadline = config.duration.map(|d| started + d);
     let mut events = Events { switched_at: None, lost: None };
+    let mut peaks = TenantPeaks::new(&world);
 
     std::thread::scope(|scope| -> Result<(), SimError> {
         let workers: Vec<_> = (0..config.threads)
@@ -107,6 +119,7 @@ pub fn run(config: &Config) -> Result<Report, SimError> {
         // The control loop: milestones by progress (or by time under --secs).
         while workers.iter().any(|w| !w.is_finished()) {
             std::thread::sleep(Duration::from_millis(2));
+            peaks.sample();
             let served = done.load(Ordering::Relaxed);
             let fraction = milestone_fraction(config, served, started);
             if events.switched_at.is_none() && fraction >= 1.0 / 3.0 {
@@ -129,8 +142,14 @@ pub fn run(config: &Config) -> Result<Report, SimError> {
     }
     let elapsed = started.elapsed();
     progress.finish_and_clear();
+    peaks.sample();
+    let observed = Observed {
+        at_end: world.governor.snapshot(),
+        tenant_reserved_peaks: peaks.by_authority(),
+        samples: peaks.samples,
+    };
     let check = shut_down(&world, &events);
-    Ok(Report::new(&world, config, &events, check, elapsed))
+    Ok(Report::new(&world, config, &events, &observed, check, elapsed))
 }
 
 fn milestone_fraction(config: &Config, done: u64, started: Instant) -> f64 {
@@ -205,3 +224,74 @@ fn shut_down(world: &World, events: &Events) -> Check {
 }
 
 pub(crate) use world::MIB;
+
+#[cfg(test)]
+mod tests {
+    use memory_governor::{AllocationRequest, BoundAllocation, MemoryBinding, MemoryRole};
+
+    use super::ledger::{Refusal, Scope};
+    use super::world::{DEVICE_BUDGET, PLATFORM, WEIGHTS};
+    use super::*;
+
+    const PAGE: u64 = 64 << 10;
+
+    fn ask(world: &World, binding: &MemoryBinding, bytes: u64) -> Result<BoundAllocation, Refusal> {
+        let request = AllocationRequest::new(bytes as usize, 256).unwrap().with_role(MemoryRole::Activations);
+        world.ledger.allocate(binding, request).map_err(|error| world.ledger.classify(&error))
+    }
+
+    /// Every limit's refusal on one pooled device, each filed under its scope with a
+    /// message that shows allocated vs reserved and what the ladder did: a tenant past
+    /// its quota; a request past the device limit after the holders were asked; and a
+    /// request that fits the tenants' charges but not what the process holds, because a
+    /// pool keeps 2 MiB idle in a segment pinned by a live block (a 4 MiB segment
+    /// freed, then split for a 2 MiB block), which trimming cannot give back.
+    #[test]
+    fn each_limit_refuses_with_its_scope_and_the_ladder_in_the_message() {
+        let world = World::new(false).unwrap();
+        let device = &world.devices[0];
+        world.install(device, Backend::Pooled).unwrap();
+        let bind = |authority: usize| world.registry.bind_registered(&device.route(authority)).unwrap();
+        let (a, b) = (bind(PLATFORM + 1), bind(PLATFORM + 2));
+        let mut held = Vec::new();
+        let freed = ask(&world, &a, 4 * MIB).unwrap();
+        assert!(world.ledger.release(&a, freed));
+        held.push((a.clone(), ask(&world, &a, 2 * MIB).unwrap()));
+        // The device at 156 MiB charged: weights 48, tenant-b its whole 48, tenant-a 60.
+        for _ in 0..48 * MIB / PAGE {
+            held.push((b.clone(), ask(&world, &b, PAGE).unwrap()));
+        }
+        for _ in 0..58 * MIB / PAGE {
+            held.push((a.clone(), ask(&world, &a, PAGE).unwrap()));
+        }
+        assert_eq!(world.governor.snapshot().devices[0].allocated, DEVICE_BUDGET - 4 * MIB);
+        assert_eq!(WEIGHTS, 48 * MIB);
+
+        assert_eq!(ask(&world, &b, PAGE).unwrap_err(), Refusal::Budget, "tenant-b is at its quota");
+        assert_eq!(ask(&world, &a, 8 * MIB).unwrap_err(), Refusal::Budget, "156 + 8 MiB is past the limit");
+        // 159 MiB charged fits, but with the 2 MiB the pool cannot give back the process
+        // would hold 161 MiB.
+        assert_eq!(ask(&world, &a, 3 * MIB).unwrap_err(), Refusal::Budget, "past the limit on reserved memory");
+
+        let refusals = world.ledger.budget_refusals();
+        let scopes: Vec<Scope> = refusals.keys().copied().collect();
+        assert_eq!(scopes, [Scope::Reserved, Scope::Device, Scope::Authority], "{refusals:#?}");
+        for (scope, (count, message)) in &refusals {
+            assert_eq!(*count, 1, "{scope:?}");
+            for shown in ["allocated", "reserved", "largest free block", "fragmentation"] {
+                assert!(message.contains(shown), "{scope:?} lacks {shown:?}: {message}");
+            }
+        }
+        let ladder = &refusals[&Scope::Reserved].1;
+        for rung in ["trimming caches gave back", "reclaim holders freed", "kv-cache (idle sequences)"] {
+            assert!(ladder.contains(rung), "the ladder's refusal lacks {rung:?}: {ladder}");
+        }
+        assert!(refusals[&Scope::Device].1.contains("reclaim holders freed"), "{}", refusals[&Scope::Device].1);
+        let ladder = world.governor.snapshot().devices[0].ladder.clone();
+        assert_eq!(ladder.refused_over_reserved, 1, "{ladder:?}");
+
+        for (binding, block) in held {
+            assert!(world.ledger.release(&binding, block));
+        }
+    }
+}

@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use memory_governor::{AllocateError, AllocationRequest, BoundAllocation, MemoryBinding, MemoryRole};
 
 use super::kv::Sequence;
-use super::ledger::{Refusal, classify};
+use super::ledger::Refusal;
 use super::world::{Device, PLATFORM, TENANTS, World};
 
 /// Tokens per KV page.
@@ -109,9 +109,9 @@ fn allocate(
         Ok(block) => block,
         Err(AllocateError::Inactive { .. }) => {
             *binding = bind(world, device, authority)?;
-            world.ledger.allocate(binding, request).map_err(|e| classify(&e))?
+            world.ledger.allocate(binding, request).map_err(|e| world.ledger.classify(&e))?
         }
-        Err(error) => return Err(classify(&error)),
+        Err(error) => return Err(world.ledger.classify(&error)),
     };
     Ok((binding.clone(), block))
 }

@@ -127,10 +127,12 @@ impl World {
     /// context, routes future binds to them, and retires the ones they replace.
     pub(crate) fn install(&self, device: &Device, backend: Backend) -> Result<(), SimError> {
         let context = device.context();
-        let allocator = self.allocator(device, backend)?;
         let mut mechanisms = Vec::new();
         for &authority in &device.authorities {
-            let governed = self.governor.govern(Arc::clone(&allocator), authority).map_err(|e| e.failure)?;
+            // One allocator per authority: a pool's cache is booked to the tenant whose
+            // blocks it keeps (`reserved` per tenant).
+            let allocator = self.allocator(device, backend)?;
+            let governed = self.governor.govern(allocator, authority).map_err(|e| e.failure)?;
             mechanisms.push(self.registry.register_allocator(&context, &authority, Arc::new(governed))?);
         }
         let old = std::mem::replace(&mut *device.routes.write().unwrap_or_else(PoisonError::into_inner), mechanisms);
@@ -147,9 +149,12 @@ impl World {
     fn allocator(&self, device: &Device, backend: Backend) -> Result<Arc<dyn DeviceAllocator>, SimError> {
         Ok(match (&device.hardware, backend) {
             (Hardware::Host, Backend::Plain) => Arc::new(allocator_cpu::SystemAllocator::for_device(device.key)),
-            (Hardware::Host, Backend::Pooled) => {
-                Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::for_device(device.key)))
-            }
+            // The pool takes its memory through a cache backing: the device limit bounds
+            // what it holds, used and idle (`reserved`), and a shortfall runs the recovery
+            // ladder (trim the caches, reclaim idle sequences, then refuse).
+            (Hardware::Host, Backend::Pooled) => Arc::new(allocator_cpu::PooledAllocator::new(
+                self.governor.cache_backing(Arc::new(allocator_cpu::SystemAllocator::for_device(device.key))),
+            )),
             #[cfg(feature = "cuda")]
             (Hardware::Cuda(cuda), Backend::Plain) => Arc::new(allocator_cuda::CudaAllocator::new(cuda)),
             #[cfg(feature = "cuda")]
