@@ -136,7 +136,7 @@ struct CHolder {
     name: String,
     reclaim: unsafe extern "C" fn(user: *mut c_void, request: *const McReclaimRequest) -> u64,
     reclaimable: McReclaimableFn,
-    user: UserPointer,
+    user: Arc<UserPointer>,
 }
 
 impl ReclaimHolder for CHolder {
@@ -196,7 +196,9 @@ pub unsafe extern "C" fn mc_governor_register_holder(
     destroy: McDestroyFn,
     out: *mut *mut McReclaimHolder,
 ) -> McStatus {
-    guard("mc_governor_register_holder", || {
+    // Made outside the guard, so that a failure of any kind (a panic included) disarms it.
+    let pointer = Arc::new(UserPointer::new(user, destroy));
+    let status = guard("mc_governor_register_holder", || {
         check_out(out, "out")?;
         let Some(reclaim) = reclaim else { return Err(Failure::null("reclaim")) };
         // SAFETY: null or NUL-terminated (the caller's contract).
@@ -211,15 +213,17 @@ pub unsafe extern "C" fn mc_governor_register_holder(
         let governor_entry = borrow(&GOVERNORS, governor)?;
         let device = device_key(device)?;
         let cell = vacancy(&HOLDERS)?;
-        // Everything was checked, so nothing fails from here on: the holder owns the
-        // pointer (before this, no error path made anything that could call `destroy`).
-        let made = Arc::new(CHolder { name, reclaim, reclaimable, user: UserPointer::new(user, destroy) });
+        let made = Arc::new(CHolder { name, reclaim, reclaimable, user: Arc::clone(&pointer) });
         let id = governor_entry.register_holder(device, order, made);
         let handle = fill(cell, HolderEntry { governor: Governor::clone(&governor_entry), id });
         // SAFETY: checked above.
         unsafe { write(out, handle) };
         Ok(())
-    })
+    });
+    if status != crate::status::MC_OK {
+        pointer.disarm();
+    }
+    status
 }
 
 /// Unregisters a reclaim holder and frees its handle. The governor asks it nothing from
