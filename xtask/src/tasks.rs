@@ -16,8 +16,8 @@ pub(crate) const LOOM_PREEMPTIONS_IN_TEST: u32 = 2;
 /// checks): the barrier pair, owner slots and record table, the registry, the governor,
 /// the C API's handle tables, and the plugin loader (its block records are the record
 /// table's, model-checked in memory-sync; the loom lint still checks its library).
-pub(crate) const LOOM_CRATES: [&str; 5] =
-    ["memory-sync", "memory-binding", "memory-governor", "memory-capi", "memory-plugin"];
+pub(crate) const LOOM_CRATES: [&str; 6] =
+    ["memory-sync", "memory-binding", "memory-governor", "memory-capi", "memory-plugin", "memory-trace"];
 
 /// The steps of `cargo xtask test [--gpu]`, in order.
 pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
@@ -526,8 +526,14 @@ mod tests {
 
     /// The crates with loom models, as both loom steps must name them (written out, not
     /// taken from `LOOM_CRATES`, so a crate dropped from that list fails here).
-    const LOOM_PACKAGE_ARGS: [&str; 5] =
-        ["-p memory-sync", "-p memory-binding", "-p memory-governor", "-p memory-capi", "-p memory-plugin"];
+    const LOOM_PACKAGE_ARGS: [&str; 6] = [
+        "-p memory-sync",
+        "-p memory-binding",
+        "-p memory-governor",
+        "-p memory-capi",
+        "-p memory-plugin",
+        "-p memory-trace",
+    ];
 
     #[test]
     fn loom_builds_in_its_own_target_dir_with_the_namespaced_cfg() {

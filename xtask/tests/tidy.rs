@@ -22,7 +22,7 @@ const UNSAFE_ALLOWED: [&str; 6] =
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 11] = [
+const NAMED_CRATES: [&str; 12] = [
     "memory-api",
     "memory-sync",
     "memory-binding",
@@ -34,11 +34,13 @@ const NAMED_CRATES: [&str; 11] = [
     "memory-plugin-abi",
     "memory-plugin",
     "memory-capi",
+    "memory-trace",
 ];
 
 /// Adapter crates: they consume the core (the governor and the providers); nothing but
-/// tooling depends on them.
-const ADAPTERS: [&str; 2] = ["memory-ort", "memory-capi"];
+/// tooling depends on them. memory-trace (record, replay, report) is one: it wraps the
+/// governed allocator and replays onto the host providers.
+const ADAPTERS: [&str; 3] = ["memory-ort", "memory-capi", "memory-trace"];
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
@@ -92,10 +94,11 @@ enum Rule {
     PluginAbiStandsAlone,
     PluginIsAProvider,
     CapiComposesThroughTheGovernor,
+    TraceSitsOnTheCore,
 }
 
 impl Rule {
-    const ALL: [Rule; 12] = [
+    const ALL: [Rule; 13] = [
         Rule::MemoryApiIsALeaf,
         Rule::SyncIsALeaf,
         Rule::AllocatorsDependOnMemoryApiAndSync,
@@ -108,6 +111,7 @@ impl Rule {
         Rule::PluginAbiStandsAlone,
         Rule::PluginIsAProvider,
         Rule::CapiComposesThroughTheGovernor,
+        Rule::TraceSitsOnTheCore,
     ];
 
     /// The invariant, as docs/ARCHITECTURE.md states it.
@@ -147,6 +151,10 @@ impl Rule {
                 "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
                  memory-governor, allocator-cpu, allocator-cuda, memory-plugin, memory-plugin-abi and memory-sync \
                  only"
+            }
+            Rule::TraceSitsOnTheCore => {
+                "memory-trace depends (normally) on memory-governor, memory-sync and allocator-cpu only, of the \
+                 workspace (it records through the governor and replays onto the host providers)"
             }
         }
     }
@@ -205,6 +213,12 @@ impl Rule {
                             | "memory-plugin-abi"
                             | "memory-sync"
                     )
+            }
+            Rule::TraceSitsOnTheCore => {
+                edge.from == "memory-trace"
+                    && edge.internal
+                    && shipped
+                    && !matches!(to, "memory-governor" | "memory-sync" | "allocator-cpu")
             }
         }
     }
@@ -407,6 +421,12 @@ fn memory_capi_composes_through_the_governor() {
 }
 
 #[test]
+fn memory_trace_sits_on_the_core_and_only_tooling_depends_on_it() {
+    assert_clean(Rule::TraceSitsOnTheCore);
+    assert_clean(Rule::OnlyToolingDependsOnAdapters);
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -486,7 +506,20 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
                 ("cbindgen", Some("dev")),
             ],
         ),
-        ("memory-benches", vec![("memory-capi", Some("dev")), ("memory-plugin", Some("dev"))]),
+        (
+            "memory-trace",
+            vec![
+                ("memory-governor", None),
+                ("memory-sync", None),
+                ("allocator-cpu", None),
+                ("serde_json", None),
+                ("memory-testkit", Some("dev")),
+            ],
+        ),
+        (
+            "memory-benches",
+            vec![("memory-capi", Some("dev")), ("memory-plugin", Some("dev")), ("memory-trace", Some("dev"))],
+        ),
     ];
     for (name, deps) in &mut layout {
         if *name == extra_from {
@@ -590,8 +623,16 @@ fn synthetic_bad_edges_are_reported_by_name() {
 
 #[test]
 fn synthetic_adapter_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 4] = [
+    let cases: [(&str, Dep, Rule, &str); 7] = [
         ("memory-governor", ("ort", None), Rule::OnlyMemoryOrtNamesOrt, "memory-governor -> ort (normal"),
+        ("memory-trace", ("allocator-cuda", None), Rule::TraceSitsOnTheCore, "memory-trace -> allocator-cuda (normal"),
+        ("memory-trace", ("memory-ort", None), Rule::TraceSitsOnTheCore, "memory-trace -> memory-ort (normal"),
+        (
+            "memory-governor",
+            ("memory-trace", Some("dev")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-governor -> memory-trace (dev",
+        ),
         ("memory-demo", ("ort-sys", None), Rule::OnlyMemoryOrtNamesOrt, "memory-demo -> ort-sys"),
         ("memory-ort", ("memory-testkit", None), Rule::AdaptersSitOnTheCore, "memory-ort -> memory-testkit (normal"),
         (
@@ -661,7 +702,7 @@ fn synthetic_library_without_forbid_unsafe_is_reported_unless_allowed() {
     // memory-demo and memory-benches are tooling.
     assert_eq!(
         named,
-        ["memory-api", "memory-sync", "memory-governor", "memory-testkit", "memory-plugin-abi"],
+        ["memory-api", "memory-sync", "memory-governor", "memory-testkit", "memory-plugin-abi", "memory-trace"],
         "{found:?}"
     );
     let read = |_: &Path| -> Result<String, String> { Ok("//! A crate.\n#![forbid(unsafe_code)]\n".to_owned()) };

@@ -1,0 +1,113 @@
+//! memory-trace: record a runtime's governed allocations, replay them against another
+//! allocator stack, and look at them.
+//!
+//! # What it does
+//! - **Record** ([`Recorder`], [`TracedAllocator`]): an opt-in adaptor around a
+//!   [`GovernedAllocator`](memory_governor::GovernedAllocator). Every allocation,
+//!   release, refusal (with the governor's recovery-ladder figures: scope, used, limit,
+//!   allocated and reserved, idle cache bytes, largest free block, trimmed, reclaimed),
+//!   quarantine and block lost with its device goes to a trace with the block's identity,
+//!   tenant, role, device, bytes, alignment, thread, a monotonic time and the caller's tag
+//!   ([`set_caller_tag`]). Per-thread rings, drained by one writer thread, keep memory
+//!   bounded however long the run.
+//! - **A versioned format** (`docs/TRACE-FORMAT.md`): [`read_trace`] refuses an unknown
+//!   major version with an error that says so, and reads a damaged file up to the damage
+//!   ([`Trace::damage`] says where). [`TraceWriter`] writes one from events in hand.
+//! - **Convert** ([`convert`]): to the Chrome trace-event format (the governor's timeline
+//!   shape) and to RMM's replay CSV log (`Thread,Time,Action,Pointer,Size,Stream`).
+//! - **Replay** ([`replay`]): a trace against `system`, `pooled` or `virtual` host
+//!   allocator stacks on a simulated device, the governor in front: peak allocated and
+//!   reserved, fragmentation at the peak, refusals, latency percentiles, side by side.
+//! - **See** ([`html`]): one self-contained page (inline SVG and script, no network).
+//!
+//! # Why an adaptor, not a governor option
+//! Recording wraps the governed allocator instead of living inside the governor or the
+//! registry. A runtime that does not record registers the governed allocator itself, and
+//! its hot path is exactly what it was: no flag to test, no branch, nothing to keep the
+//! instruction budget of the governed pair honest against. A runtime that records gets
+//! the governor's structured refusal (through
+//! [`GovernedAllocator::try_allocate`](memory_governor::GovernedAllocator::try_allocate))
+//! and sees every block exactly where the registry hands it to the governor.
+//!
+//! # Correctness
+//! - No `unsafe` code (`#![forbid(unsafe_code)]`).
+//! - The only concurrency protocol is the recorder's per-thread ring (single producer:
+//!   the recording thread; single consumer: the writer thread; no lock and no
+//!   read-modify-write on the producer's side). Its argument is in `src/ring.rs`; a loom
+//!   model (`src/loom_ring.rs`) checks that the writer sees exactly the pushed words, in
+//!   order, across the ring's wrap, and runs with
+//!   `RUSTFLAGS="--cfg memory_loom" cargo test -p memory-trace --lib loom`.
+//! - The recorder never drops an event while recording: a full ring makes its thread
+//!   wait for the writer (counted in [`RecordingSummary::waits`]); a test records ten
+//!   million events from several threads and reads back every one.
+//! - The reader checks every record's CRC-32 and every event's size before decoding, so
+//!   a damaged file cannot be misread past the damage; tests truncate and corrupt files at
+//!   every record boundary.
+//!
+//! # Quickstart
+//! ```
+//! use std::sync::Arc;
+//! use memory_governor::*;
+//! use memory_trace::{Recorder, replay::{self, AllocatorKind, ReplayConfig}};
+//!
+//! let gpu = DeviceKey::host(1); // a simulated device
+//! let governor = Governor::new();
+//! governor.set_device_limit(gpu, 64 << 20)?;
+//! let tenant = IdentityIssuer::new()?.authority()?;
+//! governor.open_account(AccountConfig::new(gpu, tenant).with_label("tenant-a"))?;
+//! let system = Arc::new(allocator_cpu::SystemAllocator::for_device(gpu));
+//!
+//! // Record: wrap the governed allocator; register `traced` where `governed` would go.
+//! let path = std::env::temp_dir().join(format!("lib-quickstart-{}.mtrace", std::process::id()));
+//! let recorder = Recorder::create(&path)?;
+//! let traced = recorder.trace(&governor, governor.govern(system, tenant)?);
+//! let kv = AllocationRequest::new(1 << 20, 256)?.with_role(MemoryRole::KvCache);
+//! let blocks: Vec<_> = (0..8).map(|_| traced.allocate(&kv)).collect::<Result<_, _>>()?;
+//! for block in blocks {
+//!     assert!(traced.release(block).is_complete());
+//! }
+//! recorder.finish()?;
+//!
+//! // Read and replay against a pool.
+//! let trace = memory_trace::read_trace(std::fs::File::open(&path)?)?;
+//! # std::fs::remove_file(&path)?;
+//! assert_eq!(trace.events.len(), 16);
+//! let report = replay::replay(&trace, &ReplayConfig::new(AllocatorKind::Pooled));
+//! assert_eq!(report.devices[0].peak_allocated, 8 << 20);
+//! assert!(report.devices[0].refusals.is_empty());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![forbid(unsafe_code)]
+
+mod books;
+mod event;
+mod format;
+mod read;
+mod recorder;
+mod ring;
+mod sync;
+mod traced;
+mod writer;
+
+pub mod convert;
+pub mod html;
+pub mod replay;
+
+#[cfg(all(test, memory_loom))]
+mod loom_ring;
+
+// The public interface.
+
+// Recording.
+pub use recorder::{
+    CallerTag, RecordError, Recorder, RecorderConfig, RecordingSummary, caller_tag, set_caller_tag, with_caller_tag,
+};
+pub use traced::TracedAllocator;
+
+// What a trace holds.
+pub use event::{Block, Event, FailureKind, MarkKind, Refusal, RefusalKind, ReleaseKind, Scope, Tenant, What};
+
+// The format: reading and writing.
+pub use format::{MAGIC, MAJOR, MINOR, crc32};
+pub use read::{Damage, DamageKind, End, ReadError, Trace, read_trace, scan_trace};
+pub use writer::TraceWriter;

@@ -1,0 +1,482 @@
+//! The recorder: per-thread rings of event words, drained to a file by one writer thread.
+//!
+//! A recording thread encodes its event into a small array on its stack and pushes it
+//! into its own ring (`memory_sync`'s per-thread table: one ring per thread index, reused
+//! by the next thread that gets the index), with no lock and no read-modify-write (see
+//! [`ring`](crate::ring)). The writer thread wakes every `flush_interval`, or when a ring
+//! passes half full, drains every ring into one events record each, and writes the records
+//! that cold paths queued (tenants, thread names, marks). A ring that is full makes its
+//! thread wait for the writer (never drop), so a recording is whole however long it
+//! runs, and memory stays bounded by one ring per thread.
+
+use std::cell::Cell;
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant, SystemTime};
+
+use memory_governor::{DeviceKey, GovernedAllocator, Governor};
+use memory_sync::per_thread::{PerThread, thread_index};
+
+use crate::event::{MarkKind, Tenant};
+use crate::format::{self, record};
+use crate::ring::{Pushed, Ring};
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Mutex, Ordering, lock, yield_now};
+use crate::traced::TracedAllocator;
+use crate::writer::{self, Cold};
+
+/// Settings of a [`Recorder`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecorderConfig {
+    /// Words (8 bytes each) of each thread's ring; an event is 7 to 18 words. Rounded up
+    /// to a power of two. Default 32768 (256 KiB, about 3,500 allocation events).
+    pub ring_words: usize,
+    /// How often the writer drains the rings when no ring asks sooner. Default 2 ms.
+    pub flush_interval: Duration,
+}
+
+impl Default for RecorderConfig {
+    fn default() -> RecorderConfig {
+        RecorderConfig { ring_words: 32 << 10, flush_interval: Duration::from_millis(2) }
+    }
+}
+
+impl RecorderConfig {
+    /// The same settings with rings of `words` words.
+    #[must_use]
+    pub fn with_ring_words(self, words: usize) -> RecorderConfig {
+        RecorderConfig { ring_words: words, ..self }
+    }
+}
+
+/// One thread's part of a recorder.
+struct Local {
+    ring: Ring,
+    /// The trace thread number this ring's thread announced (its name record); owner only.
+    announced: AtomicU32,
+}
+
+/// What recording threads and the writer share.
+pub(crate) struct Shared {
+    origin: Instant,
+    locals: PerThread<Local>,
+    ring_words: usize,
+    cold: Mutex<Vec<Cold>>,
+    closed: AtomicBool,
+    writer: std::sync::OnceLock<Thread>,
+    next_tenant: AtomicU32,
+    /// Events not recorded because the recording was closed.
+    dropped: AtomicU64,
+    /// Times a thread found its ring full and waited for the writer.
+    waits: AtomicU64,
+}
+
+/// The calling thread's number in traces (process-wide, from 1, never reused).
+#[inline(always)]
+fn thread_number() -> u32 {
+    // Not part of the ring protocol: std's atomic under loom too.
+    #[allow(clippy::disallowed_types, reason = "an id counter, not a protocol under check")]
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    std::thread_local! {
+        static NUMBER: Cell<u32> = const { Cell::new(0) };
+    }
+    NUMBER
+        .try_with(|number| match number.get() {
+            0 => {
+                let next = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                number.set(next);
+                next
+            }
+            n => n,
+        })
+        .unwrap_or(0)
+}
+
+std::thread_local! {
+    static CALLER: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The calling thread's caller tag (0: none), recorded with every event it makes.
+#[inline(always)]
+pub fn caller_tag() -> u64 {
+    CALLER.try_with(Cell::get).unwrap_or(0)
+}
+
+/// Sets the calling thread's caller tag (a request id, a stream id) until the guard
+/// drops, when the previous tag comes back. Events record the tag current at the call.
+pub fn set_caller_tag(tag: u64) -> CallerTag {
+    let previous = CALLER.try_with(|caller| caller.replace(tag)).unwrap_or(0);
+    CallerTag { previous, _not_send: std::marker::PhantomData }
+}
+
+/// Runs `f` with the calling thread's caller tag set to `tag`.
+pub fn with_caller_tag<R>(tag: u64, f: impl FnOnce() -> R) -> R {
+    let _tag = set_caller_tag(tag);
+    f()
+}
+
+/// Restores the previous caller tag when dropped (see [`set_caller_tag`]); it belongs
+/// to the thread that set it.
+#[must_use = "the tag is restored when the guard drops"]
+pub struct CallerTag {
+    previous: u64,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for CallerTag {
+    fn drop(&mut self) {
+        let previous = self.previous;
+        let _ = CALLER.try_with(|caller| caller.set(previous));
+    }
+}
+
+impl Shared {
+    /// Nanoseconds since the recording started.
+    #[inline(always)]
+    pub(crate) fn now(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
+    }
+
+    /// Records one event built by `build(ts, thread)` at the time now.
+    #[inline(always)]
+    pub(crate) fn emit<const N: usize>(&self, build: impl FnOnce(u64, u32) -> [u64; N]) {
+        let ts = self.now();
+        self.emit_at(ts, build);
+    }
+
+    /// Records one event built by `build(ts, thread)` at `ts`.
+    #[inline(always)]
+    pub(crate) fn emit_at<const N: usize>(&self, ts: u64, build: impl FnOnce(u64, u32) -> [u64; N]) {
+        if self.closed.load(Ordering::Relaxed) {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let thread = thread_number();
+        let local = self
+            .locals
+            .get_or(thread_index(), || Local { ring: Ring::new(self.ring_words), announced: AtomicU32::new(0) });
+        if local.announced.load(Ordering::Relaxed) != thread {
+            self.announce(local, thread);
+        }
+        let words = build(ts, thread);
+        match local.ring.push(&words) {
+            Pushed::Queued => {}
+            Pushed::QueuedWake => self.wake(),
+            Pushed::Full => self.push_when_drained(local, &words),
+        }
+    }
+
+    /// The thread's first event through this recorder (or the first since its ring
+    /// belonged to another thread): its name goes into the trace.
+    #[cold]
+    #[inline(never)]
+    fn announce(&self, local: &Local, thread: u32) {
+        local.announced.store(thread, Ordering::Relaxed);
+        let current = std::thread::current();
+        let name = current.name().map_or_else(|| format!("thread {thread}"), str::to_owned);
+        self.queue(writer::thread_record(thread, &name));
+    }
+
+    /// The ring is full: wake the writer and wait until the event fits (or the recording
+    /// closes, when it is dropped).
+    #[cold]
+    #[inline(never)]
+    fn push_when_drained(&self, local: &Local, words: &[u64]) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        let mut spins = 0u32;
+        loop {
+            self.wake();
+            if self.closed.load(Ordering::Acquire) {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            if spins < 64 {
+                yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            spins = spins.saturating_add(1);
+            if local.ring.push(words) != Pushed::Full {
+                return;
+            }
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(writer) = self.writer.get() {
+            writer.unpark();
+        }
+    }
+
+    /// Queues a record built on a cold path for the writer.
+    pub(crate) fn queue(&self, cold: Cold) {
+        lock(&self.cold).push(cold);
+    }
+
+    /// Queues a mark at the time now.
+    pub(crate) fn mark(&self, device: DeviceKey, tenant: u32, kind: MarkKind, value: u64, label: &str) {
+        let ts = self.now();
+        self.queue(writer::mark_record(ts, thread_number(), device, tenant, kind, value, label));
+    }
+
+    fn register_tenant(&self, mut tenant: Tenant) -> u32 {
+        let id = self.next_tenant.fetch_add(1, Ordering::Relaxed);
+        tenant.id = id;
+        self.queue(writer::tenant_record(&tenant));
+        id
+    }
+}
+
+/// What a finished recording wrote.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecordingSummary {
+    /// Events written (marks included).
+    pub events: u64,
+    /// Records written (the end record included).
+    pub records: u64,
+    /// Bytes written (the header included).
+    pub bytes: u64,
+    /// Events not recorded because they came after the recording was finished.
+    pub dropped: u64,
+    /// Times a recording thread found its ring full and waited for the writer.
+    pub waits: u64,
+}
+
+/// Why a recording could not be written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// Writing the trace failed; what was written before the error stays readable up to it.
+    #[error("writing the trace failed after {written} bytes: {source}; the file is readable up to there")]
+    Io {
+        /// Bytes written before the failure.
+        written: u64,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The writer thread panicked.
+    #[error("the trace writer thread panicked; the file is readable up to its last flush")]
+    WriterPanicked,
+    /// The recording was already finished.
+    #[error("the recording was already finished")]
+    AlreadyFinished,
+}
+
+/// An opt-in recorder of governed allocations: wrap each governed allocator with
+/// [`Recorder::trace`] and register the [`TracedAllocator`] instead; every allocation,
+/// release, refusal (with the recovery ladder's figures), quarantine and lost block is
+/// written, with its identity, tenant, role, device, size, alignment, thread, time and
+/// caller tag ([`set_caller_tag`]), to the trace. Code that does not record pays nothing:
+/// nothing is wrapped.
+///
+/// ```
+/// use std::sync::Arc;
+/// use memory_governor::*;
+/// use memory_trace::{Recorder, read_trace};
+///
+/// let governor = Governor::new();
+/// let tenant = IdentityIssuer::new()?.authority()?;
+/// governor.open_account(AccountConfig::new(DeviceKey::host(1), tenant).with_label("tenant-a"))?;
+/// let system = Arc::new(allocator_cpu::SystemAllocator::for_device(DeviceKey::host(1)));
+///
+/// let path = std::env::temp_dir().join(format!("quickstart-{}.mtrace", std::process::id()));
+/// let recorder = Recorder::create(&path)?;
+/// let traced = recorder.trace(&governor, governor.govern(system, tenant)?);
+/// let block = traced.allocate(&AllocationRequest::new(4096, 64)?.with_role(MemoryRole::KvCache))?;
+/// assert!(traced.release(block).is_complete());
+/// let summary = recorder.finish()?;
+/// assert_eq!(summary.events, 2);
+///
+/// let trace = read_trace(std::fs::File::open(&path)?)?;
+/// assert_eq!(trace.events.len(), 2);
+/// assert_eq!(trace.tenants[0].label, "tenant-a");
+/// # std::fs::remove_file(&path)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Recorder {
+    shared: Arc<Shared>,
+    writer: Mutex<Option<JoinHandle<Result<RecordingSummary, RecordError>>>>,
+}
+
+impl Recorder {
+    /// Records to a new file at `path` (truncating one that exists).
+    ///
+    /// # Errors
+    /// The error of creating the file or starting the writer thread.
+    pub fn create(path: impl AsRef<Path>) -> io::Result<Recorder> {
+        Recorder::to_writer(File::create(path)?, RecorderConfig::default())
+    }
+
+    /// Records to `out` with `config`.
+    ///
+    /// # Errors
+    /// The error of writing the header or starting the writer thread.
+    pub fn to_writer(out: impl Write + Send + 'static, config: RecorderConfig) -> io::Result<Recorder> {
+        let origin_unix_ns =
+            SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_nanos() as u64);
+        let mut out = BufWriter::with_capacity(1 << 20, out);
+        format::write_header(&mut out, origin_unix_ns)?;
+        let shared = Arc::new(Shared {
+            origin: Instant::now(),
+            locals: PerThread::new(),
+            ring_words: config.ring_words,
+            cold: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+            writer: std::sync::OnceLock::new(),
+            next_tenant: AtomicU32::new(1),
+            dropped: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+        });
+        let handle = {
+            let shared = Arc::clone(&shared);
+            let interval = config.flush_interval;
+            std::thread::Builder::new()
+                .name("memory-trace-writer".to_owned())
+                .spawn(move || write_loop(&shared, out, interval))?
+        };
+        let _ = shared.writer.set(handle.thread().clone());
+        Ok(Recorder { shared, writer: Mutex::new(Some(handle)) })
+    }
+
+    /// Wraps `governed` so that everything it does is recorded, as a new tenant of the
+    /// trace (the account's label and authority, the inner allocator's name, the
+    /// tenant's quota and `governor`'s limit for the device as they are now).
+    pub fn trace(&self, governor: &Governor, governed: GovernedAllocator) -> TracedAllocator {
+        let account = governed.account();
+        let device = account.device();
+        let mut tenant = Tenant::new(0, device, account.label());
+        tenant.authority = account.authority().to_string();
+        tenant.allocator = memory_governor::DeviceAllocator::name(governed.inner().as_ref()).to_owned();
+        tenant.quota = account.quota();
+        tenant.device_limit = governor.device_limit(device);
+        let id = self.shared.register_tenant(tenant);
+        TracedAllocator::new(governed, Arc::clone(&self.shared), id)
+    }
+
+    /// Records a mark now: a device lost (call it beside `invalidate_device`), or a note
+    /// (a phase of the workload).
+    pub fn mark(&self, device: DeviceKey, kind: MarkKind, label: &str) {
+        self.shared.mark(device, 0, kind, 0, label);
+    }
+
+    /// Stops recording, drains every ring, writes the end record and waits for the
+    /// writer. Events recorded after this call are dropped (counted); events recorded
+    /// *during* it by other threads may be missing, so stop the workload first.
+    ///
+    /// # Errors
+    /// [`RecordError`] when writing failed (the file is readable up to the failure).
+    pub fn finish(&self) -> Result<RecordingSummary, RecordError> {
+        let Some(handle) = lock(&self.writer).take() else { return Err(RecordError::AlreadyFinished) };
+        self.shared.closed.store(true, Ordering::Release);
+        handle.thread().unpark();
+        handle.join().map_err(|_| RecordError::WriterPanicked)?
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        if lock(&self.writer).is_some()
+            && let Err(error) = self.finish()
+        {
+            tracing::error!(%error, "trace recorder dropped without finish(), and writing failed");
+        }
+    }
+}
+
+/// The writer: counts what it wrote, and keeps draining after an I/O error (dropping
+/// what it cannot write) so that no recording thread waits on a dead file.
+struct Output<W: Write> {
+    out: W,
+    error: Option<io::Error>,
+    summary: RecordingSummary,
+    bytes: Vec<u8>,
+}
+
+impl<W: Write> Output<W> {
+    fn record(&mut self, kind: u32, payload: &[u8]) {
+        if self.error.is_some() {
+            return;
+        }
+        match format::write_record(&mut self.out, kind, payload) {
+            Ok(()) => {
+                self.summary.records += 1;
+                self.summary.bytes += (format::RECORD_HEADER_BYTES + payload.len()) as u64;
+            }
+            Err(error) => self.error = Some(error),
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.error.is_none()
+            && let Err(error) = self.out.flush()
+        {
+            self.error = Some(error);
+        }
+    }
+}
+
+/// Counts the whole events in drained words (each event's first header word after the
+/// time says its size).
+fn count_events(words: &[u64]) -> u64 {
+    let (mut at, mut events) = (0, 0);
+    while at + 1 < words.len() {
+        let size = format::split_word1(words[at + 1]).size.max(1);
+        at += size;
+        events += 1;
+    }
+    events
+}
+
+fn write_loop(shared: &Shared, out: impl Write, interval: Duration) -> Result<RecordingSummary, RecordError> {
+    let mut output = Output {
+        out,
+        error: None,
+        summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
+        bytes: Vec::new(),
+    };
+    let mut words = Vec::new();
+    loop {
+        let closing = shared.closed.load(Ordering::Acquire);
+        let cold = std::mem::take(&mut *lock(&shared.cold));
+        let mut wrote = !cold.is_empty();
+        for record in &cold {
+            if record.kind == record::MARK {
+                output.summary.events += 1;
+            }
+            output.record(record.kind, &record.payload);
+        }
+        for local in shared.locals.iter() {
+            if local.ring.is_empty() {
+                continue;
+            }
+            words.clear();
+            local.ring.drain(&mut words);
+            output.summary.events += count_events(&words);
+            let mut bytes = std::mem::take(&mut output.bytes);
+            writer::words_bytes(&words, &mut bytes);
+            output.record(record::EVENTS, &bytes);
+            output.bytes = bytes;
+            wrote = true;
+        }
+        if closing {
+            break;
+        }
+        if wrote {
+            output.flush();
+        }
+        std::thread::park_timeout(interval);
+    }
+    output.summary.dropped = shared.dropped.load(Ordering::Relaxed);
+    output.summary.waits = shared.waits.load(Ordering::Relaxed);
+    let end = writer::end_record(output.summary.events, output.summary.records + 1, output.summary.dropped);
+    output.record(end.kind, &end.payload);
+    output.flush();
+    match output.error {
+        None => Ok(output.summary),
+        Some(source) => Err(RecordError::Io { written: output.summary.bytes, source }),
+    }
+}

@@ -1,0 +1,306 @@
+//! Recording: a traced governed allocator behind the registry writes every call with its
+//! identity, tenant, role, device, size, alignment, thread, time and caller tag;
+//! refusals carry the governor's figures; quarantines, lost blocks and termination are
+//! recorded; many threads record whole through small rings.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use allocator_cpu::SystemAllocator;
+use memory_governor::*;
+use memory_testkit::{FaultyAllocator, HostHeap};
+use memory_trace::{
+    FailureKind, MarkKind, Recorder, RecorderConfig, RefusalKind, ReleaseKind, Scope, Trace, What, read_trace,
+    set_caller_tag, with_caller_tag,
+};
+
+const DEV: DeviceKey = DeviceKey::host(7);
+
+/// A recorder writing into memory; `finish` hands the bytes back.
+struct Memory {
+    bytes: Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl std::io::Write for Memory {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.bytes.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn recorder(config: RecorderConfig) -> (Recorder, Arc<std::sync::Mutex<Vec<u8>>>) {
+    let bytes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorder = Recorder::to_writer(Memory { bytes: Arc::clone(&bytes) }, config).unwrap();
+    (recorder, bytes)
+}
+
+fn finish(recorder: Recorder, bytes: &std::sync::Mutex<Vec<u8>>) -> Trace {
+    recorder.finish().unwrap();
+    let trace = read_trace(&bytes.lock().unwrap()[..]).unwrap();
+    assert!(trace.damage.is_none(), "{:?}", trace.damage);
+    trace
+}
+
+fn request(bytes: usize, role: MemoryRole) -> AllocationRequest {
+    AllocationRequest::new(bytes, 256).unwrap().with_role(role)
+}
+
+struct Setup {
+    registry: BindingRegistry,
+    governor: Governor,
+    context: ProviderContextIdentity,
+    binding: MemoryBinding,
+}
+
+fn setup(recorder: &Recorder, inner: Arc<dyn DeviceAllocator>, quota: Option<u64>) -> Setup {
+    let registry = BindingRegistry::new();
+    let context = registry.register_provider_context(DEV, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(DEV, Arc::new("tenant-a")).unwrap();
+    let governor = Governor::new();
+    governor.set_device_limit(DEV, 1 << 30).unwrap();
+    let mut config = AccountConfig::new(DEV, authority).with_label("tenant-a");
+    if let Some(quota) = quota {
+        config = config.with_quota(quota);
+    }
+    governor.open_account(config).unwrap();
+    let traced = recorder.trace(&governor, governor.govern(inner, authority).unwrap());
+    registry.register_allocator(&context, &authority, Arc::new(traced)).unwrap();
+    let binding = registry.bind(DEV).unwrap();
+    Setup { registry, governor, context, binding }
+}
+
+#[test]
+fn every_call_through_the_registry_is_recorded_with_identity_tenant_role_and_caller() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), Some(64 << 20));
+    std::thread::Builder::new()
+        .name("engine-0".into())
+        .spawn({
+            let binding = s.binding.clone();
+            move || {
+                let kv = with_caller_tag(42, || binding.allocate(request(10_000, MemoryRole::KvCache))).unwrap();
+                let weights = binding.allocate(request(1 << 20, MemoryRole::Weights)).unwrap();
+                let _tag = set_caller_tag(43);
+                binding.release(kv).unwrap();
+                binding.release(weights).unwrap();
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    let trace = finish(recorder, &bytes);
+    assert_eq!(trace.version, (memory_trace::MAJOR, memory_trace::MINOR));
+    assert_eq!(trace.end.map(|end| (end.events, end.dropped)), Some((4, 0)));
+    let tenant = &trace.tenants[0];
+    assert_eq!((tenant.label.as_str(), tenant.device, tenant.quota), ("tenant-a", DEV, Some(64 << 20)));
+    assert_eq!(tenant.device_limit, Some(1 << 30));
+    assert!(tenant.allocator.contains("system"), "{}", tenant.allocator);
+    assert!(tenant.authority.starts_with("auth:"), "{}", tenant.authority);
+    let kinds: Vec<&str> = trace.events.iter().map(|event| event.kind_name()).collect();
+    assert_eq!(kinds, ["allocate", "allocate", "release", "release"]);
+    let thread = trace.events[0].thread;
+    assert_eq!(trace.thread_name(thread), Some("engine-0"));
+    assert!(
+        trace.events.iter().all(|event| event.thread == thread && event.tenant == tenant.id && event.device == DEV)
+    );
+    assert!(trace.events.windows(2).all(|pair| pair[0].ts_ns <= pair[1].ts_ns), "monotonic");
+    let What::Allocate(kv) = &trace.events[0].what else { panic!() };
+    assert_eq!((kv.requested, kv.bytes, kv.align, kv.caller), (10_000, 10_000, 256, 42));
+    assert_eq!(trace.events[0].role, Some(MemoryRole::KvCache));
+    let What::Allocate(weights) = &trace.events[1].what else { panic!() };
+    assert_eq!((weights.bytes, weights.caller), (1 << 20, 0));
+    assert_eq!(trace.events[1].role, Some(MemoryRole::Weights));
+    let What::Release { block, outcome, residual } = &trace.events[2].what else { panic!() };
+    assert_eq!((block.id, block.address, block.caller), (kv.id, kv.address, 43), "the same block, by identity");
+    assert_eq!((*outcome, *residual), (ReleaseKind::Complete, 0));
+    assert_ne!(kv.id, weights.id, "live blocks have distinct ids");
+    drop(s);
+}
+
+#[test]
+fn a_quota_refusal_carries_its_scope_and_footprint() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), Some(1 << 20));
+    let held = s.binding.allocate(request(768 << 10, MemoryRole::Weights)).unwrap();
+    let refused = s.binding.allocate(request(512 << 10, MemoryRole::KvCache)).unwrap_err();
+    assert!(refused.to_string().contains("authority quota"), "{refused}");
+    s.binding.release(held).unwrap();
+    let trace = finish(recorder, &bytes);
+    let What::Refusal(refusal) = &trace.events[1].what else { panic!("{:?}", trace.events[1]) };
+    assert_eq!(trace.events[1].role, Some(MemoryRole::KvCache));
+    assert_eq!((refusal.kind, refusal.scope), (RefusalKind::Exhausted, Some(Scope::Authority)));
+    assert_eq!((refusal.requested, refusal.limit, refusal.used), (512 << 10, 1 << 20, 768 << 10));
+    assert_eq!((refusal.device_allocated, refusal.tenant_allocated), (768 << 10, 768 << 10));
+    assert!(refusal.to_string().contains("authority quota"), "{refusal}");
+}
+
+/// An allocator that is always out of cache room: the governor's recovery ladder runs
+/// (trim, reclaim) and refuses with the reserved scope.
+struct FullCache;
+
+impl DeviceAllocator for FullCache {
+    fn device(&self) -> DeviceKey {
+        DEV
+    }
+
+    fn name(&self) -> &str {
+        "full-cache"
+    }
+
+    fn allocate(&self, _request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        Err(AllocError::AdmissionRefused { device: DEV, detail: "the cache's backing is at the device limit".into() })
+    }
+
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::failed(
+            allocation,
+            ReleaseError::NotOwned { allocator: "full-cache".into(), device: DEV, address: 0 },
+        )
+    }
+}
+
+#[test]
+fn a_recovery_ladder_refusal_is_recorded_with_the_reserved_scope_and_what_trimming_gave_back() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let s = setup(&recorder, Arc::new(FullCache), None);
+    let refused = s.binding.allocate(request(4096, MemoryRole::Activations)).unwrap_err();
+    assert!(refused.to_string().contains("reserved"), "{refused}");
+    let trace = finish(recorder, &bytes);
+    let What::Refusal(refusal) = &trace.events[0].what else { panic!("{:?}", trace.events) };
+    assert_eq!((refusal.kind, refusal.scope), (RefusalKind::Exhausted, Some(Scope::Reserved)));
+    assert_eq!(refusal.trimmed, Some(0), "the ladder's first rung ran");
+    drop(s);
+}
+
+#[test]
+fn an_allocator_failure_below_the_governor_is_recorded_as_a_failure() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(&recorder, Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, None);
+    faulty.fail_nth(memory_testkit::Callback::Allocate, 1);
+    assert!(s.binding.allocate(request(4096, MemoryRole::Staging)).is_err());
+    let trace = finish(recorder, &bytes);
+    let What::Failure { requested, error, .. } = &trace.events[0].what else { panic!("{:?}", trace.events) };
+    assert_eq!((*requested, *error), (4096, FailureKind::Backend));
+}
+
+#[test]
+fn a_quarantine_its_retry_and_a_device_loss_with_termination_are_recorded() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let faulty = Arc::new(FaultyAllocator::new(HostHeap::on_device(DEV)));
+    let s = setup(&recorder, Arc::clone(&faulty) as Arc<dyn DeviceAllocator>, None);
+    let quarantined = s.binding.allocate(request(8192, MemoryRole::KvCache)).unwrap();
+    let lost = s.binding.allocate(request(4096, MemoryRole::Weights)).unwrap();
+    faulty.quarantine_nth_release(1, 2048, 6144);
+    s.binding.release(quarantined).unwrap();
+    s.registry.invalidate_device(DEV, "xid 79");
+    recorder.mark(DEV, MarkKind::DeviceLost, "xid 79");
+    s.registry.confirm_context_terminated(&s.context).unwrap();
+    drop(lost);
+    let trace = finish(recorder, &bytes);
+    let kinds: Vec<&str> = trace.events.iter().map(|event| event.kind_name()).collect();
+    assert_eq!(kinds, ["allocate", "allocate", "release", "mark", "lost", "lost", "mark"], "{:#?}", trace.events);
+    let What::Release { outcome, residual, .. } = &trace.events[2].what else { panic!() };
+    assert_eq!((*outcome, *residual), (ReleaseKind::Quarantined, 6144));
+    let What::Mark { kind, label, .. } = &trace.events[3].what else { panic!() };
+    assert_eq!((*kind, label.as_str()), (MarkKind::DeviceLost, "xid 79"));
+    let What::Mark { kind, value, .. } = &trace.events[6].what else { panic!() };
+    assert_eq!((*kind, *value), (MarkKind::Terminated, 2));
+    drop(s.governor);
+}
+
+#[test]
+fn many_threads_record_every_event_whole_through_small_rings() {
+    const THREADS: usize = 4;
+    const PAIRS: usize = 5_000;
+    // 64-word rings hold 7 allocation events: threads wait for the writer all the time.
+    let config = RecorderConfig::default().with_ring_words(64);
+    let (recorder, bytes) = recorder(config);
+    let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let binding = s.binding.clone();
+            scope.spawn(move || {
+                for i in 0..PAIRS {
+                    let block = binding.allocate(request(64 + i % 512, MemoryRole::ALL[t % 6])).unwrap();
+                    binding.release(block).unwrap();
+                }
+            });
+        }
+    });
+    let summary_bytes = bytes.lock().unwrap().len();
+    assert!(summary_bytes > 0);
+    let trace = finish(recorder, &bytes);
+    assert_eq!(trace.events.len(), THREADS * PAIRS * 2, "every event, none dropped");
+    assert_eq!(trace.end.unwrap().events, (THREADS * PAIRS * 2) as u64);
+    // Per thread, the events are in program order: allocate, release, allocate, ...
+    let mut by_thread: HashMap<u32, Vec<&memory_trace::Event>> = HashMap::new();
+    for event in &trace.events {
+        by_thread.entry(event.thread).or_default().push(event);
+    }
+    assert_eq!(by_thread.len(), THREADS);
+    for events in by_thread.values() {
+        for (i, pair) in events.chunks(2).enumerate() {
+            let (What::Allocate(a), What::Release { block: r, .. }) = (&pair[0].what, &pair[1].what) else {
+                panic!("out of order: {pair:?}")
+            };
+            assert_eq!((a.id, a.address, a.requested), (r.id, r.address, (64 + i % 512) as u64));
+        }
+    }
+    drop(s);
+}
+
+#[test]
+fn events_after_finish_are_dropped_and_counted_not_written() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
+    let block = s.binding.allocate(request(128, MemoryRole::Other)).unwrap();
+    let summary = recorder.finish().unwrap();
+    assert_eq!((summary.events, summary.dropped), (1, 0));
+    s.binding.release(block).unwrap();
+    assert!(matches!(recorder.finish(), Err(memory_trace::RecordError::AlreadyFinished)));
+    let trace = read_trace(&bytes.lock().unwrap()[..]).unwrap();
+    assert_eq!(trace.events.len(), 1);
+}
+
+/// Ten million events from four threads record whole and read back (release build:
+/// `cargo test --release -p memory-trace --test record -- --ignored`; about ten seconds).
+#[test]
+#[ignore = "ten million events: run in release with --ignored"]
+fn ten_million_events_record_whole() {
+    const THREADS: usize = 4;
+    const PAIRS: usize = 1_250_000;
+    let path = std::env::temp_dir().join(format!("memory-trace-10m-{}.mtrace", std::process::id()));
+    let recorder = Recorder::create(&path).unwrap();
+    let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
+    let started = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..THREADS {
+            let binding = s.binding.clone();
+            scope.spawn(move || {
+                for i in 0..PAIRS {
+                    let block = binding.allocate(request(64 + i % 4096, MemoryRole::KvCache)).unwrap();
+                    binding.release(block).unwrap();
+                }
+            });
+        }
+    });
+    let recorded = started.elapsed();
+    let summary = recorder.finish().unwrap();
+    let size = std::fs::metadata(&path).unwrap().len();
+    let mut count = 0u64;
+    let trace =
+        memory_trace::scan_trace(std::io::BufReader::new(std::fs::File::open(&path).unwrap()), |_| count += 1).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    println!(
+        "10M events: recorded in {recorded:?}, {size} bytes, {} waits, read back {count}, damage {:?}",
+        summary.waits, trace.damage
+    );
+    assert_eq!((summary.events, count, summary.dropped), (10_000_000, 10_000_000, 0));
+    assert!(trace.damage.is_none());
+    drop(s);
+}
