@@ -39,7 +39,12 @@ pub(crate) fn is_demo_ort(demo: &flags::Demo) -> bool {
 }
 
 /// The steps of `cargo xtask bench --ort`: fetch, then the ort-bench binary (release),
-/// which runs every (model, configuration) in its own process and prints the table.
+/// which runs every (model, configuration) in its own process and prints the table,
+/// then the multi-session case (N = 2 and 4 sessions of one tenant, two models each, on
+/// threads at once: one governed pool over `Governor::cache_backing` shared by all of
+/// them vs an ONNX Runtime arena per model) and its table. Arguments after `--` go to
+/// the binary (`--rounds N`, `--sessions 2,4` or `0` to skip the multi-session case,
+/// `--multi-rounds N`, `--multi-requests N`, and the others its docs list).
 pub(crate) fn bench_steps(flags: &flags::Bench) -> Vec<Step> {
     let mut args: Vec<String> =
         ["run", "--release", "-q", "--locked", "-p", "memory-benches", "--bin", "ort-bench", "--"]
@@ -79,6 +84,14 @@ mod tests {
         let line = steps[1].cmd.to_string();
         assert!(line.contains("--release") && line.contains("--bin ort-bench -- --rounds 2"), "{line}");
         assert_eq!(steps[1].cmd.env_value(REQUIRED_ENV), Some("1"));
+    }
+
+    #[test]
+    fn bench_ort_forwards_the_multi_session_flags() {
+        let args = ["--sessions", "2,4", "--multi-rounds", "1", "--multi-requests", "6"].map(String::from).to_vec();
+        let steps = bench_steps(&flags::Bench { ort: true, criterion_args: args, ..Default::default() });
+        let line = steps[1].cmd.to_string();
+        assert!(line.ends_with("--bin ort-bench -- --sessions 2,4 --multi-rounds 1 --multi-requests 6"), "{line}");
     }
 
     #[test]
