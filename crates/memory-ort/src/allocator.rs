@@ -181,6 +181,7 @@ impl fmt::Debug for GovernedOrtAllocator {
 
 impl Drop for Core {
     fn drop(&mut self) {
+        self.release_runtime_lease();
         if self.is_session() {
             tracing::debug!(binding = %self.blocks.binding().identity(), "a session's ort allocator table released");
             return;

@@ -15,7 +15,7 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use memory_governor::{
     Account, AllocationRequest, BoundAllocation, DeferredReleaseQueue, HandleError, MemoryBinding, MemoryRole,
-    OverdraftDraw, ReleaseSummary,
+    OverdraftDraw, OwnedLease, ReleaseSummary, Tier,
 };
 
 use crate::caller::{Caller, Phase};
@@ -105,11 +105,16 @@ pub struct OrtAllocatorStats {
     /// Refused run-time requests past the overdraft limit, served from the scratch sink
     /// (no memory of their own; their runs were stopped).
     pub sink_blocks: u64,
+    /// ONNX Runtime's own memory for the session(s), measured at commit and booked to
+    /// the reserve role now (`RuntimeHeld`; see
+    /// [`OrtAllocatorConfig::charge_runtime_memory`](crate::OrtAllocatorConfig::charge_runtime_memory)).
+    /// Not part of `in_use`: no block of the adapter holds it.
+    pub runtime_held: u64,
 }
 
 impl OrtAllocatorStats {
     /// The figures as ONNX Runtime's `GetStats` key/value pairs.
-    pub fn key_values(&self) -> [(&'static str, u64); 15] {
+    pub fn key_values(&self) -> [(&'static str, u64); 16] {
         [
             ("Limit", self.limit),
             ("InUse", self.in_use),
@@ -126,6 +131,7 @@ impl OrtAllocatorStats {
             ("OverdraftBytes", self.overdraft_bytes),
             ("OverdraftInUse", self.overdraft_in_use),
             ("NumSinkBlocks", self.sink_blocks),
+            ("RuntimeHeld", self.runtime_held),
         ]
     }
 }
@@ -147,6 +153,7 @@ pub(crate) struct Counters {
     overdraft_bytes: AtomicU64,
     overdraft_in_use: AtomicU64,
     sink_blocks: AtomicU64,
+    runtime_held: AtomicU64,
 }
 
 impl Counters {
@@ -190,6 +197,7 @@ impl Counters {
             overdraft_bytes: load(&self.overdraft_bytes),
             overdraft_in_use: load(&self.overdraft_in_use),
             sink_blocks: load(&self.sink_blocks),
+            runtime_held: load(&self.runtime_held),
         }
     }
 }
@@ -453,6 +461,41 @@ impl GovernedBlocks {
         let message = format!("{size} bytes of {role} on {}: {reason}", self.binding.device());
         *self.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(message.clone());
         message
+    }
+
+    /// Books `bytes` of ONNX Runtime's own memory for the session behind `caller` (see
+    /// [`OrtAllocatorConfig::charge_runtime_memory`]) to the reserve role: a lease the
+    /// session's table keeps for as long as ONNX Runtime keeps the session. `None` when
+    /// there is nothing to book: no bytes, no account, or a binding that is not host
+    /// memory (the measure is of the host heap).
+    ///
+    /// # Errors
+    /// The governor's refusal, recorded like a refused block's (counted, logged, kept for
+    /// [`GovernedBlocks::last_refusal`]).
+    pub(crate) fn book_runtime(&self, caller: &Caller, bytes: u64) -> Result<Option<OwnedLease>, String> {
+        let Some(account) = self.account.as_ref() else {
+            tracing::debug!(bytes, "no account to book onnx runtime's own memory to");
+            return Ok(None);
+        };
+        if bytes == 0 || self.binding.device().tier() != Tier::Host {
+            return Ok(None);
+        }
+        let role = self.config.role_of_reserve();
+        let lease = account.lease_owned(role, bytes).map_err(|refused| {
+            let size = usize::try_from(bytes).unwrap_or(usize::MAX);
+            self.refuse(caller, size, role, &format!("onnx runtime's own memory for the session: {refused}"))
+        })?;
+        both(&self.counters, &caller.counters, |counters| {
+            counters.runtime_held.fetch_add(bytes, Ordering::Relaxed);
+        });
+        tracing::debug!(bytes, %role, "onnx runtime's own memory for the session booked");
+        Ok(Some(lease))
+    }
+
+    /// The booking of [`GovernedBlocks::book_runtime`] went back (its session's table is
+    /// gone).
+    pub(crate) fn runtime_released(&self, bytes: u64) {
+        self.counters.runtime_held.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     /// The reason of the latest refusal.

@@ -11,6 +11,7 @@
 //! sessions in one process each use their own. The environment never holds the
 //! pointer outside that window, so nothing outlives its owner there.
 
+use std::mem::ManuallyDrop;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -32,7 +33,9 @@ use crate::ffi::{self, Core};
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
 /// Serialises register-create-unregister windows: the environment is per process, and
-/// one allocator per memory info can be registered at a time.
+/// one allocator per memory info can be registered at a time. A governed session is
+/// released under it too, so ONNX Runtime freeing one session's memory does not show in
+/// the heap measure of another's commit.
 static REGISTRATION: Mutex<()> = Mutex::new(());
 
 /// ONNX Runtime's environment (one per process), through which governed sessions are
@@ -113,14 +116,19 @@ impl OrtEnvironment {
     }
 
     /// Commits a session from a model file whose CPU (or CUDA) memory all comes from
-    /// `allocator`. Weight prepacking follows [`OrtAllocatorConfig::prepacking`](crate::OrtAllocatorConfig::prepacking)
-    /// (off by default, so every weight byte is booked). The builder's logger is replaced by one that forwards ONNX Runtime's
-    /// session log to `tracing` (target `memory_ort::onnxruntime`); it also keeps the
-    /// allocator alive for as long as ONNX Runtime keeps the session.
+    /// `allocator`, and books what ONNX Runtime keeps of its own for it (measured across
+    /// the commit; see the crate docs and
+    /// [`OrtAllocatorConfig::charge_runtime_memory`](crate::OrtAllocatorConfig::charge_runtime_memory)).
+    /// Weight prepacking follows [`OrtAllocatorConfig::prepacking`](crate::OrtAllocatorConfig::prepacking)
+    /// (on by default, as in a stock session). The builder's logger is replaced by one
+    /// that forwards ONNX Runtime's session log to `tracing` (target
+    /// `memory_ort::onnxruntime`); it also keeps the allocator alive for as long as ONNX
+    /// Runtime keeps the session.
     ///
     /// # Errors
     /// [`OrtAdapterError::Refused`] when session creation failed because the governor
-    /// refused memory (its reason included), [`OrtAdapterError::Runtime`] for other
+    /// refused memory, a block or ONNX Runtime's own memory for the session (its reason
+    /// included; the session is released), [`OrtAdapterError::Runtime`] for other
     /// ONNX Runtime errors, [`OrtAdapterError::Registration`] when the allocator could
     /// not be registered.
     pub fn commit_from_file(
@@ -169,8 +177,9 @@ impl OrtEnvironment {
                 // The closure owns a count of the session's core: ONNX Runtime keeps the
                 // session's logger until the session is released, so the table outlives
                 // every call the session can make.
+                // What a subscriber keeps of the event is the adapter's, not ONNX Runtime's.
                 let _owner = &keep_alive;
-                forward_log(level, category, id, location, message);
+                crate::heap::own_work(|| forward_log(level, category, id, location, message));
             }))
             .map_err(|err| runtime("set the session logger", &err))?;
         let (created, refusal) = {
@@ -180,18 +189,27 @@ impl OrtEnvironment {
             // environment must never keep the table of a core that is gone.
             let window = CommitWindow { environment: self, core: &core };
             core.caller.begin(Phase::Committing, None);
+            let measure = crate::heap::Measure::start();
             let created = create(&mut builder);
+            let runtime_held = measure.grown().map(runtime_memory);
             let refusal = core.caller.end();
             drop(window);
-            (created, refusal)
+            (created.map(|session| (session, runtime_held)), refusal)
         };
         drop(builder);
         match created {
-            Ok(session) => {
+            Ok((session, runtime_held)) => {
+                if allocator.config().charges_runtime_memory()
+                    && let Err(refused) = self.book_runtime_memory(allocator, &core, serial, runtime_held)
+                {
+                    // ONNX Runtime frees what it kept; the table goes with the last block.
+                    drop(session);
+                    return Err(refused);
+                }
                 let run_options = RunOptions::new().map_err(|err| runtime("create the session's run options", &err))?;
                 tracing::info!(binding = %allocator.binding().identity(), serial, "governed ort session committed");
                 Ok(GovernedSession {
-                    session,
+                    session: ManuallyDrop::new(session),
                     run_options,
                     allocator: allocator.clone(),
                     core,
@@ -200,6 +218,37 @@ impl OrtEnvironment {
                 })
             }
             Err(err) => Err(explain(refusal, "create the session", &err.to_string())),
+        }
+    }
+
+    /// Books what ONNX Runtime kept of its own for the session (`None`: not measurable
+    /// here) to the reserve role, for as long as `core` lives.
+    fn book_runtime_memory(
+        &self,
+        allocator: &GovernedOrtAllocator,
+        core: &Core,
+        serial: u64,
+        runtime_held: Option<u64>,
+    ) -> Result<(), OrtAdapterError> {
+        let Some(bytes) = runtime_held else {
+            tracing::warn!(serial, "onnx runtime's own memory for the session cannot be measured here; none is booked");
+            return Ok(());
+        };
+        match allocator.core.blocks.book_runtime(&core.caller, bytes) {
+            Ok(Some(lease)) => {
+                tracing::debug!(serial, bytes, "onnx runtime's own memory for the session measured and booked");
+                core.keep_runtime_lease(lease);
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(reason) => Err(OrtAdapterError::Refused {
+                action: "create the session",
+                reason,
+                runtime: format!(
+                    "the session was created, but the {bytes} bytes ONNX Runtime holds of its own for it (measured at \
+                     commit) could not be booked; it was released"
+                ),
+            }),
         }
     }
 
@@ -232,6 +281,24 @@ impl OrtEnvironment {
     }
 }
 
+/// What ONNX Runtime kept of its own across a commit, from the C heap's growth less the
+/// adapter's own part of it: that growth plus the most that glibc's per-thread cache can
+/// hide of it (see [`crate::heap::THREAD_CACHE_BOUND`]), so the figure is not below what
+/// ONNX Runtime holds when nothing else in the process allocates or frees meanwhile.
+fn runtime_memory(grown: i64) -> u64 {
+    match u64::try_from(grown) {
+        Ok(0) | Err(_) => {
+            tracing::warn!(
+                grown,
+                "the C heap shows no growth of onnx runtime's across the commit (other threads freed meanwhile, or \
+                 malloc is not glibc's); none is booked"
+            );
+            0
+        }
+        Ok(grown) => grown.saturating_add(crate::heap::THREAD_CACHE_BOUND),
+    }
+}
+
 /// A session whose memory comes from a [`GovernedOrtAllocator`], through a table of
 /// its own: every allocation ONNX Runtime makes for it, on any of its threads (intra-op,
 /// inter-op, a global pool), is charged to the tenant and counted in the session's
@@ -240,7 +307,8 @@ impl OrtEnvironment {
 /// [`run_binding`](GovernedSession::run_binding)): a refusal during the run stops it at
 /// the next kernel boundary and the error carries the governor's reason.
 pub struct GovernedSession {
-    session: Session,
+    /// Released in `Drop`, under the commit lock.
+    session: ManuallyDrop<Session>,
     run_options: RunOptions,
     allocator: GovernedOrtAllocator,
     core: Arc<Core>,
@@ -294,6 +362,20 @@ impl std::fmt::Debug for GovernedSession {
             .field("session", &self.session)
             .field("stats", &self.stats())
             .finish()
+    }
+}
+
+impl Drop for GovernedSession {
+    fn drop(&mut self) {
+        // ONNX Runtime frees the session's own memory as it releases it (unless an output
+        // still holds it): not while another commit measures the heap.
+        let _window = REGISTRATION.lock().unwrap_or_else(PoisonError::into_inner);
+        #[allow(unsafe_code)]
+        // SAFETY: the session is dropped exactly once, here, and nothing uses it after
+        // (this is the last thing done with `self.session`).
+        unsafe {
+            ManuallyDrop::drop(&mut self.session)
+        };
     }
 }
 
@@ -465,7 +547,7 @@ impl GovernedSession {
 /// ONNX Runtime will not ask for again.
 fn trim_after(core: &Core, serial: u64, new_shape: bool) {
     if new_shape {
-        let returned = core.blocks.trim();
+        let returned = crate::heap::own_work(|| core.blocks.trim());
         tracing::debug!(serial, returned, "first run of new input shapes: allocator cache trimmed");
     }
 }

@@ -35,11 +35,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use memory_governor::CallerHold;
+use memory_governor::{CallerHold, OwnedLease};
 use ort::sys::{OrtAllocator, OrtErrorCode, OrtKeyValuePairs, OrtMemoryInfo, OrtStatus, OrtStatusPtr};
 
 use crate::blocks::{Freed, GovernedBlocks, OrtAllocatorStats, RequestKind};
 use crate::caller::Caller;
+use crate::heap::own_work;
 
 /// An `OrtMemoryInfo` this crate created and releases.
 pub(crate) struct MemoryInfo(NonNull<OrtMemoryInfo>);
@@ -146,6 +147,9 @@ pub(crate) struct Core {
     /// The base core's live blocks and, while there are any, its hold on the provider
     /// context (blocks handed out through the handle's own table can call `Free` too).
     base_blocks: Mutex<(usize, Option<CallerHold>)>,
+    /// A session core's booking of ONNX Runtime's own memory for the session, refunded
+    /// when the core goes (ONNX Runtime released the session and every block of it).
+    runtime_lease: Mutex<Option<OwnedLease>>,
 }
 
 // SAFETY: the table holds only a version number and function pointers, written once
@@ -190,7 +194,34 @@ impl Core {
         table.AllocOnStream = None;
         table.Shrink = Some(shrink);
         let base_blocks = Mutex::new((0, None));
-        Arc::new(Core { table, info, blocks, caller: Caller::default(), base, _hold: hold, base_blocks })
+        Arc::new(Core {
+            table,
+            info,
+            blocks,
+            caller: Caller::default(),
+            base,
+            _hold: hold,
+            base_blocks,
+            runtime_lease: Mutex::new(None),
+        })
+    }
+
+    /// Keeps the booking of ONNX Runtime's own memory for this session until the core
+    /// goes.
+    pub(crate) fn keep_runtime_lease(&self, lease: OwnedLease) {
+        let previous = self.runtime_lease.lock().unwrap_or_else(PoisonError::into_inner).replace(lease);
+        if let Some(previous) = previous {
+            self.blocks.runtime_released(previous.bytes());
+        }
+    }
+
+    /// Gives the booking back (the core is going).
+    pub(crate) fn release_runtime_lease(&self) {
+        let lease = self.runtime_lease.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(lease) = lease {
+            self.blocks.runtime_released(lease.bytes());
+            tracing::debug!(bytes = lease.bytes(), "onnx runtime's own memory for the session refunded");
+        }
     }
 
     /// A block left through the base table: the first one takes a hold.
@@ -262,7 +293,9 @@ unsafe fn allocate_entry(this: *const OrtAllocator, size: usize, kind: RequestKi
     // SAFETY: forwarded contract.
     let core = unsafe { core(this) };
     let origin = this.addr();
-    match catch_unwind(AssertUnwindSafe(|| core.blocks.allocate(&core.caller, origin, size, kind))) {
+    let allocated =
+        catch_unwind(AssertUnwindSafe(|| own_work(|| core.blocks.allocate(&core.caller, origin, size, kind))));
+    match allocated {
         Ok(Some(address)) => {
             // SAFETY: `this` is a live Arc<Core>'s pointer (contract); the count taken here
             // is given back by `free` of this block, through whichever table it comes.
@@ -298,10 +331,12 @@ unsafe extern "system" fn free(this: *mut OrtAllocator, p: *mut c_void) {
     let core = unsafe { core(this) };
     let address = p.expose_provenance();
     let freed = catch_unwind(AssertUnwindSafe(|| {
-        core.blocks.free(&core.caller, address, |origin| {
-            // SAFETY: `origin` is the address of the core whose table handed the block
-            // out; the block holds a strong count of it until the decrement below.
-            unsafe { &core_at(origin).caller }
+        own_work(|| {
+            core.blocks.free(&core.caller, address, |origin| {
+                // SAFETY: `origin` is the address of the core whose table handed the block
+                // out; the block holds a strong count of it until the decrement below.
+                unsafe { &core_at(origin).caller }
+            })
         })
     }));
     match freed {
@@ -390,7 +425,7 @@ unsafe extern "system" fn shrink(this: *mut OrtAllocator) -> OrtStatusPtr {
     }
     // SAFETY: as `alloc`.
     let core = unsafe { core(this) };
-    match catch_unwind(AssertUnwindSafe(|| core.blocks.trim())) {
+    match catch_unwind(AssertUnwindSafe(|| own_work(|| core.blocks.trim()))) {
         Ok(bytes) => {
             tracing::debug!(bytes, "ort allocator shrunk: cached memory returned");
             OrtStatusPtr(ptr::null_mut::<OrtStatus>())

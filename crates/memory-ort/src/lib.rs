@@ -42,19 +42,55 @@
 //! The run fails, its outputs are discarded, and both are freed as it unwinds. A refusal
 //! outside a commit or run (through the handle's own table) is answered with null.
 //!
-//! # Known gaps
-//! - **Initializers with the memory pattern off.** With the sequential executor ONNX
-//!   Runtime copies the initializers into one planned block reserved through the
-//!   adapter (charged as weights). The parallel executor turns the memory pattern off,
-//!   and ONNX Runtime 1.31 then keeps the large initializers in the buffers it loaded the
-//!   model into, with its own allocator: for PP-OCRv4 detection 4.5 MiB of weights are
-//!   not charged (2.2 KiB are). Run memory is governed in every mode.
-//! - **Prepacking** is off by default ([`OrtAllocatorConfig::prepacking`]): ONNX Runtime
-//!   allocates prepacked weight copies with its own allocator, so with it on those bytes
-//!   escape the books (measured at commit: Silero VAD 3.27 MB of weights charged without
-//!   prepacking, 1.05 MB with; PP-OCRv4 detection 4.73 MB without, 11.8 KB with).
+//! # ONNX Runtime's own memory
+//! ONNX Runtime keeps part of every session in allocations of its own that no
+//! `OrtAllocator` sees: the graph with its initializer buffers, the kernels, and what a
+//! kernel packs with its own allocator. With ONNX Runtime 1.31 on the CPU execution
+//! provider this is most of a session's weights in *every* mode: prepacked kernels and
+//! the parallel executor read the initializers from the graph's buffers, and without
+//! prepacking the session copies them into blocks of the adapter as well (a second
+//! copy; prepacking is therefore on by default, as in a stock session, and holds less:
+//! [`OrtAllocatorConfig::prepacking`]). An allocation tracer (`LD_PRELOAD`, every
+//! `malloc`, `posix_memalign`, `operator new` and `mmap` by caller) showed ONNX
+//! Runtime's own live allocations after a commit the same with prepacking on and off
+//! (Silero VAD 8.53 MB, PP-OCRv4 detection 6.95 MB): prepacking adds nothing outside
+//! the adapter, it drops the adapter's copy. ONNX Runtime offers no way to hand these
+//! allocations an allocator: `PrepackedWeightsContainer::GetOrCreateAllocator` (the
+//! container behind `CreateSessionWithPrepackedWeightsContainer`) makes a plain
+//! `CPUAllocator` of its own, and the session options have no key for it.
 //!
-//! # Correctness
+//! So a commit measures them and books them ([`OrtAllocatorConfig::charge_runtime_memory`],
+//! on for the CPU allocator): the C heap's growth across the commit (glibc's
+//! `mallinfo2`, every arena), less what the adapter's own work grew it by on any thread
+//! meanwhile (its blocks, their bookkeeping, trims, log events), plus 234.5 KiB, the most
+//! glibc's per-thread cache can hide of the growth. The figure is charged to the
+//! reserve role (weights) as a lease the session's table holds until ONNX Runtime
+//! releases the session; a quota too small for it fails the commit with the governor's
+//! reason ([`OrtAdapterError::Refused`]) and the session is released. It is reported as
+//! [`OrtAllocatorStats::runtime_held`] (`RuntimeHeld` in `GetStats`), beside `in_use`.
+//! `tests/prepacking.rs` checks, in both executors, that it is at least what a stock
+//! session of the model takes from the heap and what the governed commit took.
+//!
+//! How exact it is:
+//! - **Other threads.** The heap figure is the process's. Governed commits are
+//!   serialized, a governed session is released under the same lock, and the adapter's
+//!   own work on every thread is taken out; what else allocates or frees C heap during
+//!   a commit (the application's threads, sessions without the adapter, outputs
+//!   releasing a session late) is booked to the commit, or taken from it (a figure
+//!   that would be negative books nothing, with a `warn` event).
+//! - **Overhead included.** The figure is heap in use, so glibc's chunk headers
+//!   (about 0.4 MB on PP-OCRv4 detection's 27 000 small allocations) are booked too.
+//! - **Once per process.** The first commit also books what ONNX Runtime sets up once
+//!   per process and keeps after that session (about 1.4 MB), for that session's life.
+//! - **Not heap.** Thread stacks of per-session thread pools and file mappings of
+//!   external initializers are not in the figure; nor is heap ONNX Runtime allocates
+//!   after the commit (a few KB per run shape).
+//! - **Where it cannot measure**: without glibc's `mallinfo2` (another C library, glibc
+//!   before 2.33) nothing is booked (a `warn` event says so); with `malloc` replaced by an
+//!   allocator glibc does not see, the growth reads zero. The CUDA allocator does not
+//!   book it ([`OrtAllocatorConfig::cuda`]): the figure is host memory.
+//!
+//! //! # Correctness
 //! - **Lifetimes across the boundary.** ONNX Runtime never says when it stops calling
 //!   an allocator. The table lives in a reference-counted core held by every handle,
 //!   by every session made with it (through the session's logger, which ONNX Runtime
@@ -78,7 +114,9 @@
 //!   confirmed terminated, once no session holds it.
 //! - **Unsafe code** is confined to `ffi.rs` (the table, memory info, status
 //!   handling), `caller.rs` (setting a run's terminate flag), `sink.rs` (the fixed
-//!   mappings) and the two environment calls; every block says why it is sound.
+//!   mappings), `heap.rs` (looking up and calling glibc's `mallinfo2`), the two
+//!   environment calls and a session's release under the commit lock; every block says
+//!   why it is sound.
 //!
 //! # Quickstart
 //! ```no_run
@@ -118,6 +156,8 @@ mod environment;
 mod error;
 #[allow(unsafe_code)]
 mod ffi;
+#[allow(unsafe_code)]
+mod heap;
 #[allow(unsafe_code)]
 mod sink;
 pub mod workloads;

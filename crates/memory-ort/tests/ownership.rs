@@ -94,7 +94,8 @@ fn get_stats_through_the_c_table_reports_limit_use_totals_peak_and_counts() {
     let stats = allocator.stats();
     assert_eq!(read("Limit"), 64 << 20);
     assert_eq!(read("InUse"), stats.in_use);
-    assert_eq!(read("InUse"), tenant.charged_total(), "in use equals the governor's books");
+    assert_eq!(read("RuntimeHeld"), stats.runtime_held);
+    assert_eq!(read("InUse") + read("RuntimeHeld"), tenant.charged_total(), "blocks and onnx runtime's own, booked");
     assert_eq!(read("TotalAllocated"), stats.total_allocated);
     assert!(read("MaxInUse") >= read("InUse"));
     assert!(read("NumAllocs") > 0 && read("NumReserves") > 0);

@@ -1,0 +1,150 @@
+//! The C heap the process holds, read from the C library's allocator: how ONNX
+//! Runtime's own memory for a session is measured (see the crate docs, "ONNX Runtime's
+//! own memory").
+//!
+//! ONNX Runtime keeps part of a session's memory in allocations of its own (the graph
+//! and its initializer buffers, kernels, prepacked weights where a kernel packs with its
+//! own allocator), which no `OrtAllocator` sees. They all come from the C heap
+//! (`malloc`, `posix_memalign`, C++ `operator new`), so the heap's growth across the
+//! commit, less what the adapter's own work grew it by, is what ONNX Runtime kept.
+//!
+//! glibc reports its heap with `mallinfo2` (since 2.33): bytes in use in every arena
+//! (`uordblks`) and in chunks mapped on their own (`hblkhd`). The symbol is looked up
+//! at run time, so the crate still loads on an older glibc and on other C libraries;
+//! there, and where `malloc` is replaced by another allocator that glibc does not see,
+//! no measure is available and [`in_use`] answers `None` (or shows no growth).
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+
+/// Bytes of the C heap in use now (every thread's), or `None` when the C library
+/// gives no such figure.
+pub(crate) fn in_use() -> Option<u64> {
+    imp::in_use()
+}
+
+/// Measures in progress (commits are serialized, so at most one).
+static MEASURING: AtomicUsize = AtomicUsize::new(0);
+
+/// What the adapter's own work grew the C heap by while a measure was in progress, on
+/// any thread: blocks of every session (when their backing allocates from the heap),
+/// their bookkeeping, trimmed caches, log events.
+static OWN_GROWTH: AtomicI64 = AtomicI64::new(0);
+
+/// Runs `work` of the adapter's own; while a commit is being measured, what it grew
+/// the C heap by is kept apart from ONNX Runtime's growth. One atomic load otherwise.
+pub(crate) fn own_work<R>(work: impl FnOnce() -> R) -> R {
+    if MEASURING.load(Ordering::Acquire) == 0 {
+        return work();
+    }
+    let before = in_use();
+    let result = work();
+    if let (Some(before), Some(after)) = (before, in_use()) {
+        OWN_GROWTH.fetch_add(signed(after).saturating_sub(signed(before)), Ordering::Relaxed);
+    }
+    result
+}
+
+fn signed(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+/// The C heap's growth across a commit, less the adapter's own (see [`own_work`]).
+/// Ends when dropped, also if the commit unwinds.
+pub(crate) struct Measure {
+    start: Option<(u64, i64)>,
+}
+
+impl Measure {
+    /// Starts measuring (the caller holds the commit lock).
+    pub(crate) fn start() -> Measure {
+        MEASURING.fetch_add(1, Ordering::AcqRel);
+        let own = OWN_GROWTH.load(Ordering::Relaxed);
+        Measure { start: in_use().map(|heap| (heap, own)) }
+    }
+
+    /// How much the heap grew since the start, less the adapter's own part of it;
+    /// `None` when the C library gives no figure.
+    pub(crate) fn grown(self) -> Option<i64> {
+        let (heap, own) = self.start?;
+        let now = in_use()?;
+        let own = OWN_GROWTH.load(Ordering::Relaxed).saturating_sub(own);
+        Some(signed(now).saturating_sub(signed(heap)).saturating_sub(own))
+    }
+}
+
+impl Drop for Measure {
+    fn drop(&mut self) {
+        MEASURING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The most bytes glibc's per-thread cache (tcache) can keep of freed chunks: 7 chunks
+/// in each of its 64 size classes (32 to 1040 bytes), which `mallinfo2` counts as in
+/// use. A commit whose first small allocations are served from a cache filled before
+/// it shows at most this much less growth than ONNX Runtime made.
+pub(crate) const THREAD_CACHE_BOUND: u64 = 7 * (64 * 32 + 16 * (63 * 64 / 2));
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+mod imp {
+    use std::ffi::c_void;
+    use std::sync::OnceLock;
+
+    type Mallinfo2 = unsafe extern "C" fn() -> libc::mallinfo2;
+
+    static ENTRY: OnceLock<Option<Mallinfo2>> = OnceLock::new();
+
+    fn entry() -> Option<Mallinfo2> {
+        *ENTRY.get_or_init(|| {
+            // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only looks the
+            // symbol up in the objects already loaded.
+            let symbol: *mut c_void = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
+            if symbol.is_null() {
+                tracing::warn!("the C library has no mallinfo2: onnx runtime's own memory cannot be measured");
+                return None;
+            }
+            // SAFETY: glibc's `mallinfo2` is `struct mallinfo2 mallinfo2(void)` (malloc.h),
+            // which is what `libc::mallinfo2` lays out; the symbol lives as long as libc.
+            Some(unsafe { std::mem::transmute::<*mut c_void, Mallinfo2>(symbol) })
+        })
+    }
+
+    pub(super) fn in_use() -> Option<u64> {
+        let mallinfo2 = entry()?;
+        // SAFETY: `mallinfo2` takes nothing and only reads the allocator's state, under
+        // the allocator's own locks; it may be called from any thread.
+        let info = unsafe { mallinfo2() };
+        Some(info.uordblks.saturating_add(info.hblkhd) as u64)
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+mod imp {
+    pub(super) fn in_use() -> Option<u64> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_thread_cache_bound_is_seven_chunks_of_each_small_size() {
+        let by_hand: u64 = (0..64).map(|class| 7 * (32 + 16 * class)).sum();
+        assert_eq!(THREAD_CACHE_BOUND, by_hand);
+        assert_eq!(THREAD_CACHE_BOUND, 240_128);
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_large_allocation_shows_in_the_heap_and_leaves_it_when_freed() {
+        // Other tests of this binary allocate meanwhile: a block far larger than theirs.
+        let size = 64usize << 20;
+        let before = in_use().expect("glibc reports its heap");
+        let block = std::hint::black_box(vec![1u8; size]);
+        let held = in_use().unwrap();
+        assert!(held.saturating_sub(before) >= size as u64 / 2, "{before} -> {held}");
+        drop(block);
+        assert!(held.saturating_sub(in_use().unwrap()) >= size as u64 / 2);
+    }
+}
