@@ -74,6 +74,11 @@ pub(crate) enum Command {
     /// enables the demo's `cuda` feature; `--ort` first fetches ONNX Runtime and the real
     /// models (two tenants on Silero VAD and PP-OCRv4 through governed allocators).
     Demo(Demo),
+    /// Replays an allocation trace (recorded with memory_trace::Recorder) against allocator
+    /// stacks on a host-backed simulated device, the governor in front, and prints peak
+    /// allocated and reserved, fragmentation at the peak, refusals and latency side by side
+    /// (cargo run --release -p memory-trace -- replay ...).
+    Replay(Replay),
 }
 
 /// Flags of `cargo xtask test`.
@@ -216,6 +221,50 @@ pub(crate) struct Demo {
     pub(crate) args: Vec<String>,
 }
 
+/// The allocator stacks `cargo xtask replay` knows (memory-trace's `AllocatorKind`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ReplayAllocator {
+    /// The system allocator, no cache.
+    System,
+    /// A caching pool over a governed cache backing.
+    Pooled,
+    /// Reserve address space, commit each block whole.
+    Virtual,
+}
+
+impl ReplayAllocator {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            ReplayAllocator::System => "system",
+            ReplayAllocator::Pooled => "pooled",
+            ReplayAllocator::Virtual => "virtual",
+        }
+    }
+}
+
+/// Flags of `cargo xtask replay`.
+#[derive(Clone, Debug, PartialEq, Eq, Args)]
+pub(crate) struct Replay {
+    /// The trace (.mtrace), e.g. crates/memory-trace/traces/workload.mtrace.
+    #[arg(value_name = "TRACE", value_parser = non_empty_path)]
+    pub(crate) trace: PathBuf,
+    /// The allocator stack (default pooled).
+    #[arg(long, value_enum, value_name = "KIND")]
+    pub(crate) allocator: Option<ReplayAllocator>,
+    /// Every device's limit (default: the one recorded), e.g. 268435456 or 256MiB.
+    #[arg(long = "device-limit", value_name = "BYTES")]
+    pub(crate) device_limit: Option<String>,
+    /// Several stacks side by side, each optionally with its own limit: system,pooled@64MiB,virtual.
+    #[arg(long, value_name = "A,B,...")]
+    pub(crate) compare: Option<String>,
+    /// Tenants without the quotas recorded.
+    #[arg(long = "no-quotas")]
+    pub(crate) no_quotas: bool,
+    /// Also write one self-contained HTML page (timeline, largest allocations at the peak, refusals).
+    #[arg(long, value_name = "REPORT.html", value_parser = non_empty_path)]
+    pub(crate) html: Option<PathBuf>,
+}
+
 /// Why the command line was not run: a usage error, or a request for help (which
 /// clap has already formatted; [`FlagError::exit`] prints it the way clap would).
 pub(crate) type FlagError = clap::Error;
@@ -312,6 +361,38 @@ mod tests {
         assert_eq!(demo(&args), args);
         assert_eq!(demo(&[&["--"], &args[..]].concat()), args);
         assert!(demo(&[]).is_empty());
+    }
+
+    #[test]
+    fn replay_takes_a_trace_and_the_replay_flags() {
+        let replay = match parse_str(&[
+            "replay",
+            "t.mtrace",
+            "--allocator",
+            "virtual",
+            "--device-limit",
+            "64MiB",
+            "--compare",
+            "system,pooled@1GiB",
+            "--no-quotas",
+            "--html",
+            "r.html",
+        ])
+        .unwrap()
+        {
+            Command::Replay(replay) => replay,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(replay.trace, PathBuf::from("t.mtrace"));
+        assert_eq!(replay.allocator, Some(ReplayAllocator::Virtual));
+        assert_eq!(
+            (replay.device_limit.as_deref(), replay.compare.as_deref()),
+            (Some("64MiB"), Some("system,pooled@1GiB"))
+        );
+        assert!(replay.no_quotas);
+        assert_eq!(replay.html, Some(PathBuf::from("r.html")));
+        assert!(rejected(&["replay"]).contains("TRACE"));
+        assert!(rejected(&["replay", "t", "--allocator", "slab"]).contains("slab"));
     }
 
     #[test]

@@ -15,6 +15,8 @@
 //! - `cargo xtask mutants [--file F]`: mutation testing of the core crates (weekly).
 //! - `cargo xtask demo [ARGS]`: the demo binary; `demo --ort` fetches ONNX Runtime and
 //!   the real models first ([`mod@ort`]).
+//! - `cargo xtask replay TRACE [--allocator K] [--device-limit B] [--compare A,B] [--html F]`:
+//!   memory-trace's replay of an allocation trace, side by side ([`mod@replay`]).
 //!
 //! Layout: [`flags`] parses the command line into types, [`tasks`] turns each command
 //! into a list of steps, [`step`] runs and judges them, [`libtest`] reads test output.
@@ -32,6 +34,7 @@ mod flags;
 mod libtest;
 mod ort;
 mod ratios;
+mod replay;
 mod step;
 mod table;
 mod tasks;
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
     let root = tasks::project_root();
     let result = match command {
         Command::Demo(demo) => return run_demo(&demo, &root),
+        Command::Replay(flags) => return run_replay(&flags, &root),
         Command::Test(test) => {
             tasks::clear_stale_package_sources();
             step::run_steps("xtask test", &root, &tasks::test_steps(&test))
@@ -86,6 +90,24 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // The runner has already printed which step failed and why.
         Err(_) => ExitCode::FAILURE,
+    }
+}
+
+/// Hands the terminal to the replay and passes its exit code on.
+fn run_replay(flags: &flags::Replay, root: &std::path::Path) -> ExitCode {
+    let cmd = replay::replay_cmd(flags);
+    match cmd.status(root) {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(status) => {
+            eprintln!("xtask replay: `{cmd}` failed ({status})");
+            ExitCode::from(
+                status.code().and_then(|code| u8::try_from(code).ok()).filter(|&code| code != 0).unwrap_or(1),
+            )
+        }
+        Err(err) => {
+            eprintln!("xtask replay: could not start `{cmd}`: {err}");
+            ExitCode::FAILURE
+        }
     }
 }
 

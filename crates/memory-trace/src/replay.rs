@@ -240,10 +240,14 @@ pub struct DeviceReport {
     pub device: DeviceKey,
     /// Its limit in the replay.
     pub limit: Option<u64>,
-    /// The highest bytes charged at once (the governor's `DeviceSnapshot::peak`).
+    /// The highest bytes charged at once: the governor's `DeviceSnapshot::peak`, which
+    /// counts a request's charge while its allocation runs, so a request the recovery
+    /// ladder refused in the end still shows here.
     pub peak_allocated: u64,
     /// The highest allocated + idle in caches seen after any event, or the governor's
-    /// `reserved_peak` if higher (it also sees the moment inside a call).
+    /// `reserved_peak` if higher: it also sees the moment inside a call when a cache has
+    /// grown and the growth is not yet checked, which may pass the device limit
+    /// (docs/ACCOUNTING.md, "Allocated and reserved").
     pub peak_reserved: u64,
     /// `1 - largest free / cached` when reserved peaked.
     pub fragmentation_at_peak: f64,
@@ -396,7 +400,8 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
     }
     // Series are known up front, so every sample has every column.
     for event in &trace.events {
-        if let (What::Allocate(_), Some(at)) = (&event.what, devices.iter().position(|d| *d == event.device)) {
+        let asks = matches!(event.what, What::Allocate(_) | What::Refusal(_) | What::Failure { .. });
+        if let (true, Some(at)) = (asks, devices.iter().position(|d| *d == event.device)) {
             let role = event.role.unwrap_or(MemoryRole::Other);
             let run = &mut runs[at];
             let next = run.report.series.len();
@@ -571,9 +576,11 @@ fn retry_recorded(
     match attempt(tenant, stack, run, role, requested, align) {
         Attempt::Admitted(raw) => {
             run.report.recorded_refusals_admitted += 1;
-            let started = Instant::now();
-            let _ = tenant.governed.release(raw);
-            run.release_ns.push(started.elapsed().as_nanos() as u64);
+            // Held for a moment: the peaks see it, then it goes back.
+            let series = run.series_index[&(event.tenant, role)];
+            run.add(series, raw.bytes() as u64, index);
+            run.observe_peak(index, stack);
+            run.release(&tenant.governed, LiveBlock { raw, tenant: 0, series });
         }
         Attempt::Refused(message) => run.refused(index, event, role, requested, true, message),
         Attempt::Failed => run.report.failures += 1,
@@ -621,8 +628,8 @@ impl DeviceRun {
         });
     }
 
-    /// The figures after event `index`: reserved, the peak, the timeline.
-    fn observe(&mut self, index: usize, event: &Event, stack: &Stack, bucket_len: usize) {
+    /// Reserved after event `index` (or inside it), and the peak; what it read.
+    fn observe_peak(&mut self, index: usize, stack: &Stack) -> u64 {
         let stats = stack.top.stats().unwrap_or_default();
         let reserved = self.allocated + stats.cached_bytes;
         if reserved > self.report.peak_reserved || self.report.peak_event.is_none() {
@@ -631,6 +638,12 @@ impl DeviceRun {
             self.report.fragmentation_at_peak =
                 memory_governor::fragmentation(stats.cached_bytes, stats.largest_free_bytes);
         }
+        reserved
+    }
+
+    /// The figures after event `index`: reserved, the peak, the timeline.
+    fn observe(&mut self, index: usize, event: &Event, stack: &Stack, bucket_len: usize) {
+        let reserved = self.observe_peak(index, stack);
         let sample = Sample { event: index, ts_ns: event.ts_ns, allocated: self.allocated_by_series.clone(), reserved };
         let keep = match &self.bucket {
             Some(bucket) => {
@@ -691,6 +704,53 @@ fn largest_at(trace: &Trace, device: DeviceKey, peak: Option<usize>, report: &De
 /// Replays `trace` against each configuration in turn.
 pub fn replay_all(trace: &Trace, configs: &[ReplayConfig]) -> Vec<ReplayReport> {
     configs.iter().map(|config| replay(trace, config)).collect()
+}
+
+/// Parses a size: a number of bytes, or one with a unit (`KiB`, `MiB`, `GiB`, `TiB`,
+/// or `K`, `M`, `G`, `T`, powers of 1024; `KB`, `MB`, `GB`, `TB`, powers of 1000).
+///
+/// # Errors
+/// A message naming what was wrong.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let unit = unit.trim();
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(format!("`{text}`: unknown unit `{unit}` (use bytes, KiB, MiB, GiB or TiB)")),
+    };
+    let value: f64 = number.parse().map_err(|_| format!("`{text}` is not a size (for example 268435456 or 256MiB)"))?;
+    let bytes = value * scale as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 {
+        return Err(format!("`{text}` is out of range"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+impl FromStr for ReplayConfig {
+    type Err = String;
+
+    /// `system`, `pooled`, `virtual`, each optionally with a device limit: `pooled@64MiB`.
+    fn from_str(text: &str) -> Result<ReplayConfig, String> {
+        let (kind, limit) = match text.split_once('@') {
+            Some((kind, limit)) => (kind, Some(parse_bytes(limit)?)),
+            None => (text, None),
+        };
+        let config = ReplayConfig::new(kind.trim().parse()?);
+        Ok(match limit {
+            Some(limit) => config.with_device_limit(limit),
+            None => config,
+        })
+    }
 }
 
 /// Bytes for people: `512 B`, `4.0 KiB`, `1.5 MiB`, `2.00 GiB`.
