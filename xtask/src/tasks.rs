@@ -14,10 +14,11 @@ pub(crate) const LOOM_PREEMPTIONS_IN_TEST: u32 = 2;
 
 /// Crates whose loom models `cargo xtask loom` runs (and whose libraries the loom lint
 /// checks): the barrier pair, owner slots and record table, the registry, the governor,
-/// the C API's handle tables, and the plugin loader (its block records are the record
-/// table's, model-checked in memory-sync; the loom lint still checks its library).
-pub(crate) const LOOM_CRATES: [&str; 6] =
-    ["memory-sync", "memory-binding", "memory-governor", "memory-capi", "memory-plugin", "memory-trace"];
+/// the C API's handle tables, the plugin loader (its block records are the record
+/// table's, model-checked in memory-sync; the loom lint still checks its library), and
+/// the node books' grant, claim and refund protocol.
+pub(crate) const LOOM_CRATES: [&str; 7] =
+    ["memory-sync", "memory-binding", "memory-governor", "memory-capi", "memory-plugin", "memory-trace", "memory-node"];
 
 /// The steps of `cargo xtask test [--gpu]`, in order.
 pub(crate) fn test_steps(flags: &flags::Test) -> Vec<Step> {
@@ -526,7 +527,7 @@ mod tests {
 
     /// The crates with loom models, as both loom steps must name them (written out, not
     /// taken from `LOOM_CRATES`, so a crate dropped from that list fails here).
-    const LOOM_PACKAGE_ARGS: [&str; 6] = [
+    const LOOM_PACKAGE_ARGS: [&str; 7] = [
         "-p memory-sync",
         "-p memory-binding",
         "-p memory-governor",
@@ -549,6 +550,7 @@ mod tests {
         assert!(loom_target_dir().ends_with("loom"));
     }
 
+        "-p memory-node",
     #[test]
     fn loom_lint_lints_only_our_libraries_under_the_loom_cfg_with_its_own_config() {
         let step = loom_lint_step(Path::new("/tmp/t/loom"));

@@ -15,14 +15,14 @@ use std::sync::OnceLock;
 use serde_json::{Value, json};
 
 /// Crates that may contain `unsafe` code; every other library must `#![forbid(unsafe_code)]`.
-const UNSAFE_ALLOWED: [&str; 6] =
-    ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-ort", "memory-plugin", "memory-capi"];
+const UNSAFE_ALLOWED: [&str; 7] =
+    ["allocator-cpu", "allocator-cuda", "memory-binding", "memory-ort", "memory-plugin", "memory-capi", "memory-node"];
 
 /// Tooling crates outside the layering (binaries and benches), exempt from the unsafe check.
 const TOOLING: [&str; 3] = ["xtask", "memory-demo", "memory-benches"];
 
 /// Crates the rules name; a rename must update the rules, not silently disable them.
-const NAMED_CRATES: [&str; 12] = [
+const NAMED_CRATES: [&str; 13] = [
     "memory-api",
     "memory-sync",
     "memory-binding",
@@ -35,12 +35,14 @@ const NAMED_CRATES: [&str; 12] = [
     "memory-plugin",
     "memory-capi",
     "memory-trace",
+    "memory-node",
 ];
 
 /// Adapter crates: they consume the core (the governor and the providers); nothing but
 /// tooling depends on them. memory-trace (record, replay, report) is one: it wraps the
-/// governed allocator and replays onto the host providers.
-const ADAPTERS: [&str; 3] = ["memory-ort", "memory-capi", "memory-trace"];
+/// governed allocator and replays onto the host providers. memory-node (node books
+/// shared by processes) is one: it drives each process's governor through its public API.
+const ADAPTERS: [&str; 4] = ["memory-ort", "memory-capi", "memory-trace", "memory-node"];
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
@@ -95,10 +97,11 @@ enum Rule {
     PluginIsAProvider,
     CapiComposesThroughTheGovernor,
     TraceSitsOnTheCore,
+    NodeSitsOnTheGovernor,
 }
 
 impl Rule {
-    const ALL: [Rule; 13] = [
+    const ALL: [Rule; 14] = [
         Rule::MemoryApiIsALeaf,
         Rule::SyncIsALeaf,
         Rule::AllocatorsDependOnMemoryApiAndSync,
@@ -112,6 +115,7 @@ impl Rule {
         Rule::PluginIsAProvider,
         Rule::CapiComposesThroughTheGovernor,
         Rule::TraceSitsOnTheCore,
+        Rule::NodeSitsOnTheGovernor,
     ];
 
     /// The invariant, as docs/ARCHITECTURE.md states it.
@@ -155,6 +159,10 @@ impl Rule {
             Rule::TraceSitsOnTheCore => {
                 "memory-trace depends (normally) on memory-governor, memory-sync and allocator-cpu only, of the \
                  workspace (it records through the governor and replays onto the host providers)"
+            }
+            Rule::NodeSitsOnTheGovernor => {
+                "memory-node depends (normally) on memory-governor and memory-sync only, of the workspace (it \
+                 drives each process's governor through its public API; its tests may add allocator-cpu)"
             }
         }
     }
@@ -219,6 +227,12 @@ impl Rule {
                     && edge.internal
                     && shipped
                     && !matches!(to, "memory-governor" | "memory-sync" | "allocator-cpu")
+            }
+            Rule::NodeSitsOnTheGovernor => {
+                edge.from == "memory-node"
+                    && edge.internal
+                    && !matches!(to, "memory-governor" | "memory-sync")
+                    && !(edge.kind == DepKind::Dev && to == "allocator-cpu")
             }
         }
     }
@@ -427,6 +441,12 @@ fn memory_trace_sits_on_the_core_and_only_tooling_depends_on_it() {
 }
 
 #[test]
+fn memory_node_sits_on_the_governor_and_only_tooling_depends_on_it() {
+    assert_clean(Rule::NodeSitsOnTheGovernor);
+    assert_clean(Rule::OnlyToolingDependsOnAdapters);
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -515,6 +535,10 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
                 ("serde_json", None),
                 ("memory-testkit", Some("dev")),
             ],
+        ),
+        (
+            "memory-node",
+            vec![("memory-governor", None), ("memory-sync", None), ("rustix", None), ("allocator-cpu", Some("dev"))],
         ),
         (
             "memory-benches",
@@ -623,8 +647,15 @@ fn synthetic_bad_edges_are_reported_by_name() {
 
 #[test]
 fn synthetic_adapter_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 7] = [
+    let cases: [(&str, Dep, Rule, &str); 9] = [
         ("memory-governor", ("ort", None), Rule::OnlyMemoryOrtNamesOrt, "memory-governor -> ort (normal"),
+        ("memory-node", ("memory-binding", None), Rule::NodeSitsOnTheGovernor, "memory-node -> memory-binding (normal"),
+        (
+            "memory-binding",
+            ("memory-node", Some("dev")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-binding -> memory-node",
+        ),
         ("memory-trace", ("allocator-cuda", None), Rule::TraceSitsOnTheCore, "memory-trace -> allocator-cuda (normal"),
         ("memory-trace", ("memory-ort", None), Rule::TraceSitsOnTheCore, "memory-trace -> memory-ort (normal"),
         (

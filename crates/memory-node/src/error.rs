@@ -1,0 +1,174 @@
+//! Errors: opening the books file ([`OpenError`]: which problem, and what to do), and
+//! everything after ([`NodeError`]).
+
+use std::path::PathBuf;
+
+use memory_governor::DeviceKey;
+
+/// The books file could not be opened or created. Each variant says which problem it
+/// is; the message says what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The file is of another layout version.
+    #[error(
+        "the node books at {path} are of layout version {found}, and this build reads version {expected} only: \
+         stop the processes of the other version and remove the file (the books are rebuilt from the processes \
+         that join), or give this build another books name or directory"
+    )]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// Its version.
+        found: u64,
+        /// The version this build reads.
+        expected: u64,
+    },
+    /// The file is shorter than its layout.
+    #[error(
+        "the node books at {path} are truncated: {size} bytes, where a version-{version} file has {expected}: \
+         something shortened it; stop the processes that use it and remove it"
+    )]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        size: u64,
+        /// The size of its layout.
+        expected: u64,
+        /// The layout version expected.
+        version: u64,
+    },
+    /// The file is not a books file, or its header or a slot holds what no books file
+    /// holds.
+    #[error(
+        "the node books at {path} are corrupt: {what}; if it is not a books file, choose another name; otherwise \
+         stop the processes that use it and remove it"
+    )]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+    /// This user may not open the file (its owner and mode are the trust boundary).
+    #[error(
+        "this process (uid {uid}) may not open the node books at {path} (owner uid {owner}, mode {mode:04o}): \
+         run it as the owner, or have the owner create the books with a mode that admits this user's group \
+         (NodeConfig::with_mode) and add the user to that group"
+    )]
+    Permission {
+        /// The file.
+        path: PathBuf,
+        /// The calling process's uid.
+        uid: u32,
+        /// The file's owner (`u32::MAX` when it could not be read).
+        owner: u32,
+        /// The file's mode bits (`0` when they could not be read).
+        mode: u32,
+    },
+    /// Another I/O error.
+    #[error("could not {operation} the node books at {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done ("open", "map", "create").
+        operation: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A books operation after opening failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    /// Every slot is held by a live process.
+    #[error(
+        "all {slots} slots of the node books at {path} are held by live processes: end one, or give this group \
+         of processes books of its own"
+    )]
+    SlotsFull {
+        /// The file.
+        path: PathBuf,
+        /// How many slots there are.
+        slots: usize,
+    },
+    /// Every device entry is taken.
+    #[error("the node books hold {max} devices already, and {device} is not one of them: use fewer device keys")]
+    DevicesFull {
+        /// The device asked for.
+        device: DeviceKey,
+        /// How many devices the books hold.
+        max: usize,
+    },
+    /// Every tenant entry is taken.
+    #[error("the node books hold {max} tenants already, and {tenant:?} is not one of them: use fewer tenant names")]
+    TenantsFull {
+        /// The tenant asked for.
+        tenant: String,
+        /// How many tenants the books hold.
+        max: usize,
+    },
+    /// A tenant name is empty or too long.
+    #[error("the tenant name {tenant:?} is not usable in the node books: {reason}")]
+    TenantName {
+        /// The name.
+        tenant: String,
+        /// Why not.
+        reason: &'static str,
+    },
+    /// A device key of a tier the books cannot name.
+    #[error("the node books cannot name {device}: only device, host and disk tiers are supported")]
+    UnsupportedTier {
+        /// The device.
+        device: DeviceKey,
+    },
+    /// Joining needs a grant (what the governor already holds, or its reserves) that the
+    /// node cannot give now.
+    #[error(
+        "the node books cannot grant {asked} bytes of {budget} to this process ({available} available): \
+         its governor already holds (or reserves) them; raise the node limit or free memory elsewhere first"
+    )]
+    GrantRefused {
+        /// Which budget ("device:0", "tenant-a on device:0").
+        budget: String,
+        /// Bytes asked.
+        asked: u64,
+        /// Bytes that were available.
+        available: u64,
+    },
+    /// The device is governed by these books already (through this member).
+    #[error("{device} is governed by the node books already")]
+    AlreadyGoverned {
+        /// The device.
+        device: DeviceKey,
+    },
+    /// The device has not been handed to the books (`Member::govern_device`).
+    #[error("{device} is not governed by the node books: call Member::govern_device first")]
+    NotGoverned {
+        /// The device.
+        device: DeviceKey,
+    },
+    /// The governor refused a change (a limit, quota, policy or an unknown account).
+    #[error("the governor refused to {operation}: {source}")]
+    Governor {
+        /// What was asked of it.
+        operation: &'static str,
+        /// Its error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// An I/O error on the books (the lock, the timer thread).
+    #[error("could not {operation} the node books at {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done.
+        operation: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}

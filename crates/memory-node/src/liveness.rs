@@ -1,0 +1,168 @@
+//! Who a process is, and whether the process a slot names still runs.
+//!
+//! A slot names its owner by pid, the process's start time (field 22 of
+//! `/proc/PID/stat`: clock ticks after boot), the boot id and the pid namespace. A pid the
+//! kernel reuses for a new process has another start time, so it never inherits a slot;
+//! a slot from before a reboot has another boot id. A process is declared dead only on
+//! evidence: `kill(pid, 0)` says no such process, or the process with that pid started
+//! at another time, or the slot is from another boot. A slow or stopped process is alive.
+//! A slot of another pid namespace cannot be judged from here (its pid means something
+//! else) and is left to a peer of its own namespace.
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+
+use rustix::io::Errno;
+use rustix::process::{Pid, test_kill_process};
+
+/// The identity a slot records.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub(crate) pid: u64,
+    pub(crate) start_time: u64,
+    pub(crate) boot: [u64; 2],
+    pub(crate) pid_ns: u64,
+}
+
+/// What a survivor concludes about a slot's owner.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Runs (or cannot be shown not to).
+    Alive,
+    /// Gone: its grants may be refunded.
+    Dead(DeathReason),
+    /// Of another pid namespace: not ours to judge.
+    Foreign,
+}
+
+/// Why a slot's owner is taken for dead.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum DeathReason {
+    /// No process has the pid.
+    NoProcess,
+    /// A process with the pid started at another time: the pid was reused.
+    PidReused,
+    /// The slot was written before this boot.
+    OtherBoot,
+    /// The process has exited (a zombie its parent has not reaped yet).
+    Exited,
+}
+
+impl DeathReason {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            DeathReason::NoProcess => "no process has its pid",
+            DeathReason::PidReused => "its pid now names a process started at another time",
+            DeathReason::OtherBoot => "it ran before the node rebooted",
+            DeathReason::Exited => "it has exited (its parent has not reaped it yet)",
+        }
+    }
+}
+
+impl Identity {
+    /// The calling process.
+    pub(crate) fn current() -> std::io::Result<Identity> {
+        let pid = u64::from(rustix::process::getpid().as_raw_nonzero().get().unsigned_abs());
+        let start_time =
+            stat_of(pid)?.ok_or_else(|| std::io::Error::other("/proc/self/stat has no start time"))?.start_time;
+        Ok(Identity { pid, start_time, boot: boot_id()?, pid_ns: pid_namespace()? })
+    }
+
+    /// Whether the process this identity names still runs, judged by `me`.
+    pub(crate) fn verdict(&self, me: &Identity) -> Verdict {
+        if self.boot != me.boot {
+            return Verdict::Dead(DeathReason::OtherBoot);
+        }
+        if self.pid_ns != me.pid_ns {
+            return Verdict::Foreign;
+        }
+        let Some(pid) = i32::try_from(self.pid).ok().and_then(Pid::from_raw) else {
+            return Verdict::Dead(DeathReason::NoProcess);
+        };
+        // EPERM: it exists, under another user. Any other answer: not evidence.
+        if let Err(Errno::SRCH) = test_kill_process(pid) {
+            return Verdict::Dead(DeathReason::NoProcess);
+        }
+        match stat_of(self.pid) {
+            Ok(Some(stat)) if stat.start_time != self.start_time => Verdict::Dead(DeathReason::PidReused),
+            // Exited, not yet reaped by its parent: it holds nothing any more. (A leader
+            // thread that exited while other threads run shows `Z` too: those threads
+            // are still listed under `task/`, and the process is alive.)
+            Ok(Some(stat)) if matches!(stat.state, 'Z' | 'X') && threads(self.pid) <= 1 => {
+                Verdict::Dead(DeathReason::Exited)
+            }
+            // Gone between the two looks.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Verdict::Dead(DeathReason::NoProcess),
+            // The same process, or its stat is unreadable (hidepid): alive.
+            _ => Verdict::Alive,
+        }
+    }
+}
+
+/// What a slot's judge reads of a process.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Stat {
+    /// Field 3: `R`, `S`, `D`, `T`, `Z` (zombie), ...
+    pub(crate) state: char,
+    /// Field 22: clock ticks after boot.
+    pub(crate) start_time: u64,
+}
+
+/// The state and start time of `pid` from `/proc/PID/stat`, `Ok(None)` if unparsable.
+pub(crate) fn stat_of(pid: u64) -> std::io::Result<Option<Stat>> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    Ok(parse_stat(&stat))
+}
+
+/// Fields 3 and 22 of a `/proc/PID/stat` line. The command (field 2) is in parentheses
+/// and may itself hold spaces and parentheses, so the fields are counted after the last `)`.
+pub(crate) fn parse_stat(stat: &str) -> Option<Stat> {
+    let mut fields = stat[stat.rfind(')')? + 1..].split_ascii_whitespace();
+    // Field 3 (state) is the first after the command: field 22 is the 20th from there.
+    let state = fields.next()?.chars().next()?;
+    let start_time = fields.nth(18)?.parse().ok()?;
+    Some(Stat { state, start_time })
+}
+
+/// How many threads `/proc/PID/task` lists (0 if it cannot be read).
+fn threads(pid: u64) -> usize {
+    fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |entries| entries.count())
+}
+
+fn boot_id() -> std::io::Result<[u64; 2]> {
+    let text = fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
+    let hex: String = text.chars().filter(char::is_ascii_hexdigit).collect();
+    let parse = |range: std::ops::Range<usize>| {
+        hex.get(range)
+            .and_then(|digits| u64::from_str_radix(digits, 16).ok())
+            .ok_or_else(|| std::io::Error::other(format!("/proc/sys/kernel/random/boot_id is not a uuid: {text:?}")))
+    };
+    Ok([parse(0..16)?, parse(16..32)?])
+}
+
+fn pid_namespace() -> std::io::Result<u64> {
+    Ok(fs::metadata("/proc/self/ns/pid")?.ino())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_and_start_time_are_fields_3_and_22_even_when_the_command_holds_parentheses() {
+        let stat = "4242 (a (weird) cmd) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 987654 20 21";
+        assert_eq!(parse_stat(stat), Some(Stat { state: 'S', start_time: 987654 }));
+    }
+
+    #[test]
+    fn the_calling_process_is_alive_and_a_forged_start_time_is_a_reused_pid() {
+        let me = Identity::current().unwrap();
+        assert_eq!(me.verdict(&me), Verdict::Alive);
+        let reused = Identity { start_time: me.start_time + 1, ..me };
+        assert_eq!(reused.verdict(&me), Verdict::Dead(DeathReason::PidReused));
+        let other_boot = Identity { boot: [me.boot[0] ^ 1, me.boot[1]], ..me };
+        assert_eq!(other_boot.verdict(&me), Verdict::Dead(DeathReason::OtherBoot));
+        let foreign = Identity { pid_ns: me.pid_ns ^ 1, ..me };
+        assert_eq!(foreign.verdict(&me), Verdict::Foreign);
+    }
+}

@@ -1,0 +1,235 @@
+//! The shared mapping: the one module with `unsafe` code. It creates or opens the books
+//! file, checks its header with ordinary reads *before* mapping anything (so a file of
+//! another version, a truncated or a foreign one is refused without touching its
+//! pages), maps it shared, and hands out `&Shared` for as long as the mapping lives.
+//!
+//! Every word of [`Shared`] is an `AtomicU64`, for which every bit pattern is a valid
+//! value and every access is atomic, so what other processes write (even garbage) can
+//! make values wrong but never makes a Rust reference invalid or a read a data race.
+
+use std::fs::{File, OpenOptions};
+use std::io::ErrorKind;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering::SeqCst;
+
+use rustix::fs::{FlockOperation, flock};
+use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
+
+use crate::error::OpenError;
+use crate::format::{self, LAYOUT_SIZE, MAGIC, Shared, VERSION};
+use crate::protocol::{SLOT_REFUNDING, state_of};
+
+/// The books file, mapped.
+pub(crate) struct Mapping {
+    ptr: NonNull<Shared>,
+    file: File,
+}
+
+// SAFETY: the mapping is plain shared memory that every thread may read and write
+// through `&Shared`, which holds atomics only (`Shared: Sync`); the pointer is never
+// used for anything but that shared reference and `munmap` in `drop`.
+unsafe impl Send for Mapping {}
+// SAFETY: as for `Send`: `&Mapping` only gives out `&Shared`, and `Shared` is `Sync`.
+unsafe impl Sync for Mapping {}
+
+/// The books' cross-process lock (`flock(LOCK_EX)` on the file), released on drop, and
+/// by the kernel if the holder dies.
+pub(crate) struct FileLock<'a>(&'a File);
+
+impl Drop for FileLock<'_> {
+    fn drop(&mut self) {
+        let _ = flock(self.0, FlockOperation::Unlock);
+    }
+}
+
+fn io<'a>(path: &'a Path, operation: &'static str) -> impl FnOnce(std::io::Error) -> OpenError + 'a {
+    move |source| OpenError::Io { path: path.to_owned(), operation, source }
+}
+
+impl Mapping {
+    /// Opens the books at `path`, creating them with `mode` if there are none (and
+    /// `create`); `true` with the mapping when this call created them.
+    pub(crate) fn open(path: &Path, mode: u32, create: bool) -> Result<(Mapping, bool), OpenError> {
+        loop {
+            match OpenOptions::new().read(true).write(true).open(path) {
+                Ok(file) => return Mapping::join(path, file).map(|mapping| (mapping, false)),
+                Err(error) if error.kind() == ErrorKind::NotFound && create => {
+                    if let Some(mapping) = Mapping::create(path, mode)? {
+                        return Ok((mapping, true));
+                    }
+                    // Another process created it first: join that one.
+                }
+                Err(error) if error.kind() == ErrorKind::PermissionDenied => return Err(permission(path)),
+                Err(error) => return Err(io(path, "open")(error)),
+            }
+        }
+    }
+
+    /// Builds a complete file under a temporary name, then links it in place, so no
+    /// process ever sees a half-written header. `None` if another process linked its
+    /// file first.
+    fn create(path: &Path, mode: u32) -> Result<Option<Mapping>, OpenError> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let name = path.file_name().map_or_else(|| "books".into(), |name| name.to_string_lossy().into_owned());
+        let temporary = path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
+        let file = OpenOptions::new().read(true).write(true).create_new(true).mode(mode).open(&temporary).map_err(
+            |error| match error.kind() {
+                ErrorKind::PermissionDenied => permission(&temporary),
+                _ => io(&temporary, "create")(error),
+            },
+        )?;
+        let built = (|| {
+            // The mode asked for, whatever the umask.
+            file.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(io(&temporary, "set the mode of"))?;
+            file.set_len(LAYOUT_SIZE as u64).map_err(io(&temporary, "size"))?;
+            let mapping = Mapping::map(&temporary, file)?;
+            let header = &mapping.shared().header;
+            let [_, version, size, devices, tenants, slots] = format::header_words();
+            header.version.store(version, SeqCst);
+            header.layout_size.store(size, SeqCst);
+            header.max_devices.store(devices, SeqCst);
+            header.max_tenants.store(tenants, SeqCst);
+            header.max_slots.store(slots, SeqCst);
+            header.check.store(format::check_word(format::header_words()), SeqCst);
+            header.created_pid.store(u64::from(std::process::id()), SeqCst);
+            header.created_secs.store((nanos / 1_000_000_000) as u64, SeqCst);
+            header.magic.store(MAGIC, SeqCst);
+            match std::fs::hard_link(&temporary, path) {
+                Ok(()) => Ok(Some(mapping)),
+                Err(error) if error.kind() == ErrorKind::AlreadyExists => Ok(None),
+                Err(error) => Err(io(path, "link")(error)),
+            }
+        })();
+        let _ = std::fs::remove_file(&temporary);
+        built
+    }
+
+    /// Checks an existing file's header with plain reads, then maps it.
+    fn join(path: &Path, file: File) -> Result<Mapping, OpenError> {
+        let size = file.metadata().map_err(io(path, "stat"))?.len();
+        let mut header = [0u8; format::HEADER_SIZE];
+        let readable = (size as usize).min(header.len());
+        file.read_exact_at(&mut header[..readable], 0).map_err(io(path, "read"))?;
+        let word = |index: usize| u64::from_ne_bytes(header[index * 8..index * 8 + 8].try_into().unwrap_or([0; 8]));
+        let truncated =
+            |expected: u64| OpenError::Truncated { path: path.to_owned(), size, expected, version: VERSION };
+        let corrupt = |what: String| OpenError::Corrupt { path: path.to_owned(), what };
+        if size < 8 {
+            return Err(truncated(LAYOUT_SIZE as u64));
+        }
+        if word(0) != MAGIC {
+            return Err(corrupt(format!("its first word is {:#018x}, not the books' magic {MAGIC:#018x}", word(0))));
+        }
+        if size < 16 {
+            return Err(truncated(LAYOUT_SIZE as u64));
+        }
+        if word(1) != VERSION {
+            return Err(OpenError::Version { path: path.to_owned(), found: word(1), expected: VERSION });
+        }
+        if size < format::HEADER_SIZE as u64 {
+            return Err(truncated(LAYOUT_SIZE as u64));
+        }
+        let written = [word(0), word(1), word(2), word(3), word(4), word(5)];
+        if written != format::header_words() {
+            return Err(corrupt(format!(
+                "its header gives layout size {} and {} devices, {} tenants, {} slots, where version {VERSION} has {} \
+                 and {}, {}, {}",
+                written[2],
+                written[3],
+                written[4],
+                written[5],
+                LAYOUT_SIZE,
+                format::MAX_DEVICES,
+                format::MAX_TENANTS,
+                format::MAX_SLOTS
+            )));
+        }
+        if word(6) != format::check_word(written) {
+            return Err(corrupt(format!(
+                "its header's check word is {:#018x}, where its fields give {:#018x}",
+                word(6),
+                format::check_word(written)
+            )));
+        }
+        if size < LAYOUT_SIZE as u64 {
+            return Err(truncated(LAYOUT_SIZE as u64));
+        }
+        if size > LAYOUT_SIZE as u64 {
+            return Err(corrupt(format!("it is {size} bytes, longer than its layout ({LAYOUT_SIZE})")));
+        }
+        let mapping = Mapping::map(path, file)?;
+        let shared = mapping.shared();
+        let hwm = shared.header.slots_hwm.load(SeqCst);
+        if hwm > format::MAX_SLOTS as u64 {
+            return Err(corrupt(format!("its slot high-water mark is {hwm}, past its {} slots", format::MAX_SLOTS)));
+        }
+        if let Some((slot, entry)) =
+            shared.slots.iter().enumerate().find(|(_, entry)| state_of(entry.state.load(SeqCst)) > SLOT_REFUNDING)
+        {
+            return Err(corrupt(format!(
+                "slot {slot} has state word {:#x}, which no version-{VERSION} process writes",
+                entry.state.load(SeqCst)
+            )));
+        }
+        Ok(mapping)
+    }
+
+    fn map(path: &Path, file: File) -> Result<Mapping, OpenError> {
+        // SAFETY: a fresh shared read-write mapping of `LAYOUT_SIZE` bytes of `file`,
+        // whose size was checked (or set) to exactly that; the kernel chooses the address
+        // (no hint), so no existing mapping is replaced. The pointer is kept for `drop`.
+        let raw = unsafe {
+            mmap(std::ptr::null_mut(), LAYOUT_SIZE, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, &file, 0)
+        }
+        .map_err(|errno| io(path, "map")(errno.into()))?;
+        let ptr = NonNull::new(raw.cast::<Shared>())
+            .ok_or_else(|| io(path, "map")(std::io::Error::other("mmap returned a null address")))?;
+        Ok(Mapping { ptr, file })
+    }
+
+    /// The books.
+    pub(crate) fn shared(&self) -> &Shared {
+        // SAFETY: `ptr` is the start of a live shared mapping of `LAYOUT_SIZE` bytes
+        // (`size_of::<Shared>()`), page-aligned (so aligned for `Shared`, align 128), and
+        // stays mapped until `self` is dropped, which the returned borrow outlives not.
+        // `Shared` is made of `AtomicU64`s only: every byte pattern is a valid value, and
+        // other processes change it only through atomic operations (a peer that writes
+        // the file with plain writes changes values, not validity). Rust never creates a
+        // `&mut` to it.
+        unsafe { self.ptr.as_ref() }
+    }
+
+    /// Takes the books' cross-process lock (waiting for it). The caller also holds the
+    /// process's own lock: `flock` is per open file, so two threads of one process would
+    /// both "hold" it.
+    pub(crate) fn lock(&self) -> std::io::Result<FileLock<'_>> {
+        loop {
+            match flock(&self.file, FlockOperation::LockExclusive) {
+                Ok(()) => return Ok(FileLock(&self.file)),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(errno) => return Err(errno.into()),
+            }
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `LAYOUT_SIZE` are exactly what `mmap` returned and was asked
+        // for; no reference into the mapping outlives `self` (`shared` borrows `self`).
+        let _ = unsafe { munmap(self.ptr.as_ptr().cast(), LAYOUT_SIZE) };
+    }
+}
+
+/// The permission error for `path`, with its owner and mode when they can be read.
+fn permission(path: &Path) -> OpenError {
+    let metadata = std::fs::metadata(path).ok();
+    OpenError::Permission {
+        path: PathBuf::from(path),
+        uid: rustix::process::getuid().as_raw(),
+        owner: metadata.as_ref().map_or(u32::MAX, MetadataExt::uid),
+        mode: metadata.as_ref().map_or(0, |m| m.mode() & 0o7777),
+    }
+}

@@ -1,0 +1,232 @@
+//! Several governors (members) in one process sharing node books: the shared limit and
+//! quota, give-backs and pressure, forged slots (a reused pid, a death mid-grant), leaving.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Cleanup, MIB, allocate, engine, fresh_config, system};
+use memory_governor::DeviceKey;
+use memory_node::format::{self, SLOT_LIVE};
+use memory_node::{NodeBooks, NodeError};
+
+const GPU: DeviceKey = DeviceKey::host(40);
+
+fn read_word(path: &std::path::Path, offset: usize) -> u64 {
+    let file = OpenOptions::new().read(true).open(path).unwrap();
+    let mut word = [0u8; 8];
+    file.read_exact_at(&mut word, offset as u64).unwrap();
+    u64::from_ne_bytes(word)
+}
+
+fn write_word(path: &std::path::Path, offset: usize, value: u64) {
+    let file = OpenOptions::new().write(true).open(path).unwrap();
+    file.write_all_at(&value.to_ne_bytes(), offset as u64).unwrap();
+}
+
+/// Writes a live slot at `slot` copying `from`'s identity, with `start_time` and a
+/// device grant of `grant` on device entry 0; `seq` as given (odd: died mid-grant).
+fn forge_slot(path: &std::path::Path, from: usize, slot: usize, pid: u64, start_time: u64, grant: u64, seq: u64) {
+    for field in [format::SLOT_BOOT, format::SLOT_BOOT + 8, format::SLOT_PID_NS] {
+        write_word(path, format::slot_offset(slot, field), read_word(path, format::slot_offset(from, field)));
+    }
+    write_word(path, format::slot_offset(slot, format::SLOT_PID), pid);
+    write_word(path, format::slot_offset(slot, format::SLOT_START_TIME), start_time);
+    write_word(path, format::slot_offset(slot, format::SLOT_DEVICE_GRANT), grant);
+    write_word(path, format::slot_offset(slot, format::SLOT_SEQ), seq);
+    write_word(path, format::slot_offset(slot, format::SLOT_STATE), (1 << 8) | SLOT_LIVE);
+    // The slot high-water mark (header word 7).
+    let hwm = read_word(path, 7 * 8).max(slot as u64 + 1);
+    write_word(path, 7 * 8, hwm);
+}
+
+#[test]
+fn two_governors_share_one_device_limit_and_one_tenant_quota() {
+    let books = NodeBooks::open(fresh_config("share")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 8 * MIB).unwrap();
+    books.set_tenant_quota(GPU, "tenant-a", 5 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a", "tenant-b"], || system(GPU));
+    let b = engine(&books, GPU, &["tenant-a", "tenant-b"], || system(GPU));
+
+    // tenant-a's quota spans both governors: 3 MiB here and 2 MiB there, then no more.
+    let a1 = allocate(&a.tenants[0], 3 * MIB).expect("within the node quota");
+    let b1 = allocate(&b.tenants[0], 2 * MIB).expect("within the node quota");
+    assert!(allocate(&b.tenants[0], MIB).is_none(), "tenant-a's node quota is spent over both processes");
+    assert!(allocate(&a.tenants[0], MIB).is_none());
+    // The device limit spans them too: 5 MiB charged, 3 MiB left for tenant-b.
+    let b2 = allocate(&b.tenants[1], 3 * MIB).expect("within the device limit");
+    assert!(allocate(&a.tenants[1], MIB).is_none(), "the node limit is spent");
+    let snapshot = books.snapshot();
+    assert!(snapshot.consistent);
+    let device = snapshot.device(GPU).unwrap();
+    assert!(device.granted <= 8 * MIB, "{device:?}");
+    assert!(snapshot.tenant(GPU, "tenant-a").unwrap().granted <= 5 * MIB);
+
+    // Released memory returns to the node (the members give surplus back) and the other
+    // governor can have it.
+    drop((a1, b2));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let a2 = loop {
+        if let Some(block) = allocate(&a.tenants[1], 6 * MIB) {
+            break block;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "released memory did not return to the node: {}",
+            books.snapshot().to_json()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    drop((a2, b1));
+    for engine in [a, b] {
+        let report = engine.member.leave();
+        assert!(report.slot_freed, "{report:?}");
+    }
+    let snapshot = books.snapshot();
+    assert_eq!(snapshot.device(GPU).unwrap().granted, 0);
+    assert!(snapshot.slots.is_empty(), "{}", snapshot.to_json());
+}
+
+#[test]
+fn a_refusal_at_the_node_names_the_local_limit_and_changes_nothing() {
+    let books = NodeBooks::open(fresh_config("refusal")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 4 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let block = allocate(&a.tenants[0], 3 * MIB).unwrap();
+    let refused = a.tenants[0]
+        .binding
+        .allocate(memory_governor::AllocationRequest::new(2 << 20, 64).unwrap())
+        .expect_err("over the node limit");
+    let message = refused.to_string();
+    assert!(message.contains("device limit"), "{message}");
+    assert!(a.member.stats().refusals >= 1);
+    assert_eq!(a.governor.snapshot().device(GPU).unwrap().current, 3 * MIB);
+    drop(block);
+    drop(a);
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
+}
+
+#[test]
+fn a_member_under_pressure_gets_what_another_holds_idle() {
+    // `a` keeps a large margin: idle grant that `b` needs.
+    let config = fresh_config("pressure");
+    let books_a = NodeBooks::open(config.clone().with_margin(6 * MIB).with_grant_chunk(6 * MIB)).unwrap();
+    let _cleanup = Cleanup(books_a.path().to_owned());
+    let books_b = NodeBooks::open(config.with_pressure_wait(Duration::from_millis(200))).unwrap();
+    books_a.set_device_limit(GPU, 8 * MIB).unwrap();
+    let a = engine(&books_a, GPU, &["tenant-a"], || system(GPU));
+    let b = engine(&books_b, GPU, &["tenant-b"], || system(GPU));
+    let small = allocate(&a.tenants[0], MIB).unwrap();
+    assert!(a.member.device_grant(GPU).unwrap() >= 6 * MIB, "a holds a chunk");
+    // b needs 4 MiB: only there if a gives its idle grant back, which it does once b's
+    // refusal raised the pressure (within b's wait).
+    let big = allocate(&b.tenants[0], 4 * MIB).unwrap_or_else(|| {
+        panic!(
+            "the pressure did not bring a's surplus back: {} a: {:?} b: {:?}",
+            books_a.snapshot().to_json(),
+            a.member.stats(),
+            b.member.stats()
+        )
+    });
+    assert!(books_a.snapshot().device(GPU).unwrap().pressure >= 1);
+    drop((small, big));
+    drop((a, b));
+}
+
+#[test]
+fn a_slot_with_a_live_pid_but_another_start_time_is_refunded_and_the_true_one_is_not() {
+    let books = NodeBooks::open(fresh_config("reuse")).unwrap();
+    let path = books.path().to_owned();
+    let _cleanup = Cleanup(path.clone());
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let me = a.member.slot();
+    let pid = u64::from(std::process::id());
+    let start = read_word(&path, format::slot_offset(me, format::SLOT_START_TIME));
+    // Slot 10: our pid, another start time (the pid was reused). Slot 11: our true
+    // identity (a second member of this very process): alive.
+    forge_slot(&path, me, 10, pid, start + 1, 5 * MIB, 0);
+    forge_slot(&path, me, 11, pid, start, 3 * MIB, 0);
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 8 * MIB + a.member.device_grant(GPU).unwrap());
+    let refunds = books.refund_dead().unwrap();
+    assert_eq!(refunds.len(), 1, "{refunds:?}");
+    assert_eq!((refunds[0].slot, refunds[0].bytes), (10, 5 * MIB));
+    assert!(refunds[0].reason.contains("another time"), "{}", refunds[0].reason);
+    let snapshot = books.snapshot();
+    assert!(snapshot.slots.iter().any(|slot| slot.slot == 11 && slot.alive));
+    assert!(!snapshot.slots.iter().any(|slot| slot.slot == 10));
+    // Refunding again finds nothing: nothing is refunded twice.
+    assert!(books.refund_dead().unwrap().is_empty());
+    // Slot 11 is ours to clean up: it names this live process, so only a forged copy.
+    write_word(&path, format::slot_offset(11, format::SLOT_DEVICE_GRANT), 0);
+    write_word(&path, format::slot_offset(11, format::SLOT_STATE), 1 << 8);
+    drop(a);
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
+}
+
+#[test]
+fn a_process_dead_mid_grant_leaves_snapshots_inconsistent_until_it_is_refunded() {
+    let books = NodeBooks::open(fresh_config("midgrant")).unwrap();
+    let path = books.path().to_owned();
+    let _cleanup = Cleanup(path.clone());
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    // A pid that no process has any more: a child we ran and reaped.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = u64::from(child.id());
+    child.wait().unwrap();
+    forge_slot(&path, a.member.slot(), 20, dead_pid, 12345, 7 * MIB, 1);
+    assert!(!books.snapshot().consistent, "a slot mid-grant (odd seq) makes snapshots inconsistent");
+    // The node counts the tentative 7 MiB until the refund: a grant that needs it waits
+    // for a refund (every refusal looks for dead slots first) and then succeeds.
+    let block = allocate(&a.tenants[0], 12 * MIB).expect("the dead slot was refunded on the refusal");
+    let snapshot = books.snapshot();
+    assert!(snapshot.consistent);
+    assert!(!snapshot.slots.iter().any(|slot| slot.slot == 20));
+    assert!(a.member.stats().refunds >= 1);
+    drop(block);
+    drop(a);
+}
+
+#[test]
+fn leaving_with_charges_keeps_the_slot_and_leaving_empty_frees_it() {
+    let books = NodeBooks::open(fresh_config("leave")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let block = allocate(&a.tenants[0], 2 * MIB).unwrap();
+    let common::Engine { member, governor, tenants, registry, .. } = a;
+    let report = member.leave();
+    assert!(!report.slot_freed);
+    assert!(report.still_held >= 2 * MIB, "{report:?}");
+    // What stays granted is what the governor holds: the node counts it until this
+    // process exits.
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, report.still_held);
+    drop(block);
+    drop((tenants, registry, governor));
+    // Joining again is a new slot; the old one is ours (alive) and stays.
+    let governor = memory_governor::Governor::new();
+    let again = books.join(&governor).unwrap();
+    assert!(again.leave().slot_freed);
+    let _ = Arc::new(());
+}
+
+#[test]
+fn set_limits_report_the_old_value_and_names_are_checked() {
+    let books = NodeBooks::open(fresh_config("limits")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    assert_eq!(books.set_device_limit(GPU, 4 * MIB).unwrap(), None);
+    assert_eq!(books.set_device_limit(GPU, 5 * MIB).unwrap(), Some(4 * MIB));
+    assert_eq!(books.device_limit(GPU), Some(5 * MIB));
+    assert!(matches!(books.set_tenant_quota(GPU, "", 1), Err(NodeError::TenantName { .. })));
+    let long = "x".repeat(49);
+    assert!(matches!(books.set_tenant_quota(GPU, &long, 1), Err(NodeError::TenantName { .. })));
+    assert_eq!(books.set_tenant_quota(GPU, "tenant-a", MIB).unwrap(), None);
+    assert_eq!(books.tenant_quota(GPU, "tenant-a"), Some(MIB));
+    assert_eq!(books.tenant_quota(DeviceKey::host(41), "tenant-a"), None);
+}
