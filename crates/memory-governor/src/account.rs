@@ -484,7 +484,7 @@ impl AccountShared {
 
 /// A handle to one authority's account on one device. Cheap to clone.
 ///
-/// Charges go through [`Account::lease`] (or a [`GovernedAllocator`]); each is drawn
+/// Charges go through [`Account::lease`] (or a [`GovernedAllocator`](crate::GovernedAllocator)); each is drawn
 /// from the calling thread's credit when it can be, so admissions on different threads
 /// do not contend.
 #[derive(Clone)]
@@ -627,7 +627,7 @@ impl Account {
     /// once (ONNX Runtime in the middle of a run). Not a charge: the quota and the device
     /// limit are not consulted (they refused already); the device's overdraft limit
     /// bounds every account's draws together. Booked live and peak per device and
-    /// account ([`DeviceSnapshot::overdraft`], [`AccountSnapshot::overdraft`]); the bytes
+    /// account ([`DeviceSnapshot::overdraft`](crate::DeviceSnapshot::overdraft), [`AccountSnapshot::overdraft`]); the bytes
     /// come back when the draw is dropped.
     ///
     /// # Errors

@@ -240,7 +240,7 @@ impl Governor {
     /// and [`Account::lease_owned`]).
     ///
     /// # Errors
-    /// [`AdmissionError`] as for [`Account::lease`], or the account lookup's error.
+    /// [`AdmissionError`](crate::AdmissionError) as for [`Account::lease`], or the account lookup's error.
     pub fn lease(
         &self,
         authority: AuthorityIdentity,
@@ -358,7 +358,7 @@ impl Governor {
     /// Wraps the *backing* of a cache (the allocator a pool takes its memory from) on
     /// `allocator`'s device: every block the cache takes is counted in the device's
     /// `held_by_caches` and refused past the device limit
-    /// ([`AdmissionError::CacheLimit`], which the governed allocator above the cache
+    /// ([`AdmissionError::CacheLimit`](crate::AdmissionError::CacheLimit), which the governed allocator above the cache
     /// answers with the recovery ladder). Build a governed pool as
     /// `governor.govern(Arc::new(Pool::new(governor.cache_backing(system))), authority)`.
     /// See `docs/ACCOUNTING.md`, "Allocated and reserved".
