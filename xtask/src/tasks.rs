@@ -534,6 +534,7 @@ mod tests {
         "-p memory-capi",
         "-p memory-plugin",
         "-p memory-trace",
+        "-p memory-node",
     ];
 
     #[test]
@@ -550,7 +551,6 @@ mod tests {
         assert!(loom_target_dir().ends_with("loom"));
     }
 
-        "-p memory-node",
     #[test]
     fn loom_lint_lints_only_our_libraries_under_the_loom_cfg_with_its_own_config() {
         let step = loom_lint_step(Path::new("/tmp/t/loom"));
