@@ -53,6 +53,8 @@ fn device_data(trace: &Trace, device: &DeviceReport) -> Value {
         "limit": device.limit,
         "peak_allocated": device.peak_allocated,
         "peak_reserved": device.peak_reserved,
+        "governor_peak": device.governor_peak,
+        "governor_reserved_peak": device.governor_reserved_peak,
         "fragmentation_at_peak": device.fragmentation_at_peak,
         "peak_event": device.peak_event,
         "refusals": device.refusals.iter().map(|refusal| json!({

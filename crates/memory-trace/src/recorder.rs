@@ -393,7 +393,6 @@ struct Output<W: Write> {
     out: W,
     error: Option<io::Error>,
     summary: RecordingSummary,
-    bytes: Vec<u8>,
 }
 
 impl<W: Write> Output<W> {
@@ -419,13 +418,12 @@ impl<W: Write> Output<W> {
     }
 }
 
-/// Counts the whole events in drained words (each event's first header word after the
-/// time says its size).
-fn count_events(words: &[u64]) -> u64 {
+/// Counts the whole events in drained bytes (byte 8 of each event, the low byte of its
+/// second word, is its size in words).
+fn count_events(bytes: &[u8]) -> u64 {
     let (mut at, mut events) = (0, 0);
-    while at + 1 < words.len() {
-        let size = format::split_word1(words[at + 1]).size.max(1);
-        at += size;
+    while at + 8 < bytes.len() {
+        at += usize::from(bytes[at + 8]).max(1) * 8;
         events += 1;
     }
     events
@@ -436,9 +434,8 @@ fn write_loop(shared: &Shared, out: impl Write, interval: Duration) -> Result<Re
         out,
         error: None,
         summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
-        bytes: Vec::new(),
     };
-    let mut words = Vec::new();
+    let mut bytes = Vec::new();
     loop {
         let closing = shared.closed.load(Ordering::Acquire);
         let cold = std::mem::take(&mut *lock(&shared.cold));
@@ -453,13 +450,10 @@ fn write_loop(shared: &Shared, out: impl Write, interval: Duration) -> Result<Re
             if local.ring.is_empty() {
                 continue;
             }
-            words.clear();
-            local.ring.drain(&mut words);
-            output.summary.events += count_events(&words);
-            let mut bytes = std::mem::take(&mut output.bytes);
-            writer::words_bytes(&words, &mut bytes);
+            bytes.clear();
+            local.ring.drain_bytes(&mut bytes);
+            output.summary.events += count_events(&bytes);
             output.record(record::EVENTS, &bytes);
-            output.bytes = bytes;
             wrote = true;
         }
         if closing {

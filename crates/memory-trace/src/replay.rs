@@ -217,11 +217,15 @@ pub struct Sample {
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct Books {
-    /// Peak allocated, reserved, the fragmentation at the reserved peak, refusals,
-    /// failures and recorded refusals admitted.
+    /// Peak allocated, reserved (the replay's and the governor's), the fragmentation at
+    /// the reserved peak, refusals, failures and recorded refusals admitted.
     pub peak_allocated: u64,
     /// See [`DeviceReport::peak_reserved`].
     pub peak_reserved: u64,
+    /// See [`DeviceReport::governor_peak`].
+    pub governor_peak: u64,
+    /// See [`DeviceReport::governor_reserved_peak`].
+    pub governor_reserved_peak: u64,
     /// See [`DeviceReport::fragmentation_at_peak`].
     pub fragmentation_at_peak: f64,
     /// Refused events (indexes).
@@ -240,14 +244,11 @@ pub struct DeviceReport {
     pub device: DeviceKey,
     /// Its limit in the replay.
     pub limit: Option<u64>,
-    /// The highest bytes charged at once: the governor's `DeviceSnapshot::peak`, which
-    /// counts a request's charge while its allocation runs, so a request the recovery
-    /// ladder refused in the end still shows here.
+    /// The highest bytes held at once by blocks the replay was handed (a recorded
+    /// refusal admitted here counts while it is held, before it goes back).
     pub peak_allocated: u64,
-    /// The highest allocated + idle in caches seen after any event, or the governor's
-    /// `reserved_peak` if higher: it also sees the moment inside a call when a cache has
-    /// grown and the growth is not yet checked, which may pass the device limit
-    /// (docs/ACCOUNTING.md, "Allocated and reserved").
+    /// The highest allocated + idle in caches (the stack's `cached_bytes`) after any
+    /// event, the governor's `reserved` as its snapshots compute it.
     pub peak_reserved: u64,
     /// `1 - largest free / cached` when reserved peaked.
     pub fragmentation_at_peak: f64,
@@ -272,7 +273,13 @@ pub struct DeviceReport {
     pub final_allocated: u64,
     /// See above.
     pub final_reserved: u64,
-    /// The governor's own `reserved_peak`.
+    /// The governor's `DeviceSnapshot::peak`: it counts a request's charge while its
+    /// allocation runs, so it includes requests the recovery ladder refused in the end.
+    pub governor_peak: u64,
+    /// The governor's `DeviceSnapshot::reserved_peak`: it also sees the moment inside a
+    /// call when a cache has grown (or a request is charged) and the ladder has not yet
+    /// checked it, so it may pass the device limit (docs/ACCOUNTING.md, "Allocated and
+    /// reserved").
     pub governor_reserved_peak: u64,
     /// The timeline's series: (tenant, role).
     pub series: Vec<(u32, MemoryRole)>,
@@ -288,6 +295,8 @@ impl DeviceReport {
         Books {
             peak_allocated: self.peak_allocated,
             peak_reserved: self.peak_reserved,
+            governor_peak: self.governor_peak,
+            governor_reserved_peak: self.governor_reserved_peak,
             fragmentation_at_peak: self.fragmentation_at_peak,
             refused: self.refusals.iter().map(|refusal| refusal.event).collect(),
             failures: self.failures,
@@ -383,6 +392,7 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
                 release: Latency::default(),
                 final_allocated: 0,
                 final_reserved: 0,
+                governor_peak: 0,
                 governor_reserved_peak: 0,
                 series: Vec::new(),
                 timeline: Vec::new(),
@@ -470,14 +480,12 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
             run.report.timeline.push(bucket);
         }
         if let Some(device) = snapshot.device(stack.device) {
-            run.report.peak_allocated = device.peak.max(run.peak_allocated_seen);
             run.report.final_allocated = device.allocated;
             run.report.final_reserved = device.reserved;
+            run.report.governor_peak = device.peak;
             run.report.governor_reserved_peak = device.reserved_peak;
-            run.report.peak_reserved = run.report.peak_reserved.max(device.reserved_peak);
-        } else {
-            run.report.peak_allocated = run.peak_allocated_seen;
         }
+        run.report.peak_allocated = run.peak_allocated_seen;
         run.report.allocate = Latency::of(std::mem::take(&mut run.alloc_ns));
         run.report.release = Latency::of(std::mem::take(&mut run.release_ns));
     }
@@ -579,7 +587,8 @@ fn retry_recorded(
             // Held for a moment: the peaks see it, then it goes back.
             let series = run.series_index[&(event.tenant, role)];
             run.add(series, raw.bytes() as u64, index);
-            run.observe_peak(index, stack);
+            let reserved = run.observe_peak(index, stack);
+            run.sample(index, event.ts_ns, reserved);
             run.release(&tenant.governed, LiveBlock { raw, tenant: 0, series });
         }
         Attempt::Refused(message) => run.refused(index, event, role, requested, true, message),
@@ -644,7 +653,17 @@ impl DeviceRun {
     /// The figures after event `index`: reserved, the peak, the timeline.
     fn observe(&mut self, index: usize, event: &Event, stack: &Stack, bucket_len: usize) {
         let reserved = self.observe_peak(index, stack);
-        let sample = Sample { event: index, ts_ns: event.ts_ns, allocated: self.allocated_by_series.clone(), reserved };
+        self.sample(index, event.ts_ns, reserved);
+        if (index + 1).is_multiple_of(bucket_len)
+            && let Some(bucket) = self.bucket.take()
+        {
+            self.report.timeline.push(bucket);
+        }
+    }
+
+    /// Offers the books now to the timeline: each stretch keeps its highest point.
+    fn sample(&mut self, index: usize, ts_ns: u64, reserved: u64) {
+        let sample = Sample { event: index, ts_ns, allocated: self.allocated_by_series.clone(), reserved };
         let keep = match &self.bucket {
             Some(bucket) => {
                 let total: u64 = bucket.allocated.iter().sum();
@@ -654,11 +673,6 @@ impl DeviceRun {
         };
         if keep {
             self.bucket = Some(sample);
-        }
-        if (index + 1).is_multiple_of(bucket_len)
-            && let Some(bucket) = self.bucket.take()
-        {
-            self.report.timeline.push(bucket);
         }
     }
 }
@@ -797,6 +811,9 @@ pub fn table(trace: &Trace, reports: &[ReplayReport]) -> String {
         row("device limit", &|d| d.limit.map_or_else(|| "none".to_owned(), bytes));
         row("peak allocated", &|d| bytes(d.peak_allocated));
         row("peak reserved", &|d| bytes(d.peak_reserved));
+        row("governor peak / reserved_peak", &|d| {
+            format!("{} / {}", bytes(d.governor_peak), bytes(d.governor_reserved_peak))
+        });
         row("fragmentation at peak", &|d| format!("{:.0} %", d.fragmentation_at_peak * 100.0));
         row("refusals", &|d| d.refusals.len().to_string());
         row("first refused event", &|d| {

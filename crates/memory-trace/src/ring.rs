@@ -85,18 +85,29 @@ impl Ring {
         if fill <= half && fill + n > half { Pushed::QueuedWake } else { Pushed::Queued }
     }
 
-    /// Appends every word pushed and not yet drained to `out` (consumer only); the
-    /// number of words drained.
-    pub(crate) fn drain(&self, out: &mut Vec<u64>) -> usize {
+    /// Hands every word pushed and not yet drained to `take`, in order (consumer only);
+    /// the number of words drained.
+    #[inline]
+    fn drain_with(&self, mut take: impl FnMut(u64)) -> usize {
         let tail = self.tail.load(Ordering::Relaxed);
         let head = self.head.load(Ordering::Acquire);
-        let n = head.wrapping_sub(tail);
-        out.reserve(n as usize);
         for word in tail..head {
-            out.push(self.words[(word & self.mask) as usize].load(Ordering::Relaxed));
+            take(self.words[(word & self.mask) as usize].load(Ordering::Relaxed));
         }
         self.tail.store(head, Ordering::Release);
-        n as usize
+        head.wrapping_sub(tail) as usize
+    }
+
+    /// Appends every word pushed and not yet drained to `out` as little-endian bytes
+    /// (consumer only: the writer thread); the number of words drained.
+    pub(crate) fn drain_bytes(&self, out: &mut Vec<u8>) -> usize {
+        self.drain_with(|word| out.extend_from_slice(&word.to_le_bytes()))
+    }
+
+    /// Appends every word pushed and not yet drained to `out` (consumer only).
+    #[cfg(test)]
+    pub(crate) fn drain(&self, out: &mut Vec<u64>) -> usize {
+        self.drain_with(|word| out.push(word))
     }
 
     /// Whether anything waits to be drained (consumer's view).
