@@ -49,6 +49,10 @@ pub enum Invocation {
         /// Requests per tenant and model.
         requests: usize,
     },
+    /// `--processes N`: N engine processes sharing node books.
+    Processes(crate::processes::ProcessesConfig),
+    /// One engine of a `--processes` run (the hidden `--engine-of` flag).
+    Engine(crate::processes::EngineConfig),
 }
 
 /// memory-demo: an LLM server's memory, simulated over the registry and the governor
@@ -86,6 +90,19 @@ struct Cli {
     /// target/ort-cache; `cargo xtask demo --ort` fetches them).
     #[arg(long)]
     ort: bool,
+    /// Run N engine processes (2 to 16), each with its own registry and governor, sharing
+    /// the simulated devices' budgets and the tenants' quotas through node books; one is
+    /// killed two thirds in, and the report ends with the nothing-lost check across
+    /// processes. --requests is per engine (default 900).
+    #[arg(long, value_name = "N", conflicts_with_all = ["ort", "gpu", "trace", "snapshot"],
+          value_parser = clap::value_parser!(u64).range(2..=16))]
+    processes: Option<u64>,
+    /// (internal) Run as one engine of a --processes run, on the books at PATH.
+    #[arg(long, value_name = "PATH", hide = true, requires = "engine_index")]
+    engine_of: Option<PathBuf>,
+    /// (internal) The engine's index.
+    #[arg(long, value_name = "N", hide = true)]
+    engine_index: Option<usize>,
 }
 
 /// Why the command line was not run: a usage error or a request for help, already
@@ -102,11 +119,29 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Invocation, FlagE
         let requests = cli.requests.map_or(40, |n| usize::try_from(n).unwrap_or(usize::MAX));
         return Ok(Invocation::RealModels { requests });
     }
+    let threads = usize::try_from(cli.threads).unwrap_or(4);
+    if let Some(books) = cli.engine_of {
+        return Ok(Invocation::Engine(crate::processes::EngineConfig {
+            books,
+            index: cli.engine_index.unwrap_or(0),
+            requests: cli.requests.unwrap_or(900),
+            seed: cli.seed,
+            threads,
+        }));
+    }
+    if let Some(processes) = cli.processes {
+        return Ok(Invocation::Processes(crate::processes::ProcessesConfig {
+            processes: usize::try_from(processes).unwrap_or(3),
+            requests: cli.requests.unwrap_or(900),
+            seed: cli.seed,
+            threads: threads.min(2),
+        }));
+    }
     Ok(Invocation::Simulate(Config {
         requests: cli.requests.unwrap_or(Config::default().requests),
         duration: cli.secs,
         seed: cli.seed,
-        threads: usize::try_from(cli.threads).unwrap_or(4),
+        threads,
         gpu: cli.gpu,
         trace: cli.trace,
         snapshot: cli.snapshot,
@@ -156,6 +191,22 @@ mod tests {
         assert_eq!(parse(args("--ort")).unwrap(), Invocation::RealModels { requests: 40 });
         assert_eq!(parse(args("--ort --requests 5")).unwrap(), Invocation::RealModels { requests: 5 });
         assert!(parse(args("--ort --gpu")).unwrap_err().to_string().contains("--gpu"));
+    }
+
+    #[test]
+    fn processes_mode_takes_requests_per_engine() {
+        match parse(args("--processes 3")).unwrap() {
+            Invocation::Processes(config) => {
+                assert_eq!((config.processes, config.requests, config.threads), (3, 900, 2));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(args("--processes 1")).unwrap_err().to_string().contains("--processes"));
+        assert!(parse(args("--processes 3 --gpu")).unwrap_err().to_string().contains("--gpu"));
+        match parse(args("--engine-of /dev/shm/b --engine-index 2 --requests 5")).unwrap() {
+            Invocation::Engine(engine) => assert_eq!((engine.index, engine.requests), (2, 5)),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -14,9 +14,15 @@
 //! The report gives allocated and reserved per device and tenant with their peaks, one
 //! refusal's message, and ends with the check that every allocation is accounted for
 //! and the footprint's books balance.
+//!
+//! `--processes N` ([`processes`]) runs N engine processes instead, each with its own
+//! registry and governor, sharing the two devices' budgets and the tenants' quotas
+//! through node books (`memory-node`); one is killed two thirds in, and the report ends
+//! with the nothing-lost check across processes.
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod processes;
 pub mod real_models;
 pub mod report;
 mod sim;

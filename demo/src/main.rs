@@ -20,6 +20,27 @@ fn main() -> ExitCode {
                 }
             };
         }
+        Ok(Invocation::Processes(config)) => {
+            return match memory_demo::processes::run(&config) {
+                Ok(report) => {
+                    print!("{report}");
+                    if report.passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+                }
+                Err(error) => {
+                    eprintln!("memory-demo --processes: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Ok(Invocation::Engine(config)) => {
+            return match memory_demo::processes::engine(&config) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("memory-demo engine {}: {error}", config.index);
+                    ExitCode::FAILURE
+                }
+            };
+        }
         // Help goes to stdout with success, a usage error to stderr with status 2.
         Err(error) => error.exit(),
     };

@@ -177,10 +177,12 @@ pub(crate) struct MemberInner {
 }
 
 /// One process's (one governor's) place in the node books. Keep it for as long as the
-/// governor allocates: dropping it (or [`Member::leave`]) stops the timer, puts the
-/// inner policies back, gives back what the governor does not use, and frees the slot
-/// when the governor holds nothing; otherwise the slot stays until the process exits,
-/// when a survivor refunds it.
+/// governor allocates: dropping it (or [`Member::leave`]) stops the timer, gives back
+/// what the governor does not use, and, when the governor holds nothing on the books'
+/// devices (no charge, nothing cached), frees the slot and leaves the governor with
+/// `HardLimit` policies and zero limits there. Otherwise the inner policies come back,
+/// the grants keep covering what the governor uses, and the slot stays until the
+/// process exits, when a survivor refunds it.
 pub struct Member {
     inner: Arc<MemberInner>,
     timer: Option<std::thread::JoinHandle<()>>,
@@ -454,8 +456,19 @@ impl Member {
         member.wake.notify_all();
         let _ = timer.join();
         let devices: Vec<_> = lock(&member.devices).clone();
+        // A governor that holds nothing on the books' devices (no charge, nothing in its
+        // caches) leaves entirely: its policies become `HardLimit` (so reserves, which
+        // are bookkeeping then, go back too) and its limits zero. Otherwise the inner
+        // policies come back and the grants keep covering what it uses.
+        let _ = member.governor.return_idle_credit();
+        let snapshot = member.governor.snapshot();
+        let holds_nothing = devices.iter().all(|grant| {
+            snapshot.device(grant.key).is_none_or(|d| d.current == 0 && d.reserved == 0 && d.held_by_caches == 0)
+        });
         for grant in &devices {
-            let _ = member.governor.set_policy(grant.key, Arc::clone(&grant.inner));
+            let policy: Arc<dyn AdmissionPolicy> =
+                if holds_nothing { Arc::new(memory_governor::HardLimit) } else { Arc::clone(&grant.inner) };
+            let _ = member.governor.set_policy(grant.key, policy);
             member.governor.unregister_holder(grant.holder);
         }
         let before = member.counters.given_back_bytes.load(SeqCst);
@@ -599,13 +612,14 @@ impl MemberInner {
         let targets = devices.iter().map(|d| Target::Device(d)).chain(tenants.iter().map(|t| Target::Tenant(t)));
         for target in targets {
             let mut state = lock(target.grant_state());
+            if !leaving && (target.serving().load(SeqCst) > 0 || state.last_grant.is_some_and(|at| at.elapsed() < tick))
+            {
+                // Left alone this tick; pressure seen now is still answered next tick.
+                continue;
+            }
             let pressure = target.pressure(shared).load(SeqCst);
             let pressured = leaving || pressure != state.pressure_seen;
             state.pressure_seen = pressure;
-            if !leaving && (target.serving().load(SeqCst) > 0 || state.last_grant.is_some_and(|at| at.elapsed() < tick))
-            {
-                continue;
-            }
             // A cheap look first: most ticks find nothing to give back.
             let cheap = match target {
                 Target::Tenant(tenant) => Some(tenant.account.used()),
