@@ -525,8 +525,24 @@ impl NodeBooks {
     /// # Errors
     /// The lock's I/O error.
     pub fn refund_dead(&self) -> Result<Vec<Refund>, NodeError> {
+        self.with_lock(|shared| self.refund_locked(shared))
+    }
+
+    /// [`NodeBooks::refund_dead`] if the books' lock is free within `wait`: an
+    /// allocating thread (or a timer) never waits longer for a peer that keeps the lock.
+    /// `Ok(None)` when the lock stayed taken.
+    pub(crate) fn refund_dead_within(&self, wait: Duration) -> Result<Option<Vec<Refund>>, NodeError> {
+        let _process = lock(&self.inner.lock);
+        let Some(_file) = self.inner.map.lock_within(wait).map_err(self.io("lock"))? else {
+            tracing::debug!(path = %self.inner.path.display(), "the books' lock is held: refunds wait");
+            return Ok(None);
+        };
+        Ok(Some(self.refund_locked(self.shared())))
+    }
+
+    fn refund_locked(&self, shared: &Shared) -> Vec<Refund> {
         let me = self.inner.me;
-        self.with_lock(|shared| {
+        {
             let mut refunds = Vec::new();
             for (slot, entry) in shared.slots.iter().enumerate() {
                 let word = entry.state.load(SeqCst);
@@ -547,7 +563,7 @@ impl NodeBooks {
                 }
             }
             refunds
-        })
+        }
     }
 
     /// A snapshot of the books: limits, quotas, grants per device and tenant, and each

@@ -215,6 +215,25 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// Takes the books' lock if it is free within `wait` (polling every millisecond);
+    /// `None` when another process kept it.
+    pub(crate) fn lock_within(&self, wait: std::time::Duration) -> std::io::Result<Option<FileLock<'_>>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match flock(&self.file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(Some(FileLock(&self.file))),
+                Err(rustix::io::Errno::WOULDBLOCK | rustix::io::Errno::INTR) => {}
+                Err(errno) => return Err(errno.into()),
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr` and `LAYOUT_SIZE` are exactly what `mmap` returned and was asked

@@ -553,7 +553,7 @@ impl MemberInner {
             }
             if !scanned {
                 scanned = true;
-                if let Ok(refunds) = self.books.refund_dead() {
+                if let Ok(Some(refunds)) = self.books.refund_dead_within(self.config().pressure_wait) {
                     self.counters.refunds.fetch_add(refunds.len() as u64, SeqCst);
                     if !refunds.is_empty() {
                         continue;
@@ -685,7 +685,7 @@ impl MemberInner {
             self.give_back_surplus(false);
             if last_scan.elapsed() >= config.refund_interval {
                 last_scan = Instant::now();
-                if let Ok(refunds) = self.books.refund_dead() {
+                if let Ok(Some(refunds)) = self.books.refund_dead_within(config.tick) {
                     self.counters.refunds.fetch_add(refunds.len() as u64, SeqCst);
                 }
                 self.publish(&self.governor.snapshot());

@@ -230,3 +230,23 @@ fn set_limits_report_the_old_value_and_names_are_checked() {
     assert_eq!(books.tenant_quota(GPU, "tenant-a"), Some(MIB));
     assert_eq!(books.tenant_quota(DeviceKey::host(41), "tenant-a"), None);
 }
+
+#[test]
+fn a_peer_that_keeps_the_books_lock_delays_no_admission_past_the_pressure_wait() {
+    let books = NodeBooks::open(fresh_config("lock")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 4 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let block = allocate(&a.tenants[0], 3 * MIB).unwrap();
+    // Another open of the file keeps the lock (as a stuck or hostile peer would).
+    let file = OpenOptions::new().read(true).write(true).open(books.path()).unwrap();
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let started = Instant::now();
+    assert!(allocate(&a.tenants[0], 2 * MIB).is_none(), "over the node limit");
+    assert!(started.elapsed() < Duration::from_secs(1), "a short admission waited {:?}", started.elapsed());
+    // Grants take no lock: what fits is still granted.
+    drop(block);
+    let _ = a.member.give_back_surplus();
+    drop(file);
+    drop(a);
+}
