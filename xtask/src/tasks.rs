@@ -123,7 +123,7 @@ pub(crate) const FEATURE_CRATES: [&str; 3] = ["memory-api", "memory-binding", "m
 
 /// The crates published to the registry, in dependency order: the core and the
 /// providers, then the adapters a runtime adds from the registry.
-pub(crate) const PUBLISHED_CRATES: [&str; 10] = [
+pub(crate) const PUBLISHED_CRATES: [&str; 11] = [
     "memory-api",
     "memory-sync",
     "memory-binding",
@@ -134,6 +134,7 @@ pub(crate) const PUBLISHED_CRATES: [&str; 10] = [
     "memory-plugin",
     "memory-ort",
     "memory-capi",
+    "memory-node",
 ];
 
 /// `cargo package` of every published crate together: cargo verifies each against the
