@@ -344,20 +344,36 @@ pub(crate) fn fuzz_steps(flags: &flags::Fuzz) -> Vec<Step> {
 pub(crate) const MUTATED_CRATES: [&str; 2] = ["memory-binding", "memory-governor"];
 
 /// `cargo xtask mutants [--file F]`: cargo-mutants over [`MUTATED_CRATES`] (or one
-/// file), testing each mutant with the mutated crate's own tests. Slow (minutes per
-/// file): a weekly workflow runs it, not CI. The stress and property tests are shortened
-/// so a mutant that hangs a protocol times out rather than running for the full budget.
+/// file), in two passes. The first tests each mutant with the mutated crate's own tests
+/// (the stress and property tests shortened, so a mutant that hangs a protocol times
+/// out rather than running for the full budget). The second (`--iterate`: only the
+/// mutants the first neither caught nor found unviable) builds the crate with
+/// `--cfg memory_loom` and runs its loom models, as the loom step does: a mutant of a
+/// concurrent protocol may show only under an interleaving. The second pass's
+/// `mutants.out` is the verdict (`missed.txt` there: missed by both; its
+/// `previously_caught.txt`: what the first caught). Slow (minutes per file): a weekly
+/// workflow runs it, not CI.
 pub(crate) fn mutants_steps(flags: &flags::Mutants) -> Vec<Step> {
-    let mut args =
-        vec!["mutants".to_owned(), "--no-shuffle".to_owned(), "--timeout-multiplier".to_owned(), "3".to_owned()];
+    let mut args: Vec<String> = ["mutants", "--no-shuffle", "--timeout-multiplier", "3"].map(String::from).to_vec();
     for krate in MUTATED_CRATES {
         args.extend(["--package".to_owned(), krate.to_owned()]);
     }
     if let Some(file) = &flags.file {
         args.extend(["--file".to_owned(), file.display().to_string()]);
     }
-    let cmd = Cmd::cargo(args).env("MEMORY_STRESS_SECS", "1").env("PROPTEST_CASES", "32");
-    vec![Step::new("mutants", cmd)]
+    // cargo-mutants exits 2 when a mutant survives and 3 when one times out: the loom
+    // pass retries those, so only the first pass's other failures stop the task.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut tests = vec!["-c".to_owned(), r#""$@"; s=$?; [ $s -eq 0 ] || [ $s -eq 2 ] || [ $s -eq 3 ]"#.to_owned()];
+    tests.extend(["mutants-tests".to_owned(), cargo]);
+    tests.extend(args.iter().cloned());
+    let tests = Cmd::new("bash", tests).env("MEMORY_STRESS_SECS", "1").env("PROPTEST_CASES", "32");
+    let mut loom = args;
+    loom.extend(["--iterate", "--profile", "release", "--cargo-arg=--lib", "--", "--", "loom"].map(String::from));
+    let loom = Cmd::cargo(loom)
+        .env("RUSTFLAGS", extend_flags(std::env::var("RUSTFLAGS").ok(), "--cfg memory_loom"))
+        .env("LOOM_MAX_PREEMPTIONS", LOOM_PREEMPTIONS_IN_TEST.to_string());
+    vec![Step::new("mutants", tests), Step::new("mutants-loom", loom)]
 }
 
 /// The command `cargo xtask demo ARGS` runs.
@@ -635,6 +651,23 @@ mod tests {
         let one = mutants_steps(&flags::Mutants { file: Some(file.into()) });
         assert!(one[0].cmd.to_string().ends_with(&format!("--file {file}")), "{}", one[0].cmd);
         assert_eq!(one[0].cmd.env_value("MEMORY_STRESS_SECS"), Some("1"));
+    }
+
+    #[test]
+    fn mutants_retries_what_the_tests_missed_under_the_loom_models() {
+        let steps = mutants_steps(&flags::Mutants { file: Some("crates/memory-governor/src/credit.rs".into()) });
+        assert_eq!(steps.iter().map(|step| step.name).collect::<Vec<_>>(), ["mutants", "mutants-loom"]);
+        // The first pass may miss (2) or time out (3): the second decides.
+        let first = steps[0].cmd.arg_list();
+        assert!(first[1].ends_with("[ $s -eq 2 ] || [ $s -eq 3 ]"), "{first:?}");
+        assert!(Path::new(&first[3]).file_stem().is_some_and(|stem| stem == "cargo"), "{first:?}");
+        assert_eq!(first[4], "mutants", "{first:?}");
+        let loom = &steps[1].cmd;
+        let args = loom.arg_list();
+        assert!(args.contains(&"--iterate".to_owned()) && args.contains(&"--file".to_owned()), "{loom}");
+        assert!(loom.to_string().ends_with("--profile release --cargo-arg=--lib -- -- loom"), "{loom}");
+        assert!(loom.env_value("RUSTFLAGS").is_some_and(|flags| flags.ends_with("--cfg memory_loom")), "{loom}");
+        assert_eq!(loom.env_value("LOOM_MAX_PREEMPTIONS"), Some("2"));
     }
 
     #[test]

@@ -508,7 +508,7 @@ impl Slot {
     }
 
     /// Whether the slot is closed (caches no credit).
-    #[cfg(all(test, memory_loom))]
+    #[cfg(test)]
     pub(crate) fn is_closed(&self) -> bool {
         self.word.load(Ordering::Acquire) & CLOSED != 0
     }
@@ -1036,6 +1036,53 @@ mod tests {
         path.draw(ROLE_USED, 0).unwrap();
         assert_eq!(path.draw(1, 0), Err(Short::Overflow { used: ROLE_USED, limit: ROLE_USED }));
         assert_eq!(books.0.budget.used(), ROLE_USED, "the refused draw gave the account back");
+    }
+
+    #[test]
+    fn an_open_slot_refills_while_a_drainer_is_counted() {
+        let books = books(10_000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        assert!(slot.admit_fast(100));
+        // A drainer at work on both budgets that has not reached this slot yet: only a
+        // closed slot waits for it to leave; an open one is swept in its turn.
+        let _account = books.0.budget.enter_drain();
+        let _device = books.1.budget.enter_drain();
+        slot.admit_slow(5, 100).unwrap();
+        assert_eq!((slot.credit(), books.1.budget.used()), (100, 215), "the open slot drew its chunk");
+    }
+
+    #[test]
+    fn a_retired_slot_says_so_and_holds_nothing() {
+        let books = books(1000, UNLIMITED);
+        let slot = slot(&books, KV);
+        slot.admit_slow(10, 100).unwrap();
+        assert!(!slot.is_retired(), "a live slot is kept in the lists");
+        slot.retire();
+        // The lists drop a slot once it says it is retired: a slot that never said so
+        // would stay listed for good, one more per thread that ever charged.
+        assert!(slot.is_retired());
+        assert_eq!((slot.credit(), books.1.budget.used()), (0, 10), "its credit went back");
+        assert!(slot.is_closed(), "closed for good");
+    }
+
+    #[test]
+    fn every_reserve_change_gives_the_role_word_a_new_version() {
+        let books = books(1000, UNLIMITED);
+        let path = Path { account: &books.0, device: &books.1, role: WEIGHTS };
+        path.draw(5, 0).unwrap();
+        let role = &books.1.roles[WEIGHTS];
+        // A draw computed against an older word commits only if the word is equal
+        // again: versions repeat only after 128 changes, whether a change succeeds or
+        // is refused.
+        for changes in 0..=130u64 {
+            let word = role.word.load(Ordering::Acquire);
+            assert_eq!(word & FROZEN, 0, "unfrozen after the change");
+            assert_eq!(word & ROLE_USED, 5, "the usage survives the change");
+            assert_eq!((word & VERSION) >> VERSION_SHIFT, changes % 128, "version after {changes} changes");
+            let target = if changes % 10 == 9 { 2000 } else { changes % 7 };
+            assert_eq!(books.1.set_reserve(WEIGHTS, target).is_ok(), target <= 1000);
+        }
     }
 
     #[test]

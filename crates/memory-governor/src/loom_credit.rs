@@ -8,7 +8,7 @@
 use loom::thread;
 
 use crate::credit::{
-    AccountCounters, DeviceCounters, ROLES, Slot, SlotLists, UNLIMITED, admit_draining, return_credit, set_limit,
+    AccountCounters, DeviceCounters, Path, ROLES, Slot, SlotLists, UNLIMITED, admit_draining, return_credit, set_limit,
 };
 use crate::sync::{Arc, Mutex, lock};
 
@@ -41,6 +41,12 @@ impl Books {
         slot
     }
 
+    /// The shared books of `role`, without a slot: draws and returns that go straight
+    /// to the role's word on the device.
+    fn path(&self, role: usize) -> Path<'_> {
+        Path { account: &self.account, device: &self.device, role }
+    }
+
     fn lists(&self) -> SlotLists<'_> {
         SlotLists { account: &self.account_slots, device: &self.device_slots }
     }
@@ -69,10 +75,11 @@ impl Books {
         }
         return_credit(&self.device.budget, &self.device_slots);
         assert_eq!(self.account.budget.used(), 0, "account books leaked");
-        assert_eq!(self.device.budget.used(), self.device.reserve_targets(), "device books leaked");
         for role in 0..ROLES {
             assert_eq!(self.account.roles[role].used(), 0, "role {role} leaked");
+            assert_eq!(self.device.roles[role].used(), 0, "role {role} leaked on the device");
         }
+        assert_eq!(self.device.budget.used(), self.device.reserve_targets(), "device books leaked");
     }
 }
 
@@ -277,5 +284,91 @@ fn loom_reserve_change_racing_draws() {
         w.join().unwrap();
         books.assert_empty();
         assert_eq!(books.device.budget.used(), 2, "the device holds exactly the new reserve");
+    });
+}
+
+/// A return of a role racing a change of its reserve: the return either commits
+/// before the role is frozen or waits for the change, never lands on the frozen word
+/// (the change would then write back the usage it read, and the return would be lost).
+#[test]
+fn loom_return_racing_reserve_change() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        books.path(WEIGHTS).draw(1, 0).unwrap();
+        let changer_books = Arc::clone(&books);
+        let changer = thread::spawn(move || changer_books.device.set_reserve(WEIGHTS, 2).unwrap());
+        books.path(WEIGHTS).give_back(1);
+        changer.join().unwrap();
+        books.assert_empty();
+        assert_eq!(books.device.budget.used(), 2, "the device holds exactly the new reserve");
+    });
+}
+
+/// A draw of a role racing two changes of its reserve, from the role's first word (no
+/// usage, version 0, so the frozen word is exactly the frozen flag): the draw commits
+/// against the reserve it read or is recomputed, never onto a frozen word or onto a word
+/// whose version came back after the reserve moved.
+#[test]
+fn loom_draw_racing_two_reserve_changes() {
+    loom::model(|| {
+        let books = Books::new(8, UNLIMITED);
+        let changer_books = Arc::clone(&books);
+        let changer = thread::spawn(move || {
+            changer_books.device.set_reserve(WEIGHTS, 2).unwrap();
+            changer_books.device.set_reserve(WEIGHTS, 3).unwrap();
+        });
+        books.path(WEIGHTS).draw(1, 0).unwrap();
+        books.assert_within_limits();
+        books.path(WEIGHTS).give_back(1);
+        changer.join().unwrap();
+        books.assert_empty();
+        assert_eq!(books.device.budget.used(), 3, "the device holds exactly the last reserve");
+    });
+}
+
+/// A draw retried because another draw or return of its role committed first: the
+/// retry costs the device what the new usage costs over the reserve, taking or giving
+/// back only the difference from what it already took.
+#[test]
+fn loom_draw_retried_after_its_role_moved() {
+    loom::model(|| {
+        let books = Books::new(8, UNLIMITED);
+        books.device.set_reserve(WEIGHTS, 2).unwrap();
+        // Usage 1 inside a reserve of 2: a draw of 2 costs 1, or 2 once another byte is drawn.
+        books.path(WEIGHTS).draw(1, 0).unwrap();
+        let other_books = Arc::clone(&books);
+        let other = thread::spawn(move || {
+            other_books.path(WEIGHTS).draw(1, 0).unwrap();
+            other_books.path(WEIGHTS).give_back(1);
+        });
+        books.path(WEIGHTS).draw(2, 0).unwrap();
+        books.assert_within_limits();
+        other.join().unwrap();
+        assert_eq!(books.device.budget.used(), 3, "usage 3 over a reserve of 2 occupies 3");
+        books.path(WEIGHTS).give_back(3);
+        books.assert_empty();
+    });
+}
+
+/// An admission served from the owner's own credit racing a sweep of that credit: the
+/// owner's look before entering its section may be stale, so inside the section it
+/// admits only from an open word (a swept word is closed and holds nothing).
+#[test]
+fn loom_fast_admission_racing_sweep() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        let owner = books.slot(KV);
+        assert!(books.admit(&owner, 1));
+        books.refund(&owner, 1);
+        assert!(owner.credit() >= 1, "the model needs cached credit to start with");
+        let sweeper_books = Arc::clone(&books);
+        let sweeper = thread::spawn(move || {
+            return_credit(&sweeper_books.device.budget, &sweeper_books.device_slots);
+        });
+        assert!(books.admit(&owner, 1), "1 fits in 4");
+        books.assert_within_limits();
+        sweeper.join().unwrap();
+        books.refund(&owner, 1);
+        books.assert_empty();
     });
 }
