@@ -3,7 +3,7 @@
 //! | allocator | what it is | capability |
 //! |-----------|------------|------------|
 //! | [`SystemAllocator`] | the global allocator, any size and power-of-two alignment | — |
-//! | [`PooledAllocator`] | a caching allocator over any allocator: size classes, large requests carved best-fit from segments (split, merged), capped, trimmable | — |
+//! | [`PooledAllocator`] | a caching allocator over any allocator: size classes, large requests carved best-fit from segments (split, merged), idle memory given back without a trim, capped, trimmable | — |
 //! | [`VirtualHostAllocator`] | reserve address space, commit pages on demand (the CPU twin of CUDA VMM) | [`VirtualBacking`](memory_api::VirtualBacking) |
 //! | [`SharedHostAllocator`] | one memfd mapped into several reservations (the CPU twin of a shared KV prefix) | [`SharedMapping`](memory_api::SharedMapping) |
 //!

@@ -81,11 +81,18 @@ impl Shard {
         self.classes[class].push(slot);
     }
 
+    /// The largest cached block: the top class with a block in its free list.
+    fn largest_cached(&self) -> usize {
+        let top = self.classes.iter().rev().find_map(|free| free.last());
+        top.and_then(|&slot| self.records.get(slot)?.block.as_ref()).map_or(0, RawAllocation::bytes)
+    }
+
     /// Adds this shard's counters, cached bytes and cached and quarantined blocks to
     /// `total`.
     pub(super) fn count_into(&self, total: &mut PoolStats) {
         total.add_counters(&self.counters);
         total.cached_bytes += self.cached_bytes as u64;
+        total.largest_free_bytes = total.largest_free_bytes.max(self.largest_cached() as u64);
         for (_, record) in self.records.iter() {
             match record.state {
                 State::Cached => total.cached_blocks += 1,
@@ -105,6 +112,19 @@ impl Shard {
             .map(|(_, record)| record.block.as_ref().expect("a cached block").bytes())
             .sum();
         assert_eq!(cached, self.cached_bytes, "cached bytes of shard {index}");
+        let largest = self
+            .records
+            .iter()
+            .filter(|(_, record)| matches!(record.state, State::Cached))
+            .filter_map(|(_, record)| record.block.as_ref().map(RawAllocation::bytes))
+            .max();
+        assert_eq!(largest.unwrap_or(0), self.largest_cached(), "largest cached block of shard {index}");
+    }
+
+    /// Bytes of the inner blocks this shard holds: live, cached or quarantined.
+    #[cfg(test)]
+    pub(super) fn held_bytes(&self) -> usize {
+        self.records.iter().filter_map(|(_, record)| record.block.as_ref().map(RawAllocation::bytes)).sum()
     }
 }
 

@@ -3,10 +3,26 @@
 //! best-fit from inner blocks (segments) split into pieces that tile them. The smallest
 //! free piece that holds a request at its alignment serves it, split when the rest
 //! could serve another large request; a freed piece merges with its free neighbours,
-//! so a wholly free segment is one piece again. Wholly free segments beyond the cap go
-//! back to the inner allocator least recently idle first. Segments sit behind one lock:
-//! a request that large costs far more than the lock, and any thread's free segment
-//! memory serves every thread.
+//! so a wholly free segment is one piece again. A miss takes a new segment of exactly
+//! the rounded size: replaying recorded ONNX Runtime sweeps, segments rounded up (to
+//! 2 MiB, or to a sixteenth of their power of two) held 1-15 % more at the peak and
+//! carving pieces from either end of a free piece changed nothing. Segments sit behind
+//! one lock: a request that large costs far more than the lock, and any thread's free
+//! segment memory serves every thread.
+//!
+//! Wholly free segments go back to the inner allocator without a caller's `trim`:
+//! - **on a miss**, every one smaller than the request, before the new segment is
+//!   taken: none can ever serve it, and a workload whose sizes grow (a runtime planning
+//!   memory anew for a larger input shape) would otherwise keep every smaller generation
+//!   of its buffers;
+//! - **past the cap** (the high-water mark), after a release: least recently idle
+//!   first, down to the low-water mark (three quarters of the cap), so a workload
+//!   hovering at the cap does not give one segment back per release; the block just
+//!   released goes last, being the likeliest to be asked for again;
+//! - **when idle for long**: every [`AGE_CHECK_RELEASES`]th release, those that stayed
+//!   wholly free through the last [`IDLE_ALLOCATIONS`] large allocations (memory the
+//!   workload no longer uses; one that is used again later costs one inner allocation
+//!   per that many).
 
 use std::collections::BTreeSet;
 use std::sync::{MutexGuard, PoisonError};
@@ -21,6 +37,16 @@ pub(super) const LARGE_ROUND: usize = 4096;
 /// Marks a provider tag's slot as a piece of a segment rather than a class record
 /// (slots never come near 2^47).
 pub(super) const PIECE_TAG: usize = 1 << 47;
+/// A wholly free segment that serves none of this many large allocations in a row is
+/// given back.
+pub(super) const IDLE_ALLOCATIONS: u64 = 1024;
+/// Idle segments are looked for every this many releases of pieces.
+pub(super) const AGE_CHECK_RELEASES: u64 = 64;
+
+/// The low-water mark under cap `cap`: what eviction past the cap goes down to.
+pub(super) fn low_water(cap: usize) -> usize {
+    cap - cap / 4
+}
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum PieceState {
@@ -57,7 +83,8 @@ struct Segment {
     head: usize,
     /// Pieces handed out now.
     live: usize,
-    /// The clock when it last became wholly free (least recently idle goes first).
+    /// The allocation clock when it last became wholly free (least recently idle goes
+    /// first).
     idle_since: u64,
     /// Some piece was given up with the device: nothing in it is reused or freed.
     lost: bool,
@@ -75,6 +102,20 @@ impl Segment {
 struct Eviction {
     segment: usize,
     block: RawAllocation,
+    why: Why,
+}
+
+/// Why a segment goes back to the inner allocator.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Why {
+    /// A caller's `trim`.
+    Trim,
+    /// Free bytes passed the cap.
+    Cap,
+    /// A miss for a larger request.
+    Outgrown,
+    /// Idle through [`IDLE_ALLOCATIONS`] large allocations.
+    Aged,
 }
 
 #[derive(Default)]
@@ -84,7 +125,11 @@ pub(super) struct Segments {
     /// Free pieces by (size, slot): best fit is the first at or above the request.
     free: BTreeSet<(usize, usize)>,
     cached_bytes: usize,
+    /// Large allocations served, ever: the clock of `idle_since`.
     clock: u64,
+    /// Releases of pieces, ever (idle segments are looked for every
+    /// [`AGE_CHECK_RELEASES`]).
+    releases: u64,
     counters: PoolStats,
 }
 
@@ -115,6 +160,7 @@ impl Segments {
         if let Some(segment) = self.segments.get_mut(segment) {
             segment.head = slot;
         }
+        self.clock += 1;
         slot
     }
 
@@ -157,6 +203,7 @@ impl Segments {
             size
         };
         self.cached_bytes -= taken;
+        self.clock += 1;
         self.piece_mut(slot).state = PieceState::Live { bytes: request.bytes(), align: request.align() };
         if let Some(segment) = self.segments.get_mut(segment) {
             segment.live += 1;
@@ -183,7 +230,6 @@ impl Segments {
             segment.live -= 1;
             if segment.live == 0 {
                 segment.idle_since = self.clock;
-                self.clock += 1;
             }
         }
     }
@@ -219,8 +265,19 @@ impl Segments {
         idle.into_iter().map(|(_, index)| index).collect()
     }
 
+    /// Takes out, for release, every wholly free segment `pick` chooses.
+    fn take_out_idle(&mut self, why: Why, pick: impl Fn(&Segment) -> bool) -> Vec<Eviction> {
+        let picked: Vec<usize> = self
+            .segments
+            .iter()
+            .filter(|&(_, segment)| segment.is_idle() && pick(segment))
+            .map(|(index, _)| index)
+            .collect();
+        picked.into_iter().filter_map(|index| self.take_out(index, why)).collect()
+    }
+
     /// Takes wholly free (or quarantined) segment `index` out of the cache for release.
-    fn take_out(&mut self, index: usize) -> Option<Eviction> {
+    fn take_out(&mut self, index: usize, why: Why) -> Option<Eviction> {
         let segment = self.segments.get_mut(index)?;
         let was_quarantined = std::mem::take(&mut segment.quarantined);
         let block = segment.block.take()?;
@@ -229,7 +286,7 @@ impl Segments {
             self.free.remove(&(size, head));
             self.cached_bytes -= size;
         }
-        Some(Eviction { segment: index, block })
+        Some(Eviction { segment: index, block, why })
     }
 
     /// Puts back a segment the inner allocator did not release: free again, or held
@@ -237,6 +294,8 @@ impl Segments {
     fn put_back(&mut self, index: usize, block: RawAllocation, quarantined: bool) {
         let Some(segment) = self.segments.get_mut(index) else { return };
         (segment.block, segment.quarantined) = (Some(block), quarantined);
+        // Idle from now: the next age check does not retry it at once.
+        segment.idle_since = self.clock;
         if !quarantined {
             let (head, size) = (segment.head, segment.size);
             self.free.insert((size, head));
@@ -293,6 +352,8 @@ impl Segments {
         total.add_counters(&self.counters);
         total.cached_bytes += self.cached_bytes as u64;
         total.cached_blocks += self.free.len() as u64;
+        let largest = self.free.last().map_or(0, |&(size, _)| size);
+        total.largest_free_bytes = total.largest_free_bytes.max(largest as u64);
         for (_, segment) in self.segments.iter() {
             total.segments += 1;
             total.segment_bytes += segment.size as u64;
@@ -329,6 +390,14 @@ impl Segments {
         assert_eq!(tiled, self.pieces.len(), "pieces outside any segment");
         assert_eq!(indexed, self.free.len(), "the free index holds stale entries");
         assert_eq!(cached, self.cached_bytes, "cached bytes of the segments");
+        let largest = self.free.iter().map(|&(size, _)| size).max();
+        assert_eq!(largest, self.free.last().map(|&(size, _)| size), "the free index is ordered by size");
+    }
+
+    /// Bytes of the inner blocks the segments hold (those being released excepted).
+    #[cfg(test)]
+    pub(super) fn held_bytes(&self) -> usize {
+        self.segments.iter().filter(|(_, segment)| segment.block.is_some()).map(|(_, segment)| segment.size).sum()
     }
 }
 
@@ -350,13 +419,17 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         inner_request: &AllocationRequest,
         request: &AllocationRequest,
     ) -> Result<RawAllocation, AllocError> {
-        {
+        let outgrown = {
             let mut large = self.segments();
             if let Some((slot, address)) = large.take(bytes, align, self.config.max_class_bytes, request) {
                 large.counters.served(request, true);
                 return Ok(self.piece_block(slot, address, request));
             }
-        }
+            // No free piece holds the request: wholly free segments smaller than it
+            // never will, and go back before a larger one is taken.
+            large.take_out_idle(Why::Outgrown, |segment| segment.size < bytes)
+        };
+        self.finish_evictions(outgrown);
         let block =
             self.allocate_inner(inner_request, request).inspect_err(|_| self.segments().counters.failures += 1)?;
         let address = block.address();
@@ -367,41 +440,59 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
     }
 
     /// Takes wholly free segments out, least recently idle first and never `keep`,
-    /// until `incoming` more free bytes fit under the cap. The caller releases them
-    /// with [`PooledAllocator::finish_evictions`] after unlocking.
+    /// once `incoming` more free bytes would pass the cap (the high-water mark), until
+    /// they fit under the low-water mark. The caller releases them with
+    /// [`PooledAllocator::finish_evictions`] after unlocking.
     fn make_room(&self, large: &mut Segments, incoming: usize, keep: Option<usize>) -> Vec<Eviction> {
         let cap = self.config.max_cached_bytes;
         if large.cached_bytes + incoming <= cap {
             return Vec::new();
         }
+        let low = low_water(cap);
         let mut evictions = Vec::new();
         for segment in large.idle_lru(keep) {
-            if large.cached_bytes + incoming <= cap {
+            if large.cached_bytes + incoming <= low {
                 break;
             }
-            evictions.extend(large.take_out(segment));
+            evictions.extend(large.take_out(segment, Why::Cap));
         }
         evictions
+    }
+
+    /// Every [`AGE_CHECK_RELEASES`]th release: takes out the segments wholly free
+    /// through the last [`IDLE_ALLOCATIONS`] large allocations.
+    fn take_out_aged(large: &mut Segments) -> Vec<Eviction> {
+        large.releases += 1;
+        if !large.releases.is_multiple_of(AGE_CHECK_RELEASES) || large.clock < IDLE_ALLOCATIONS {
+            return Vec::new();
+        }
+        let since = large.clock - IDLE_ALLOCATIONS;
+        large.take_out_idle(Why::Aged, |segment| segment.idle_since <= since)
     }
 
     /// Releases segments taken out of the cache to the inner allocator (eviction or
     /// trim); returns the bytes released. One the inner allocator refuses is cached
     /// again; one it quarantines is held for the next trim.
-    fn finish_evictions(&self, evictions: Vec<Eviction>, trimming: bool) -> usize {
+    fn finish_evictions(&self, evictions: Vec<Eviction>) -> usize {
         let mut returned = 0;
-        for Eviction { segment, block } in evictions {
+        for Eviction { segment, block, why } in evictions {
             let outcome = self.inner.release(block);
             let mut large = self.segments();
             match outcome {
                 ReleaseOutcome::Complete(_) => {
                     let Some(gone) = large.remove(segment) else { continue };
                     returned += gone.size;
-                    if trimming {
-                        large.counters.trimmed_bytes += gone.size as u64;
-                    } else {
-                        large.counters.evicted_segments += 1;
-                        large.counters.evicted_bytes += gone.size as u64;
-                        tracing::debug!(bytes = gone.size, "pooled allocator evicted an idle segment");
+                    let bytes = gone.size as u64;
+                    let counters = &mut large.counters;
+                    match why {
+                        Why::Trim => counters.trimmed_bytes += bytes,
+                        Why::Cap | Why::Outgrown | Why::Aged => {
+                            counters.evicted_segments += 1;
+                            counters.evicted_bytes += bytes;
+                            counters.outgrown_segments += u64::from(why == Why::Outgrown);
+                            counters.aged_segments += u64::from(why == Why::Aged);
+                            tracing::debug!(bytes, ?why, "pooled allocator gave an idle segment back");
+                        }
                     }
                 }
                 ReleaseOutcome::Failed(failed) => {
@@ -443,7 +534,7 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
             return ReleaseOutcome::complete(0);
         }
         let whole = prev.is_none() && next.is_none();
-        let evictions = if whole {
+        let mut evictions = if whole {
             let evictions = self.make_room(large, size, Some(segment));
             if large.cached_bytes + size > self.config.max_cached_bytes {
                 return self.pass_piece_through(guard, slot, segment, allocation, evictions);
@@ -454,8 +545,9 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
             large.free_piece(slot);
             self.make_room(large, 0, None)
         };
+        evictions.extend(Self::take_out_aged(large));
         drop(guard);
-        self.finish_evictions(evictions, false);
+        self.finish_evictions(evictions);
         ReleaseOutcome::complete(0)
     }
 
@@ -474,13 +566,14 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         let block = entry.block.take().expect("a segment with a live piece holds its block");
         large.counters.passed_through += 1;
         drop(guard);
-        self.finish_evictions(evictions, false);
+        self.finish_evictions(evictions);
         let outcome = self.inner.release(block);
         let mut large = self.segments();
         let (block, result) = match outcome {
             ReleaseOutcome::Complete(done) => {
                 large.remove(segment);
-                return ReleaseOutcome::complete(done.unmapped_bytes());
+                // The segment is the request rounded up; the caller's block may be smaller.
+                return ReleaseOutcome::complete(done.unmapped_bytes().min(allocation.bytes()));
             }
             ReleaseOutcome::Failed(failed) => {
                 let (block, error) = failed.into_parts();
@@ -515,9 +608,9 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
                 .filter(|(_, segment)| segment.is_idle() || (segment.quarantined && segment.live == 0))
                 .map(|(index, _)| index)
                 .collect();
-            candidates.into_iter().filter_map(|segment| large.take_out(segment)).collect()
+            candidates.into_iter().filter_map(|segment| large.take_out(segment, Why::Trim)).collect()
         };
-        self.finish_evictions(taken, true)
+        self.finish_evictions(taken)
     }
 
     /// Gives up live piece `slot` with its device; returns its segment's inner block

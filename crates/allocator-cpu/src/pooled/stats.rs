@@ -20,6 +20,10 @@ pub struct PoolStats {
     pub cached_bytes: u64,
     /// Blocks currently cached (free class blocks and free pieces).
     pub cached_blocks: u64,
+    /// The largest of them: the largest request the pool could serve without asking
+    /// the inner allocator (a free piece serves any large request up to its size; a
+    /// class block only requests of its class).
+    pub largest_free_bytes: u64,
     /// Bytes handed out to callers now.
     pub live_bytes: u64,
     /// Blocks handed out to callers now.
@@ -38,10 +42,16 @@ pub struct PoolStats {
     pub segments: u64,
     /// Their bytes.
     pub segment_bytes: u64,
-    /// Wholly free segments handed back to the inner allocator to stay under the cap.
+    /// Wholly free segments given back to the inner allocator without a `trim`: past
+    /// the cap, outgrown by a larger request, or idle for long.
     pub evicted_segments: u64,
     /// Their bytes.
     pub evicted_bytes: u64,
+    /// Of them, those given back on a miss for a larger request (none could serve it).
+    pub outgrown_segments: u64,
+    /// Of them, those given back after staying wholly free through 1024 large
+    /// allocations in a row.
+    pub aged_segments: u64,
 }
 
 impl PoolStats {
@@ -57,6 +67,8 @@ impl PoolStats {
         self.trimmed_bytes += c.trimmed_bytes;
         self.evicted_segments += c.evicted_segments;
         self.evicted_bytes += c.evicted_bytes;
+        self.outgrown_segments += c.outgrown_segments;
+        self.aged_segments += c.aged_segments;
     }
 
     pub(super) fn served(&mut self, request: &AllocationRequest, hit: bool) {

@@ -21,6 +21,60 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         }
         self.segments().assert_consistent();
     }
+
+    /// Bytes of the inner blocks the pool holds, by its records.
+    fn held_bytes(&self) -> usize {
+        let shards: usize =
+            (0..self.shards.len()).map(|index| self.shards.lock(index).expect("shard").held_bytes()).sum();
+        shards + self.segments().held_bytes()
+    }
+}
+
+/// Counts what it hands out and gets back exactly: the bytes of blocks live in it,
+/// forgotten ones included as gone.
+struct Counted<A> {
+    inner: A,
+    live: std::sync::atomic::AtomicUsize,
+}
+
+impl<A> Counted<A> {
+    fn new(inner: A) -> Counted<A> {
+        Counted { inner, live: 0.into() }
+    }
+
+    fn live(&self) -> usize {
+        self.live.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl<A: DeviceAllocator> DeviceAllocator for Counted<A> {
+    fn device(&self) -> DeviceKey {
+        self.inner.device()
+    }
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let block = self.inner.allocate(request)?;
+        self.live.fetch_add(block.bytes(), std::sync::atomic::Ordering::Relaxed);
+        Ok(block)
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        let bytes = allocation.bytes();
+        let outcome = self.inner.release(allocation);
+        if outcome.is_complete() {
+            self.live.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+        }
+        outcome
+    }
+    fn stats(&self) -> Option<AllocatorStats> {
+        self.inner.stats()
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        let bytes: usize = lost.iter().map(RawAllocation::bytes).sum();
+        self.live.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.inner.forget_lost(lost);
+    }
 }
 
 const KIB: usize = 1024;
@@ -66,18 +120,22 @@ fn the_cache_cap_passes_releases_through_to_the_inner_allocator() {
 }
 
 #[test]
-fn large_blocks_are_cached_by_exact_rounded_size() {
+fn a_larger_request_outgrows_an_idle_segment_and_a_smaller_one_is_carved_from_its_successor() {
     let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
     let big = pool.allocate(&request(3 << 20, 8)).unwrap();
     assert!(big.address().is_aligned_to(4096));
     assert!(pool.release(big).is_complete());
-    let other = pool.allocate(&request((3 << 20) + 4096, 8)).unwrap();
-    assert_eq!(pool.pool_stats().hits, 0, "a different large size is not served from the cache");
+    let larger = pool.allocate(&request((3 << 20) + 4096, 8)).unwrap();
+    let stats = pool.pool_stats();
+    assert_eq!(stats.hits, 0, "a larger size is not served from the cache");
+    assert_eq!((stats.outgrown_segments, stats.segments), (1, 1), "the idle 3 MiB segment went back first");
+    assert_eq!(pool.inner().calls(Callback::Release), 1);
+    let address = larger.address();
+    assert!(pool.release(larger).is_complete());
     let same = pool.allocate(&request((3 << 20) - 100, 8)).unwrap();
-    assert_eq!(pool.pool_stats().hits, 1, "the same size rounded to 4 KiB is");
-    for block in [other, same] {
-        assert!(pool.release(block).is_complete());
-    }
+    assert_eq!((pool.pool_stats().hits, same.address()), (1, address), "a smaller size is carved from it");
+    assert!(pool.release(same).is_complete());
+    assert_eq!(pool.inner().calls(Callback::Allocate), 2);
 }
 
 #[test]
@@ -257,29 +315,34 @@ fn freed_pieces_merge_with_free_neighbours_into_the_whole_segment() {
 }
 
 #[test]
-fn the_cap_evicts_the_least_recently_idle_segment_to_keep_the_newest_block() {
+fn the_cap_evicts_the_least_recently_idle_segments_down_to_the_low_water_mark() {
     // The pattern of ONNX Runtime's first two runs: many buffers of one run are
-    // cached, then the next run asks for one block larger than any of them.
-    let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(24 * MIB));
-    let old: Vec<_> = [4, 6, 5].map(|mib| pool.allocate(&request(mib * MIB, 64)).unwrap()).into();
-    for block in old {
+    // cached, then the next run's planned block comes back on top of them.
+    let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(32 * MIB));
+    let blocks: Vec<_> = [6, 10, 8, 12].map(|mib| pool.allocate(&request(mib * MIB, 64)).unwrap()).into();
+    let [a, b, c, pattern] = <[RawAllocation; 4]>::try_from(blocks).unwrap();
+    for block in [a, b, c] {
         assert!(pool.release(block).is_complete());
     }
-    assert_eq!(pool.pool_stats().cached_bytes, 15 * MIB as u64);
-    let pattern = pool.allocate(&request(16 * MIB, 64)).unwrap();
+    assert_eq!(pool.pool_stats().cached_bytes, 24 * MIB as u64);
     assert!(pool.release(pattern).is_complete());
+    // 36 MiB is past the 32 MiB cap: the least recently idle go until at most 24 MiB
+    // (three quarters of the cap) is left, so the next releases do not evict again.
     let stats = pool.pool_stats();
-    assert_eq!((stats.evicted_segments, stats.evicted_bytes), (2, 10 * MIB as u64), "the 4 and 6 MiB went first");
-    assert_eq!((stats.cached_bytes, stats.passed_through), (21 * MIB as u64, 0));
+    assert_eq!((stats.evicted_segments, stats.evicted_bytes), (2, 16 * MIB as u64), "the 6 and 10 MiB went first");
+    assert_eq!((stats.cached_bytes, stats.passed_through), (20 * MIB as u64, 0));
     let releases = pool.inner().calls(Callback::Release);
     let allocations = pool.inner().calls(Callback::Allocate);
     for _ in 0..3 {
-        let again = pool.allocate(&request(16 * MIB, 64)).unwrap();
-        assert!(pool.release(again).is_complete());
+        let again = pool.allocate(&request(12 * MIB, 64)).unwrap();
+        let other = pool.allocate(&request(8 * MIB, 64)).unwrap();
+        for block in [again, other] {
+            assert!(pool.release(block).is_complete());
+        }
     }
     assert_eq!(pool.inner().calls(Callback::Allocate), allocations, "the next runs are served from the cache");
     assert_eq!(pool.inner().calls(Callback::Release), releases);
-    assert_eq!(pool.trim(), 21 * MIB);
+    assert_eq!(pool.trim(), 20 * MIB);
 }
 
 #[test]
@@ -350,19 +413,21 @@ fn trim_returns_free_segments_and_keeps_partly_used_ones() {
 fn an_eviction_the_inner_allocator_refuses_or_quarantines_stays_with_the_pool() {
     let pool = PooledAllocator::with_config(FaultyAllocator::new(SystemAllocator::new()), one_shard(10 * MIB));
     let old = pool.allocate(&request(6 * MIB, 64)).unwrap();
-    assert!(pool.release(old).is_complete());
     let new = pool.allocate(&request(8 * MIB, 64)).unwrap();
+    assert!(pool.release(old).is_complete());
     pool.inner().fail_nth(Callback::Release, 1);
     assert!(pool.release(new).is_complete(), "the caller's block went into the cache");
     let stats = pool.pool_stats();
     assert_eq!((stats.evicted_segments, stats.cached_bytes), (0, 14 * MIB as u64), "the refused segment stays");
-    // The next eviction is quarantined: the segment is held, not reused, until a trim.
+    // A piece of the 6 MiB segment comes back and the cap evicts again, now the 8 MiB
+    // one (idle for longer): it is quarantined, held and not reused until a trim.
     let other = pool.allocate(&request(2 * MIB, 64)).unwrap();
-    pool.inner().quarantine_nth_release(1, 0, 6 * MIB);
+    pool.inner().quarantine_nth_release(1, 0, 8 * MIB);
     assert!(pool.release(other).is_complete());
     let stats = pool.pool_stats();
-    assert_eq!(stats.quarantined_blocks, 1, "{stats:?}");
-    assert_eq!(pool.trim(), 6 * MIB + 8 * MIB, "trim retries the quarantined segment and frees the rest");
+    assert_eq!((stats.quarantined_blocks, stats.cached_bytes), (1, 6 * MIB as u64), "{stats:?}");
+    pool.assert_consistent();
+    assert_eq!(pool.trim(), 8 * MIB + 6 * MIB, "trim retries the quarantined segment and frees the rest");
     let stats = pool.pool_stats();
     assert_eq!((stats.quarantined_blocks, stats.segments, stats.cached_bytes), (0, 0, 0), "{stats:?}");
     assert_eq!(pool.inner().inner().stats().unwrap().live_allocations, 0);
@@ -417,26 +482,342 @@ fn a_repeated_pattern_of_runs_reaches_a_steady_state_without_inner_calls() {
     assert!(pool.pool_stats().cached_bytes as usize <= pool.config().max_cached_bytes);
 }
 
+#[test]
+fn largest_free_bytes_is_the_largest_free_piece_or_cached_class_block() {
+    let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(256 * MIB));
+    let largest = |pool: &PooledAllocator<_>| pool.stats().unwrap().largest_free_bytes;
+    assert_eq!(largest(&pool), 0);
+    let small = pool.allocate(&request(10 * KIB, 8)).unwrap();
+    assert!(pool.release(small).is_complete());
+    assert_eq!(largest(&pool), 10 * KIB as u64, "a cached class block (its class's size)");
+    let big = pool.allocate(&request(12 * MIB, 64)).unwrap();
+    assert!(pool.release(big).is_complete());
+    assert_eq!(largest(&pool), 12 * MIB as u64, "a wholly free segment");
+    // Pieces at 0..3, 3..5 and 5..12 MiB; freeing the middle leaves holes of 2 and 7 MiB.
+    let blocks: Vec<_> = [3, 2, 7].map(|mib| pool.allocate(&request(mib * MIB, 64)).unwrap()).into();
+    let [a, b, c] = <[RawAllocation; 3]>::try_from(blocks).unwrap();
+    assert_eq!(largest(&pool), 10 * KIB as u64, "every piece is live; the class block is left");
+    assert!(pool.release(b).is_complete());
+    assert_eq!(largest(&pool), 2 * MIB as u64);
+    assert!(pool.release(c).is_complete());
+    let stats = pool.stats().unwrap();
+    assert_eq!(stats.largest_free_bytes, 9 * MIB as u64, "2 and 7 MiB merged");
+    assert_eq!(stats.cached_bytes, 9 * MIB as u64 + 10 * KIB as u64);
+    assert_eq!(pool.pool_stats().largest_free_bytes, stats.largest_free_bytes);
+    assert!(pool.release(a).is_complete());
+    assert_eq!(largest(&pool), 12 * MIB as u64);
+    pool.trim();
+    assert_eq!(largest(&pool), 0, "nothing cached after a trim");
+}
+
+#[test]
+fn the_cap_for_a_device_limit_is_half_of_it() {
+    let config = PoolConfig::for_device_limit(160 << 20);
+    assert_eq!(config, PoolConfig { max_cached_bytes: 80 << 20, ..PoolConfig::default() });
+    assert_eq!(PoolConfig::for_device_limit(u64::MAX).max_cached_bytes as u64, u64::MAX / 2);
+    assert_eq!(PoolConfig::default().max_class_bytes, 64 * KIB);
+}
+
+#[test]
+fn a_segment_idle_through_many_large_allocations_is_given_back_without_a_trim() {
+    let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(256 * MIB));
+    let blocks: Vec<_> = [8, 2].map(|mib| pool.allocate(&request(mib * MIB, 64)).unwrap()).into();
+    let [burst, working] = <[RawAllocation; 2]>::try_from(blocks).unwrap();
+    assert!(pool.release(burst).is_complete());
+    assert!(pool.release(working).is_complete());
+    // A working set of one 2 MiB block: the idle 8 MiB segment serves none of it.
+    for _ in 0..segments::IDLE_ALLOCATIONS + segments::AGE_CHECK_RELEASES {
+        let block = pool.allocate(&request(2 * MIB, 64)).unwrap();
+        assert!(pool.release(block).is_complete());
+    }
+    let stats = pool.pool_stats();
+    assert_eq!((stats.aged_segments, stats.evicted_bytes), (1, 8 * MIB as u64), "{stats:?}");
+    assert_eq!((stats.segments, stats.cached_bytes, stats.trims), (1, 2 * MIB as u64, 0));
+    assert_eq!(pool.inner().calls(Callback::Allocate), 2, "the working set never missed");
+}
+
+/// One step of a recorded or generated trace.
+#[derive(Copy, Clone, Debug)]
+enum TraceOp {
+    /// Allocates this many bytes (aligned to 64).
+    Allocate(usize),
+    /// Releases the block allocated this many allocations ago.
+    Release(usize),
+    /// The caller trims the pool.
+    Trim,
+}
+
+/// A runtime's requests over a sweep of growing input widths `w` (80..800 by 40): for
+/// each, a first run that allocates every layer's output on its own (`k·w` KiB, `k`
+/// growing from 1 to 16 through the layers, a small block of shape metadata per layer,
+/// each output released `lifetime` layers later or at the end of the run), then two
+/// runs that each ask for one planned block of the first run's peak and an output, as
+/// ONNX Runtime's memory pattern does.
+fn width_sweep(lifetime: usize) -> Vec<TraceOp> {
+    /// The ops so far and how many blocks they allocated.
+    #[derive(Default)]
+    struct Trace(Vec<TraceOp>, usize);
+    impl Trace {
+        fn allocate(&mut self, bytes: usize) -> usize {
+            self.0.push(TraceOp::Allocate(bytes));
+            self.1 += 1;
+            self.1
+        }
+        fn release(&mut self, allocation: usize) {
+            self.0.push(TraceOp::Release(self.1 + 1 - allocation));
+        }
+    }
+    let mut trace = Trace::default();
+    for width in (2..=20).map(|step| step * 40) {
+        let (mut live, mut peak, mut outputs) = (0, 0, std::collections::VecDeque::new());
+        for k in 1..=16 {
+            let (meta, bytes) = (64 + k * 8, k * width * KIB);
+            let meta = (trace.allocate(meta), meta);
+            outputs.push_back((trace.allocate(bytes), bytes));
+            live += bytes;
+            peak = peak.max(live + meta.1);
+            trace.release(meta.0);
+            if outputs.len() > lifetime {
+                let (output, bytes) = outputs.pop_front().expect("an output");
+                trace.release(output);
+                live -= bytes;
+            }
+        }
+        for (output, _) in outputs {
+            trace.release(output);
+        }
+        for _ in 0..2 {
+            let planned = trace.allocate(peak);
+            let output = trace.allocate(width * KIB / 4);
+            trace.release(planned);
+            trace.release(output);
+        }
+    }
+    trace.0
+}
+
+/// A trace recorded from a real model (see the header of the files in
+/// `tests/traces`); with `trims`, the caller's trims are kept.
+fn recorded(text: &str, trims: bool) -> Vec<TraceOp> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| match line.split_at(1) {
+            ("+", bytes) => Some(TraceOp::Allocate(bytes.parse().expect("a size"))),
+            ("-", back) => Some(TraceOp::Release(back.parse().expect("a distance"))),
+            ("t", _) => trims.then_some(TraceOp::Trim),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Replays `trace` on a pool with default settings; returns the peaks of live bytes
+/// (handed out) and of held bytes (what the inner allocator has handed the pool, live
+/// and cached), and the pool's counters at the end.
+fn replay(trace: &[TraceOp]) -> (u64, u64, PoolStats) {
+    let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+    let held = || pool.inner().inner().stats().unwrap().live_bytes;
+    let mut blocks: Vec<Option<RawAllocation>> = Vec::new();
+    let (mut live, mut peak_live, mut peak_held) = (0u64, 0u64, 0u64);
+    for &op in trace {
+        match op {
+            TraceOp::Allocate(bytes) => {
+                let block = pool.allocate(&request(bytes, 64)).unwrap();
+                live += bytes as u64;
+                blocks.push(Some(block));
+            }
+            TraceOp::Release(back) => {
+                let index = blocks.len() - back;
+                let block = blocks[index].take().expect("a live block");
+                live -= block.bytes() as u64;
+                assert!(pool.release(block).is_complete());
+            }
+            TraceOp::Trim => {
+                pool.trim();
+            }
+        }
+        peak_live = peak_live.max(live);
+        peak_held = peak_held.max(held());
+    }
+    assert!(blocks.iter().all(Option::is_none), "the trace releases every block");
+    pool.assert_consistent();
+    let stats = pool.pool_stats();
+    assert_eq!(stats.cached_bytes, held(), "{stats:?}");
+    (peak_live, peak_held, stats)
+}
+
+#[test]
+fn a_sweep_of_growing_sizes_reuses_memory_and_holds_at_most_a_tenth_over_its_live_peak() {
+    // Each width's outputs live until its first run ends. The old policy (classes up to
+    // 1 MiB, nothing given back below the cap) held 3.2x the live peak: every width's
+    // segments stayed cached.
+    let (live, held, stats) = replay(&width_sweep(usize::MAX));
+    let ratio = held as f64 / live as f64;
+    assert!(ratio <= 1.1, "peak held {held} vs peak live {live}: {ratio:.3}x");
+    assert!(stats.outgrown_segments > 0 && stats.hits > stats.misses, "{stats:?}");
+    assert_eq!(stats.trims, 0, "no caller trimmed");
+    assert!(stats.segment_bytes <= held, "what stays is the last width's planned block, not every width's: {stats:?}");
+    // Each output released three layers later: a run's early blocks, carved from the
+    // previous width's planned block, pin it while its last blocks need more than its
+    // free rest (no allocator that does not move blocks can do better than one more
+    // segment then). The old policy held 6.7x.
+    let (live, held, stats) = replay(&width_sweep(3));
+    let ratio = held as f64 / live as f64;
+    assert!(ratio <= 1.3, "peak held {held} vs peak live {live}: {ratio:.3}x; {stats:?}");
+}
+
+#[test]
+fn recorded_onnx_runtime_sweeps_hold_little_over_their_live_peak() {
+    // Peak held / peak live bytes, measured when the policy was set (with memory-ort's
+    // trims; without), and what the old policy held: PP-OCRv4 recognition 1.00x, 1.04x
+    // (old 1.62x, 3.68x); detection 1.30x, 1.31x (1.53x, 3.35x); the classifier 1.08x,
+    // 1.19x (3.87x, 6.45x). What is left over the live peak is fragmentation within a
+    // run: free pieces between live ones too small for the next request.
+    let traces = [
+        ("pp-ocrv4-rec", include_str!("../../tests/traces/pp-ocrv4-rec-sweep.trace"), 1.1, 1.1),
+        ("pp-ocrv4-det", include_str!("../../tests/traces/pp-ocrv4-det-sweep.trace"), 1.35, 1.35),
+        ("pp-ocr-cls", include_str!("../../tests/traces/pp-ocr-cls-sweep.trace"), 1.1, 1.25),
+    ];
+    for (model, text, with_trims, without) in traces {
+        for (trims, bound) in [(true, with_trims), (false, without)] {
+            let (live, held, stats) = replay(&recorded(text, trims));
+            let ratio = held as f64 / live as f64;
+            assert!(ratio <= bound, "{model} (trims {trims}): peak held {held} vs live {live}: {ratio:.3}x; {stats:?}");
+            assert!(stats.hits > stats.misses, "{model}: {stats:?}");
+        }
+    }
+}
+
+/// Answers every allocation with [`AllocError::AdmissionRefused`] while `refusing`, and
+/// calls back into the pool above it from inside every call, as a governor's cache
+/// backing that takes the device's figures would.
+struct Reentrant {
+    inner: SystemAllocator,
+    refusing: std::sync::atomic::AtomicBool,
+    pool: std::sync::OnceLock<std::sync::Weak<PooledAllocator<Reentrant>>>,
+    reentered: std::sync::atomic::AtomicUsize,
+}
+
+impl Reentrant {
+    fn call_back(&self) {
+        if let Some(pool) = self.pool.get().and_then(std::sync::Weak::upgrade) {
+            let stats = pool.stats().expect("stats");
+            assert!(stats.largest_free_bytes <= stats.cached_bytes);
+            pool.trim();
+            self.reentered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl DeviceAllocator for Reentrant {
+    fn device(&self) -> DeviceKey {
+        self.inner.device()
+    }
+    fn name(&self) -> &str {
+        "reentrant"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.call_back();
+        if self.refusing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(AllocError::AdmissionRefused { device: self.device(), detail: "device limit".to_owned() });
+        }
+        self.inner.allocate(request)
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.call_back();
+        self.inner.release(allocation)
+    }
+    fn stats(&self) -> Option<AllocatorStats> {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn a_refusing_backing_that_calls_back_into_the_pool_fails_the_allocation_cleanly() {
+    let inner = Reentrant {
+        inner: SystemAllocator::new(),
+        refusing: false.into(),
+        pool: std::sync::OnceLock::new(),
+        reentered: 0.into(),
+    };
+    let pool = std::sync::Arc::new(PooledAllocator::with_config(inner, one_shard(256 * MIB)));
+    assert!(pool.inner().pool.set(std::sync::Arc::downgrade(&pool)).is_ok());
+    let live: Vec<_> = [1000, 100 * KIB, 3 * MIB].map(|bytes| pool.allocate(&request(bytes, 64)).unwrap()).into();
+    let cached = pool.allocate(&request(5 * MIB, 64)).unwrap();
+    assert!(pool.release(cached).is_complete());
+    let before = pool.pool_stats();
+    pool.inner().refusing.store(true, std::sync::atomic::Ordering::Relaxed);
+    for bytes in [2000, 200 * KIB, 7 * MIB] {
+        let error = pool.allocate(&request(bytes, 64)).unwrap_err();
+        assert!(matches!(error, AllocError::AdmissionRefused { .. }), "{error:?}");
+        pool.assert_consistent();
+    }
+    let after = pool.pool_stats();
+    assert_eq!((after.live_blocks, after.live_bytes), (before.live_blocks, before.live_bytes));
+    assert_eq!(after.failures, before.failures + 3);
+    assert_eq!(after.cached_bytes, 0, "the backing's call back trimmed the cache; the 5 MiB segment is gone");
+    assert!(pool.inner().reentered.load(std::sync::atomic::Ordering::Relaxed) >= 3);
+    pool.inner().refusing.store(false, std::sync::atomic::Ordering::Relaxed);
+    for block in live {
+        assert!(pool.release(block).is_complete());
+    }
+    pool.trim();
+    assert_eq!(pool.inner().inner.stats().unwrap().live_allocations, 0, "nothing leaked");
+}
+
+#[test]
+fn a_slow_inner_allocation_blocks_no_other_call_of_the_pool() {
+    let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), one_shard(256 * MIB));
+    let cached: Vec<_> = [4 * KIB, 2 * MIB].map(|bytes| pool.allocate(&request(bytes, 64)).unwrap()).into();
+    for block in cached {
+        assert!(pool.release(block).is_complete());
+    }
+    let gate = pool.inner().gate(Callback::Allocate);
+    std::thread::scope(|s| {
+        // A class miss and a segment miss, both held inside the inner allocator.
+        let class = s.spawn(|| pool.allocate(&request(40 * KIB, 64)));
+        let segment = s.spawn(|| pool.allocate(&request(6 * MIB, 64)));
+        gate.wait_until_blocked(2);
+        // Meanwhile every other call goes through: stats, hits, releases and trims.
+        assert!(pool.stats().is_some());
+        let hit = pool.allocate(&request(4 * KIB, 64)).unwrap();
+        assert!(pool.release(hit).is_complete());
+        assert_eq!(pool.trim(), 4 * KIB, "the segment went back when the 6 MiB request missed");
+        gate.open();
+        for worker in [class, segment] {
+            let block = worker.join().unwrap().unwrap();
+            assert!(pool.release(block).is_complete());
+        }
+    });
+    pool.assert_consistent();
+}
+
 mod model {
     use super::*;
     use proptest::prelude::*;
 
     #[derive(Clone, Debug)]
     enum Op {
-        Allocate { bytes: usize, align: usize },
+        Allocate {
+            bytes: usize,
+            align: usize,
+        },
         Release(usize),
         Trim,
         Lose(usize),
+        /// The inner allocator's next allocation is refused (a governor's cache backing
+        /// at the device limit).
+        Refuse,
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        let sizes = prop_oneof![1..4096usize, 4096..(2 * MIB), (2 * MIB)..(24 * MIB)];
+        let sizes = prop_oneof![1..4096usize, 4096..(256 * KIB), (256 * KIB)..(2 * MIB), (2 * MIB)..(24 * MIB)];
         let aligns = prop_oneof![Just(8usize), Just(64), Just(4096), Just(1 << 16)];
         prop_oneof![
-            6 => (sizes, aligns).prop_map(|(bytes, align)| Op::Allocate { bytes, align }),
-            5 => any::<usize>().prop_map(Op::Release),
+            8 => (sizes, aligns).prop_map(|(bytes, align)| Op::Allocate { bytes, align }),
+            7 => any::<usize>().prop_map(Op::Release),
             1 => Just(Op::Trim),
             1 => any::<usize>().prop_map(Op::Lose),
+            1 => Just(Op::Refuse),
         ]
     }
 
@@ -472,23 +853,38 @@ mod model {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
-        /// Random allocations, releases, trims and device losses: blocks stay disjoint,
-        /// aligned and intact, the pool's books stay consistent after every step, and
-        /// once everything is released and trimmed the inner allocator holds nothing
-        /// but what was lost (forgotten, not freed).
+        /// Random allocations, releases, trims, device losses and refusals of the inner
+        /// allocator: blocks stay disjoint, aligned and intact; the pool's books stay
+        /// consistent after every step, its live figures equal the model's and what it
+        /// holds by its records equals what the inner allocator handed it; a refused
+        /// allocation changes nothing; once everything is released and trimmed the inner
+        /// allocator holds nothing but what was lost (forgotten, not freed).
         #[test]
         fn pieces_stay_disjoint_intact_and_accounted(
-            ops in proptest::collection::vec(op(), 1..120),
+            ops in proptest::collection::vec(op(), 1..160),
             cap_mib in prop_oneof![Just(0usize), Just(8), Just(40), Just(256)],
-            class_bytes in prop_oneof![Just(4096usize), Just(MIB)],
+            class_bytes in prop_oneof![Just(4096usize), Just(64 * KIB), Just(MIB)],
         ) {
             let config = PoolConfig { max_cached_bytes: cap_mib * MIB, max_class_bytes: class_bytes, shards: 1 };
-            let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), config);
+            let inner = Counted::new(FaultyAllocator::new(RecordingAllocator::new(SystemAllocator::new())));
+            let pool = PooledAllocator::with_config(inner, config);
+            let faulty = &pool.inner().inner;
             let mut live: Vec<(RawAllocation, u64)> = Vec::new();
             for (step, op) in ops.into_iter().enumerate() {
                 match op {
                     Op::Allocate { bytes, align } => {
-                        let block = pool.allocate(&request(bytes, align)).unwrap();
+                        let (injected, before) = (faulty.injected(), pool.pool_stats());
+                        let block = match pool.allocate(&request(bytes, align)) {
+                            Ok(block) => block,
+                            Err(error) => {
+                                prop_assert!(matches!(error, AllocError::AdmissionRefused { .. }), "{:?}", error);
+                                prop_assert_eq!(faulty.injected(), injected + 1);
+                                let after = pool.pool_stats();
+                                prop_assert_eq!((after.live_bytes, after.failures), (before.live_bytes, before.failures + 1));
+                                pool.assert_consistent();
+                                continue;
+                            }
+                        };
                         prop_assert!(block.address().is_aligned_to(align));
                         prop_assert_eq!(block.bytes(), bytes);
                         let (start, end) = (block.address().get(), block.address().get() + bytes as u64);
@@ -511,21 +907,29 @@ mod model {
                     Op::Trim => {
                         pool.trim();
                     }
+                    Op::Refuse => {
+                        let error = AllocError::AdmissionRefused { device: DeviceKey::HOST, detail: "limit".to_owned() };
+                        faulty.fail_nth_allocate_with(1, error);
+                    }
                     Op::Release(_) | Op::Lose(_) => {}
                 }
                 pool.assert_consistent();
                 let stats = pool.pool_stats();
                 prop_assert_eq!(stats.live_blocks, live.len() as u64);
                 prop_assert_eq!(stats.live_bytes, live.iter().map(|(b, _)| b.bytes() as u64).sum::<u64>());
+                prop_assert_eq!(pool.held_bytes(), pool.inner().live(), "held by the records vs handed out");
+                prop_assert!(stats.largest_free_bytes <= stats.cached_bytes);
             }
+            faulty.clear();
             for (block, _) in live {
                 prop_assert!(pool.release(block).is_complete());
             }
             pool.trim();
             pool.assert_consistent();
-            let inner = pool.inner();
-            let left = inner.inner().stats().unwrap().live_allocations;
-            prop_assert_eq!(left, inner.forgotten_blocks(), "inner blocks left: {}", left);
+            prop_assert_eq!(pool.held_bytes(), pool.inner().live());
+            let recorder = faulty.inner();
+            let left = recorder.inner().stats().unwrap().live_allocations;
+            prop_assert_eq!(left, recorder.forgotten_blocks(), "inner blocks left: {}", left);
         }
     }
 }
