@@ -50,8 +50,10 @@ pub enum Invocation {
         requests: usize,
     },
     /// `--processes N`: N engine processes sharing node books.
+    #[cfg(unix)]
     Processes(crate::processes::ProcessesConfig),
     /// One engine of a `--processes` run (the hidden `--engine-of` flag).
+    #[cfg(unix)]
     Engine(crate::processes::EngineConfig),
 }
 
@@ -120,6 +122,14 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Invocation, FlagE
         return Ok(Invocation::RealModels { requests });
     }
     let threads = usize::try_from(cli.threads).unwrap_or(4);
+    #[cfg(not(unix))]
+    if cli.engine_of.is_some() || cli.processes.is_some() {
+        return Err(<Cli as clap::CommandFactory>::command().error(
+            clap::error::ErrorKind::ArgumentConflict,
+            "--processes needs node books in shared memory, which this build has only on Unix; run it on Linux",
+        ));
+    }
+    #[cfg(unix)]
     if let Some(books) = cli.engine_of {
         return Ok(Invocation::Engine(crate::processes::EngineConfig {
             books,
@@ -129,6 +139,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Invocation, FlagE
             threads,
         }));
     }
+    #[cfg(unix)]
     if let Some(processes) = cli.processes {
         return Ok(Invocation::Processes(crate::processes::ProcessesConfig {
             processes: usize::try_from(processes).unwrap_or(3),
@@ -193,6 +204,7 @@ mod tests {
         assert!(parse(args("--ort --gpu")).unwrap_err().to_string().contains("--gpu"));
     }
 
+    #[cfg(unix)]
     #[test]
     fn processes_mode_takes_requests_per_engine() {
         match parse(args("--processes 3")).unwrap() {
@@ -207,6 +219,12 @@ mod tests {
             Invocation::Engine(engine) => assert_eq!((engine.index, engine.requests), (2, 5)),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[cfg(not(unix))]
+    #[test]
+    fn processes_mode_says_it_needs_unix() {
+        assert!(parse(args("--processes 3")).unwrap_err().to_string().contains("only on Unix"));
     }
 
     #[test]

@@ -22,6 +22,8 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+// Node books are a Unix facility (see memory-node).
+#[cfg(unix)]
 pub mod processes;
 pub mod real_models;
 pub mod report;

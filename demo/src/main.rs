@@ -20,6 +20,7 @@ fn main() -> ExitCode {
                 }
             };
         }
+        #[cfg(unix)]
         Ok(Invocation::Processes(config)) => {
             return match memory_demo::processes::run(&config) {
                 Ok(report) => {
@@ -32,6 +33,7 @@ fn main() -> ExitCode {
                 }
             };
         }
+        #[cfg(unix)]
         Ok(Invocation::Engine(config)) => {
             return match memory_demo::processes::engine(&config) {
                 Ok(()) => ExitCode::SUCCESS,

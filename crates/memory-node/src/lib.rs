@@ -28,6 +28,9 @@
 //! its owner and mode are the boundary) and the bounds are written down in
 //! `docs/ACCOUNTING.md`, "Node books".
 //!
+//! # Platforms
+//! Unix only (Linux is where the tests run): on other targets the crate is empty.
+//!
 //! # Correctness
 //! - `unsafe` code lives in one module, `map` (the shared mapping: `mmap`, the
 //!   reference to the mapped words, `munmap`), each block with its `// SAFETY:`
@@ -89,6 +92,10 @@
 //! # std::fs::remove_file(books.path())?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+// The books are a Unix facility (a shared `mmap`, `flock`, `kill(pid, 0)` and the
+// process's start time): on other targets the crate is empty, so a workspace that
+// depends on it still builds there.
+#![cfg(unix)]
 // Under the loom cfg only the protocol and its models build (the mapping, the books and
 // the members need a real file and real processes).
 #![cfg_attr(memory_loom, allow(dead_code, unused_imports))]

@@ -1,6 +1,7 @@
 //! Books files that must be refused, each with the error that says which problem it is:
 //! another version, truncated, corrupt, and one this user may not open (another user's
 //! file with mode 0600: the joiner runs as `nobody` when the test runs as root).
+#![cfg(unix)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Several governors (members) in one process sharing node books: the shared limit and
 //! quota, give-backs and pressure, forged slots (a reused pid, a death mid-grant), leaving.
+#![cfg(unix)]
 
 mod common;
 

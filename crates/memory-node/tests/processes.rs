@@ -1,6 +1,7 @@
 //! Real processes sharing node books: the test binary re-executes itself (its
 //! `child_role` test, selected by `MEMORY_NODE_ROLE`) as the engines, while the parent
 //! watches the books, kills engines, and checks that the books come back to the truth.
+#![cfg(unix)]
 
 mod common;
 

@@ -35,7 +35,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use allocator_cpu::{PooledAllocator, SystemAllocator, VirtualHostAllocator};
+#[cfg(unix)]
+use allocator_cpu::VirtualHostAllocator;
+use allocator_cpu::{PooledAllocator, SystemAllocator};
 use memory_governor::{
     AccountConfig, AllocationRequest, ByteRange, DeviceAllocator, DeviceKey, GovernedAllocError, GovernedAllocator,
     Governor, GovernorConfig, IdentityIssuer, MemoryRole, RawAllocation,
@@ -52,19 +54,26 @@ pub enum AllocatorKind {
     System,
     /// A caching pool over the system allocator, its backing governed.
     Pooled,
-    /// Reserve address space, commit each block whole.
+    /// Reserve address space, commit each block whole (Unix: the host's virtual
+    /// memory calls).
+    #[cfg(unix)]
     Virtual,
 }
 
 impl AllocatorKind {
     /// Every kind, in the order `--compare` names them by default.
-    pub const ALL: [AllocatorKind; 3] = [AllocatorKind::System, AllocatorKind::Pooled, AllocatorKind::Virtual];
+    #[cfg(unix)]
+    pub const ALL: &[AllocatorKind] = &[AllocatorKind::System, AllocatorKind::Pooled, AllocatorKind::Virtual];
+    /// Every kind, in the order `--compare` names them by default.
+    #[cfg(not(unix))]
+    pub const ALL: &[AllocatorKind] = &[AllocatorKind::System, AllocatorKind::Pooled];
 
     /// Its name on the command line.
     pub fn name(self) -> &'static str {
         match self {
             AllocatorKind::System => "system",
             AllocatorKind::Pooled => "pooled",
+            #[cfg(unix)]
             AllocatorKind::Virtual => "virtual",
         }
     }
@@ -80,10 +89,10 @@ impl FromStr for AllocatorKind {
     type Err = String;
 
     fn from_str(text: &str) -> Result<AllocatorKind, String> {
-        AllocatorKind::ALL
-            .into_iter()
-            .find(|kind| kind.name() == text)
-            .ok_or_else(|| format!("unknown allocator `{text}`: expected system, pooled or virtual"))
+        AllocatorKind::ALL.iter().copied().find(|kind| kind.name() == text).ok_or_else(|| {
+            let known: Vec<&str> = AllocatorKind::ALL.iter().map(|kind| kind.name()).collect();
+            format!("unknown allocator `{text}`: expected one of {} (virtual needs a Unix host)", known.join(", "))
+        })
     }
 }
 
@@ -356,9 +365,14 @@ fn stack_for(kind: AllocatorKind, device: DeviceKey, governor: &Governor) -> Sta
             let backing = governor.cache_backing(Arc::new(SystemAllocator::for_device(device)));
             Arc::new(PooledAllocator::new(backing))
         }
+        #[cfg(unix)]
         AllocatorKind::Virtual => Arc::new(VirtualHostAllocator::for_device(device)),
     };
-    Stack { device, top, virtual_commit: kind == AllocatorKind::Virtual }
+    #[cfg(unix)]
+    let virtual_commit = kind == AllocatorKind::Virtual;
+    #[cfg(not(unix))]
+    let virtual_commit = false;
+    Stack { device, top, virtual_commit }
 }
 
 /// Replays `trace` against `config`.

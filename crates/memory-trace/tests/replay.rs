@@ -17,7 +17,7 @@ fn synthetic() -> Trace {
 #[test]
 fn the_same_trace_and_configuration_give_the_same_books() {
     let trace = synthetic();
-    for kind in AllocatorKind::ALL {
+    for &kind in AllocatorKind::ALL {
         for config in [ReplayConfig::new(kind), ReplayConfig::new(kind).with_device_limit(150 * MIB)] {
             let first = replay::replay(&trace, &config);
             let second = replay::replay(&trace, &config);
@@ -123,7 +123,7 @@ fn quotas_are_the_recorded_ones_unless_left_out() {
 #[test]
 fn the_side_by_side_table_has_a_column_per_configuration() {
     let trace = synthetic();
-    let configs: Vec<ReplayConfig> = AllocatorKind::ALL.into_iter().map(ReplayConfig::new).collect();
+    let configs: Vec<ReplayConfig> = AllocatorKind::ALL.iter().copied().map(ReplayConfig::new).collect();
     let reports = replay::replay_all(&trace, &configs);
     let text = table(&trace, &reports);
     println!("{text}");
@@ -144,7 +144,7 @@ fn the_checked_in_traces_replay_on_every_stack() {
         let trace = read_trace(std::fs::File::open(&path).unwrap()).unwrap();
         assert!(trace.damage.is_none(), "{name}: {:?}", trace.damage);
         assert!(trace.events.len() > 100, "{name}");
-        for kind in AllocatorKind::ALL {
+        for &kind in AllocatorKind::ALL {
             let report = replay::replay(&trace, &ReplayConfig::new(kind));
             for device in &report.devices {
                 assert!(device.peak_allocated > 0, "{name} on {kind}");
