@@ -8,7 +8,7 @@ use std::time::Duration;
 use memory_governor::{DeviceKey, Tier};
 use serde::Serialize;
 
-use crate::error::{NodeError, OpenError};
+use crate::error::{BooksIoError, NodeError, OpenError};
 use crate::format::{MAX_DEVICES, MAX_SLOTS, MAX_TENANTS, SLOT_LIVE, Shared, TENANT_NAME_BYTES};
 use crate::liveness::{Identity, Verdict};
 use crate::map::Mapping;
@@ -360,11 +360,7 @@ impl NodeBooks {
 
     fn open_with(config: NodeConfig, create: bool) -> Result<NodeBooks, OpenError> {
         let path = config.path();
-        let me = Identity::current().map_err(|source| OpenError::Io {
-            path: path.clone(),
-            operation: "identify this process for",
-            source,
-        })?;
+        let me = Identity::current().map_err(|source| BooksIoError::new(&path, "identify this process for", source))?;
         let (map, created) = Mapping::open(&path, config.mode, create)?;
         tracing::info!(path = %path.display(), created, "node books opened");
         Ok(NodeBooks { inner: Arc::new(BooksInner { map, path, config, lock: Mutex::new(()), me, created }) })
@@ -390,7 +386,7 @@ impl NodeBooks {
     }
 
     fn io(&self, operation: &'static str) -> impl FnOnce(std::io::Error) -> NodeError + '_ {
-        move |source| NodeError::Io { path: self.inner.path.clone(), operation, source }
+        move |source| BooksIoError::new(&self.inner.path, operation, source).into()
     }
 
     /// Runs `f` holding the books' lock (the process's mutex, then `flock`).
@@ -404,16 +400,7 @@ impl NodeBooks {
     pub(crate) fn device_entry(&self, device: DeviceKey, create: bool) -> Result<Option<usize>, NodeError> {
         let key = encode_device(device)?;
         let find = |shared: &Shared| shared.devices.iter().position(|entry| entry.key.load(SeqCst) == key);
-        if let Some(entry) = find(self.shared()) {
-            return Ok(Some(entry));
-        }
-        if !create {
-            return Ok(None);
-        }
-        self.with_lock(|shared| {
-            if let Some(entry) = find(shared) {
-                return Ok(Some(entry));
-            }
+        self.entry_or_make(create, find, |shared| {
             let free = shared
                 .devices
                 .iter()
@@ -423,8 +410,8 @@ impl NodeBooks {
             entry.limit.store(u64::MAX, SeqCst);
             entry.pressure.store(0, SeqCst);
             entry.key.store(key, SeqCst);
-            Ok(Some(free))
-        })?
+            Ok(free)
+        })
     }
 
     /// The entry of `tenant` on the device entry `device`, made if `create`.
@@ -448,16 +435,7 @@ impl NodeBooks {
                 entry.key.load(SeqCst) == key && entry.name.iter().zip(&words).all(|(word, &w)| word.load(SeqCst) == w)
             })
         };
-        if let Some(entry) = find(self.shared()) {
-            return Ok(Some(entry));
-        }
-        if !create {
-            return Ok(None);
-        }
-        self.with_lock(|shared| {
-            if let Some(entry) = find(shared) {
-                return Ok(Some(entry));
-            }
+        self.entry_or_make(create, find, |shared| {
             let free = shared
                 .tenants
                 .iter()
@@ -469,8 +447,30 @@ impl NodeBooks {
             }
             entry.quota.store(u64::MAX, SeqCst);
             entry.pressure.store(0, SeqCst);
+            // The key last: a reader without the lock finds the entry only once it is whole.
             entry.key.store(key, SeqCst);
-            Ok(Some(free))
+            Ok(free)
+        })
+    }
+
+    /// The entry `find` finds; if there is none and `create`, the one `make` makes,
+    /// under the books' lock and after looking again (another process may have made it
+    /// meanwhile), so no entry is ever made twice.
+    fn entry_or_make(
+        &self,
+        create: bool,
+        find: impl Fn(&Shared) -> Option<usize>,
+        make: impl FnOnce(&Shared) -> Result<usize, NodeError>,
+    ) -> Result<Option<usize>, NodeError> {
+        if let Some(entry) = find(self.shared()) {
+            return Ok(Some(entry));
+        }
+        if !create {
+            return Ok(None);
+        }
+        self.with_lock(|shared| match find(shared) {
+            Some(entry) => Ok(Some(entry)),
+            None => make(shared).map(Some),
         })?
     }
 

@@ -67,17 +67,9 @@ pub enum OpenError {
         /// The file's mode bits (`0` when they could not be read).
         mode: u32,
     },
-    /// Another I/O error.
-    #[error("could not {operation} the node books at {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// What was being done ("open", "map", "create").
-        operation: &'static str,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
+    /// Another I/O error ("open", "map", "create", ...).
+    #[error(transparent)]
+    Io(#[from] BooksIoError),
 }
 
 /// A books operation after opening failed.
@@ -161,14 +153,27 @@ pub enum NodeError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// An I/O error on the books (the lock, the timer thread).
-    #[error("could not {operation} the node books at {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// What was being done.
-        operation: &'static str,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] BooksIoError),
+}
+
+/// An I/O error on the books file: what was being done, to which file, and the error.
+/// The leaf of both [`OpenError::Io`] and [`NodeError::Io`].
+#[derive(Debug, thiserror::Error)]
+#[error("could not {operation} the node books at {}: {source}", path.display())]
+#[non_exhaustive]
+pub struct BooksIoError {
+    /// The file.
+    pub path: PathBuf,
+    /// What was being done ("open", "map", "create", "lock", ...).
+    pub operation: &'static str,
+    /// The error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl BooksIoError {
+    pub(crate) fn new(path: impl Into<PathBuf>, operation: &'static str, source: std::io::Error) -> BooksIoError {
+        BooksIoError { path: path.into(), operation, source }
+    }
 }

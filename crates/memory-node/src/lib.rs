@@ -130,4 +130,4 @@ pub use books::{
 pub use member::{LeaveReport, Member, MemberStats, NodePolicy};
 // Errors.
 #[cfg(not(memory_loom))]
-pub use error::{NodeError, OpenError};
+pub use error::{BooksIoError, NodeError, OpenError};

@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering::SeqCst;
 use rustix::fs::{FlockOperation, flock};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 
-use crate::error::OpenError;
+use crate::error::{BooksIoError, OpenError};
 use crate::format::{self, LAYOUT_SIZE, MAGIC, Shared, VERSION};
 use crate::protocol::{SLOT_REFUNDING, state_of};
 
@@ -45,7 +45,7 @@ impl Drop for FileLock<'_> {
 }
 
 fn io<'a>(path: &'a Path, operation: &'static str) -> impl FnOnce(std::io::Error) -> OpenError + 'a {
-    move |source| OpenError::Io { path: path.to_owned(), operation, source }
+    move |source| BooksIoError::new(path, operation, source).into()
 }
 
 impl Mapping {

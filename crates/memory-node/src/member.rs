@@ -14,7 +14,7 @@ use memory_governor::{
 use serde::Serialize;
 
 use crate::books::{NodeBooks, refund_slot};
-use crate::error::NodeError;
+use crate::error::{BooksIoError, NodeError};
 use crate::format::Shared;
 use crate::protocol::{self, Budget, SLOT_LIVE, state_word};
 use crate::sync::{Arc, AtomicU64, Mutex, lock};
@@ -264,7 +264,7 @@ impl NodeBooks {
         let timer = std::thread::Builder::new()
             .name(format!("memory-node-{slot}"))
             .spawn(move || timer_inner.run_timer())
-            .map_err(|source| NodeError::Io { path: self.path().to_owned(), operation: "start the timer of", source });
+            .map_err(|source| NodeError::from(BooksIoError::new(self.path(), "start the timer of", source)));
         let timer = match timer {
             Ok(timer) => timer,
             Err(error) => {
