@@ -17,7 +17,7 @@ use crate::books::{NodeBooks, refund_slot};
 use crate::error::{BooksIoError, NodeError};
 use crate::format::Shared;
 use crate::protocol::{self, Budget, SLOT_LIVE, state_word};
-use crate::sync::{Arc, AtomicU64, Mutex, lock};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, lock};
 
 /// What one budget's grant stands at, in this process.
 #[derive(Debug, Default)]
@@ -172,6 +172,9 @@ pub(crate) struct MemberInner {
     devices: Mutex<Vec<Arc<DeviceGrant>>>,
     tenants: Mutex<Vec<Arc<TenantGrant>>>,
     counters: Counters,
+    /// Set when the member leaves, before its grants are given back: a shortfall still
+    /// being served then draws nothing (its slot may be freed and claimed by another).
+    left: AtomicBool,
     stop: Mutex<bool>,
     wake: Condvar,
 }
@@ -257,6 +260,7 @@ impl NodeBooks {
             devices: Mutex::new(Vec::new()),
             tenants: Mutex::new(Vec::new()),
             counters: Counters::default(),
+            left: AtomicBool::new(false),
             stop: Mutex::new(false),
             wake: Condvar::new(),
         });
@@ -471,6 +475,7 @@ impl Member {
             let _ = member.governor.set_policy(grant.key, policy);
             member.governor.unregister_holder(grant.holder);
         }
+        member.left.store(true, SeqCst);
         let before = member.counters.given_back_bytes.load(SeqCst);
         member.give_back_surplus(true);
         let given_back = member.counters.given_back_bytes.load(SeqCst) - before;
@@ -529,6 +534,11 @@ impl MemberInner {
         loop {
             {
                 let mut state = lock(target.grant_state());
+                // Checked under the grant's lock, which the leaving give-back takes after
+                // setting `left`: either it sees this grant, or this grant sees it left.
+                if self.left.load(SeqCst) {
+                    return 0;
+                }
                 let limit = target.limit(shared);
                 if let Ok(granted) = protocol::try_grant(shared, self.slot, target.budget(), limit, want, missing) {
                     let new = state.held.saturating_add(granted);
@@ -631,21 +641,31 @@ impl MemberInner {
             if cheap.is_some_and(|used| state.held <= used.saturating_add(slack)) {
                 continue;
             }
-            let snapshot = snapshot.get_or_insert_with(|| self.governor.snapshot());
-            let used = match target {
-                Target::Device(device) => {
-                    snapshot.device(device.key).map_or(0, |d| d.used.max(d.reserved).max(d.held_by_caches))
-                }
-                Target::Tenant(tenant) => {
-                    let account = tenant.account.snapshot();
-                    account.used.max(account.reserved)
-                }
-            };
+            let used = self.used_by(target, snapshot.get_or_insert_with(|| self.governor.snapshot()));
             let keep = used.saturating_add(if pressured { 0 } else { margin });
             if state.held <= keep || (!pressured && state.held <= used.saturating_add(slack)) {
                 continue;
             }
             if target.apply(&self.governor, keep).is_err() {
+                continue;
+            }
+            // Admissions on other threads go on while we look: one that drew from the
+            // local budget between the look above and the lower limit is charged beyond
+            // `keep`. Measured again now that the lower limit stands, what is used stays
+            // granted (and the local limit with it), so the slot's word never falls below
+            // what the governor holds.
+            let now = self.used_by(target, &self.governor.snapshot());
+            let keep = if now > keep {
+                let kept = now.min(state.held);
+                if target.apply(&self.governor, kept).is_err() {
+                    // The lower limit stands: the grant stays as it was, above it.
+                    continue;
+                }
+                kept
+            } else {
+                keep
+            };
+            if state.held <= keep {
                 continue;
             }
             let surplus = state.held - keep;
@@ -656,6 +676,20 @@ impl MemberInner {
             tracing::trace!(slot = self.slot, budget = %target.name(), surplus, held = keep, pressured, "node give-back");
         }
         total
+    }
+
+    /// What the governor holds of `target`'s budget: drawn (charges, cached credit and
+    /// reserves), or held by caches, if more.
+    fn used_by(&self, target: Target<'_>, snapshot: &GovernorSnapshot) -> u64 {
+        match target {
+            Target::Device(device) => {
+                snapshot.device(device.key).map_or(0, |d| d.used.max(d.reserved).max(d.held_by_caches))
+            }
+            Target::Tenant(tenant) => {
+                let account = tenant.account.snapshot();
+                account.used.max(account.reserved)
+            }
+        }
     }
 
     /// Writes allocated and reserved per device and allocated per tenant into the slot.

@@ -251,3 +251,113 @@ fn a_peer_that_keeps_the_books_lock_delays_no_admission_past_the_pressure_wait()
     drop(file);
     drop(a);
 }
+
+/// A reclaim holder that, once armed, allocates through `binding` the first time the
+/// member's timer thread asks its name: inside the governor snapshot that the timer's
+/// give-back reads `used` from, just after `used` was read. That is an admission on
+/// another thread landing between the give-back's look and its lowering of the limit.
+struct AdmitDuringGiveBack {
+    armed: std::sync::atomic::AtomicBool,
+    binding: std::sync::Mutex<Option<memory_governor::MemoryBinding>>,
+    bytes: u64,
+    block: std::sync::Mutex<Option<memory_governor::BoundAllocation>>,
+}
+
+impl memory_governor::ReclaimHolder for AdmitDuringGiveBack {
+    fn name(&self) -> &str {
+        let on_timer = std::thread::current().name().is_some_and(|name| name.starts_with("memory-node-"));
+        if on_timer && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let binding = self.binding.lock().unwrap().take().unwrap();
+            // Within the local limit (no shortfall): only the governor's own books move.
+            let block = binding.allocate(memory_governor::AllocationRequest::new(self.bytes as usize, 64).unwrap());
+            *self.block.lock().unwrap() = Some(block.expect("within the local limit"));
+        }
+        "admit-during-give-back"
+    }
+
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        0
+    }
+
+    fn reclaim(&self, _request: &memory_governor::ReclaimRequest) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn an_admission_racing_a_give_back_stays_covered_by_the_slots_grant() {
+    let config = fresh_config("giveback-race")
+        .with_grant_chunk(16 * MIB)
+        .with_margin(0)
+        .with_refund_interval(Duration::from_secs(60));
+    let books = NodeBooks::open(config).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 64 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let hook = Arc::new(AdmitDuringGiveBack {
+        armed: std::sync::atomic::AtomicBool::new(true),
+        binding: std::sync::Mutex::new(Some(a.registry.bind(GPU).unwrap())),
+        bytes: 4 * MIB,
+        block: std::sync::Mutex::new(None),
+    });
+    let holder = a.governor.register_holder(GPU, 100, hook.clone());
+    // One MiB draws a 16 MiB grant; the timer then gives the surplus back, and the
+    // hook's 4 MiB are admitted while it does.
+    let small = allocate(&a.tenants[0], MIB).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while hook.block.lock().unwrap().is_none() || a.member.device_grant(GPU) == Some(16 * MIB) {
+        assert!(Instant::now() < deadline, "the timer gave nothing back: {}", books.snapshot().to_json());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let used = a.governor.snapshot().device(GPU).unwrap().used;
+    let grant = a.member.device_grant(GPU).unwrap();
+    let slot = books.snapshot().slot_of(u64::from(std::process::id())).unwrap().budgets[0].granted;
+    assert!(used >= 5 * MIB, "the hook's block is charged: used {used}");
+    assert!(
+        grant >= used && slot >= used,
+        "the governor holds {used} bytes on a grant of {grant} (slot word {slot}): the node books lost track of \
+         what it charged while it gave surplus back"
+    );
+    assert_eq!(a.governor.device_limit(GPU), Some(grant), "the local limit is the grant");
+    a.governor.unregister_holder(holder);
+    drop(hook.block.lock().unwrap().take());
+    drop(small);
+    drop(a);
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
+}
+
+#[test]
+fn a_shortfall_still_served_when_its_member_leaves_draws_nothing_on_the_freed_slot() {
+    let config = fresh_config("leave-race").with_margin(0);
+    let books_b = NodeBooks::open(config.clone()).unwrap();
+    let _cleanup = Cleanup(books_b.path().to_owned());
+    // a's admissions wait up to 3 s for a grant.
+    let books_a = NodeBooks::open(config.with_pressure_wait(Duration::from_secs(3))).unwrap();
+    books_b.set_device_limit(GPU, 4 * MIB).unwrap();
+    let b = engine(&books_b, GPU, &["tenant-b"], || system(GPU));
+    let b_block = allocate(&b.tenants[0], 3 * MIB + MIB / 2).unwrap();
+    let a = engine(&books_a, GPU, &["tenant-a"], || system(GPU));
+    let common::Engine { member, tenants, governor, registry, .. } = a;
+    std::thread::scope(|scope| {
+        // A thread of a waits inside its node policy for a grant the node cannot give yet.
+        let waiting = scope.spawn(|| allocate(&tenants[0], MIB).map(drop).is_some());
+        std::thread::sleep(Duration::from_millis(200));
+        // a leaves meanwhile, holding nothing: its slot is freed.
+        let report = member.leave();
+        assert!(report.slot_freed, "{report:?}");
+        // Then b's memory comes back to the node.
+        drop(b_block);
+        let admitted = waiting.join().unwrap();
+        assert!(!admitted, "a governor that left the books was granted node memory");
+    });
+    drop((tenants, registry, governor));
+    drop(b);
+    let snapshot = books_a.snapshot();
+    assert_eq!(
+        snapshot.device(GPU).unwrap().granted,
+        0,
+        "a freed slot holds a grant nobody will give back: {}",
+        snapshot.to_json()
+    );
+}
