@@ -5,7 +5,8 @@
 //! kernel reuses for a new process has another start time, so it never inherits a slot;
 //! a slot from before a reboot has another boot id. A process is declared dead only on
 //! evidence: `kill(pid, 0)` says no such process, or the process with that pid started
-//! at another time, or the slot is from another boot. A slow or stopped process is alive.
+//! at another time, or the slot is from another boot. A slow or stopped process is alive,
+//! and so is one whose `/proc` entry this user cannot read or see (`hidepid`).
 //! A slot of another pid namespace cannot be judged from here (its pid means something
 //! else) and is left to a peer of its own namespace.
 
@@ -80,22 +81,36 @@ impl Identity {
             return Verdict::Dead(DeathReason::NoProcess);
         };
         // EPERM: it exists, under another user. Any other answer: not evidence.
-        if let Err(Errno::SRCH) = test_kill_process(pid) {
-            return Verdict::Dead(DeathReason::NoProcess);
+        let exists = || !matches!(test_kill_process(pid), Err(Errno::SRCH));
+        judge(self.start_time, exists, || stat_of(self.pid), || threads(self.pid))
+    }
+}
+
+/// The verdict on a process of this boot and pid namespace, from what can be seen of it:
+/// `exists` (`kill(pid, 0)` found it, perhaps under another user), its `stat` and its
+/// thread count. Declares it dead only on evidence.
+fn judge(
+    start_time: u64,
+    exists: impl Fn() -> bool,
+    stat: impl FnOnce() -> std::io::Result<Option<Stat>>,
+    threads: impl FnOnce() -> usize,
+) -> Verdict {
+    if !exists() {
+        return Verdict::Dead(DeathReason::NoProcess);
+    }
+    match stat() {
+        Ok(Some(stat)) if stat.start_time != start_time => Verdict::Dead(DeathReason::PidReused),
+        // Exited, not yet reaped by its parent: it holds nothing any more. (A leader
+        // thread that exited while other threads run shows `Z` too: those threads
+        // are still listed under `task/`, and the process is alive.)
+        Ok(Some(stat)) if matches!(stat.state, 'Z' | 'X') && threads() <= 1 => Verdict::Dead(DeathReason::Exited),
+        // No `/proc/PID`: gone between the two looks, or hidden from us (`hidepid=2`
+        // hides another user's processes, which `kill` still finds). Look again.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound && !exists() => {
+            Verdict::Dead(DeathReason::NoProcess)
         }
-        match stat_of(self.pid) {
-            Ok(Some(stat)) if stat.start_time != self.start_time => Verdict::Dead(DeathReason::PidReused),
-            // Exited, not yet reaped by its parent: it holds nothing any more. (A leader
-            // thread that exited while other threads run shows `Z` too: those threads
-            // are still listed under `task/`, and the process is alive.)
-            Ok(Some(stat)) if matches!(stat.state, 'Z' | 'X') && threads(self.pid) <= 1 => {
-                Verdict::Dead(DeathReason::Exited)
-            }
-            // Gone between the two looks.
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Verdict::Dead(DeathReason::NoProcess),
-            // The same process, or its stat is unreadable (hidepid): alive.
-            _ => Verdict::Alive,
-        }
+        // The same process, or its stat is unreadable or hidden (hidepid): alive.
+        _ => Verdict::Alive,
     }
 }
 
@@ -152,6 +167,27 @@ mod tests {
     fn state_and_start_time_are_fields_3_and_22_even_when_the_command_holds_parentheses() {
         let stat = "4242 (a (weird) cmd) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 987654 20 21";
         assert_eq!(parse_stat(stat), Some(Stat { state: 'S', start_time: 987654 }));
+    }
+
+    #[test]
+    fn a_process_that_exists_but_whose_proc_entry_is_hidden_is_alive() {
+        // `hidepid=2`: another user's process answers `kill(pid, 0)` with EPERM (it
+        // exists) while its `/proc/PID` is not there for us (ENOENT). Not evidence of death.
+        let hidden = || Err(std::io::Error::from(std::io::ErrorKind::NotFound));
+        assert_eq!(judge(7, || true, hidden, || 1), Verdict::Alive);
+        // Gone between the two looks: the second `kill` says so.
+        let looks = std::cell::Cell::new(0);
+        let gone_after_first_look = || {
+            looks.set(looks.get() + 1);
+            looks.get() == 1
+        };
+        assert_eq!(judge(7, gone_after_first_look, hidden, || 1), Verdict::Dead(DeathReason::NoProcess));
+        // A zombie with no thread left is dead; one whose other threads run is not.
+        let zombie = || Ok(Some(Stat { state: 'Z', start_time: 7 }));
+        assert_eq!(judge(7, || true, zombie, || 1), Verdict::Dead(DeathReason::Exited));
+        assert_eq!(judge(7, || true, zombie, || 3), Verdict::Alive);
+        let reused = || Ok(Some(Stat { state: 'S', start_time: 8 }));
+        assert_eq!(judge(7, || true, reused, || 1), Verdict::Dead(DeathReason::PidReused));
     }
 
     #[test]
