@@ -89,9 +89,10 @@ impl NodeConfig {
         self
     }
 
-    /// How often a member's timer looks for dead processes' slots (default 100 ms). A
-    /// dead process's grants return within this (plus one tick) of its death, or at once
-    /// when another member is refused.
+    /// How often a member's timer looks for dead processes' slots (default 100 ms): two
+    /// looks are never more than this apart. A dead process's grants return within this
+    /// plus one tick of its death ([`NodeConfig::refund_bound`]), or at once when another
+    /// member is refused.
     #[must_use]
     pub fn with_refund_interval(mut self, interval: Duration) -> NodeConfig {
         self.refund_interval = interval.max(Duration::from_millis(1));
@@ -128,9 +129,19 @@ impl NodeConfig {
     }
 
     /// The time within which a survivor's timer refunds a dead process's grants: the
-    /// refund interval plus one tick.
+    /// refund interval (or the tick, if that is longer: the timer looks at most once a
+    /// tick) plus one tick (the most a refund waits for the books' lock), plus the
+    /// time the timer's own work takes.
     pub fn refund_bound(&self) -> Duration {
-        self.refund_interval + self.tick
+        self.refund_interval.max(self.tick) + self.tick
+    }
+
+    /// Whether a member's timer looks for dead slots now, `since` its last look: when
+    /// waiting for the next tick would leave more than the refund interval between two
+    /// looks. (Looking only once `since` reached the interval put looks up to a tick
+    /// further apart, past [`NodeConfig::refund_bound`].)
+    pub(crate) fn scan_due(&self, since: Duration) -> bool {
+        since + self.tick > self.refund_interval
     }
 }
 
@@ -718,4 +729,38 @@ pub(crate) fn refund_slot(shared: &Shared, slot: usize, expected: u64) -> Option
         word.store(0, SeqCst);
     }
     Some(held)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The timer wakes every tick (here taking no time), looks for dead slots when
+    /// [`NodeConfig::scan_due`] says so, and waits at most a tick for the books' lock: a
+    /// process dead at any instant is refunded within [`NodeConfig::refund_bound`].
+    #[test]
+    fn the_timers_looks_for_dead_slots_meet_the_stated_refund_bound() {
+        let ms = Duration::from_millis;
+        for (interval, tick) in [(100, 10), (100, 30), (95, 10), (50, 5), (10, 10), (5, 20), (1, 1)] {
+            let config = NodeConfig::new("bound").with_refund_interval(ms(interval)).with_tick(ms(tick));
+            let (mut scans, mut last) = (Vec::new(), 0u64);
+            for now in (1..=(20 * interval / tick + 20)).map(|k| k * tick) {
+                if config.scan_due(ms(now - last)) {
+                    scans.push(now);
+                    last = now;
+                }
+            }
+            let horizon = scans[scans.len() / 2];
+            for death in 0..horizon {
+                let found = scans.iter().find(|&&scan| scan > death).copied().unwrap();
+                let refunded = ms(found - death + tick);
+                assert!(
+                    refunded <= config.refund_bound(),
+                    "interval {interval} ms, tick {tick} ms: a process dead at {death} ms is refunded {refunded:?} \
+                     later, past the stated bound {:?}",
+                    config.refund_bound()
+                );
+            }
+        }
+    }
 }

@@ -717,7 +717,7 @@ impl MemberInner {
             }
             drop(stop);
             self.give_back_surplus(false);
-            if last_scan.elapsed() >= config.refund_interval {
+            if config.scan_due(last_scan.elapsed()) {
                 last_scan = Instant::now();
                 if let Ok(Some(refunds)) = self.books.refund_dead_within(config.tick) {
                     self.counters.refunds.fetch_add(refunds.len() as u64, SeqCst);
