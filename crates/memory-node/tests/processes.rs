@@ -211,13 +211,105 @@ fn a_process_killed_inside_a_charge_gives_its_grant_back_to_a_survivor() {
     assert_settled(&books);
 }
 
+const NS_LAST_PID: &str = "/proc/sys/kernel/ns_last_pid";
+
+#[test]
+fn a_pid_reused_by_a_new_process_never_inherits_the_dead_ones_slot() {
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    // A new process gets a chosen pid when the pid before it is written to
+    // ns_last_pid (root, in this pid namespace).
+    if !rustix::process::getuid().is_root() || std::fs::write(NS_LAST_PID, b"1").is_err() {
+        println!("skipped a_pid_reused_by_a_new_process_never_inherits_the_dead_ones_slot: {NS_LAST_PID} not writable");
+        return;
+    }
+    let (books, config, _cleanup) = setup("pidreuse", 16 * MIB, 16 * MIB);
+    // The first owner joins, allocates and is killed; no member runs, so its slot stays.
+    let mut first = spawn(&config, "stall", 0);
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    assert!(lines.any(|line| line.unwrap().contains("STALLED")), "the first owner did not stall");
+    let pid = first.id();
+    let old = books.snapshot().slot_of(u64::from(pid)).unwrap().clone();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(books.snapshot().slot_of(u64::from(pid)).is_some(), "nobody refunded the slot yet");
+    // A new process with that very pid (other processes of the machine may take it first: retry).
+    let mut newcomer = None;
+    for _ in 0..200 {
+        std::fs::write(NS_LAST_PID, (pid - 1).to_string()).unwrap();
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
+            .env(ROLE, "newcomer")
+            .env("MEMORY_NODE_BOOKS", config.path().file_name().unwrap())
+            .env("MEMORY_NODE_DIR", config.path().parent().unwrap())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        if child.id() == pid {
+            newcomer = Some(child);
+            break;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let Some(mut newcomer) = newcomer else {
+        println!("skipped a_pid_reused_by_a_new_process_never_inherits_the_dead_ones_slot: pid {pid} was never reused");
+        return;
+    };
+    // The slot names a live pid, of a process that started at another time: dead.
+    let refunds = books.refund_dead().unwrap();
+    assert_eq!(refunds.len(), 1, "{refunds:?}");
+    assert_eq!((refunds[0].slot, refunds[0].pid), (old.slot, u64::from(pid)));
+    assert!(refunds[0].reason.contains("another time"), "{}", refunds[0].reason);
+    assert_eq!(refunds[0].bytes, old.budgets.iter().map(|b| b.granted).sum::<u64>());
+    // The newcomer joins with the same pid: a slot of its own, which no survivor takes.
+    {
+        use std::io::Write;
+        writeln!(newcomer.stdin.as_mut().unwrap(), "join").unwrap();
+    }
+    let mut lines = BufReader::new(newcomer.stdout.take().unwrap()).lines();
+    assert!(lines.any(|line| line.unwrap().contains("JOINED")), "the newcomer did not join");
+    assert!(books.refund_dead().unwrap().is_empty(), "the newcomer's slot was taken for dead");
+    let snapshot = books.snapshot();
+    let slot = snapshot.slot_of(u64::from(pid)).unwrap();
+    assert!(slot.alive && slot.start_time != old.start_time, "{}", snapshot.to_json());
+    assert_eq!(snapshot.slots.len(), 1, "{}", snapshot.to_json());
+    let device = snapshot.device(GPU).unwrap();
+    let own = slot.budgets.iter().find(|b| b.tenant.is_none()).map_or(0, |b| b.granted);
+    assert!(own >= 2 * MIB && device.granted == own, "the old owner's grants are gone: {}", snapshot.to_json());
+    println!(
+        "pid {pid} reused by a new process: the old slot {} ({} bytes) refunded as \"{}\", the newcomer holds slot {} \
+         with {own} bytes",
+        old.slot, refunds[0].bytes, refunds[0].reason, slot.slot
+    );
+    newcomer.kill().unwrap();
+    newcomer.wait().unwrap();
+    assert_settled(&books);
+}
+
 /// The engines' side (runs only as a child).
 #[test]
 fn child_role() {
     match std::env::var(ROLE).as_deref() {
         Ok("hammer") => hammer(),
         Ok("stall") => stall(),
+        Ok("newcomer") => newcomer(),
         _ => {}
+    }
+}
+
+/// Waits for a line on stdin, joins, allocates 2 MiB, says so and waits to be killed.
+fn newcomer() {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let books = NodeBooks::open_existing(config_from_env()).unwrap();
+    let engine = engine(&books, GPU, &TENANTS, || system(GPU));
+    let _held = allocate(&engine.tenants[0], 2 * MIB).unwrap();
+    println!("JOINED");
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
     }
 }
 
