@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use memory_governor::DeviceKey;
+use memory_governor::{AuthorityIdentity, DeviceKey};
 
 /// The books file could not be opened or created. Each variant says which problem it
 /// is; the message says what to do.
@@ -136,6 +136,17 @@ pub enum NodeError {
     AlreadyGoverned {
         /// The device.
         device: DeviceKey,
+    },
+    /// The account is bound to a node tenant already (through this member).
+    #[error(
+        "the account of {authority} is bound to the node tenant {tenant:?} already: bind each account once (a \
+         second binding would count its charges twice in the node quota)"
+    )]
+    AlreadyBound {
+        /// The account's authority.
+        authority: AuthorityIdentity,
+        /// The node tenant it is bound to.
+        tenant: String,
     },
     /// The device has not been handed to the books (`Member::govern_device`).
     #[error("{device} is not governed by the node books: call Member::govern_device first")]

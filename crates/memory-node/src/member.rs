@@ -366,9 +366,13 @@ impl Member {
     ///
     /// # Errors
     /// [`NodeError::NotGoverned`] when the account's device is not governed here;
+    /// [`NodeError::AlreadyBound`] when the account is bound already;
     /// [`NodeError::GrantRefused`]; an unknown authority, a name error.
     pub fn bind_tenant(&self, authority: AuthorityIdentity, tenant: &str) -> Result<(), NodeError> {
         let member = &self.inner;
+        if let Some(bound) = member.tenant(authority) {
+            return Err(NodeError::AlreadyBound { authority, tenant: bound.name.clone() });
+        }
         let account = member
             .governor
             .account(authority)

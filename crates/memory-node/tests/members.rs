@@ -361,3 +361,21 @@ fn a_shortfall_still_served_when_its_member_leaves_draws_nothing_on_the_freed_sl
         snapshot.to_json()
     );
 }
+
+#[test]
+fn an_account_bound_twice_is_refused_and_its_node_quota_counted_once() {
+    let books = NodeBooks::open(fresh_config("bind-twice")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    books.set_tenant_quota(GPU, "tenant-a", 8 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let block = allocate(&a.tenants[0], 2 * MIB).unwrap();
+    let before = books.snapshot().tenant(GPU, "tenant-a").unwrap().granted;
+    let again = a.member.bind_tenant(a.tenants[0].authority, "tenant-a");
+    let error = again.expect_err("a second binding of one account was accepted");
+    assert!(error.to_string().contains("already"), "{error}");
+    assert_eq!(books.snapshot().tenant(GPU, "tenant-a").unwrap().granted, before, "granted twice");
+    drop(block);
+    drop(a);
+    assert_eq!(books.snapshot().tenant(GPU, "tenant-a").unwrap().granted, 0);
+}
