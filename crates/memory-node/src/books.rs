@@ -543,7 +543,24 @@ impl NodeBooks {
     /// allocating thread (or a timer) never waits longer for a peer that keeps the lock.
     /// `Ok(None)` when the lock stayed taken.
     pub(crate) fn refund_dead_within(&self, wait: Duration) -> Result<Option<Vec<Refund>>, NodeError> {
-        let _process = lock(&self.inner.lock);
+        // The process's side of the lock within the same wait: another thread of this
+        // process may be waiting for the file's lock (a join, a leave, `refund_dead`)
+        // for as long as a peer keeps it.
+        let deadline = std::time::Instant::now() + wait;
+        let _process = loop {
+            match self.inner.lock.try_lock() {
+                Ok(guard) => break guard,
+                Err(std::sync::TryLockError::Poisoned(poisoned)) => break poisoned.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    tracing::debug!(path = %self.inner.path.display(), "another thread waits for the books' lock: refunds wait");
+                    return Ok(None);
+                }
+            }
+        };
+        let wait = deadline.saturating_duration_since(std::time::Instant::now());
         let Some(_file) = self.inner.map.lock_within(wait).map_err(self.io("lock"))? else {
             tracing::debug!(path = %self.inner.path.display(), "the books' lock is held: refunds wait");
             return Ok(None);

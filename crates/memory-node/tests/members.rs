@@ -379,3 +379,30 @@ fn an_account_bound_twice_is_refused_and_its_node_quota_counted_once() {
     drop(a);
     assert_eq!(books.snapshot().tenant(GPU, "tenant-a").unwrap().granted, 0);
 }
+
+#[test]
+fn a_thread_waiting_for_the_books_lock_delays_no_other_threads_admission_past_the_pressure_wait() {
+    let books = NodeBooks::open(fresh_config("lock-thread")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 4 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let block = allocate(&a.tenants[0], 3 * MIB).unwrap();
+    // A peer keeps the books' lock for 3 s, and a thread of this process waits for it.
+    let file = OpenOptions::new().read(true).write(true).open(books.path()).unwrap();
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| books.refund_dead().map(|refunds| refunds.len()));
+        scope.spawn(move || {
+            std::thread::sleep(Duration::from_secs(3));
+            drop(file);
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        assert!(allocate(&a.tenants[0], 2 * MIB).is_none(), "over the node limit");
+        let waited = started.elapsed();
+        assert!(waited < Duration::from_secs(1), "an admission waited {waited:?} behind another thread's lock wait");
+        assert_eq!(waiter.join().unwrap().unwrap(), 0);
+    });
+    drop(block);
+    drop(a);
+}
