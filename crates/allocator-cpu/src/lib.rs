@@ -15,13 +15,16 @@
 //! exist on unix only (Linux and macOS). On Windows they are absent at compile time.
 //!
 //! [`probe`] reads and writes host memory that may be protected without crashing.
-//! This crate depends on `memory-api` alone (never on the registry or the governor):
-//! it is a provider.
+//! This crate depends on `memory-api` and `memory-sync` only (never on the registry or
+//! the governor): it is a provider.
 //!
 //! # Correctness
 //! - **Every block is validated before memory is touched.** Each allocator keeps a
-//!   record per live block in a per-thread shard (a slab named by the block's provider
-//!   tag). `release` and every capability call first check that the record exists and
+//!   record per live block, named by the block's provider tag: the system and pooled
+//!   allocators in `memory_sync`'s record table (inserted by the allocating thread with
+//!   plain stores, taken by a release on any thread with one compare-and-swap), the
+//!   address-space allocators in per-thread shards of slabs (their records are `Arc`
+//!   pins of a reservation with its own lock). `release` and every capability call first check that the record exists and
 //!   matches the block's address, size, alignment and device exactly; a foreign,
 //!   forged or repeated block is refused ([`ReleaseOutcome::Failed`](memory_api::ReleaseOutcome)
 //!   or [`CapabilityError::NotOwned`](memory_api::CapabilityError)) and nothing is
@@ -38,8 +41,11 @@
 //! - **Errors before mutation hand the block back**; a release that unmapped part of
 //!   a reservation before failing reports a quarantine with the exact bytes. Nothing
 //!   panics on bad input; a size the system refuses is an `AllocError`.
-//! - **Concurrency**: no allocator has a global lock on its hot path (per-thread
-//!   shards; per-reservation locks for capability calls). The conformance suite of
+//! - **Concurrency**: no allocator has a global lock on its hot path (the record table;
+//!   per-thread class caches behind an owner gate, which a trim claims; per-thread
+//!   shards and per-reservation locks for the address-space allocators; the pool's
+//!   segments share one lock, a request that large costing far more). The gate and the
+//!   record table are loom-checked in `memory-sync`. The conformance suite of
 //!   `memory-testkit` runs over every allocator here, including its multi-threaded
 //!   checks, and every system-call error path is driven by test-only fault injection.
 //! - Addresses are exposed-provenance values (`expose_provenance` when memory is
@@ -74,9 +80,11 @@
 //! ```
 
 // The allocators that build everywhere, and what they share. `pooled` is a folder,
-// one file per cache: `classes` (the size classes), `segments` (large blocks carved
-// from segments, BFC-style) and `stats` (the counters both keep); `table` holds the
-// record slabs and per-thread shards the allocators validate a release against.
+// one file per cache: `classes` (the size classes: per-thread caches), `segments`
+// (large blocks carved from segments, BFC-style), `records` (the record of every block
+// handed out, in memory-sync's record table) and `stats` (the counters both keep);
+// `table` holds the slabs of the segments and the per-thread shards the address-space
+// allocators validate a release against.
 mod pooled;
 mod queue;
 mod system;

@@ -5,26 +5,33 @@ use std::fmt;
 use std::ptr::NonNull;
 
 use memory_api::{
-    AllocError, AllocationRequest, AllocatorStats, DeviceAddress, DeviceAllocator, DeviceKey, LayoutError, MaybeBytes,
-    RawAllocation, ReleaseError, ReleaseOutcome,
+    AllocError, AllocationRequest, AllocatorStats, BackendError, DeviceAddress, DeviceAllocator, DeviceKey,
+    LayoutError, MaybeBytes, RawAllocation, ReleaseError, ReleaseOutcome,
 };
 
-use crate::table::{Shards, Slab, tag, untag};
+use memory_sync::per_thread::{PerThread, thread_index};
+use memory_sync::primitives::{AtomicU64, Ordering};
+use memory_sync::records::{RecordTable, Words};
 
-/// What the allocator remembers about one live block.
-struct Block {
-    /// Start address (provenance exposed at allocation).
-    addr: usize,
-    bytes: usize,
-    align: usize,
+/// A live block's record: `[address (its provenance exposed at allocation), bytes,
+/// align]`.
+type Block = Words<3>;
+
+/// One thread's counters, written by that thread alone (plain loads and stores). A
+/// block released on another thread is counted off there, so one thread's live figures
+/// may be "negative" (they wrap); their sum over threads is right.
+#[derive(Default)]
+struct Counters {
+    live_bytes: AtomicU64,
+    live_allocations: AtomicU64,
+    allocations_total: AtomicU64,
+    failures_total: AtomicU64,
 }
 
-#[derive(Default)]
-struct Shard {
-    blocks: Slab<Block>,
-    live_bytes: u64,
-    allocations_total: u64,
-    failures_total: u64,
+/// Adds `n` (wrapping) to a counter only the calling thread writes.
+#[inline(always)]
+fn add(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
 /// Host memory from the global allocator, for any size and power-of-two alignment.
@@ -34,17 +41,19 @@ struct Shard {
 /// - Every power-of-two alignment the global allocator can honour is honoured (2 MiB
 ///   and beyond); a size the system refuses is [`AllocError::OutOfMemory`], an
 ///   impossible layout is [`AllocError::Layout`]. Nothing here panics or aborts.
-/// - Each live block has a record in a per-thread shard, named by the block's
-///   provider tag. A release frees memory only after the record matches the block's
-///   address, size and alignment exactly; anything else (another allocator's block,
-///   another device's key, a second release) is refused with
+/// - Each live block has a record in `memory_sync`'s record table (inserted by the
+///   allocating thread with plain stores), named by the block's provider tag. A release
+///   takes the record with one compare-and-swap and frees memory only if it matches the
+///   block's address, size and alignment exactly; anything else (another allocator's
+///   block, another device's key, a second release) is refused with
 ///   [`ReleaseOutcome::Failed`] handing the block back.
 ///
 /// [`SystemAllocator::for_device`] labels the memory with another key, so tests can
 /// simulate several devices with real, writable memory.
 pub struct SystemAllocator {
     device: DeviceKey,
-    shards: Shards<Shard>,
+    records: RecordTable<Block>,
+    counters: PerThread<Box<Counters>>,
 }
 
 impl SystemAllocator {
@@ -56,7 +65,7 @@ impl SystemAllocator {
     /// A system allocator whose blocks claim to live on `device` (a simulated,
     /// host-backed device; the memory is host memory whatever the key says).
     pub fn for_device(device: DeviceKey) -> SystemAllocator {
-        SystemAllocator { device, shards: Shards::new(Shards::<Shard>::default_count()) }
+        SystemAllocator { device, records: RecordTable::new(), counters: PerThread::new() }
     }
 
     /// Allocates `bytes` bytes aligned to `align`, validating the layout first.
@@ -77,10 +86,14 @@ impl SystemAllocator {
         ReleaseOutcome::failed(allocation, error)
     }
 
+    /// The calling thread's counters.
+    #[inline(always)]
+    fn counters(&self) -> &Counters {
+        self.counters.get_or(thread_index(), Box::default)
+    }
+
     fn count_failure(&self) {
-        if let Some(mut shard) = self.shards.lock(self.shards.local()) {
-            shard.failures_total += 1;
-        }
+        add(&self.counters().failures_total, 1);
     }
 }
 
@@ -117,59 +130,68 @@ impl DeviceAllocator for SystemAllocator {
                 available: MaybeBytes(None),
             });
         };
-        let addr = ptr.as_ptr().expose_provenance();
         let address = DeviceAddress::from_host_ptr(ptr);
-        let home = self.shards.local();
-        let slot = {
-            let Some(mut shard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
-            shard.live_bytes += bytes as u64;
-            shard.allocations_total += 1;
-            shard.blocks.insert(Block { addr, bytes, align })
+        let Some(tag) = self.records.insert_tag(&[address.get(), bytes as u64, align as u64]) else {
+            // SAFETY: `ptr` was returned by `std::alloc::alloc(layout)` just above and
+            // was never handed out.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+            self.count_failure();
+            return Err(AllocError::Backend {
+                device: self.device,
+                source: BackendError {
+                    backend: "system",
+                    operation: "allocate",
+                    code: 0,
+                    detail: format!(
+                        "this thread holds {} blocks of this allocator, the record table's bound per thread; \
+                         release some blocks first",
+                        memory_sync::records::SLOTS_PER_OWNER
+                    ),
+                },
+            });
         };
+        let counters = self.counters();
+        add(&counters.live_bytes, bytes as u64);
+        add(&counters.live_allocations, 1);
+        add(&counters.allocations_total, 1);
         tracing::trace!(bytes, align, %address, "system allocate");
-        Ok(RawAllocation::new(address, bytes, align, self.device, tag(home, slot)))
+        Ok(RawAllocation::new(address, bytes, align, self.device, tag))
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
         if allocation.device() != self.device {
             return self.refuse(allocation);
         }
-        let (home, slot) = untag(allocation.provider_tag());
-        let block = {
-            let Some(mut shard) = self.shards.lock(home) else { return self.refuse(allocation) };
-            let matches = shard.blocks.get(slot).is_some_and(|b| {
-                b.addr as u64 == allocation.address().get()
-                    && b.bytes == allocation.bytes()
-                    && b.align == allocation.align()
-            });
-            if !matches {
-                drop(shard);
-                return self.refuse(allocation);
-            }
-            shard.live_bytes -= allocation.bytes() as u64;
-            shard.blocks.remove(slot)
+        let presented = [allocation.address().get(), allocation.bytes() as u64, allocation.align() as u64];
+        let Some(taken) = self.records.take(allocation.provider_tag(), |recorded| *recorded == presented) else {
+            return self.refuse(allocation);
         };
-        let Some(block) = block else { unreachable!("checked under the same lock") };
-        let Ok(layout) = Layout::from_size_align(block.bytes.max(1), block.align) else {
+        let (bytes, align) = (allocation.bytes(), allocation.align());
+        let Ok(layout) = Layout::from_size_align(bytes.max(1), align) else {
             unreachable!("the layout was valid at allocation")
         };
-        // SAFETY: `block.addr` is the exposed address of a pointer returned by
-        // `std::alloc::alloc(layout)` with exactly this layout (both recorded at
-        // allocation), and the record was removed under the shard lock above, so this
-        // is the one and only deallocation of that pointer.
-        unsafe { std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(block.addr), layout) };
-        tracing::trace!(bytes = block.bytes, "system release");
-        ReleaseOutcome::complete(block.bytes)
+        // SAFETY: the address is the exposed address of a pointer returned by
+        // `std::alloc::alloc(layout)` with exactly this layout (address, size and
+        // alignment are the record's, made at that allocation), and this thread took
+        // the record with the table's compare-and-swap, which exactly one release of a
+        // record wins, so this is the one and only deallocation of that pointer.
+        unsafe { std::alloc::dealloc(std::ptr::with_exposed_provenance_mut(presented[0] as usize), layout) };
+        taken.free();
+        let counters = self.counters();
+        add(&counters.live_bytes, (bytes as u64).wrapping_neg());
+        add(&counters.live_allocations, u64::MAX);
+        tracing::trace!(bytes, "system release");
+        ReleaseOutcome::complete(bytes)
     }
 
     fn stats(&self) -> Option<AllocatorStats> {
         let mut stats = AllocatorStats::default();
-        for index in 0..self.shards.len() {
-            let Some(shard) = self.shards.lock(index) else { continue };
-            stats.live_bytes += shard.live_bytes;
-            stats.live_allocations += shard.blocks.len() as u64;
-            stats.allocations_total += shard.allocations_total;
-            stats.failures_total += shard.failures_total;
+        let sum = |into: &mut u64, counter: &AtomicU64| *into = into.wrapping_add(counter.load(Ordering::Relaxed));
+        for counters in self.counters.iter() {
+            sum(&mut stats.live_bytes, &counters.live_bytes);
+            sum(&mut stats.live_allocations, &counters.live_allocations);
+            sum(&mut stats.allocations_total, &counters.allocations_total);
+            sum(&mut stats.failures_total, &counters.failures_total);
         }
         Some(stats)
     }
@@ -310,7 +332,7 @@ mod tests {
     }
 
     #[test]
-    fn blocks_released_on_another_thread_return_to_their_home_shard() {
+    fn blocks_released_on_another_thread_are_freed_and_their_records_reused() {
         let system = SystemAllocator::new();
         let blocks: Vec<_> = (0..16).map(|_| system.allocate_layout(256, 8).unwrap()).collect();
         std::thread::scope(|s| {
@@ -320,6 +342,15 @@ mod tests {
                 }
             });
         });
-        assert_eq!(system.stats().unwrap().live_allocations, 0);
+        let stats = system.stats().unwrap();
+        assert_eq!((stats.live_allocations, stats.live_bytes, stats.allocations_total), (0, 0, 16));
+        // The records came back to this thread's part through its remote stack: the next
+        // blocks reuse their slots (a tag's slot field, bits 24..48).
+        let slot = |block: &RawAllocation| (block.provider_tag() >> 24) & ((1 << 24) - 1);
+        let again: Vec<_> = (0..16).map(|_| system.allocate_layout(256, 8).unwrap()).collect();
+        assert!(again.iter().all(|block| slot(block) < 32), "{:?}", again.iter().map(slot).collect::<Vec<_>>());
+        for block in again {
+            assert!(system.release(block).is_complete());
+        }
     }
 }

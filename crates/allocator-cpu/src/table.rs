@@ -1,35 +1,35 @@
-//! Per-thread shards of slab-allocated records, used by every allocator here to
-//! validate released blocks in O(1) without a global lock.
+//! Per-thread shards of slab-allocated records behind mutexes: the reservation tables of
+//! the address-space allocators (`region.rs`), whose records are `Arc` pins of a
+//! reservation with its own lock (which the record table's word payloads cannot hold),
+//! and the slabs of the pooled allocator's segment cache (its BFC books, behind the
+//! segments' one lock).
 //!
-//! A block's `provider_tag` names its record: the shard in the top 16 bits, the slot
-//! below. A thread inserts into its own shard, so threads that allocate and release
-//! their own blocks never share a lock or a written cache line; a block released on
-//! another thread locks its home shard.
+//! A reservation's `provider_tag` names its record: the shard in the top 16 bits, the
+//! slot below. A thread inserts into its own shard (by `memory_sync`'s thread index), so
+//! threads that allocate and release their own reservations never share a lock or a
+//! written cache line; one released on another thread locks its home shard.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(unix)]
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+#[cfg(unix)]
 use crossbeam_utils::CachePadded;
+#[cfg(unix)]
+use memory_sync::per_thread::thread_index;
 
+#[cfg(unix)]
 const SLOT_BITS: u32 = 48;
 
 /// Encodes a shard index and slot into a provider tag.
+#[cfg(unix)]
 pub(crate) fn tag(shard: usize, slot: usize) -> u64 {
     ((shard as u64) << SLOT_BITS) | slot as u64
 }
 
 /// Decodes a provider tag into shard index and slot.
+#[cfg(unix)]
 pub(crate) fn untag(tag: u64) -> (usize, usize) {
     ((tag >> SLOT_BITS) as usize, (tag & ((1 << SLOT_BITS) - 1)) as usize)
-}
-
-/// This thread's stable index, assigned round-robin on first use.
-pub(crate) fn thread_index() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    INDEX.with(|index| *index)
 }
 
 enum Entry<T> {
@@ -94,6 +94,7 @@ impl<T> Slab<T> {
         Some(value)
     }
 
+    #[cfg_attr(not(unix), allow(dead_code, reason = "the reservation tables (unix only) and tests count records"))]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -104,20 +105,15 @@ impl<T> Slab<T> {
             Entry::Vacant(_) => None,
         })
     }
-
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (usize, &mut T)> {
-        self.entries.iter_mut().enumerate().filter_map(|(slot, entry)| match entry {
-            Entry::Occupied(value) => Some((slot, value)),
-            Entry::Vacant(_) => None,
-        })
-    }
 }
 
 /// Cache-line-padded, mutex-guarded shards, one picked per thread.
+#[cfg(unix)]
 pub(crate) struct Shards<S> {
     shards: Box<[CachePadded<Mutex<S>>]>,
 }
 
+#[cfg(unix)]
 impl<S: Default> Shards<S> {
     /// `count` shards (rounded up to a power of two, at most 2^16).
     pub(crate) fn new(count: usize) -> Shards<S> {
@@ -126,6 +122,7 @@ impl<S: Default> Shards<S> {
     }
 }
 
+#[cfg(unix)]
 impl<S> Shards<S> {
     /// Default shard count: the machine's parallelism, at least 4.
     pub(crate) fn default_count() -> usize {
@@ -147,15 +144,6 @@ impl<S> Shards<S> {
         let shard = self.shards.get(index)?;
         Some(shard.lock().unwrap_or_else(PoisonError::into_inner))
     }
-
-    /// Locks shard `index` unless another thread holds it.
-    pub(crate) fn try_lock(&self, index: usize) -> Option<MutexGuard<'_, S>> {
-        match self.shards.get(index)?.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -163,6 +151,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(unix)]
     fn tags_round_trip() {
         assert_eq!(untag(tag(5, 123_456)), (5, 123_456));
         assert_eq!(untag(tag(65_535, (1 << 48) - 1)), (65_535, (1 << 48) - 1));
@@ -183,6 +172,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(unix)]
     fn shard_counts_are_powers_of_two() {
         assert_eq!(Shards::<()>::new(3).len(), 4);
         assert_eq!(Shards::<()>::new(0).len(), 1);

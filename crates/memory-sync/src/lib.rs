@@ -27,14 +27,19 @@
 //!   restored under the same tag or freed, named by tags (owner, slot, generation) that
 //!   a forged or stale tag cannot match. The plugin loader and the governed allocator
 //!   keep their block records in it.
+//! - [`owner_gate`] lets another thread reach owner-local values at once, rarely: the
+//!   owner passes the gate with plain stores and a light barrier, a claimer under a
+//!   lock and a heavy barrier (the pooled allocator's per-thread caches, which a trim
+//!   empties from any thread).
 //! - [`CachePadded`] keeps per-thread slots on lines of their own; [`lock()`], [`read()`]
 //!   and [`write()`] recover a poisoned lock (the crates never run a callback under a
 //!   lock, so a panic cannot leave a half-updated value behind one).
 //!
 //! # Correctness
 //! - No `unsafe` code (`#![forbid(unsafe_code)]`).
-//! - The owner slots' give-back and the record table's take, restore, rewrite and reuse
-//!   are checked by loom models (`src/loom_records.rs`, and in `src/owner_slots.rs`).
+//! - The owner slots' give-back, the record table's take, restore, rewrite and reuse,
+//!   and the owner gate's exclusion are checked by loom models (`src/loom_records.rs`,
+//!   `src/loom_owner_gate.rs`, and in `src/owner_slots.rs`).
 //! - The barrier pair's guarantee in fence mode is the textbook store-buffering fix,
 //!   checked by a loom model in this crate (`cargo xtask loom`), together with a model
 //!   that shows loom finds the missed store when the barriers are left out. The
@@ -67,6 +72,7 @@
 
 mod barrier;
 mod lock;
+pub mod owner_gate;
 pub mod owner_slots;
 pub mod per_thread;
 pub mod primitives;
@@ -85,5 +91,7 @@ pub use loom as __loom;
 
 #[cfg(all(test, memory_loom))]
 mod loom_barrier;
+#[cfg(all(test, memory_loom))]
+mod loom_owner_gate;
 #[cfg(all(test, memory_loom))]
 mod loom_records;

@@ -246,6 +246,20 @@ impl<P: Payload> RecordTable<P> {
         self.insert_as(thread_index(), value)
     }
 
+    /// [`RecordTable::insert`] returning the tag alone (for a layer that keeps no
+    /// [`RecordRef`]): always inlined, so the hot path of a layer writes the record with
+    /// no call and no wider return value in between.
+    #[inline(always)]
+    pub fn insert_tag(&self, value: &P::Value) -> Option<u64> {
+        let owner = thread_index();
+        if owner >= NO_OWNER {
+            return self.insert_overflow(value).map(|(tag, _)| tag);
+        }
+        let part = self.parts.get_or(owner, || Box::new(Part::new(self.limit)));
+        let (slot, generation) = part.record(value)?;
+        Some(tag(owner, slot, generation))
+    }
+
     /// [`RecordTable::insert`] for the thread whose index is `owner`.
     #[inline]
     fn insert_as(&self, owner: usize, value: &P::Value) -> Option<(u64, RecordRef)> {
@@ -378,6 +392,14 @@ impl<P: Payload> TakenRecord<'_, P> {
         &self.value
     }
 
+    /// Whether the calling thread owns the record's part: it recorded the record (or
+    /// holds that thread's index now). Never for the overflow part, whose slots always
+    /// go back through its remote stack.
+    #[inline]
+    pub fn is_owned_here(&self) -> bool {
+        self.owned_here
+    }
+
     /// The block is gone: the record is freed and its slot goes back to its owner.
     #[inline]
     pub fn free(self) {
@@ -460,6 +482,32 @@ mod tests {
         assert_eq!(table.recorded().count(), 0);
         let reused: Vec<u32> = values.iter().map(|v| untag(table.insert_as(NO_OWNER, v).unwrap().0).1).collect();
         assert!(reused.iter().all(|&slot| slot < 40), "{reused:?}");
+    }
+
+    #[test]
+    fn insert_tag_records_as_insert_does() {
+        let table = Table::with_limit(32);
+        let value = [0x3000, 64];
+        let tag = table.insert_tag(&value).unwrap();
+        let taken = table.take(tag, |_| true).unwrap();
+        assert!(taken.is_owned_here(), "recorded on this thread");
+        taken.restore();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let taken = table.take(tag, |_| true).unwrap();
+                assert!(!taken.is_owned_here(), "taken on another");
+                taken.restore();
+            });
+        });
+        assert_eq!(table.get(tag, |_| true), Some(value));
+        let (other, at) = table.insert(&value).unwrap();
+        assert_eq!(untag(other).0, untag(tag).0, "the same part");
+        assert_ne!(untag(other).1, untag(tag).1);
+        assert!(table.is_live(at));
+        while table.insert_tag(&value).is_some() {}
+        assert_eq!(table.recorded().count(), 32, "a full part refuses insert_tag too");
+        assert_eq!(take_free(&table, tag, value), Some(value));
+        assert_eq!(untag(table.insert_tag(&value).unwrap()).1, untag(tag).1, "and reuses a freed slot");
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! Two caches:
 //! - **size classes** for requests up to [`PoolConfig::max_class_bytes`]: whole inner
-//!   blocks, four classes per doubling, kept in per-thread shards so the hot path of
-//!   small blocks takes no lock another thread uses;
+//!   blocks, four classes per doubling, kept in per-thread caches so that a warm pair on
+//!   one thread takes no lock and makes no read-modify-write but the record table's one
+//!   take;
 //! - **segments** for larger requests: inner blocks carved best-fit into pieces, split
 //!   when the rest could serve another large request, and merged with free neighbours
 //!   when a piece comes back (as a BFC arena or PyTorch's large pool do). Memory one
@@ -23,14 +24,20 @@
 //! backing at the device limit answers `AdmissionRefused`, handed back as it is), or
 //! call into the pool's `stats` and `trim` while it runs.
 //!
+//! Every block handed out, from either cache, has a record in `memory_sync`'s record
+//! table, and its provider tag is the record's tag: a release takes the record (one
+//! compare-and-swap, refusing a foreign, forged, stale or repeated block before anything
+//! is touched), and the record says which cache holds the block.
+//!
 //! The module is laid out by cache: `classes` holds the size classes (per-thread
-//! shards of whole blocks), `segments` the segment cache (large blocks carved into
-//! pieces, behind one lock), `stats` the counters both keep; this file holds the
+//! caches of whole blocks), `segments` the segment cache (large blocks carved into
+//! pieces, behind one lock), `records` the record's layout, `stats` the counters both keep; this file holds the
 //! allocator itself, its settings, and the `DeviceAllocator` impl that routes each
 //! request and release to its cache (the size classes' allocation path is written out
 //! in `allocate`: see the comment there).
 
 mod classes;
+mod records;
 mod segments;
 mod stats;
 #[cfg(test)]
@@ -38,23 +45,26 @@ mod tests;
 
 use std::fmt;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 use memory_api::{
-    AllocError, AllocationRequest, AllocatorStats, DeviceAllocator, DeviceKey, RawAllocation, ReleaseError,
-    ReleaseOutcome,
+    AllocError, AllocationRequest, AllocatorStats, BackendError, DeviceAllocator, DeviceKey, RawAllocation,
+    ReleaseError, ReleaseOutcome,
 };
+use memory_sync::per_thread::{PerThread, thread_index};
+use memory_sync::records::RecordTable;
 
-use crate::table::{Shards, tag, untag};
-use classes::{Record, Shard, State, class_align, class_of};
-use segments::{LARGE_ROUND, PIECE_TAG, Segments};
+use classes::{NO_CLASS, ThreadCache, class_align, class_of};
+use records::{Held, LiveCells};
+use segments::{LARGE_ROUND, Segments};
 pub use stats::PoolStats;
 
 /// Settings of a [`PooledAllocator`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
     /// Bytes of freed memory the pool may keep for reuse. It bounds the size-class
-    /// caches (split evenly across shards) and, separately, the free memory of
+    /// caches (split evenly into [`PoolConfig::shards`] shares) and, separately, the free memory of
     /// segments (pool-wide, so one large block of up to this size stays cached
     /// whichever thread frees it). Past it, wholly free segments go back down to three
     /// quarters of it. Under a governor, whose device limit bounds what the process
@@ -63,8 +73,11 @@ pub struct PoolConfig {
     pub max_cached_bytes: usize,
     /// Requests up to this size use size classes; larger ones are carved from segments.
     pub max_class_bytes: usize,
-    /// Lock shards of the size classes; threads map onto them round-robin (rounded up
-    /// to a power of two).
+    /// Shares of the size classes' cache (rounded up to a power of two): each thread
+    /// caches its own class blocks, at most `max_cached_bytes / shards` bytes of them,
+    /// and at most this many threads hold a share at once (the first to allocate a
+    /// class block; the class blocks of a thread that got none are not cached), so the
+    /// class caches together stay within [`PoolConfig::max_cached_bytes`].
     pub shards: usize,
 }
 
@@ -82,7 +95,7 @@ impl Default for PoolConfig {
         PoolConfig {
             max_cached_bytes: DEFAULT_MAX_CACHED,
             max_class_bytes: DEFAULT_MAX_CLASS,
-            shards: Shards::<()>::default_count(),
+            shards: std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(4, 64),
         }
     }
 }
@@ -133,8 +146,8 @@ enum Key {
 ///   could use it); on a miss a new segment of exactly the rounded size is allocated.
 ///   A freed piece merges with its free neighbours, so a wholly free segment is one
 ///   piece again and serves any request up to its size.
-/// - A released class block goes into its home shard's cache while the shard holds
-///   less than its share of [`PoolConfig::max_cached_bytes`]; otherwise it is released
+/// - A released class block goes into its home thread's cache while that holds less
+///   than its share of [`PoolConfig::max_cached_bytes`]; otherwise it is released
 ///   to the inner allocator. A released piece goes back into its segment; when free
 ///   segment memory exceeds the cap, wholly free segments are released to the inner
 ///   allocator, least recently idle first, down to three quarters of the cap, and a
@@ -146,9 +159,11 @@ enum Key {
 ///   (any other error, such as a governor's `AdmissionRefused`, is handed back at once:
 ///   the governor runs its own recovery ladder). Free pieces of a segment partly in use
 ///   stay until it is wholly free.
-/// - Class blocks take no global lock: each thread allocates from its own shard
-///   (stealing from others with `try_lock` only on a miss), and a block remembers its
-///   home shard in its provider tag. Segments share one lock.
+/// - Class blocks take no lock: each thread allocates from its own cache (a miss goes
+///   to the inner allocator; it takes nothing from another thread's cache), and a block
+///   released on another thread goes back to its home thread's cache. Each thread's
+///   cache holds at most `max_cached_bytes / shards` bytes, and at most `shards`
+///   threads cache at once. Segments share one lock.
 /// - Every release is validated against the block's record (address, size, alignment,
 ///   state), so a foreign, forged or repeated release is refused and handed back.
 /// - An inner release that fails or quarantines the caller's own block leaves it live,
@@ -160,10 +175,21 @@ enum Key {
 /// to one owner, so commit/map state could leak between owners.
 pub struct PooledAllocator<A: DeviceAllocator> {
     inner: A,
+    /// The inner allocator's device (asked once).
+    device: DeviceKey,
     name: String,
     config: PoolConfig,
-    shard_cap: usize,
-    shards: Shards<Shard>,
+    /// Bytes each thread's class cache may hold.
+    share: usize,
+    /// Shares of the class cache still to hand out (to the next threads that allocate a
+    /// class block).
+    shares_left: AtomicUsize,
+    /// Size classes up to [`PoolConfig::max_class_bytes`].
+    classes: usize,
+    /// Every thread's class cache and counters, by `memory_sync`'s thread index.
+    caches: PerThread<Box<ThreadCache>>,
+    /// The record of every block handed out; a block's provider tag is its record's tag.
+    records: RecordTable<LiveCells>,
     segments: CachePadded<Mutex<Segments>>,
 }
 
@@ -175,11 +201,35 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
 
     /// A pool over `inner` with `config`.
     pub fn with_config(inner: A, config: PoolConfig) -> PooledAllocator<A> {
-        let shards = Shards::new(config.shards);
-        let shard_cap = config.max_cached_bytes / shards.len();
+        let shares = config.shards.clamp(1, 1 << 16).next_power_of_two();
         let name = format!("pooled({})", inner.name());
-        let segments = CachePadded::new(Mutex::new(Segments::default()));
-        PooledAllocator { inner, name, config, shard_cap, shards, segments }
+        let classes = if config.max_class_bytes == 0 { 0 } else { class_of(config.max_class_bytes).0 + 1 };
+        PooledAllocator {
+            device: inner.device(),
+            inner,
+            name,
+            config,
+            share: config.max_cached_bytes / shares,
+            shares_left: AtomicUsize::new(shares),
+            classes,
+            caches: PerThread::new(),
+            records: RecordTable::new(),
+            segments: CachePadded::new(Mutex::new(Segments::default())),
+        }
+    }
+
+    /// The calling thread's class cache and counters (made on its first call).
+    #[inline(always)]
+    fn own_cache(&self) -> &ThreadCache {
+        let index = thread_index();
+        self.caches.get_or(index, || Box::new(ThreadCache::new(index, self.classes)))
+    }
+
+    /// One share of the class cache for the calling thread's, if one is left.
+    #[cold]
+    fn take_share(&self) -> u64 {
+        let taken = self.shares_left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(1));
+        if taken.is_ok() { self.share as u64 } else { 0 }
     }
 
     /// The wrapped allocator.
@@ -230,6 +280,94 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         })
     }
 
+    /// Everything but a class hit: a class miss, an uncached request, a large one.
+    #[inline(never)]
+    fn allocate_missed(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let (key, inner_request) = self.key_for(request);
+        let class = match key {
+            Key::Large { bytes, align } => return self.allocate_large((bytes, align), &inner_request, request),
+            Key::Class(class) => Some(class),
+            Key::Direct => None,
+        };
+        let home = thread_index();
+        let cache = self.caches.get_or(home, || Box::new(ThreadCache::new(home, self.classes)));
+        if let Some(class) = class
+            && let Some((cell, address)) = cache.pop(class)
+        {
+            // Only after a refused record (see `unrecorded`): served like a hit.
+            let recorded = records::record(address, request.bytes(), request.align(), Held::Cell(home, cell));
+            let Some(tag) = self.records.insert_tag(&recorded) else {
+                return Err(self.unrecorded(cache, cell, request));
+            };
+            cache.counters.served(request, true);
+            return Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, tag));
+        }
+        self.allocate_cell(cache, home, class, &inner_request, request)
+    }
+
+    /// A class miss or an uncached request: a new inner block, kept in a cell of the
+    /// calling thread's cache (whose share of the class cache is decided on its first
+    /// class block), recorded.
+    #[inline(never)]
+    fn allocate_cell(
+        &self,
+        cache: &ThreadCache,
+        home: usize,
+        class: Option<usize>,
+        inner_request: &AllocationRequest,
+        request: &AllocationRequest,
+    ) -> Result<RawAllocation, AllocError> {
+        if class.is_some() {
+            cache.decide_share(|| self.take_share());
+        }
+        let block = self.allocate_inner(inner_request, request).inspect_err(|_| cache.counters.failed())?;
+        let address = block.address();
+        let class = class.map_or(NO_CLASS, |class| class as u32);
+        let cell = if home <= records::MAX_HOME { cache.hold(&block, class) } else { None };
+        let Some(cell) = cell else {
+            let detail = format!(
+                "thread index {home} holds {} blocks of this pool, the most its cells name; the block was \
+                 released: release some blocks first",
+                u32::MAX
+            );
+            if !self.inner.release(block).is_complete() {
+                tracing::warn!("an unrecorded inner block could not be released; it is leaked");
+            }
+            cache.counters.failed();
+            return Err(self.backend_error(detail));
+        };
+        let recorded = records::record(address, request.bytes(), request.align(), Held::Cell(home, cell));
+        let Some(tag) = self.records.insert_tag(&recorded) else {
+            return Err(self.unrecorded(cache, cell, request));
+        };
+        cache.counters.served(request, false);
+        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, tag))
+    }
+
+    /// A live cell whose block the record table had no room to record (the calling
+    /// thread holds [`SLOTS_PER_OWNER`](memory_sync::records::SLOTS_PER_OWNER) blocks of
+    /// this pool): its block goes back to the inner allocator, and the caller is told.
+    #[cold]
+    fn unrecorded(&self, cache: &ThreadCache, cell: u32, request: &AllocationRequest) -> AllocError {
+        if !cache.release_unrecorded(&self.inner, self.device(), cell) {
+            tracing::warn!("an unrecorded inner block could not be released; it is leaked");
+        }
+        cache.counters.failed();
+        self.backend_error(format!(
+            "this thread holds {} blocks of this pool, the record table's bound per thread; the request for {} \
+             bytes was refused: release some blocks first",
+            memory_sync::records::SLOTS_PER_OWNER,
+            request.bytes()
+        ))
+    }
+
+    fn backend_error(&self, detail: String) -> AllocError {
+        AllocError::Backend {
+            device: self.device(),
+            source: BackendError { backend: "pooled", operation: "allocate", code: 0, detail },
+        }
+    }
+
     fn refuse(&self, allocation: RawAllocation) -> ReleaseOutcome {
         let error = ReleaseError::NotOwned {
             allocator: self.name.clone(),
@@ -255,7 +393,7 @@ fn capped(
 
 impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
     fn device(&self) -> DeviceKey {
-        self.inner.device()
+        self.device
     }
 
     fn name(&self) -> &str {
@@ -263,52 +401,46 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
     }
 
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        let (key, inner_request) = self.key_for(request);
-        let class = match key {
-            Key::Large { bytes, align } => return self.allocate_large((bytes, align), &inner_request, request),
-            Key::Class(class) => Some(class),
-            Key::Direct => None,
-        };
-        // The size classes' path, written out in the function the hot path enters
-        // rather than called in `classes.rs`: as a call of its own it cost the warm
-        // pooled pair 31 instructions, and 2 even when forced inline (callgrind).
-        let home = self.shards.local();
-        if let Some(class) = class {
-            if let Some(shard) = self.shards.lock(home)
-                && let Some(block) = self.take_cached(shard, home, class, request)
-            {
-                return Ok(block);
+        // The size classes' hit, written out in the function the hot path enters rather
+        // than called in `classes.rs` (as a call of its own it cost the warm pooled pair
+        // 31 instructions, and 2 even when forced inline: callgrind), and the segments'
+        // path inlined (as a call of its own, 33 more per segment pair); a class miss
+        // and an uncached request are behind one call.
+        let (bytes, align) = (request.bytes(), request.align());
+        if bytes > self.config.max_class_bytes {
+            // A large request: the segments' path, inlined here (one call less).
+            if let (Key::Large { bytes, align }, inner_request) = self.key_for(request) {
+                return self.allocate_large((bytes, align), &inner_request, request);
             }
-            for offset in 1..self.shards.len() {
-                let index = (home + offset) & (self.shards.len() - 1);
-                if let Some(shard) = self.shards.try_lock(index)
-                    && let Some(block) = self.take_cached(shard, index, class, request)
-                {
-                    return Ok(block);
+        } else {
+            let (class, size) = class_of(bytes);
+            if align <= class_align(size) {
+                let home = thread_index();
+                let cache = self.caches.get_or(home, || Box::new(ThreadCache::new(home, self.classes)));
+                if let Some((cell, address)) = cache.pop(class) {
+                    let recorded = records::record(address, bytes, align, Held::Cell(home, cell));
+                    if let Some(tag) = self.records.insert_tag(&recorded) {
+                        cache.counters.served(request, true);
+                        return Ok(RawAllocation::new(address, bytes, align, self.device, tag));
+                    }
+                    return Err(self.unrecorded(cache, cell, request));
                 }
             }
         }
-        let block = self.allocate_inner(&inner_request, request).inspect_err(|_| {
-            if let Some(mut shard) = self.shards.lock(home) {
-                shard.counters.failures += 1;
-            }
-        })?;
-        let address = block.address();
-        let Some(mut shard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
-        let state = State::Live { bytes: request.bytes(), align: request.align() };
-        let slot = shard.records.insert(Record { block: Some(block), class, state });
-        shard.counters.served(request, false);
-        drop(shard);
-        Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device(), tag(home, slot)))
+        self.allocate_missed(request)
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        if allocation.device() != self.device() {
+        if allocation.device() != self.device {
             return self.refuse(allocation);
         }
-        match untag(allocation.provider_tag()) {
-            (0, slot) if slot & PIECE_TAG != 0 => self.release_piece(slot & !PIECE_TAG, allocation),
-            (index, slot) => self.release_class(index, slot, allocation),
+        let Some(taken) = self.records.take(allocation.provider_tag(), |recorded| records::is(recorded, &allocation))
+        else {
+            return self.refuse(allocation);
+        };
+        match records::held(taken.value()) {
+            Held::Cell(home, cell) => self.release_cell(taken, (home, cell), allocation),
+            Held::Piece(slot) => self.release_piece(taken, slot, allocation),
         }
     }
 
@@ -326,15 +458,21 @@ impl<A: DeviceAllocator> DeviceAllocator for PooledAllocator<A> {
     }
 
     fn trim(&self) -> usize {
-        (0..self.shards.len()).map(|index| self.trim_classes(index)).sum::<usize>() + self.trim_segments()
+        self.trim_classes() + self.trim_segments()
     }
 
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
         let mut inner_blocks = Vec::with_capacity(lost.len());
         for allocation in lost {
-            let inner = match untag(allocation.provider_tag()) {
-                (0, slot) if slot & PIECE_TAG != 0 => self.forget_piece(slot & !PIECE_TAG, &allocation),
-                (index, slot) => self.forget_class(index, slot, &allocation),
+            let Some(taken) =
+                self.records.take(allocation.provider_tag(), |recorded| records::is_at(recorded, &allocation))
+            else {
+                continue;
+            };
+            let bytes = taken.value()[1] as usize;
+            let inner = match records::held(taken.value()) {
+                Held::Cell(home, cell) => self.forget_cell(taken, (home, cell), bytes),
+                Held::Piece(slot) => self.forget_piece(taken, slot, bytes),
             };
             inner_blocks.extend(inner);
         }

@@ -28,15 +28,14 @@ use std::collections::BTreeSet;
 use std::sync::{MutexGuard, PoisonError};
 
 use memory_api::{AllocError, AllocationRequest, DeviceAddress, DeviceAllocator, RawAllocation, ReleaseOutcome};
+use memory_sync::records::TakenRecord;
 
+use super::records::{self, Held, LiveCells};
 use super::{PoolStats, PooledAllocator, capped};
-use crate::table::{Slab, tag};
+use crate::table::Slab;
 
 /// Granularity (and least alignment) of segments and of the pieces carved from them.
 pub(super) const LARGE_ROUND: usize = 4096;
-/// Marks a provider tag's slot as a piece of a segment rather than a class record
-/// (slots never come near 2^47).
-pub(super) const PIECE_TAG: usize = 1 << 47;
 /// A wholly free segment that serves none of this many large allocations in a row is
 /// given back.
 pub(super) const IDLE_ALLOCATIONS: u64 = 1024;
@@ -408,11 +407,42 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         self.segments.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A piece of `slot` as the caller's block.
-    fn piece_block(&self, slot: usize, address: DeviceAddress, request: &AllocationRequest) -> RawAllocation {
-        RawAllocation::new(address, request.bytes(), request.align(), self.device(), tag(0, PIECE_TAG | slot))
+    /// Piece `slot` at `address` as the caller's block, recorded in the record table
+    /// (the segments unlocked).
+    #[inline(always)]
+    fn piece_block(
+        &self,
+        slot: usize,
+        address: DeviceAddress,
+        request: &AllocationRequest,
+    ) -> Result<RawAllocation, AllocError> {
+        let recorded = records::record(address, request.bytes(), request.align(), Held::Piece(slot));
+        match self.records.insert_tag(&recorded) {
+            Some(tag) => Ok(RawAllocation::new(address, request.bytes(), request.align(), self.device, tag)),
+            None => Err(self.unrecorded_piece(slot, request)),
+        }
     }
 
+    /// A thread whose part of the record table is full: the piece goes back into its
+    /// segment, and the caller gets an error.
+    #[cold]
+    fn unrecorded_piece(&self, slot: usize, request: &AllocationRequest) -> AllocError {
+        let mut large = self.segments();
+        large.counters.live_bytes -= request.bytes() as u64;
+        large.counters.live_blocks -= 1;
+        large.counters.failures += 1;
+        large.free_piece(slot);
+        drop(large);
+        self.backend_error(format!(
+            "this thread holds {} blocks of this pool, the record table's bound per thread; the request for {} \
+             bytes was refused: release some blocks first",
+            memory_sync::records::SLOTS_PER_OWNER,
+            request.bytes()
+        ))
+    }
+
+    /// Serves a large request (inlined into the pool's one call behind a class hit).
+    #[inline(always)]
     pub(super) fn allocate_large(
         &self,
         (bytes, align): (usize, usize),
@@ -423,7 +453,8 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
             let mut large = self.segments();
             if let Some((slot, address)) = large.take(bytes, align, self.config.max_class_bytes, request) {
                 large.counters.served(request, true);
-                return Ok(self.piece_block(slot, address, request));
+                drop(large);
+                return self.piece_block(slot, address, request);
             }
             // No free piece holds the request: wholly free segments smaller than it
             // never will, and go back before a larger one is taken.
@@ -436,7 +467,8 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         let mut large = self.segments();
         let slot = large.insert(block, inner_request.bytes(), request);
         large.counters.served(request, false);
-        Ok(self.piece_block(slot, address, request))
+        drop(large);
+        self.piece_block(slot, address, request)
     }
 
     /// Takes wholly free segments out, least recently idle first and never `keep`,
@@ -513,14 +545,22 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
     /// Releases a piece: back into its segment (merged with free neighbours), evicting
     /// idle segments to stay under the cap. A piece that is its whole segment and alone
     /// does not fit is released to the inner allocator, its outcome the caller's.
-    pub(super) fn release_piece(&self, slot: usize, allocation: RawAllocation) -> ReleaseOutcome {
+    pub(super) fn release_piece(
+        &self,
+        taken: TakenRecord<'_, LiveCells>,
+        slot: usize,
+        allocation: RawAllocation,
+    ) -> ReleaseOutcome {
         let mut guard = self.segments();
         let large: &mut Segments = &mut guard;
+        // The record matched the block; the piece agrees with the record (a check of the
+        // segments' own books, never expected to fail).
         let valid = large.pieces.get(slot).is_some_and(|piece| {
             matches!(piece.state, PieceState::Live { bytes, align } if bytes == allocation.bytes() && align == allocation.align())
-        }) && large.address(slot) == Some(allocation.address());
+        });
         if !valid {
             drop(guard);
+            taken.restore();
             return self.refuse(allocation);
         }
         large.counters.live_bytes -= allocation.bytes() as u64;
@@ -530,6 +570,7 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
             // Another piece went with the device: nothing in the segment is reused or freed.
             let forgotten = large.lose(slot);
             drop(guard);
+            taken.free();
             self.inner.forget_lost(forgotten.into_iter().collect());
             return ReleaseOutcome::complete(0);
         }
@@ -537,7 +578,7 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         let mut evictions = if whole {
             let evictions = self.make_room(large, size, Some(segment));
             if large.cached_bytes + size > self.config.max_cached_bytes {
-                return self.pass_piece_through(guard, slot, segment, allocation, evictions);
+                return self.pass_piece_through(guard, taken, (slot, segment), allocation, evictions);
             }
             large.free_piece(slot);
             evictions
@@ -547,6 +588,7 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         };
         evictions.extend(Self::take_out_aged(large));
         drop(guard);
+        taken.free();
         self.finish_evictions(evictions);
         ReleaseOutcome::complete(0)
     }
@@ -555,8 +597,8 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
     fn pass_piece_through(
         &self,
         mut guard: MutexGuard<'_, Segments>,
-        slot: usize,
-        segment: usize,
+        taken: TakenRecord<'_, LiveCells>,
+        (slot, segment): (usize, usize),
         allocation: RawAllocation,
         evictions: Vec<Eviction>,
     ) -> ReleaseOutcome {
@@ -572,6 +614,8 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         let (block, result) = match outcome {
             ReleaseOutcome::Complete(done) => {
                 large.remove(segment);
+                drop(large);
+                taken.free();
                 // The segment is the request rounded up; the caller's block may be smaller.
                 return ReleaseOutcome::complete(done.unmapped_bytes().min(allocation.bytes()));
             }
@@ -593,6 +637,7 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         large.counters.live_blocks += 1;
         large.counters.passed_through -= 1;
         drop(large);
+        taken.restore();
         match result {
             Err(error) => ReleaseOutcome::failed(allocation, error),
             Ok((error, unmapped, residual)) => ReleaseOutcome::quarantined(allocation, unmapped, residual, error),
@@ -615,15 +660,23 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
 
     /// Gives up live piece `slot` with its device; returns its segment's inner block
     /// once no piece of it is live, to be forgotten.
-    pub(super) fn forget_piece(&self, slot: usize, allocation: &RawAllocation) -> Option<RawAllocation> {
+    pub(super) fn forget_piece(
+        &self,
+        taken: TakenRecord<'_, LiveCells>,
+        slot: usize,
+        bytes: usize,
+    ) -> Option<RawAllocation> {
         let mut large = self.segments();
-        let valid = large.pieces.get(slot).is_some_and(|piece| matches!(piece.state, PieceState::Live { .. }))
-            && large.address(slot) == Some(allocation.address());
-        if valid {
-            large.counters.live_bytes -= allocation.bytes() as u64;
-            large.counters.live_blocks -= 1;
-            return large.lose(slot);
+        if !large.pieces.get(slot).is_some_and(|piece| matches!(piece.state, PieceState::Live { .. })) {
+            drop(large);
+            taken.restore();
+            return None;
         }
-        None
+        large.counters.live_bytes -= bytes as u64;
+        large.counters.live_blocks -= 1;
+        let forgotten = large.lose(slot);
+        drop(large);
+        taken.free();
+        forgotten
     }
 }

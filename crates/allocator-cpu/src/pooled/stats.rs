@@ -1,11 +1,11 @@
-//! The pool's counters: each shard of the size classes and the segment cache keep their
-//! own [`PoolStats`], summed on demand.
+//! The pool's counters: each thread's class cache (written by that thread alone) and the
+//! segment cache keep their own, summed on demand into a [`PoolStats`].
 
 use memory_api::{AllocationRequest, DeviceAllocator};
 
 use super::PooledAllocator;
 
-/// Counters of a [`PooledAllocator`], summed over its shards and segments.
+/// Counters of a [`PooledAllocator`], summed over its threads' class caches and its segments.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Bytes callers asked for, over all successful allocations.
@@ -84,12 +84,11 @@ impl PoolStats {
 }
 
 impl<A: DeviceAllocator> PooledAllocator<A> {
-    /// Pool counters, summed over shards and segments.
+    /// Pool counters, summed over the threads' class caches and the segments.
     pub fn pool_stats(&self) -> PoolStats {
         let mut total = PoolStats::default();
-        for index in 0..self.shards.len() {
-            let Some(shard) = self.shards.lock(index) else { continue };
-            shard.count_into(&mut total);
+        for cache in self.caches.iter() {
+            cache.count_into(&mut total);
         }
         self.segments().count_into(&mut total);
         total

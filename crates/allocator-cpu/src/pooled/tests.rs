@@ -10,23 +10,22 @@ use super::*;
 use crate::SystemAllocator;
 
 impl<A: DeviceAllocator> PooledAllocator<A> {
-    /// Panics unless the books agree with the records: each shard's cached bytes are
-    /// its cached class blocks; pieces tile their segment in address order with
+    /// Panics unless the books agree with the records: each thread's cached bytes are
+    /// its cached class blocks, which its lists hold exactly; pieces tile their segment in address order with
     /// consistent links, no two free pieces neighbour, live counts match, the free
     /// index holds exactly the reusable free pieces, and the segments' cached bytes
     /// are their sum.
     fn assert_consistent(&self) {
-        for index in 0..self.shards.len() {
-            self.shards.lock(index).expect("shard").assert_consistent(index);
+        for cache in self.caches.iter() {
+            cache.assert_consistent();
         }
         self.segments().assert_consistent();
     }
 
     /// Bytes of the inner blocks the pool holds, by its records.
     fn held_bytes(&self) -> usize {
-        let shards: usize =
-            (0..self.shards.len()).map(|index| self.shards.lock(index).expect("shard").held_bytes()).sum();
-        shards + self.segments().held_bytes()
+        let classes: usize = self.caches.iter().map(|cache| cache.held_bytes()).sum();
+        classes + self.segments().held_bytes()
     }
 }
 
@@ -249,7 +248,7 @@ fn forget_lost_drops_the_records_and_forwards_the_inner_blocks() {
 }
 
 #[test]
-fn a_block_released_on_another_thread_returns_to_its_home_shard() {
+fn a_block_released_on_another_thread_returns_to_its_home_threads_cache() {
     let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
     let block = pool.allocate(&request(64 * KIB, 8)).unwrap();
     std::thread::scope(|s| {
@@ -259,6 +258,135 @@ fn a_block_released_on_another_thread_returns_to_its_home_shard() {
     assert_eq!(pool.pool_stats().hits, 1);
     assert_eq!(pool.inner().calls(Callback::Allocate), 1);
     assert!(pool.release(again).is_complete());
+}
+
+#[test]
+fn a_trim_on_another_thread_returns_every_threads_cached_class_blocks() {
+    let pool = PooledAllocator::new(RecordingAllocator::new(SystemAllocator::new()));
+    let blocks: Vec<_> = [1000, 8 * KIB, 60 * KIB].map(|bytes| pool.allocate(&request(bytes, 64)).unwrap()).into();
+    for block in blocks {
+        assert!(pool.release(block).is_complete());
+    }
+    let cached = pool.pool_stats().cached_bytes;
+    assert_eq!(cached, (1024 + 8 * KIB + 64 * KIB) as u64, "their classes' sizes");
+    let trimmed = std::thread::scope(|s| s.spawn(|| pool.trim()).join().unwrap());
+    assert_eq!(trimmed as u64, cached, "this thread's cache, emptied from another");
+    let stats = pool.pool_stats();
+    assert_eq!((stats.cached_bytes, stats.cached_blocks, stats.trims, stats.trimmed_bytes), (0, 0, 1, cached));
+    let again = pool.allocate(&request(8 * KIB, 64)).unwrap();
+    assert_eq!(pool.inner().calls(Callback::Allocate), 4, "nothing left to hit");
+    assert!(pool.release(again).is_complete());
+    pool.assert_consistent();
+}
+
+#[test]
+fn each_thread_caches_one_share_and_no_more_threads_than_shares_cache() {
+    // Two shares of 64 KiB: three threads that each allocate a 64 KiB block at once.
+    let config = PoolConfig { max_cached_bytes: 128 * KIB, max_class_bytes: 64 * KIB, shards: 2 };
+    let pool = PooledAllocator::with_config(RecordingAllocator::new(SystemAllocator::new()), config);
+    let allocated = std::sync::Barrier::new(3);
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                let block = pool.allocate(&request(64 * KIB, 64)).unwrap();
+                allocated.wait();
+                assert!(pool.release(block).is_complete());
+                // A second block of the thread's: past its share (or it has none).
+                let other = pool.allocate(&request(64 * KIB, 64)).unwrap();
+                let extra = pool.allocate(&request(64 * KIB, 64)).unwrap();
+                assert!(pool.release(other).is_complete() && pool.release(extra).is_complete());
+                allocated.wait();
+            });
+        }
+    });
+    let stats = pool.pool_stats();
+    assert_eq!(stats.cached_bytes, 128 * KIB as u64, "two threads' shares: {stats:?}");
+    assert!(stats.cached_bytes as usize <= config.max_cached_bytes);
+    assert_eq!(stats.passed_through, 3 + 2, "the third thread's two blocks, and one more of each of the others");
+    pool.assert_consistent();
+}
+
+#[test]
+fn class_blocks_moving_between_threads_while_another_trims_stay_accounted() {
+    // Four threads allocate class blocks and release half of them themselves and half
+    // on their neighbour (through its remote stacks), while a fifth trims: every block
+    // is handed out once at a time, and at the end the books are exact.
+    let inner = Counted::new(SystemAllocator::new());
+    let config = PoolConfig { max_cached_bytes: 512 * KIB, max_class_bytes: 64 * KIB, shards: 4 };
+    let pool = PooledAllocator::with_config(inner, config);
+    let rounds = if cfg!(miri) { 20 } else { 2_000 };
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..4).map(|_| std::sync::mpsc::channel::<(RawAllocation, u8)>()).unzip();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for (worker, receiver) in receivers.into_iter().enumerate() {
+            let (pool, next) = (&pool, senders[(worker + 1) % 4].clone());
+            s.spawn(move || {
+                for round in 0..rounds {
+                    let bytes = 256 + (round * 97 + worker * 1000) % (48 * KIB);
+                    let block = pool.allocate(&request(bytes, 64)).unwrap();
+                    let byte = (round + worker) as u8;
+                    stamp_block(&block, byte);
+                    if round % 2 == 0 {
+                        assert!(stamped_block(&block, byte), "{block:?} was written by another holder");
+                        assert!(pool.release(block).is_complete());
+                    } else {
+                        next.send((block, byte)).unwrap();
+                    }
+                    while let Ok((theirs, byte)) = receiver.try_recv() {
+                        assert!(stamped_block(&theirs, byte), "{theirs:?} was written by another holder");
+                        assert!(pool.release(theirs).is_complete());
+                    }
+                }
+                drop(next);
+                for (theirs, byte) in receiver {
+                    assert!(stamped_block(&theirs, byte), "{theirs:?} was written by another holder");
+                    assert!(pool.release(theirs).is_complete());
+                }
+            });
+        }
+        drop(senders);
+        s.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                pool.trim();
+                std::thread::yield_now();
+            }
+        });
+        // Stop the trimmer once the workers are through (they hold the other handles).
+        s.spawn(|| {
+            while pool.pool_stats().hits + pool.pool_stats().misses < 4 * rounds as u64 {
+                std::thread::yield_now();
+            }
+            while pool.pool_stats().live_blocks > 0 {
+                std::thread::yield_now();
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+    });
+    pool.assert_consistent();
+    let stats = pool.pool_stats();
+    assert_eq!((stats.live_blocks, stats.live_bytes, stats.hits + stats.misses), (0, 0, 4 * rounds as u64));
+    assert_eq!(pool.held_bytes(), pool.inner().live(), "held by the records vs handed out");
+    pool.trim();
+    assert_eq!(pool.inner().live(), 0, "everything back");
+}
+
+/// Fills `block` with `byte` (host memory the test owns), so that two holders of one
+/// block at once show as another byte at its ends on release.
+fn stamp_block(block: &RawAllocation, byte: u8) {
+    let start = block.address().as_host_ptr();
+    // SAFETY: the block is live host memory of `bytes` bytes handed to this test alone.
+    unsafe { start.write_bytes(byte, block.bytes()) };
+}
+
+/// Whether the ends of `block` still hold `byte`.
+fn stamped_block(block: &RawAllocation, byte: u8) -> bool {
+    let (start, last) = (block.address().as_host_ptr(), block.address().get() as usize + block.bytes() - 1);
+    let last = std::ptr::with_exposed_provenance::<u8>(last);
+    // SAFETY: as in `stamp_block`: the first byte of a live host block of ours.
+    let first = unsafe { start.read() };
+    // SAFETY: and its last byte.
+    first == byte && unsafe { last.read() } == byte
 }
 
 const MIB: usize = 1 << 20;
