@@ -5,13 +5,16 @@
 
 mod common;
 
+use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Cleanup, Engine, MIB, Stalling, allocate, config_from_env, engine, fresh_config, system};
+use common::{Cleanup, Engine, MIB, Stalling, allocate, books_dir, config_from_env, engine, fresh_config, system};
 use memory_governor::DeviceKey;
 use memory_node::{NodeBooks, NodeConfig, NodeSnapshot};
 use rand::Rng;
@@ -20,18 +23,116 @@ const ROLE: &str = "MEMORY_NODE_ROLE";
 const GPU: DeviceKey = DeviceKey::host(50);
 const TENANTS: [&str; 2] = ["tenant-a", "tenant-b"];
 
-fn spawn(config: &NodeConfig, role: &str, millis: u64) -> Child {
+/// How many engines report into a [`Ledger`].
+const LEDGER_ENGINES: usize = 4;
+/// Words of a [`Ledger`]: the node's sums (the device, then each tenant), then the same
+/// three words per engine.
+const LEDGER_WORDS: usize = 3 * (1 + LEDGER_ENGINES);
+/// The ledger file's size: one page.
+const LEDGER_BYTES: usize = 4096;
+
+/// What the engines report as charged, in shared memory beside the books (the books'
+/// `allocated` figures are published by each member's timer, so they lag; these move
+/// with every allocation). An engine adds a block's size once its allocation returned
+/// and subtracts it before releasing it, so at every instant each word is at most what
+/// the governors really hold charged: whatever bound the charges keep, these keep too.
+/// Word 0 is the node's device sum and words 1-2 the tenants' sums, each one word that
+/// every engine adds to, so a single load is a sum over processes at one instant.
+struct Ledger {
+    words: NonNull<[AtomicU64; LEDGER_WORDS]>,
+    path: PathBuf,
+}
+
+// SAFETY: the mapping holds atomics only and is used through `&[AtomicU64]`, which is
+// `Sync`; the pointer serves nothing else but `munmap` in `drop`.
+unsafe impl Send for Ledger {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Ledger {}
+
+impl Ledger {
+    /// Creates a zeroed ledger at `path`.
+    fn create(path: &Path) -> Ledger {
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).unwrap();
+        file.set_len(LEDGER_BYTES as u64).unwrap();
+        Ledger::map(path, &file)
+    }
+
+    /// Maps the ledger an ancestor created.
+    fn open(path: &Path) -> Ledger {
+        let file = OpenOptions::new().read(true).write(true).open(path).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), LEDGER_BYTES as u64);
+        Ledger::map(path, &file)
+    }
+
+    fn map(path: &Path, file: &std::fs::File) -> Ledger {
+        use rustix::mm::{MapFlags, ProtFlags, mmap};
+        const { assert!(size_of::<[AtomicU64; LEDGER_WORDS]>() <= LEDGER_BYTES) };
+        // SAFETY: a new shared mapping of `LEDGER_BYTES` of `file`, which is that long
+        // (set or checked above, and nothing truncates it while a test runs); the kernel
+        // picks the address (no hint), so no existing mapping is replaced.
+        let raw = unsafe {
+            mmap(std::ptr::null_mut(), LEDGER_BYTES, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, file, 0)
+        }
+        .unwrap();
+        Ledger { words: NonNull::new(raw.cast()).unwrap(), path: path.to_owned() }
+    }
+
+    fn words(&self) -> &[AtomicU64; LEDGER_WORDS] {
+        // SAFETY: `words` starts a live shared mapping of `LEDGER_BYTES` bytes (at least
+        // the array's size, asserted in `map`), page-aligned, mapped until `self` drops,
+        // which the borrow cannot outlive; every bit pattern is a valid `AtomicU64`, and
+        // other processes touch the words only atomically.
+        unsafe { self.words.as_ref() }
+    }
+
+    /// Engine `engine`'s `bytes` for tenant `tenant` are charged (call once the
+    /// allocation returned).
+    fn charged(&self, engine: usize, tenant: usize, bytes: u64) {
+        let words = self.words();
+        for word in [0, 1 + tenant, 3 * (1 + engine), 3 * (1 + engine) + 1 + tenant] {
+            words[word].fetch_add(bytes, Ordering::SeqCst);
+        }
+    }
+
+    /// Engine `engine`'s `bytes` for `tenant` are about to be released (call before).
+    fn releasing(&self, engine: usize, tenant: usize, bytes: u64) {
+        let words = self.words();
+        for word in [0, 1 + tenant, 3 * (1 + engine), 3 * (1 + engine) + 1 + tenant] {
+            words[word].fetch_sub(bytes, Ordering::SeqCst);
+        }
+    }
+
+    /// `[device, tenant-a, tenant-b]` summed over the node (`None`) or for one engine.
+    fn read(&self, engine: Option<usize>) -> [u64; 3] {
+        let base = engine.map_or(0, |engine| 3 * (1 + engine));
+        std::array::from_fn(|word| self.words()[base + word].load(Ordering::SeqCst))
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        // SAFETY: the address and length `mmap` returned and was asked for; no borrow of
+        // the words outlives `self`.
+        let _ = unsafe { rustix::mm::munmap(self.words.as_ptr().cast(), LEDGER_BYTES) };
+    }
+}
+
+fn command(config: &NodeConfig, role: &str, millis: u64) -> Command {
     let path = config.path();
-    Command::new(std::env::current_exe().unwrap())
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
         .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
         .env("MEMORY_NODE_MILLIS", millis.to_string())
         .env("MEMORY_NODE_BOOKS", path.file_name().unwrap())
         .env("MEMORY_NODE_DIR", path.parent().unwrap())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::inherit());
+    command
+}
+
+fn spawn(config: &NodeConfig, role: &str, millis: u64) -> Child {
+    command(config, role, millis).spawn().unwrap()
 }
 
 /// What a hammer child reports when it ends.
@@ -66,6 +167,29 @@ fn check_bounds(snapshot: &NodeSnapshot, limit: u64, quota: u64) -> Option<u64> 
     Some(device.granted)
 }
 
+/// Taken by each test that runs engine processes, so that they run one at a time: on a
+/// machine of few cores, a kill test running beside the four-process test would measure
+/// the scheduler's queue more than the refund.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// How long after a SIGKILL the tests allow until a survivor's books show the refund:
+/// the bound the docs state ([`NodeConfig::refund_bound`]: 55 ms for the tests' 50 ms
+/// interval and 5 ms tick) plus 100 ms. The bound assumes a survivor's timer runs on its
+/// tick; on a loaded machine (2 shared cores at a load of 6-10 where these tests were
+/// written) a runnable thread can wait a few scheduler periods, tens of ms, for a core,
+/// and two such waits stand between a death and the look that sees it refunded: the
+/// survivor's thread that refunds and the test's thread that looks. (Measured there:
+/// 0.3-90 ms.) A look or an attempt that starts past the allowance and still finds the
+/// grant held fails the test; with refunds held back to 5x the bound, both kill tests
+/// fail.
+fn refund_allowance(config: &NodeConfig) -> Duration {
+    config.refund_bound() + Duration::from_millis(100)
+}
+
 fn setup(tag: &str, limit: u64, quota: u64) -> (NodeBooks, NodeConfig, Cleanup) {
     let config = fresh_config(tag);
     let books = NodeBooks::open(config.clone()).unwrap();
@@ -93,48 +217,143 @@ fn assert_settled(books: &NodeBooks) {
     }
 }
 
+/// The grants of process `pid`'s slot on the device and per tenant in `snapshot` (0
+/// where its slot holds none, or it holds no slot).
+fn slot_grants(snapshot: &NodeSnapshot, pid: u32) -> [u64; 3] {
+    let Some(slot) = snapshot.slot_of(u64::from(pid)) else { return [0; 3] };
+    let granted = |tenant: Option<&str>| {
+        slot.budgets.iter().find(|budget| budget.tenant.as_deref() == tenant).map_or(0, |budget| budget.granted)
+    };
+    [granted(None), granted(Some(TENANTS[0])), granted(Some(TENANTS[1]))]
+}
+
+/// What the four-process watcher saw.
+#[derive(Debug, Default)]
+struct Watch {
+    samples: u64,
+    consistent: u64,
+    highest_granted: u64,
+    highest_charged: u64,
+    slot_checks: u64,
+    published_over: u64,
+}
+
+impl Watch {
+    /// One sample: the books (grants within the limit and quotas), the engines'
+    /// charges summed over the node (within the limit and quotas: the sums are single
+    /// words, so each load is one instant) and each engine's charges against its own
+    /// slot's grants (see below).
+    fn sample(&mut self, books: &NodeBooks, ledger: &Ledger, pids: &[u32], limits: [u64; 3], tick: Duration) {
+        let started = Instant::now();
+        let before = books.snapshot();
+        let node = ledger.read(None);
+        let engines: Vec<[u64; 3]> = (0..pids.len()).map(|engine| ledger.read(Some(engine))).collect();
+        let after = books.snapshot();
+        let window = started.elapsed();
+        self.samples += 1;
+        let names = ["the device", TENANTS[0], TENANTS[1]];
+        for ((charged, limit), name) in node.iter().zip(limits).zip(names) {
+            assert!(
+                *charged <= limit,
+                "the engines hold {charged} bytes charged on {name}, over its node bound {limit}: {}",
+                before.to_json()
+            );
+        }
+        self.highest_charged = self.highest_charged.max(node[0]);
+        for snapshot in [&before, &after] {
+            if let Some(granted) = check_bounds(snapshot, limits[0], limits[1]) {
+                self.consistent += 1;
+                self.highest_granted = self.highest_granted.max(granted);
+                let published = snapshot.device(GPU).map_or(0, |device| device.allocated);
+                self.published_over += u64::from(published > limits[0]);
+            }
+        }
+        // What a governor holds charged never passes its slot's grant. The engines' words
+        // were read between the two snapshots; a grant that rose after the first and fell
+        // before the second could have covered charges that neither snapshot shows, but
+        // a member's give-back leaves alone a budget granted within the last tick, so
+        // within a window shorter than a tick a grant read in either snapshot covers
+        // what was charged.
+        if !(before.consistent && after.consistent && window < tick) {
+            return;
+        }
+        self.slot_checks += 1;
+        for ((engine, pid), charged) in pids.iter().enumerate().zip(&engines) {
+            let (first, second) = (slot_grants(&before, *pid), slot_grants(&after, *pid));
+            for (word, name) in names.iter().enumerate() {
+                let granted = first[word].max(second[word]);
+                assert!(
+                    charged[word] <= granted,
+                    "engine {engine} (pid {pid}) holds {} bytes charged on {name} on a slot grant of {granted}: \
+                     {} then {}",
+                    charged[word],
+                    before.to_json(),
+                    after.to_json()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn four_processes_of_two_threads_never_pass_the_node_limit_and_end_exact() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
+    let _serial = one_at_a_time();
     let (limit, quota) = (24 * MIB, 14 * MIB);
     let (books, config, _cleanup) = setup("hammer", limit, quota);
-    let children: Vec<Child> = (0..4).map(|_| spawn(&config, "hammer", 2000)).collect();
+    let ledger_path = books_dir().join(format!("{}.ledger", config.path().file_name().unwrap().to_string_lossy()));
+    let ledger = Arc::new(Ledger::create(&ledger_path));
+    let _ledger_cleanup = Cleanup(ledger_path.clone());
+    let children: Vec<Child> = (0..LEDGER_ENGINES)
+        .map(|engine| {
+            command(&config, "hammer", 2000)
+                .env("MEMORY_NODE_LEDGER", &ledger.path)
+                .env("MEMORY_NODE_ENGINE", engine.to_string())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
-    // The watcher: sample the books until every child ended.
+    // The watcher: sample the books and the engines' charges until every child ended.
     let done = Arc::new(AtomicBool::new(false));
     let watcher = {
-        let (books, done) = (books.clone(), Arc::clone(&done));
+        let (books, ledger, done, pids, tick) =
+            (books.clone(), Arc::clone(&ledger), Arc::clone(&done), pids.clone(), config.tick());
         std::thread::spawn(move || {
-            let (mut samples, mut consistent, mut highest) = (0u64, 0u64, 0u64);
+            let mut watch = Watch::default();
             while !done.load(Ordering::SeqCst) {
-                samples += 1;
-                if let Some(granted) = check_bounds(&books.snapshot(), limit, quota) {
-                    consistent += 1;
-                    highest = highest.max(granted);
-                }
+                watch.sample(&books, &ledger, &pids, [limit, quota, quota], tick);
                 std::thread::sleep(Duration::from_micros(500));
             }
-            (samples, consistent, highest)
+            watch
         })
     };
     let results: Vec<serde_json::Value> = children.into_iter().map(result_of).collect();
     done.store(true, Ordering::SeqCst);
-    let (samples, consistent, highest) = watcher.join().unwrap();
+    let watch = watcher.join().unwrap();
     let allocations: u64 = results.iter().map(|r| r["allocations"].as_u64().unwrap()).sum();
     let refusals: u64 = results.iter().map(|r| r["refusals"].as_u64().unwrap()).sum();
     let grants: u64 = results.iter().map(|r| r["grants"].as_u64().unwrap()).sum();
+    let Watch { samples, consistent, highest_granted, highest_charged, slot_checks, published_over } = watch;
     println!(
         "4 processes x 2 threads, 2 s: {allocations} allocations, {refusals} refusals, {grants} node grants; \
-         watcher: {samples} samples ({consistent} consistent), highest granted {highest} of {limit}"
+         watcher: {samples} samples ({consistent} consistent snapshots, {slot_checks} with each engine's charges \
+         checked against its slot), highest granted {highest_granted} and highest charged {highest_charged} of \
+         {limit}; the timers' published allocated (which lags) summed over the limit in {published_over} snapshots"
     );
-    assert!(consistent > 100, "the watcher saw too few consistent samples: {consistent} of {samples}");
+    // Two snapshots a sample; on 2 shared cores at a load of 7-9 the watcher took 300-620
+    // samples in the 2 s, 235-570 of them with each engine's charges checked.
+    assert!(consistent > 100, "the watcher saw too few consistent snapshots: {consistent} in {samples} samples");
+    assert!(slot_checks > 100, "the watcher checked the engines' charges too few times: {slot_checks} in {samples}");
+    assert!(highest_charged > 0, "the watcher never saw a charge");
     assert!(refusals > 0, "the run never reached the limits");
     for (pid, result) in pids.iter().zip(&results) {
         assert_eq!(result["pid"].as_u64(), Some(u64::from(*pid)));
         assert_eq!(result["exact"], true, "{result}");
     }
+    assert_eq!(ledger.read(None), [0; 3], "the engines ended with charges reported");
     assert_settled(&books);
 }
 
@@ -143,6 +362,7 @@ fn a_process_killed_at_a_random_point_is_refunded_within_the_bound() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
+    let _serial = one_at_a_time();
     let (limit, quota) = (24 * MIB, 14 * MIB);
     let (books, config, _cleanup) = setup("kill", limit, quota);
     let mut children: Vec<Child> = (0..3).map(|_| spawn(&config, "hammer", 2500)).collect();
@@ -154,21 +374,31 @@ fn a_process_killed_at_a_random_point_is_refunded_within_the_bound() {
     victim.kill().unwrap();
     let killed = Instant::now();
     // Not reaped yet: survivors see a zombie, which holds nothing any more.
-    let bound = config.refund_bound();
+    let (bound, allowed) = (config.refund_bound(), refund_allowance(&config));
+    // A look that starts after the allowance and still finds the slot fails; the
+    // refund came between the last look that found it and the first that did not.
+    let (mut held_at, mut look) = (Duration::ZERO, 0u32);
     let refunded = loop {
+        let looked = killed.elapsed();
         let snapshot = books.snapshot();
         check_bounds(&snapshot, limit, quota);
         if snapshot.slot_of(pid).is_none() {
             break killed.elapsed();
         }
-        assert!(killed.elapsed() < bound + Duration::from_secs(2), "not refunded: {}", snapshot.to_json());
+        assert!(
+            looked <= allowed,
+            "pid {pid} killed {at} ms in still holds its slot at a look {looked:?} after the kill, past the bound \
+             {bound:?} and the allowance {allowed:?}: {}",
+            snapshot.to_json()
+        );
+        (held_at, look) = (looked, look + 1);
         std::thread::sleep(Duration::from_millis(1));
     };
     let _ = victim.wait();
     println!(
-        "killed pid {pid} {at} ms in, holding {held:?} bytes of grants; refunded after {refunded:?} (bound {bound:?})"
+        "killed pid {pid} {at} ms in, holding {held:?} bytes of grants: refunded {refunded:?} after the kill (still \
+         held at {held_at:?}, look {look}; bound {bound:?}, allowed {allowed:?})"
     );
-    assert!(refunded <= bound + Duration::from_millis(500), "refunded after {refunded:?}, past the bound {bound:?}");
     for child in children {
         let result = result_of(child);
         assert_eq!(result["exact"], true, "{result}");
@@ -181,6 +411,7 @@ fn a_process_killed_inside_a_charge_gives_its_grant_back_to_a_survivor() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
+    let _serial = one_at_a_time();
     let (limit, quota) = (16 * MIB, 16 * MIB);
     let (books, config, _cleanup) = setup("stall", limit, quota);
     let mut victim = spawn(&config, "stall", 0);
@@ -194,15 +425,29 @@ fn a_process_killed_inside_a_charge_gives_its_grant_back_to_a_survivor() {
     assert!(allocate(&survivor.tenants[0], 8 * MIB).is_none());
     victim.kill().unwrap();
     let killed = Instant::now();
-    let block = loop {
+    let (bound, allowed) = (config.refund_bound(), refund_allowance(&config));
+    // As above: an attempt that starts after the allowance and is refused fails.
+    let mut refused_at = None;
+    let (block, refunded) = loop {
+        let tried = killed.elapsed();
         if let Some(block) = allocate(&survivor.tenants[0], 8 * MIB) {
-            break block;
+            break (block, killed.elapsed());
         }
-        assert!(killed.elapsed() < Duration::from_secs(3), "not refunded: {}", books.snapshot().to_json());
+        assert!(
+            tried <= allowed,
+            "killed inside a charge, and an attempt {tried:?} after the kill is still refused, past the bound \
+             {bound:?} and the allowance {allowed:?}: {}",
+            books.snapshot().to_json()
+        );
+        refused_at = Some(tried);
         std::thread::sleep(Duration::from_millis(2));
     };
-    println!("killed inside a charge holding {held} granted; a survivor had 8 MiB after {:?}", killed.elapsed());
-    assert!(killed.elapsed() <= config.refund_bound() + Duration::from_millis(500));
+    println!(
+        "killed inside a charge holding {held} granted: a survivor had 8 MiB {refunded:?} after the kill ({}; bound \
+         {bound:?}, allowed {allowed:?})",
+        refused_at.map_or_else(|| "its first attempt".to_owned(), |at| format!("last refused {at:?} after it"))
+    );
+    assert!(books.snapshot().slot_of(pid).is_none(), "a survivor had the grant but the slot stays");
     let _ = victim.wait();
     drop(block);
     let report = survivor.member.leave();
@@ -218,6 +463,7 @@ fn a_pid_reused_by_a_new_process_never_inherits_the_dead_ones_slot() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
+    let _serial = one_at_a_time();
     // A new process gets a chosen pid when the pid before it is written to
     // ns_last_pid (root, in this pid namespace).
     if !rustix::process::getuid().is_root() || std::fs::write(NS_LAST_PID, b"1").is_err() {
@@ -316,33 +562,49 @@ fn newcomer() {
 fn hammer() {
     let millis: u64 = std::env::var("MEMORY_NODE_MILLIS").unwrap().parse().unwrap();
     let books = NodeBooks::open_existing(config_from_env()).unwrap();
+    // Where the parent watches charges: this engine's number and the ledger.
+    let ledger = std::env::var_os("MEMORY_NODE_LEDGER").map(|path| {
+        let engine: usize = std::env::var("MEMORY_NODE_ENGINE").unwrap().parse().unwrap();
+        (engine, Ledger::open(Path::new(&path)))
+    });
+    let ledger = ledger.as_ref();
     let engine = engine(&books, GPU, &TENANTS, || system(GPU));
     let deadline = Instant::now() + Duration::from_millis(millis);
     let counts: Vec<(u64, u64)> = std::thread::scope(|scope| {
         let workers: Vec<_> = engine
             .tenants
             .iter()
-            .map(|tenant| {
+            .enumerate()
+            .map(|(index, tenant)| {
                 scope.spawn(move || {
                     let mut rng = rand::rng();
                     let (mut allocations, mut refusals) = (0u64, 0u64);
                     let mut blocks = Vec::new();
+                    let release = |(block, bytes)| {
+                        if let Some((engine, ledger)) = ledger {
+                            ledger.releasing(*engine, index, bytes);
+                        }
+                        tenant.binding.release(block).unwrap();
+                    };
                     while Instant::now() < deadline {
                         if blocks.len() < 12 && rng.random_bool(0.55) {
-                            match allocate(tenant, rng.random_range(16 << 10..=MIB / 2)) {
+                            let bytes = rng.random_range(16 << 10..=MIB / 2);
+                            match allocate(tenant, bytes) {
                                 Some(block) => {
                                     allocations += 1;
-                                    blocks.push(block);
+                                    if let Some((engine, ledger)) = ledger {
+                                        ledger.charged(*engine, index, bytes);
+                                    }
+                                    blocks.push((block, bytes));
                                 }
                                 None => refusals += 1,
                             }
                         } else if !blocks.is_empty() {
-                            let block = blocks.swap_remove(rng.random_range(0..blocks.len()));
-                            tenant.binding.release(block).unwrap();
+                            release(blocks.swap_remove(rng.random_range(0..blocks.len())));
                         }
                     }
                     for block in blocks {
-                        tenant.binding.release(block).unwrap();
+                        release(block);
                     }
                     (allocations, refusals)
                 })
