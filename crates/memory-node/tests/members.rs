@@ -202,6 +202,7 @@ fn leaving_with_charges_keeps_the_slot_and_leaving_empty_frees_it() {
     let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
     let block = allocate(&a.tenants[0], 2 * MIB).unwrap();
     let common::Engine { member, governor, tenants, registry, .. } = a;
+    let old = member.slot();
     let report = member.leave();
     assert!(!report.slot_freed);
     assert!(report.still_held >= 2 * MIB, "{report:?}");
@@ -210,11 +211,23 @@ fn leaving_with_charges_keeps_the_slot_and_leaving_empty_frees_it() {
     assert_eq!(books.snapshot().device(GPU).unwrap().granted, report.still_held);
     drop(block);
     drop((tenants, registry, governor));
-    // Joining again is a new slot; the old one is ours (alive) and stays.
+    // The slot is this live process's: no refund takes it, and it keeps its grant.
+    assert!(books.refund_dead().unwrap().is_empty(), "a live process's slot was refunded");
+    // Joining again is a new slot; the old one stays beside it.
     let governor = memory_governor::Governor::new();
     let again = books.join(&governor).unwrap();
+    assert_ne!(again.slot(), old, "joining again took the slot that was left with charges");
+    let snapshot = books.snapshot();
+    let me = u64::from(std::process::id());
+    let slots: Vec<_> = snapshot.slots.iter().map(|slot| (slot.slot, slot.pid, slot.alive)).collect();
+    assert_eq!(slots.len(), 2, "{}", snapshot.to_json());
+    assert!(slots.contains(&(old, me, true)) && slots.contains(&(again.slot(), me, true)), "{}", snapshot.to_json());
+    // Leaving empty frees the new slot; the old one is still there, still granted.
     assert!(again.leave().slot_freed);
-    let _ = Arc::new(());
+    let snapshot = books.snapshot();
+    let slots: Vec<_> = snapshot.slots.iter().map(|slot| slot.slot).collect();
+    assert_eq!(slots, [old], "{}", snapshot.to_json());
+    assert_eq!(snapshot.device(GPU).unwrap().granted, report.still_held, "{}", snapshot.to_json());
 }
 
 #[test]
