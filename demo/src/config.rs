@@ -20,6 +20,8 @@ pub struct Config {
     pub trace: Option<PathBuf>,
     /// Write the final snapshot (JSON) here.
     pub snapshot: Option<PathBuf>,
+    /// Record every governed allocation to this memory-trace file (`--record`).
+    pub record: Option<PathBuf>,
     /// Draw a progress bar.
     pub progress: bool,
 }
@@ -34,6 +36,7 @@ impl Default for Config {
             gpu: false,
             trace: None,
             snapshot: None,
+            record: None,
             progress: true,
         }
     }
@@ -48,6 +51,8 @@ pub enum Invocation {
     RealModels {
         /// Requests per tenant and model.
         requests: usize,
+        /// Record every governed allocation to this memory-trace file (`--record`).
+        record: Option<PathBuf>,
     },
     /// `--processes N`: N engine processes sharing node books.
     #[cfg(unix)]
@@ -84,6 +89,11 @@ struct Cli {
     /// Write the final snapshot as JSON.
     #[arg(long, value_name = "PATH", conflicts_with = "ort")]
     snapshot: Option<PathBuf>,
+    /// Record every governed allocation (allocations, releases, refusals, lost blocks)
+    /// to a memory-trace file; replay it with `cargo xtask replay PATH --compare
+    /// system,pooled,virtual --html report.html`. Works with --ort too.
+    #[arg(long, value_name = "PATH")]
+    record: Option<PathBuf>,
     /// Do not draw the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -96,7 +106,7 @@ struct Cli {
     /// the simulated devices' budgets and the tenants' quotas through node books; one is
     /// killed two thirds in, and the report ends with the nothing-lost check across
     /// processes. --requests is per engine (default 900).
-    #[arg(long, value_name = "N", conflicts_with_all = ["ort", "gpu", "trace", "snapshot"],
+    #[arg(long, value_name = "N", conflicts_with_all = ["ort", "gpu", "trace", "snapshot", "record"],
           value_parser = clap::value_parser!(u64).range(2..=16))]
     processes: Option<u64>,
     /// (internal) Run as one engine of a --processes run, on the books at PATH.
@@ -119,7 +129,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Invocation, FlagE
     let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("memory-demo".to_owned()).chain(args))?;
     if cli.ort {
         let requests = cli.requests.map_or(40, |n| usize::try_from(n).unwrap_or(usize::MAX));
-        return Ok(Invocation::RealModels { requests });
+        return Ok(Invocation::RealModels { requests, record: cli.record });
     }
     let threads = usize::try_from(cli.threads).unwrap_or(4);
     #[cfg(not(unix))]
@@ -156,6 +166,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Invocation, FlagE
         gpu: cli.gpu,
         trace: cli.trace,
         snapshot: cli.snapshot,
+        record: cli.record,
         progress: !cli.no_progress,
     }))
 }
@@ -194,13 +205,18 @@ mod tests {
         assert_eq!((config.seed, config.threads, config.gpu, config.progress), (7, 2, true, false));
         assert_eq!(config.trace, Some(PathBuf::from("t.json")));
         assert_eq!(config.snapshot, Some(PathBuf::from("s.json")));
+        assert_eq!(simulate("--record r.mtrace").record, Some(PathBuf::from("r.mtrace")));
         assert_eq!(simulate(""), Config::default());
     }
 
     #[test]
     fn ort_mode_takes_requests_per_tenant_and_model() {
-        assert_eq!(parse(args("--ort")).unwrap(), Invocation::RealModels { requests: 40 });
-        assert_eq!(parse(args("--ort --requests 5")).unwrap(), Invocation::RealModels { requests: 5 });
+        assert_eq!(parse(args("--ort")).unwrap(), Invocation::RealModels { requests: 40, record: None });
+        assert_eq!(parse(args("--ort --requests 5")).unwrap(), Invocation::RealModels { requests: 5, record: None });
+        assert_eq!(
+            parse(args("--ort --record o.mtrace")).unwrap(),
+            Invocation::RealModels { requests: 40, record: Some(PathBuf::from("o.mtrace")) }
+        );
         assert!(parse(args("--ort --gpu")).unwrap_err().to_string().contains("--gpu"));
     }
 

@@ -8,10 +8,13 @@ use memory_demo::{Invocation, parse, run};
 fn main() -> ExitCode {
     let config = match parse(std::env::args().skip(1)) {
         Ok(Invocation::Simulate(config)) => config,
-        Ok(Invocation::RealModels { requests }) => {
-            return match memory_demo::real_models::run(requests) {
+        Ok(Invocation::RealModels { requests, record }) => {
+            return match memory_demo::real_models::run(requests, record.as_deref()) {
                 Ok((report, passed)) => {
                     print!("{report}");
+                    if let Some(path) = &record {
+                        print!("{}", memory_demo::recorded_line(path));
+                    }
                     if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE }
                 }
                 Err(error) => {
@@ -67,6 +70,16 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+    if let (Some(path), Some(recording)) = (&config.record, &report.recording) {
+        println!(
+            "recorded {} events ({} bytes, {} ring waits) to {}",
+            recording.events,
+            recording.bytes,
+            recording.waits,
+            path.display()
+        );
+        print!("{}", memory_demo::recorded_line(path));
     }
     if report.passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
 }

@@ -9,8 +9,12 @@
 //! the pools) per device and tenant with their peaks, the governor's books by role, and
 //! ends with the nothing-lost check (registry and governor back to zero, every charge
 //! released, nothing quarantined, no overdraft, the footprint's books balanced).
+//! With `--record PATH`, each tenant's governed pool is wrapped by a memory-trace
+//! recorder, so every block ONNX Runtime took (varying shapes, two models, two tenants)
+//! goes to a trace that `cargo xtask replay` replays against other allocator stacks.
 
 use std::fmt::Write as _;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,13 +50,21 @@ struct Served {
 }
 
 /// Runs the real mode, `requests` per tenant and model; returns the report and whether
-/// the nothing-lost check passed.
+/// the nothing-lost check passed. With `record`, every governed allocation is recorded
+/// to that file (the recording is finished, with every session closed, before this
+/// returns).
 ///
 /// # Errors
-/// A message when the assets are missing or a model fails.
-pub fn run(requests: usize) -> Result<(String, bool), String> {
+/// A message when the assets are missing, a model fails or the trace cannot be written.
+pub fn run(requests: usize, record: Option<&Path>) -> Result<(String, bool), String> {
     let assets = OrtAssets::locate().map_err(|err| err.to_string())?;
     let env = OrtEnvironment::load(&assets.library).map_err(|err| err.to_string())?;
+    let recorder = record
+        .map(|path| {
+            memory_trace::Recorder::create(path)
+                .map_err(|error| format!("--record: cannot record to {}: {error}", path.display()))
+        })
+        .transpose()?;
 
     let registry = BindingRegistry::new();
     let governor = Governor::new();
@@ -70,8 +82,11 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
         let backing = governor.cache_backing(Arc::new(SystemAllocator::new()));
         let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
         let governed = governor.govern(pool, authority).map_err(|e| e.to_string())?;
-        let mechanism =
-            registry.register_allocator(&context, &authority, Arc::new(governed)).map_err(|e| e.to_string())?;
+        let governed: Arc<dyn DeviceAllocator> = match &recorder {
+            Some(recorder) => Arc::new(recorder.trace(&governor, governed)),
+            None => Arc::new(governed),
+        };
+        let mechanism = registry.register_allocator(&context, &authority, governed).map_err(|e| e.to_string())?;
         tenants.push((spec, authority, mechanism));
     }
 
@@ -104,6 +119,8 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
     });
     let elapsed = started.elapsed();
     let served: Vec<Served> = served.into_iter().collect::<Result<_, _>>()?;
+    // Every session closed with its tenant's thread: the trace ends with the books at zero.
+    let recording = recorder.as_ref().map(memory_trace::Recorder::finish).transpose().map_err(|e| e.to_string())?;
 
     let mut out = String::new();
     let _ = writeln!(
@@ -243,6 +260,16 @@ pub fn run(requests: usize) -> Result<(String, bool), String> {
         );
     } else {
         let _ = writeln!(out, "\nNOTHING-LOST CHECK FAILED:\n  {}", failures.join("\n  "));
+    }
+    if let (Some(recording), Some(path)) = (recording, record) {
+        let _ = writeln!(
+            out,
+            "recorded {} events ({} bytes, {} ring waits) to {}",
+            recording.events,
+            recording.bytes,
+            recording.waits,
+            path.display()
+        );
     }
     Ok((out, passed))
 }

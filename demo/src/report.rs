@@ -97,6 +97,8 @@ pub struct Report {
     pub budget_refusals: Vec<(&'static str, u64, String)>,
     /// Where the footprint's books do not balance (empty when they do).
     pub footprint_violations: Vec<String>,
+    /// What `--record` wrote (`None` without it).
+    pub recording: Option<memory_trace::RecordingSummary>,
     lines: Vec<String>,
 }
 
@@ -410,6 +412,7 @@ impl Report {
             tenant_reserved_peaks: observed.tenant_reserved_peaks.clone(),
             budget_refusals,
             footprint_violations,
+            recording: None,
             lines,
         }
     }

@@ -77,3 +77,37 @@ fn demo_ort_reports_allocated_and_reserved_per_device_and_tenant_and_loses_nothi
         assert!(stdout.contains(expected), "missing {expected:?} in:\n{stdout}");
     }
 }
+
+#[test]
+fn demo_record_writes_a_trace_that_replays_with_every_block_accounted_for() {
+    use memory_trace::replay::{self, AllocatorKind, ReplayConfig};
+    use memory_trace::{MarkKind, What};
+
+    let dir = std::env::temp_dir().join(format!("memory-demo-record-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("demo.mtrace");
+    let output = demo(&["--requests", "12", "--threads", "2", "--no-progress", "--record", path.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("recorded ") && stdout.contains("cargo xtask replay"), "{stdout}");
+    let trace = memory_trace::read_trace(std::fs::File::open(&path).unwrap()).unwrap();
+    assert!(trace.damage.is_none(), "{:?}", trace.damage);
+    assert_eq!(trace.end.map(|end| end.events), Some(trace.events.len() as u64), "a whole recording");
+    // Two simulated devices, the tenants of both installs (plain, then pooled).
+    assert_eq!(trace.devices().len(), 2, "{:?}", trace.devices());
+    for label in ["platform", "tenant-a", "tenant-b"] {
+        assert!(trace.tenants.iter().any(|tenant| tenant.label == label), "{label}: {:?}", trace.tenants);
+    }
+    assert!(trace.tenants.iter().any(|tenant| tenant.allocator.starts_with("pooled")), "the switch to pools");
+    // The device loss: its mark, then the blocks handed back at termination.
+    assert!(trace.events.iter().any(|e| matches!(&e.what, What::Mark { kind: MarkKind::DeviceLost, .. })));
+    assert!(trace.events.iter().any(|e| matches!(&e.what, What::Lost(_))));
+    // Everything was released or lost by the end: the replay leaves nothing charged.
+    for &kind in AllocatorKind::ALL {
+        let report = replay::replay(&trace, &ReplayConfig::new(kind));
+        for device in &report.devices {
+            assert_eq!((device.live_at_end, device.final_allocated), (0, 0), "{kind} {}", device.device);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -51,8 +51,9 @@
 //!   model (`src/loom_ring.rs`) checks that the writer sees exactly the pushed words, in
 //!   order, across the ring's wrap, and runs with
 //!   `RUSTFLAGS="--cfg memory_loom" cargo test -p memory-trace --lib loom`.
-//! - The recorder never drops an event while recording: a full ring makes its thread
-//!   wait for the writer (counted in [`RecordingSummary::waits`]); a test records ten
+//! - The recorder never drops an event while recording: a thread that finds its ring
+//!   full drains the rings itself under the output lock, as their one consumer for a
+//!   moment (counted in [`RecordingSummary::waits`]); a test records ten
 //!   million events from several threads and reads back every one.
 //! - The reader checks every record's CRC-32 and every event's size before decoding, so
 //!   a damaged file cannot be misread past the damage; tests truncate and corrupt files at
@@ -94,6 +95,7 @@
 #![forbid(unsafe_code)]
 
 mod books;
+mod clock;
 mod event;
 mod format;
 mod read;

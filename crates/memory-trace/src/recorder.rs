@@ -5,20 +5,23 @@
 //! by the next thread that gets the index), with no lock and no read-modify-write (see
 //! [`ring`](crate::ring)). The writer thread wakes every `flush_interval`, or when a ring
 //! passes half full, drains every ring into one events record each, and writes the records
-//! that cold paths queued (tenants, thread names, marks). A ring that is full makes its
-//! thread wait for the writer (never drop), so a recording is whole however long it
-//! runs, and memory stays bounded by one ring per thread.
+//! that cold paths queued (tenants, thread names, marks). A thread that finds its ring
+//! full drains the rings itself under the output lock (the lock makes whoever holds it
+//! the rings' one consumer) and pushes again: nothing is dropped, so a recording is whole
+//! however long it runs, memory stays bounded by one ring per thread, and a thread never
+//! waits for the scheduler to run the writer.
 
 use std::cell::Cell;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
 use std::thread::{JoinHandle, Thread};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use memory_governor::{DeviceKey, GovernedAllocator, Governor};
 use memory_sync::per_thread::{PerThread, thread_index};
 
+use crate::clock::Clock;
 use crate::event::{MarkKind, Tenant};
 use crate::format::{self, record};
 use crate::ring::{Pushed, Ring};
@@ -60,7 +63,8 @@ struct Local {
 
 /// What recording threads and the writer share.
 pub(crate) struct Shared {
-    origin: Instant,
+    /// Stamps on the hot path, nanoseconds since the recording started on the writer's.
+    clock: Clock,
     locals: PerThread<Local>,
     ring_words: usize,
     cold: Mutex<Vec<Cold>>,
@@ -69,8 +73,10 @@ pub(crate) struct Shared {
     next_tenant: AtomicU32,
     /// Events not recorded because the recording was closed.
     dropped: AtomicU64,
-    /// Times a thread found its ring full and waited for the writer.
+    /// Times a thread found its ring full and drained it itself.
     waits: AtomicU64,
+    /// The file; its holder is the rings' consumer (see [`Output`]).
+    output: Mutex<Output>,
 }
 
 /// The calling thread's number in traces (process-wide, from 1, never reused).
@@ -133,20 +139,21 @@ impl Drop for CallerTag {
 }
 
 impl Shared {
-    /// Nanoseconds since the recording started.
+    /// The time now as a raw stamp of the recorder's clock (see [`Clock`]): what a ring
+    /// holds in an event's first word until the writer turns it into nanoseconds.
     #[inline(always)]
-    pub(crate) fn now(&self) -> u64 {
-        self.origin.elapsed().as_nanos() as u64
+    pub(crate) fn stamp(&self) -> u64 {
+        self.clock.stamp()
     }
 
-    /// Records one event built by `build(ts, thread)` at the time now.
+    /// Records one event built by `build(stamp, thread)` at the time now.
     #[inline(always)]
     pub(crate) fn emit<const N: usize>(&self, build: impl FnOnce(u64, u32) -> [u64; N]) {
-        let ts = self.now();
-        self.emit_at(ts, build);
+        let stamp = self.stamp();
+        self.emit_at(stamp, build);
     }
 
-    /// Records one event built by `build(ts, thread)` at `ts`.
+    /// Records one event built by `build(stamp, thread)` at `stamp` (from [`Shared::stamp`]).
     #[inline(always)]
     pub(crate) fn emit_at<const N: usize>(&self, ts: u64, build: impl FnOnce(u64, u32) -> [u64; N]) {
         if self.closed.load(Ordering::Relaxed) {
@@ -179,28 +186,26 @@ impl Shared {
         self.queue(writer::thread_record(thread, &name));
     }
 
-    /// The ring is full: wake the writer and wait until the event fits (or the recording
-    /// closes, when it is dropped).
+    /// The ring is full: this thread drains it itself, as the rings' consumer for a
+    /// moment (under the output lock, which orders it with the writer thread and any
+    /// other helper), then pushes again. Waiting for the writer instead left a thread
+    /// parked for as long as the scheduler kept the writer off a core (milliseconds on a
+    /// loaded machine); draining costs it the writer's work for the ring's events and no
+    /// more. A closed recording drops the event (counted).
     #[cold]
     #[inline(never)]
     fn push_when_drained(&self, local: &Local, words: &[u64]) {
         self.waits.fetch_add(1, Ordering::Relaxed);
-        let mut spins = 0u32;
         loop {
-            self.wake();
             if self.closed.load(Ordering::Acquire) {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            if spins < 64 {
-                yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-            spins = spins.saturating_add(1);
+            self.drain_into(&mut lock(&self.output));
             if local.ring.push(words) != Pushed::Full {
                 return;
             }
+            yield_now();
         }
     }
 
@@ -217,7 +222,7 @@ impl Shared {
 
     /// Queues a mark at the time now.
     pub(crate) fn mark(&self, device: DeviceKey, tenant: u32, kind: MarkKind, value: u64, label: &str) {
-        let ts = self.now();
+        let ts = self.clock.nanos(self.clock.stamp());
         self.queue(writer::mark_record(ts, thread_number(), device, tenant, kind, value, label));
     }
 
@@ -241,7 +246,7 @@ pub struct RecordingSummary {
     pub bytes: u64,
     /// Events not recorded because they came after the recording was finished.
     pub dropped: u64,
-    /// Times a recording thread found its ring full and waited for the writer.
+    /// Times a recording thread found its ring full and drained the rings itself.
     pub waits: u64,
 }
 
@@ -318,10 +323,21 @@ impl Recorder {
     pub fn to_writer(out: impl Write + Send + 'static, config: RecorderConfig) -> io::Result<Recorder> {
         let origin_unix_ns =
             SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_nanos() as u64);
-        let mut out = BufWriter::with_capacity(1 << 20, out);
+        // Smaller than a drained ring's events record (half a ring, 128 KiB by default),
+        // so those go to `out` without a copy through the buffer; the small cold records
+        // are gathered.
+        let mut out = BufWriter::with_capacity(64 << 10, out);
         format::write_header(&mut out, origin_unix_ns)?;
+        let output = Output {
+            out: Box::new(out),
+            error: None,
+            summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
+            finished: false,
+            words: Vec::new(),
+            bytes: Vec::new(),
+        };
         let shared = Arc::new(Shared {
-            origin: Instant::now(),
+            clock: Clock::start(),
             locals: PerThread::new(),
             ring_words: config.ring_words,
             cold: Mutex::new(Vec::new()),
@@ -330,13 +346,14 @@ impl Recorder {
             next_tenant: AtomicU32::new(1),
             dropped: AtomicU64::new(0),
             waits: AtomicU64::new(0),
+            output: Mutex::new(output),
         });
         let handle = {
             let shared = Arc::clone(&shared);
             let interval = config.flush_interval;
             std::thread::Builder::new()
                 .name("memory-trace-writer".to_owned())
-                .spawn(move || write_loop(&shared, out, interval))?
+                .spawn(move || write_loop(&shared, interval))?
         };
         let _ = shared.writer.set(handle.thread().clone());
         Ok(Recorder { shared, writer: Mutex::new(Some(handle)) })
@@ -387,15 +404,21 @@ impl Drop for Recorder {
     }
 }
 
-/// The writer: counts what it wrote, and keeps draining after an I/O error (dropping
-/// what it cannot write) so that no recording thread waits on a dead file.
-struct Output<W: Write> {
-    out: W,
+/// The recording's output: the file, what was written to it, and the writer's scratch
+/// buffers. Whoever holds it (under [`Shared::output`]) is the rings' one consumer.
+/// It keeps draining after an I/O error (dropping what it cannot write) so that no
+/// recording thread waits on a dead file.
+pub(crate) struct Output {
+    out: Box<dyn Write + Send>,
     error: Option<io::Error>,
     summary: RecordingSummary,
+    /// The end record is written: nothing more goes to the file.
+    finished: bool,
+    words: Vec<u64>,
+    bytes: Vec<u8>,
 }
 
-impl<W: Write> Output<W> {
+impl Output {
     fn record(&mut self, kind: u32, payload: &[u8]) {
         if self.error.is_some() {
             return;
@@ -418,27 +441,36 @@ impl<W: Write> Output<W> {
     }
 }
 
-/// Counts the whole events in drained bytes (byte 8 of each event, the low byte of its
-/// second word, is its size in words).
-fn count_events(bytes: &[u8]) -> u64 {
-    let (mut at, mut events) = (0, 0);
-    while at + 8 < bytes.len() {
-        at += usize::from(bytes[at + 8]).max(1) * 8;
+/// Drains `ring` into `words`, turns each event's first word from a clock stamp into
+/// nanoseconds since the recording started, and lays the words out in `out` as
+/// little-endian bytes; the number of events. A ring holds whole events only (its head
+/// is published past whole events), and the low byte of an event's second word is its
+/// size in words.
+fn drain_events(ring: &Ring, clock: &Clock, words: &mut Vec<u64>, out: &mut Vec<u8>) -> u64 {
+    words.clear();
+    ring.drain_with(|word| words.push(word));
+    let (mut at, mut events) = (0usize, 0u64);
+    while at + 1 < words.len() {
+        words[at] = clock.nanos(words[at]);
+        at += usize::from(words[at + 1] as u8).max(2);
         events += 1;
+    }
+    out.clear();
+    out.resize(words.len() * 8, 0);
+    for (bytes, word) in out.chunks_exact_mut(8).zip(words.iter()) {
+        bytes.copy_from_slice(&word.to_le_bytes());
     }
     events
 }
 
-fn write_loop(shared: &Shared, out: impl Write, interval: Duration) -> Result<RecordingSummary, RecordError> {
-    let mut output = Output {
-        out,
-        error: None,
-        summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
-    };
-    let mut bytes = Vec::new();
-    loop {
-        let closing = shared.closed.load(Ordering::Acquire);
-        let cold = std::mem::take(&mut *lock(&shared.cold));
+impl Shared {
+    /// One pass of the consumer (`output` held): the cold records queued so far, then
+    /// every ring into one events record each; whether anything was written.
+    fn drain_into(&self, output: &mut Output) -> bool {
+        if output.finished {
+            return false;
+        }
+        let cold = std::mem::take(&mut *lock(&self.cold));
         let mut wrote = !cold.is_empty();
         for record in &cold {
             if record.kind == record::MARK {
@@ -446,30 +478,44 @@ fn write_loop(shared: &Shared, out: impl Write, interval: Duration) -> Result<Re
             }
             output.record(record.kind, &record.payload);
         }
-        for local in shared.locals.iter() {
+        for local in self.locals.iter() {
             if local.ring.is_empty() {
                 continue;
             }
-            bytes.clear();
-            local.ring.drain_bytes(&mut bytes);
-            output.summary.events += count_events(&bytes);
+            let (mut words, mut bytes) = (std::mem::take(&mut output.words), std::mem::take(&mut output.bytes));
+            output.summary.events += drain_events(&local.ring, &self.clock, &mut words, &mut bytes);
             output.record(record::EVENTS, &bytes);
+            (output.words, output.bytes) = (words, bytes);
             wrote = true;
+        }
+        wrote
+    }
+}
+
+fn write_loop(shared: &Shared, interval: Duration) -> Result<RecordingSummary, RecordError> {
+    loop {
+        let closing = shared.closed.load(Ordering::Acquire);
+        {
+            let mut output = lock(&shared.output);
+            if shared.drain_into(&mut output) && !closing {
+                output.flush();
+            }
         }
         if closing {
             break;
         }
-        if wrote {
-            output.flush();
-        }
         std::thread::park_timeout(interval);
     }
+    let mut output = lock(&shared.output);
     output.summary.dropped = shared.dropped.load(Ordering::Relaxed);
     output.summary.waits = shared.waits.load(Ordering::Relaxed);
     let end = writer::end_record(output.summary.events, output.summary.records + 1, output.summary.dropped);
     output.record(end.kind, &end.payload);
     output.flush();
-    match output.error {
+    output.finished = true;
+    // Close the file now, not when the last traced allocator drops.
+    output.out = Box::new(io::sink());
+    match output.error.take() {
         None => Ok(output.summary),
         Some(source) => Err(RecordError::Io { written: output.summary.bytes, source }),
     }

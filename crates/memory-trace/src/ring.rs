@@ -1,13 +1,16 @@
 //! One thread's ring of event words: a single-producer, single-consumer queue of 64-bit
 //! words. The producer is the thread that owns the ring (the recording thread, through
-//! `memory_sync`'s per-thread table); the consumer is the recorder's writer thread.
+//! `memory_sync`'s per-thread table); the consumer is whoever holds the recorder's output
+//! lock: its writer thread, or a recording thread that found its ring full. The lock
+//! orders one consumer's drain before the next one's (its release and acquire), so to
+//! the ring they are one consumer.
 //!
 //! # Protocol
 //! - `head` counts words ever pushed; only the producer stores it. `tail` counts words
 //!   ever drained; only the consumer stores it. Both only grow, so `head - tail` is the
 //!   fill and never wraps (2^64 words are centuries of events).
-//! - **Push** (producer): load `tail` with `Acquire`; if the event does not fit, wait for
-//!   the consumer (or drop the event when the recording is closed); store the event's
+//! - **Push** (producer): load `tail` with `Acquire`; if the event does not fit, become
+//!   the consumer for a drain (or drop the event when the recording is closed); store the event's
 //!   words with `Relaxed` into `[head, head + n)` modulo the capacity, then publish
 //!   `head + n` with `Release`. No read-modify-write: on x86 a push is plain loads and
 //!   stores on lines only this thread writes (and one read of `tail`).
@@ -88,7 +91,7 @@ impl Ring {
     /// Hands every word pushed and not yet drained to `take`, in order (consumer only);
     /// the number of words drained.
     #[inline]
-    fn drain_with(&self, mut take: impl FnMut(u64)) -> usize {
+    pub(crate) fn drain_with(&self, mut take: impl FnMut(u64)) -> usize {
         let tail = self.tail.load(Ordering::Relaxed);
         let head = self.head.load(Ordering::Acquire);
         for word in tail..head {
@@ -96,12 +99,6 @@ impl Ring {
         }
         self.tail.store(head, Ordering::Release);
         head.wrapping_sub(tail) as usize
-    }
-
-    /// Appends every word pushed and not yet drained to `out` as little-endian bytes
-    /// (consumer only: the writer thread); the number of words drained.
-    pub(crate) fn drain_bytes(&self, out: &mut Vec<u8>) -> usize {
-        self.drain_with(|word| out.extend_from_slice(&word.to_le_bytes()))
     }
 
     /// Appends every word pushed and not yet drained to `out` (consumer only).

@@ -120,7 +120,7 @@ impl DeviceAllocator for TracedAllocator {
     #[inline]
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
         let block = block_of(&allocation, allocation.bytes() as u64, caller_tag());
-        let ts = self.shared.now();
+        let stamp = self.shared.stamp();
         let outcome = self.inner.release(allocation);
         let (kind, residual) = match &outcome {
             ReleaseOutcome::Complete(_) => (ReleaseKind::Complete, 0),
@@ -128,7 +128,8 @@ impl DeviceAllocator for TracedAllocator {
             ReleaseOutcome::Failed(_) => (ReleaseKind::Failed, 0),
         };
         let (device, tenant) = (self.device, self.tenant);
-        self.shared.emit_at(ts, |ts, thread| event::release_words(ts, thread, device, tenant, &block, kind, residual));
+        self.shared
+            .emit_at(stamp, |ts, thread| event::release_words(ts, thread, device, tenant, &block, kind, residual));
         outcome
     }
 

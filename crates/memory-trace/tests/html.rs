@@ -181,3 +181,44 @@ fn in_headless_chromium_a_screenshot_of_the_page_is_produced() {
     assert!(bytes.len() > 20_000, "a drawn page, not a blank one: {} bytes", bytes.len());
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
+
+/// The issue's "done when": the trace `demo --ort` recorded (real models through ONNX
+/// Runtime, `traces/demo-ort.mtrace`) replays against three allocator configurations
+/// with a side-by-side table, and its page renders in a headless browser.
+#[test]
+fn the_demo_ort_trace_replays_on_three_stacks_side_by_side_and_its_page_renders_in_headless_chromium() {
+    let test = "the_demo_ort_trace_replays_on_three_stacks_side_by_side_and_its_page_renders_in_headless_chromium";
+    let trace = read_trace(std::fs::File::open(trace_path("demo-ort.mtrace")).unwrap()).unwrap();
+    let configs: Vec<ReplayConfig> = AllocatorKind::ALL.iter().copied().map(ReplayConfig::new).collect();
+    let reports = replay::replay_all(&trace, &configs);
+    let text = replay::table(&trace, &reports);
+    let header = text.lines().find(|line| line.starts_with("host")).unwrap_or_else(|| panic!("no host table:\n{text}"));
+    for name in ["system", "pooled", "virtual"] {
+        assert!(header.contains(name), "{header}");
+    }
+    let device = &reports[0].devices[0];
+    let labels: Vec<String> =
+        device.series.iter().map(|(tenant, role)| format!("{}/{}", trace.tenant_label(*tenant), role.name())).collect();
+    for tenant in ["voice", "scan"] {
+        assert!(labels.iter().any(|label| label.starts_with(&format!("{tenant}/"))), "{tenant}: {labels:?}");
+    }
+    let page = html::report("demo --ort", &trace, &reports);
+    assert_eq!(embedded(&page)["configs"].as_array().unwrap().len(), 3);
+    let Some(browser) = browser(test) else {
+        return;
+    };
+    let dir = tempdir("ort");
+    let path = dir.join("report.html");
+    std::fs::write(&path, &page).unwrap();
+    let dom = headless(&browser, &path, &["--dump-dom".to_owned()]);
+    let status = dom.split(r#"<p id="status""#).nth(1).and_then(|rest| rest.split("</p>").next()).unwrap_or_default();
+    assert!(status.contains(r#"data-status="ok""#), "the page's script failed: {status}");
+    assert!(status.contains(&format!("ok: drew {} series, 3 configurations", labels.len())), "{status}");
+    for label in &labels {
+        assert!(dom.contains(&format!(r#"data-series="{label}""#)), "no area for {label}");
+    }
+    for config in ["system", "pooled", "virtual"] {
+        assert!(dom.contains(&format!(r#"class="reserved" data-config="{config}""#)), "no reserved line for {config}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

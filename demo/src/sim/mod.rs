@@ -29,6 +29,9 @@ pub enum SimError {
     /// The registry refused a cold-path call.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// `--record` could not create or write its trace.
+    #[error("--record: {0}")]
+    Record(String),
     /// CUDA is unavailable or failed (`--gpu`).
     #[cfg(feature = "cuda")]
     #[error("--gpu: {0}")]
@@ -81,7 +84,7 @@ pub(crate) struct LossReport {
 /// # Errors
 /// [`SimError`] when the server cannot be set up (for example `--gpu` without CUDA).
 pub fn run(config: &Config) -> Result<Report, SimError> {
-    let world = World::new(config.gpu)?;
+    let world = World::new(config.gpu, config.record.as_deref())?;
     let progress = if config.progress { ProgressBar::new(config.requests) } else { ProgressBar::hidden() };
     progress.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests {msg}")
@@ -149,7 +152,16 @@ pub fn run(config: &Config) -> Result<Report, SimError> {
         samples: peaks.samples,
     };
     let check = shut_down(&world, &events);
-    Ok(Report::new(&world, config, &events, &observed, check, elapsed))
+    // Everything is released: the trace ends with the books at zero.
+    let recording = world
+        .recorder
+        .as_ref()
+        .map(memory_trace::Recorder::finish)
+        .transpose()
+        .map_err(|error| SimError::Record(error.to_string()))?;
+    let mut report = Report::new(&world, config, &events, &observed, check, elapsed);
+    report.recording = recording;
+    Ok(report)
 }
 
 fn milestone_fraction(config: &Config, done: u64, started: Instant) -> f64 {
@@ -176,7 +188,11 @@ fn switch(world: &World, progress: &ProgressBar) -> Result<(), SimError> {
 fn lose_device(world: &World, progress: &ProgressBar, served: u64) -> Result<Option<LossReport>, SimError> {
     let Some(device) = world.devices.last().filter(|_| world.devices.len() > 1) else { return Ok(None) };
     let old_context = device.context();
-    world.registry.invalidate_device(device.key, "simulated Xid 79: GPU has fallen off the bus");
+    let reason = "simulated Xid 79: GPU has fallen off the bus";
+    if let Some(recorder) = &world.recorder {
+        recorder.mark(device.key, memory_trace::MarkKind::DeviceLost, reason);
+    }
+    world.registry.invalidate_device(device.key, reason);
     // Idle sequences and weights on the lost device: dropping their handles makes no
     // callback; termination retires them.
     drop(device.kv.drain());
@@ -248,7 +264,7 @@ mod tests {
     /// freed, then split for a 2 MiB block), which trimming cannot give back.
     #[test]
     fn each_limit_refuses_with_its_scope_and_the_ladder_in_the_message() {
-        let world = World::new(false).unwrap();
+        let world = World::new(false, None).unwrap();
         let device = &world.devices[0];
         world.install(device, Backend::Pooled).unwrap();
         let bind = |authority: usize| world.registry.bind_registered(&device.route(authority)).unwrap();

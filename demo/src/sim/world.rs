@@ -1,6 +1,7 @@
 //! The simulated server: devices with governor budgets, a platform authority that owns
 //! the weights, two tenants with quotas, and the mechanisms each of them binds.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use memory_governor::{
@@ -8,6 +9,8 @@ use memory_governor::{
     Governor, GuaranteedReserve, MechanismIdentity, MemoryBinding, MemoryRole, ProviderContextIdentity,
     ReclaimThenFail,
 };
+
+use memory_trace::Recorder;
 
 use super::SimError;
 use super::kv::KvCache;
@@ -86,12 +89,21 @@ pub(crate) struct World {
     pub(crate) gpu: bool,
     pub(crate) backend: RwLock<Backend>,
     pub(crate) ledger: Arc<Ledger>,
+    /// `--record`: every governed mechanism is installed wrapped by this recorder.
+    pub(crate) recorder: Option<Recorder>,
 }
 
 impl World {
     /// Builds the registry, the governor's books and every device's mechanisms, and
-    /// loads the weights.
-    pub(crate) fn new(gpu: bool) -> Result<World, SimError> {
+    /// loads the weights; with `record`, every governed allocation from the first one
+    /// (the weights) is recorded to that file.
+    pub(crate) fn new(gpu: bool, record: Option<&Path>) -> Result<World, SimError> {
+        let recorder = record
+            .map(|path| {
+                Recorder::create(path)
+                    .map_err(|error| SimError::Record(format!("cannot record to {}: {error}", path.display())))
+            })
+            .transpose()?;
         let registry = BindingRegistry::new();
         let governor = Governor::new();
         // The newest 64 Ki events (a ring): enough for memory over time at a trace viewer's
@@ -111,7 +123,7 @@ impl World {
         for device in &devices {
             device.kv.attach(Arc::clone(&ledger));
         }
-        let world = World { registry, governor, devices, gpu, backend: RwLock::new(Backend::Plain), ledger };
+        let world = World { registry, governor, devices, gpu, backend: RwLock::new(Backend::Plain), ledger, recorder };
         for device in &world.devices {
             world.install(device, Backend::Plain)?;
             world.load_weights(device)?;
@@ -133,7 +145,13 @@ impl World {
             // blocks it keeps (`reserved` per tenant).
             let allocator = self.allocator(device, backend)?;
             let governed = self.governor.govern(allocator, authority).map_err(|e| e.failure)?;
-            mechanisms.push(self.registry.register_allocator(&context, &authority, Arc::new(governed))?);
+            // Recording: each install is a new tenant of the trace (its label, allocator
+            // and quota as they are now), so a replay sees the switch to pools.
+            let governed: Arc<dyn DeviceAllocator> = match &self.recorder {
+                Some(recorder) => Arc::new(recorder.trace(&self.governor, governed)),
+                None => Arc::new(governed),
+            };
+            mechanisms.push(self.registry.register_allocator(&context, &authority, governed)?);
         }
         let old = std::mem::replace(&mut *device.routes.write().unwrap_or_else(PoisonError::into_inner), mechanisms);
         for mechanism in old {
