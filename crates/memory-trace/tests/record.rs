@@ -217,7 +217,8 @@ fn a_quarantine_its_retry_and_a_device_loss_with_termination_are_recorded() {
 fn many_threads_record_every_event_whole_through_small_rings() {
     const THREADS: usize = 4;
     const PAIRS: usize = 5_000;
-    // 64-word rings hold 7 allocation events: threads wait for the writer all the time.
+    // 64-word rings hold 7 allocation events: threads find them full all the time and
+    // drain the rings themselves, several consumers in turn under the output lock.
     let config = RecorderConfig::default().with_ring_words(64);
     let (recorder, bytes) = recorder(config);
     let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
