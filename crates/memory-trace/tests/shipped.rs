@@ -1,9 +1,10 @@
 //! The traces shipped in `traces/` (see `traces/README.md`: the default demo, the demo's
 //! real models through ONNX Runtime, the recorder's own workload and the hand-written
-//! synthetic trace; no C API program yet: the C API has no recorder) replay against the three allocator configurations (system, pooled,
-//! virtual) and their books close: the same books on every replay, and every block the
-//! recording handed out released, lost with its device, or refused by the replay
-//! (whose release is then skipped) — nothing left live, nothing left charged.
+//! synthetic trace; no C API program yet: the C API has no recorder) replay against the
+//! three allocator configurations (system, pooled, virtual) and their books close: the
+//! same books on every replay, and every block the recording handed out released, lost
+//! with its device, or refused by the replay (whose release is then skipped): nothing
+//! left live, nothing left charged.
 
 mod common;
 
