@@ -778,9 +778,9 @@ fn while_unwinding<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) ->
         }
     }
     let (sender, result) = mpsc::channel();
-    let dispatch = tracing::dispatcher::get_default(Clone::clone);
+    let collector = Collector::current();
     let worker = std::thread::spawn(move || {
-        let _traced = tracing::dispatcher::set_default(&dispatch);
+        let _traced = collector.as_ref().map(Collector::install);
         let _guard = RunOnDrop(Some(move || sender.send(f()).unwrap()));
         panic!("the worker's request failed");
     });

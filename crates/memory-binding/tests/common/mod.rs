@@ -191,7 +191,7 @@ pub fn bind(registry: &BindingRegistry, mechanism: &memory_api::MechanismIdentit
 // Tracing: an event collector
 // ---------------------------------------------------------------------------------
 
-/// Collects (level, message) of every event.
+/// Collects (level, message) of every event the calling thread emits while installed.
 #[derive(Clone, Default)]
 pub struct Collector(Arc<Mutex<Vec<(Level, String)>>>);
 
@@ -204,12 +204,22 @@ impl Visit for Message {
     }
 }
 
-impl Subscriber for Collector {
-    // "Sometimes", not the default "always": a callsite's interest is cached process-wide
-    // from every live subscriber, and tests on other threads run without this one; with
-    // "sometimes" every event asks the current thread's subscriber instead of a cache.
+thread_local! {
+    /// The collector installed on this thread, if any.
+    static INSTALLED: std::cell::RefCell<Option<Collector>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The test binary's one global subscriber: it hands each event to the collector
+/// installed on the thread that emits it. A global subscriber rather than a scoped
+/// default per test, because a callsite's interest is cached process-wide from the
+/// subscribers alive when it is first reached: with scoped defaults, a callsite first
+/// reached on a thread with none (another test) could stay disabled, and an event was
+/// missed under load that way. The global one is interested in everything, always.
+struct Router;
+
+impl Subscriber for Router {
     fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
-        Interest::sometimes()
+        Interest::always()
     }
     fn enabled(&self, _: &Metadata<'_>) -> bool {
         true
@@ -220,23 +230,42 @@ impl Subscriber for Collector {
     fn record(&self, _: &Id, _: &Record<'_>) {}
     fn record_follows_from(&self, _: &Id, _: &Id) {}
     fn event(&self, event: &Event<'_>) {
-        let mut message = Message(String::new());
-        event.record(&mut message);
-        self.0.lock().unwrap().push((*event.metadata().level(), message.0));
+        // `try_with`: events emitted while the thread's locals are torn down are dropped.
+        let _ = INSTALLED.try_with(|installed| {
+            if let Some(collector) = &*installed.borrow() {
+                let mut message = Message(String::new());
+                event.record(&mut message);
+                collector.0.lock().unwrap().push((*event.metadata().level(), message.0));
+            }
+        });
     }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
 }
 
+/// Uninstalls the thread's collector when dropped.
+pub struct Installed(());
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        let _ = INSTALLED.try_with(|installed| installed.borrow_mut().take());
+    }
+}
+
 impl Collector {
-    /// Makes this collector the calling thread's subscriber until the guard drops, and
-    /// rebuilds every callsite's cached interest, so a callsite first reached on another
-    /// thread while no collector was installed cannot stay disabled here (a test run
-    /// under load once missed an event that way).
-    pub fn install(&self) -> tracing::subscriber::DefaultGuard {
-        let guard = tracing::subscriber::set_default(self.clone());
-        tracing::callsite::rebuild_interest_cache();
-        guard
+    /// Makes this collector receive the calling thread's events until the guard drops.
+    pub fn install(&self) -> Installed {
+        static GLOBAL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        GLOBAL.get_or_init(|| {
+            tracing::subscriber::set_global_default(Router).expect("no other global subscriber in this test binary");
+        });
+        INSTALLED.with(|installed| *installed.borrow_mut() = Some(self.clone()));
+        Installed(())
+    }
+
+    /// The collector installed on the calling thread (to install it on a thread it spawns).
+    pub fn current() -> Option<Collector> {
+        INSTALLED.with(|installed| installed.borrow().clone())
     }
 
     pub fn take(&self) -> Vec<(Level, String)> {
