@@ -137,34 +137,15 @@ impl Budget {
 
     /// Draws `n` (with `slack` to spare) or reports `used` at the refusal. Drawing
     /// nothing always succeeds, even over a lowered limit.
-    ///
-    /// A draw that commits against a limit being lowered is either seen by the
-    /// lowering (its `used` read after [`Budget::swap_limit`] counts it) or sees the
-    /// new limit and is given back: after committing, the limit is read again with a
-    /// read-modify-write, which is ordered against the lowering's swap (both are
-    /// read-modify-writes of `limit`). Without it a draw could read the old limit,
-    /// the lowering swap it and read `used` without the draw, and the draw then commit:
-    /// `used` over the new limit unseen by whoever lowered it (a node-books member
-    /// lowering its local grant).
     fn try_draw(&self, n: u64, slack: u64) -> Result<(), u64> {
         if n == 0 {
             return Ok(());
         }
-        let mut seen = self.limit.load(Ordering::Acquire);
-        loop {
-            let before = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                fits(used, n, slack, seen).then(|| used + n)
-            })?;
-            let limit = self.limit.fetch_add(0, Ordering::AcqRel);
-            if limit == seen || fits(before, n, slack, limit) {
-                bump_peak(&self.peak, before + n);
-                return Ok(());
-            }
-            // Lowered meanwhile, and this draw does not fit under the new limit: undo
-            // it and try once more against the limit now in force.
-            self.used.fetch_sub(n, Ordering::AcqRel);
-            seen = limit;
-        }
+        let before = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            fits(used, n, slack, self.limit.load(Ordering::Acquire)).then(|| used + n)
+        })?;
+        bump_peak(&self.peak, before + n);
+        Ok(())
     }
 
     fn give_back(&self, n: u64) {
