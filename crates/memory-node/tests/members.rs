@@ -253,8 +253,7 @@ fn a_peer_that_keeps_the_books_lock_delays_no_admission_past_the_pressure_wait()
     let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
     let block = allocate(&a.tenants[0], 3 * MIB).unwrap();
     // Another open of the file keeps the lock (as a stuck or hostile peer would).
-    let file = OpenOptions::new().read(true).write(true).open(books.path()).unwrap();
-    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let file = lock_as_a_peer(&books);
     let started = Instant::now();
     assert!(allocate(&a.tenants[0], 2 * MIB).is_none(), "over the node limit");
     assert!(started.elapsed() < Duration::from_secs(1), "a short admission waited {:?}", started.elapsed());
@@ -401,8 +400,7 @@ fn a_thread_waiting_for_the_books_lock_delays_no_other_threads_admission_past_th
     let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
     let block = allocate(&a.tenants[0], 3 * MIB).unwrap();
     // A peer keeps the books' lock for 3 s, and a thread of this process waits for it.
-    let file = OpenOptions::new().read(true).write(true).open(books.path()).unwrap();
-    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let file = lock_as_a_peer(&books);
     std::thread::scope(|scope| {
         let waiter = scope.spawn(|| books.refund_dead().map(|refunds| refunds.len()));
         scope.spawn(move || {
@@ -418,4 +416,12 @@ fn a_thread_waiting_for_the_books_lock_delays_no_other_threads_admission_past_th
     });
     drop(block);
     drop(a);
+}
+
+/// Another open of the books file holding the books' lock (as a stuck or hostile peer
+/// would) until the returned file is dropped.
+fn lock_as_a_peer(books: &NodeBooks) -> std::fs::File {
+    let file = OpenOptions::new().read(true).write(true).open(books.path()).unwrap();
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    file
 }
