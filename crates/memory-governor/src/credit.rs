@@ -102,9 +102,17 @@ pub(crate) fn bump_peak(peak: &AtomicU64, value: u64) {
     }
 }
 
+/// Bits of a budget's `used` word that hold bytes; the 4 bits above count lowerings of
+/// the limit (see [`Budget::try_draw`]). 2^60 bytes holds every role's word
+/// ([`ROLE_USED`]) summed, so a role's overflow is always found by the role.
+const USED_BYTES: u64 = (1 << 60) - 1;
+/// One lowering in a budget's `used` word.
+const ONE_LOWERING: u64 = 1 << 60;
+
 /// One limited counter: a device budget or an account's quota.
 #[derive(Debug)]
 pub(crate) struct Budget {
+    /// Bytes drawn ([`USED_BYTES`]) and, above them, a count of limit lowerings.
     used: AtomicU64,
     limit: AtomicU64,
     peak: AtomicU64,
@@ -123,7 +131,7 @@ impl Budget {
 
     /// Bytes drawn (charges, cached credit, and for a device the reserves held).
     pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Acquire)
+        self.used.load(Ordering::Acquire) & USED_BYTES
     }
 
     pub(crate) fn limit(&self) -> u64 {
@@ -137,14 +145,30 @@ impl Budget {
 
     /// Draws `n` (with `slack` to spare) or reports `used` at the refusal. Drawing
     /// nothing always succeeds, even over a lowered limit.
+    ///
+    /// A draw racing a lowering of the limit is either seen by the lowering or checked
+    /// against the new limit: a lowering swaps the limit, then bumps the lowering count
+    /// in `used`'s word ([`Budget::swap_limit`]). If the draw's compare-and-swap comes
+    /// first, the bump (a read-modify-write of the same word) and every later read of
+    /// `used` count the draw. If the bump comes first, the word the draw read and
+    /// compared carries it, so that read acquired the bump and the limit it read after
+    /// is the new one; a word read before the bump makes the compare-and-swap fail and
+    /// the draw retry. No extra atomic operation on the draw's path. (The count wraps
+    /// after 16 lowerings: a draw stalled between its read and its compare-and-swap
+    /// across exactly a multiple of 16 lowerings, with `used` back at the bytes it read,
+    /// could miss them.)
     fn try_draw(&self, n: u64, slack: u64) -> Result<(), u64> {
         if n == 0 {
             return Ok(());
         }
-        let before = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-            fits(used, n, slack, self.limit.load(Ordering::Acquire)).then(|| used + n)
-        })?;
-        bump_peak(&self.peak, before + n);
+        let before = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+                let used = word & USED_BYTES;
+                (fits(used, n, slack, self.limit.load(Ordering::Acquire)) && used + n <= USED_BYTES).then(|| word + n)
+            })
+            .map_err(|word| word & USED_BYTES)?;
+        bump_peak(&self.peak, (before & USED_BYTES) + n);
         Ok(())
     }
 
@@ -160,9 +184,15 @@ impl Budget {
         self.drainers.fetch_add(0, Ordering::AcqRel) != 0
     }
 
-    /// Swaps the limit; returns the old one.
+    /// Swaps the limit; returns the old one. A lowering also bumps the lowering count
+    /// in `used`'s word after the swap, so that no draw racing it commits unseen against
+    /// the old limit (see [`Budget::try_draw`]).
     fn swap_limit(&self, limit: u64) -> u64 {
-        self.limit.swap(limit, Ordering::AcqRel)
+        let old = self.limit.swap(limit, Ordering::AcqRel);
+        if limit < old {
+            self.used.fetch_add(ONE_LOWERING, Ordering::AcqRel);
+        }
+        old
     }
 
     /// Counts one drainer until the guard drops (also on unwind).
@@ -362,7 +392,7 @@ pub(crate) struct RoleCounter {
 
 impl RoleCounter {
     pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Acquire)
+        self.used.load(Ordering::Acquire) & USED_BYTES
     }
 
     pub(crate) fn peak(&self) -> u64 {
@@ -533,8 +563,9 @@ impl Slot {
 
     /// A cheap, possibly stale look at whether both budgets have `n` bytes to spare.
     fn room_visible(&self, n: u64) -> bool {
-        let room =
-            |budget: &Budget| fits(budget.used.load(Ordering::Relaxed), n, 0, budget.limit.load(Ordering::Relaxed));
+        let room = |budget: &Budget| {
+            fits(budget.used.load(Ordering::Relaxed) & USED_BYTES, n, 0, budget.limit.load(Ordering::Relaxed))
+        };
         room(&self.account.budget) && room(&self.device.budget)
     }
 
@@ -1027,6 +1058,32 @@ mod tests {
         books.1.roles[KV].word.fetch_and(!FROZEN, Ordering::AcqRel);
         worker.join().unwrap();
         assert_eq!((books.1.budget.used(), books.1.roles[KV].used()), (10, 10));
+    }
+
+    #[test]
+    fn lowerings_counted_in_the_used_word_never_show_as_bytes() {
+        let budget = Budget::new(UNLIMITED);
+        let slots = Mutex::new(Vec::new());
+        budget.try_draw(100, 0).unwrap();
+        // More lowerings than the count holds: it wraps without touching the bytes.
+        let mut previous = UNLIMITED;
+        for limit in (1_000..1_040).rev() {
+            assert_eq!(set_limit(&budget, limit, &slots), previous);
+            assert_eq!(budget.used(), 100);
+            previous = limit;
+        }
+        budget.try_draw(900, 0).unwrap();
+        assert_eq!(budget.try_draw(1, 0), Err(1_000), "the lowered limit is in force");
+        budget.give_back(1_000);
+        assert_eq!((budget.used(), budget.peak()), (0, 1_000));
+    }
+
+    #[test]
+    fn a_draw_past_the_used_word_is_refused_not_wrapped() {
+        let budget = Budget::new(UNLIMITED);
+        budget.try_draw(USED_BYTES, 0).unwrap();
+        assert_eq!(budget.try_draw(1, 0), Err(USED_BYTES));
+        assert_eq!(budget.used(), USED_BYTES);
     }
 
     #[test]

@@ -177,6 +177,28 @@ fn loom_limit_lowering_racing_admission() {
     });
 }
 
+/// A draw from the shared books racing a lowering of the device limit: if the draw
+/// commits, the lowering's look at `used` (after it swapped the limit) counts it, so
+/// whoever lowers a limit (a node-books member giving back part of its grant) never
+/// misses a draw made against the old one.
+#[test]
+fn loom_draw_racing_lowering_is_seen_by_it() {
+    loom::model(|| {
+        let books = Books::new(4, UNLIMITED);
+        let a_books = Arc::clone(&books);
+        let a = thread::spawn(move || a_books.path(KV).draw(3, 0).is_ok());
+
+        set_limit(&books.device.budget, 1, &books.device_slots);
+        let seen = books.device.budget.used();
+        let drew = a.join().unwrap();
+        if drew {
+            assert!(seen >= 3, "a draw committed against the old limit, unseen by the lowering (used read: {seen})");
+            books.path(KV).give_back(3);
+        }
+        books.assert_empty();
+    });
+}
+
 /// Runs the hoarding scenario: an idle slot caches two bytes of a budget of 4; the
 /// main thread needs 3 (so it drains); thread X admits 1 meanwhile. 3 + 1 fits, so the
 /// drainer must never fail, whatever X caches. `register_in_thread` makes X create its
