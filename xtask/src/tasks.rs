@@ -123,7 +123,7 @@ pub(crate) const FEATURE_CRATES: [&str; 3] = ["memory-api", "memory-binding", "m
 
 /// The crates published to the registry, in dependency order: the core and the
 /// providers, then the adapters a runtime adds from the registry.
-pub(crate) const PUBLISHED_CRATES: [&str; 11] = [
+pub(crate) const PUBLISHED_CRATES: [&str; 12] = [
     "memory-api",
     "memory-sync",
     "memory-binding",
@@ -133,6 +133,7 @@ pub(crate) const PUBLISHED_CRATES: [&str; 11] = [
     "memory-plugin-abi",
     "memory-plugin",
     "memory-ort",
+    "memory-trace",
     "memory-capi",
     "memory-node",
 ];

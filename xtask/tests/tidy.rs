@@ -44,6 +44,16 @@ const NAMED_CRATES: [&str; 13] = [
 /// shared by processes) is one: it drives each process's governor through its public API.
 const ADAPTERS: [&str; 4] = ["memory-ort", "memory-capi", "memory-trace", "memory-node"];
 
+/// The adapter-to-adapter edges allowed, each with its reason; every other edge into an
+/// adapter from outside tooling is refused. memory-capi -> memory-trace: the C API
+/// exposes recording (`mc_recorder_*`), so the C adapter composes the recording adapter
+/// exactly as a Rust runtime does (memory-trace depends on no adapter, so no cycle).
+const ADAPTER_EDGES: [(&str, &str, &str); 1] = [(
+    "memory-capi",
+    "memory-trace",
+    "the C API exposes recording (mc_recorder_*), so the C adapter composes the recording adapter",
+)];
+
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum DepKind {
     Normal,
@@ -143,8 +153,9 @@ impl Rule {
                 "memory-ort depends (normally) on memory-governor and the allocator crates only, of the workspace"
             }
             Rule::OnlyToolingDependsOnAdapters => {
-                "no core, provider or test-kit crate depends on an adapter (memory-ort, memory-capi); only \
-                 tooling (memory-demo, memory-benches, xtask) may"
+                "no crate depends on an adapter (memory-ort, memory-capi, memory-trace, memory-node) but tooling \
+                 (memory-demo, memory-benches, xtask), and of the adapters only memory-capi on memory-trace (the C \
+                 API exposes recording, so the C adapter composes the recording adapter)"
             }
             Rule::PluginAbiStandsAlone => "memory-plugin-abi has no normal or build dependency at all",
             Rule::PluginIsAProvider => {
@@ -153,8 +164,8 @@ impl Rule {
             }
             Rule::CapiComposesThroughTheGovernor => {
                 "memory-capi reaches the core through memory-governor's facade: of the workspace it depends on \
-                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin, memory-plugin-abi and memory-sync \
-                 only"
+                 memory-governor, allocator-cpu, allocator-cuda, memory-plugin, memory-plugin-abi, memory-sync and \
+                 memory-trace (the recorder, which wraps the governed allocator) only"
             }
             Rule::TraceSitsOnTheCore => {
                 "memory-trace depends (normally) on memory-governor, memory-sync and allocator-cpu only, of the \
@@ -199,7 +210,7 @@ impl Rule {
             Rule::OnlyToolingDependsOnAdapters => {
                 ADAPTERS.contains(&to)
                     && !TOOLING.contains(&edge.from.as_str())
-                    && !ADAPTERS.contains(&edge.from.as_str())
+                    && !ADAPTER_EDGES.iter().any(|&(from, allowed, _reason)| edge.from == from && to == allowed)
             }
             Rule::PluginAbiStandsAlone => edge.from == "memory-plugin-abi" && shipped,
             Rule::PluginIsAProvider => {
@@ -220,6 +231,7 @@ impl Rule {
                             | "memory-plugin"
                             | "memory-plugin-abi"
                             | "memory-sync"
+                            | "memory-trace"
                     )
             }
             Rule::TraceSitsOnTheCore => {
@@ -447,6 +459,17 @@ fn memory_node_sits_on_the_governor_and_only_tooling_depends_on_it() {
 }
 
 #[test]
+fn each_allowed_adapter_edge_exists_and_says_why() {
+    // An allowance outliving its edge would quietly permit it again later.
+    for (from, to, reason) in ADAPTER_EDGES {
+        assert!(!reason.is_empty(), "{from} -> {to} is allowed without a reason");
+        let found =
+            workspace().iter().flat_map(|package| &package.edges).any(|edge| edge.from == from && edge.to == to);
+        assert!(found, "tidy allows {from} -> {to} ({reason}), but no such edge exists; drop it from ADAPTER_EDGES");
+    }
+}
+
+#[test]
 fn every_member_inherits_workspace_lints() {
     let found = lint_violations(workspace(), &read_file);
     assert!(found.is_empty(), "workspace lints not inherited:\n  {}", found.join("\n  "));
@@ -523,6 +546,7 @@ fn synthetic(extra_from: &str, extra: &[Dep]) -> Vec<Package> {
                 ("memory-plugin", None),
                 ("memory-plugin-abi", None),
                 ("memory-sync", None),
+                ("memory-trace", None),
                 ("cbindgen", Some("dev")),
             ],
         ),
@@ -647,8 +671,34 @@ fn synthetic_bad_edges_are_reported_by_name() {
 
 #[test]
 fn synthetic_adapter_edges_are_reported_by_name() {
-    let cases: [(&str, Dep, Rule, &str); 9] = [
+    let cases: [(&str, Dep, Rule, &str); 14] = [
         ("memory-governor", ("ort", None), Rule::OnlyMemoryOrtNamesOrt, "memory-governor -> ort (normal"),
+        // Adapter to adapter: only memory-capi -> memory-trace is allowed (ADAPTER_EDGES).
+        (
+            "memory-ort",
+            ("memory-trace", None),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-ort -> memory-trace (normal",
+        ),
+        (
+            "memory-node",
+            ("memory-capi", None),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-node -> memory-capi (normal",
+        ),
+        (
+            "memory-trace",
+            ("memory-capi", Some("dev")),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-trace -> memory-capi (dev",
+        ),
+        (
+            "memory-capi",
+            ("memory-node", None),
+            Rule::OnlyToolingDependsOnAdapters,
+            "memory-capi -> memory-node (normal",
+        ),
+        ("memory-trace", ("memory-capi", None), Rule::TraceSitsOnTheCore, "memory-trace -> memory-capi (normal"),
         ("memory-node", ("memory-binding", None), Rule::NodeSitsOnTheGovernor, "memory-node -> memory-binding (normal"),
         (
             "memory-binding",

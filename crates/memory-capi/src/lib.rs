@@ -14,9 +14,11 @@
 //! release now or through a queue; commit and decommit ranges of a virtual-backing
 //! allocation, map shared backings into allocations; invalidate a device, confirm its
 //! context terminated; set limits, quotas and the admission policy, register reclaim
-//! holders written in C; read a snapshot as JSON. The functions are grouped in `api`'s
+//! holders written in C; read a snapshot as JSON; record what governed mechanisms do to
+//! a trace file ([`mc_recorder_create`], [`mc_recorder_trace_governor`]: memory-trace's
+//! recorder, which `cargo xtask replay` replays). The functions are grouped in `api`'s
 //! modules by what a C programmer looks up (registry, governor, mechanisms, bindings,
-//! capabilities, queues, plugins, snapshot).
+//! capabilities, queues, plugins, recorder, snapshot).
 //!
 //! # Correctness at the boundary
 //! - Every entry point runs inside one guard that catches panics ([`MC_ERR_PANIC`]);

@@ -46,6 +46,10 @@ pub struct McBacking {
 pub struct McReclaimHolder {
     _opaque: [u8; 0],
 }
+/// A recording of governed allocations to a trace file (opaque; `mc_recorder_create`).
+pub struct McRecorder {
+    _opaque: [u8; 0],
+}
 
 /// Called once with the user pointer given at registration, when the registry and
 /// every handle made under it no longer need it; never with a lock held.
@@ -192,6 +196,41 @@ pub struct McSuspectRetry {
 impl From<memory_plugin::SuspectRetry> for McSuspectRetry {
     fn from(retry: memory_plugin::SuspectRetry) -> McSuspectRetry {
         McSuspectRetry { discharged: retry.discharged as u64, still_suspect: retry.still_suspect as u64 }
+    }
+}
+
+/// A mark in a recording (`mc_recorder_mark`).
+pub type McMark = u32;
+/// A note: a phase of the workload, say.
+pub const MC_MARK_NOTE: McMark = 0;
+/// The device was lost (record it beside `mc_invalidate_device`).
+pub const MC_MARK_DEVICE_LOST: McMark = 1;
+
+/// What a finished recording wrote (`mc_recorder_finish`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct McRecordingSummary {
+    /// Events written (allocations, releases, refusals, failures, lost blocks, marks).
+    pub events: u64,
+    /// Records written (the end record included).
+    pub records: u64,
+    /// Bytes written (the file's size).
+    pub bytes: u64,
+    /// Events not recorded because they came after the recording was finished.
+    pub dropped: u64,
+    /// Times a recording thread found its ring full and wrote the rings out itself.
+    pub waits: u64,
+}
+
+impl From<memory_trace::RecordingSummary> for McRecordingSummary {
+    fn from(summary: memory_trace::RecordingSummary) -> McRecordingSummary {
+        McRecordingSummary {
+            events: summary.events,
+            records: summary.records,
+            bytes: summary.bytes,
+            dropped: summary.dropped,
+            waits: summary.waits,
+        }
     }
 }
 

@@ -59,6 +59,7 @@ layouts! {
     }
     McReclaimRequest { device, bytes, role, reserved }
     McSuspectRetry { discharged, still_suspect }
+    McRecordingSummary { events, records, bytes, dropped, waits }
 }
 
 fn probe(language: Language, extension: &str) -> BTreeMap<String, usize> {

@@ -5,15 +5,22 @@
 //! vtable), and the contract a C programmer relies on (`tests/c/contract.c`: argument
 //! checks before any effect, destroy rules, queue capacity, reclaim holders, messages in
 //! C terms), and suspect plugin blocks (`tests/c/suspects.c`: an unknown status or an
-//! overlap keeps the block, the instance and the library until a suspect retry). Every program also runs under valgrind, which must report no error and no
+//! overlap keeps the block, the instance and the library until a suspect retry), and
+//! recording (`tests/c/record.c`: two tenants' governed mechanisms recorded to a trace,
+//! which the tests here read with memory-trace's reader, compare with what the program
+//! did, and replay). Every program also runs under valgrind, which must report no error and no
 //! leak, and under AddressSanitizer + UndefinedBehaviorSanitizer (gcc's
 //! `-fsanitize=address,undefined`, leak detection on, every finding fatal).
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use memory_governor::{DeviceKey, MemoryRole};
 use memory_testkit::native::{Language, NativeBuild};
+use memory_trace::replay::{self, AllocatorKind, ReplayConfig};
+use memory_trace::{MarkKind, ReleaseKind, Scope, Trace, What, read_trace};
 
 fn manifest() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -250,5 +257,202 @@ fn the_c_and_cpp_programs_are_clean_under_address_and_undefined_behaviour_saniti
     sanitized(&build(Language::C("c11"), "tests/c/contract.c", "contract-c-asan"), &[]);
     sanitized(&build(Language::C("c11"), "tests/c/suspects.c", "suspects-c-asan"), &plugin_arg());
     sanitized(&build(Language::C("c11"), "tests/c/smoke.c", "smoke-c-asan"), &[]);
+    let trace = recording_path("record-asan.mtrace");
+    sanitized(&build(Language::C("c11"), "tests/c/record.c", "record-c-asan"), &[trace.to_str().unwrap()]);
+    check_recording(&read(&trace), &Workload::parse(WORKLOAD_SHAPE), Exact::CountsOnly);
     sanitized(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp-asan"), &[]);
+}
+
+// ---------------------------------------------------------------------------------
+// Recording from C (`tests/c/record.c`)
+
+/// Where a test's recording goes.
+fn recording_path(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("recordings");
+    std::fs::create_dir_all(&dir).expect("the target directory is writable");
+    dir.join(name)
+}
+
+fn read(path: &Path) -> Trace {
+    let file = std::fs::File::open(path).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+    let trace = read_trace(file).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+    assert!(trace.damage.is_none(), "{}: {:?}", path.display(), trace.damage);
+    trace
+}
+
+/// The shipped recording of `tests/c/record.c` (regenerate it with
+/// `MEMORY_BLESS_TRACES=1 cargo test -p memory-capi --test programs recorded`).
+fn shipped_recording() -> PathBuf {
+    manifest().join("../memory-trace/traces/capi.mtrace")
+}
+
+/// The per-tenant figures `tests/c/record.c` prints: its workload is deterministic
+/// (fixed sizes and counts on each thread), only the interleaving of its two threads is not.
+const WORKLOAD_SHAPE: &str = "c record tenant chat: allocations 169 releases 169 refusals 0 bytes 12435456\n\
+                              c record tenant embed: allocations 48 releases 48 refusals 1 bytes 1646592\n\
+                              c record: marks 2 events 437 bytes 0";
+
+/// What the program says it did.
+#[derive(Debug, PartialEq, Eq)]
+struct Workload {
+    /// Per tenant label: allocations, releases, refusals, bytes asked for.
+    tenants: BTreeMap<String, [u64; 4]>,
+    marks: u64,
+    events: u64,
+}
+
+impl Workload {
+    fn parse(stdout: &str) -> Workload {
+        let mut tenants = BTreeMap::new();
+        let (mut marks, mut events) = (None, None);
+        let number = |words: &[&str], name: &str| -> u64 {
+            let at = words.iter().position(|word| *word == name).unwrap_or_else(|| panic!("no {name} in {words:?}"));
+            words[at + 1].parse().unwrap_or_else(|_| panic!("{name} in {words:?} is no number"))
+        };
+        for line in stdout.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if let Some(label) = line.strip_prefix("c record tenant ").and_then(|rest| rest.split(':').next()) {
+                let figures = ["allocations", "releases", "refusals", "bytes"].map(|name| number(&words, name));
+                tenants.insert(label.to_owned(), figures);
+            } else if line.starts_with("c record: marks") {
+                (marks, events) = (Some(number(&words, "marks")), Some(number(&words, "events")));
+            }
+        }
+        Workload { tenants, marks: marks.expect("the program printed its marks"), events: events.expect("and events") }
+    }
+}
+
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Exact {
+    /// The program's own figures: every count and byte.
+    Everything,
+    /// A recording made by another run (the shipped one, a sanitizer run): counts and bytes
+    /// per tenant, whatever the interleaving.
+    CountsOnly,
+}
+
+/// The trace holds exactly the program's workload: per tenant its allocations (and
+/// their bytes), releases and refusals, the marks, the caller tags, the tenants' books
+/// as they were at registration, every block given back; and it replays with the same
+/// books every time on every stack, the refusal refused again.
+fn check_recording(trace: &Trace, did: &Workload, exact: Exact) {
+    let end = trace.end.expect("a finished recording has its end record");
+    assert_eq!(end.events, trace.events.len() as u64);
+    assert_eq!(end.dropped, 0);
+    if exact == Exact::Everything {
+        assert_eq!(end.events, did.events, "the summary the program checked");
+    }
+    let device = DeviceKey::host(1);
+    let labels: Vec<&str> = trace.tenants.iter().map(|tenant| tenant.label.as_str()).collect();
+    assert_eq!(labels, ["chat", "embed"], "one tenant per mechanism registered through the recording handle");
+    for tenant in &trace.tenants {
+        assert_eq!(tenant.device, device);
+        assert_eq!(tenant.device_limit, Some(8 << 20), "{}", tenant.label);
+    }
+    assert_eq!(trace.tenants[0].quota, Some(4 << 20));
+    assert_eq!(trace.tenants[1].quota, Some(1 << 20));
+    assert!(trace.tenants[0].allocator.starts_with("pooled("), "{:?}", trace.tenants[0]);
+    assert!(trace.tenants[1].allocator.starts_with("system"), "{:?}", trace.tenants[1]);
+
+    let mut figures: BTreeMap<String, [u64; 4]> = BTreeMap::new();
+    let mut live: HashMap<(u32, u64), u64> = HashMap::new();
+    let mut marks = Vec::new();
+    let mut threads = BTreeMap::<u32, String>::new();
+    for event in &trace.events {
+        assert_eq!(event.device, device);
+        if let What::Mark { kind, label, .. } = &event.what {
+            assert_eq!(*kind, MarkKind::Note);
+            marks.push(label.as_str());
+            continue;
+        }
+        let tenant = &trace.tenants[event.tenant as usize - 1];
+        let name = trace.threads.iter().find(|(number, _)| *number == event.thread).map(|(_, name)| name.clone());
+        threads.insert(event.thread, name.unwrap_or_default());
+        let tally = figures.entry(tenant.label.clone()).or_default();
+        let callers = if tenant.label == "chat" { 1000..1024 } else { 2000..2024 };
+        match &event.what {
+            What::Allocate(block) => {
+                tally[0] += 1;
+                tally[3] += block.requested;
+                assert!(
+                    callers.contains(&block.caller) || (block.caller == 1 && event.role == Some(MemoryRole::Weights)),
+                    "{}: an allocation tagged {}",
+                    tenant.label,
+                    block.caller
+                );
+                assert!(live.insert((event.tenant, block.id), block.bytes).is_none(), "block {} twice", block.id);
+            }
+            What::Release { block, outcome, .. } => {
+                tally[1] += 1;
+                assert_eq!(*outcome, ReleaseKind::Complete);
+                assert_eq!(live.remove(&(event.tenant, block.id)), Some(block.bytes), "release of {}", block.id);
+                assert!(callers.contains(&block.caller) || block.caller == 0, "a release tagged {}", block.caller);
+            }
+            What::Refusal(refusal) => {
+                tally[2] += 1;
+                assert_eq!(tenant.label, "embed");
+                assert_eq!((refusal.requested, refusal.caller), (2 << 20, 2012), "{refusal:?}");
+                assert_eq!(refusal.scope, Some(Scope::Authority), "refused by the tenant's quota: {refusal:?}");
+                assert_eq!(refusal.limit, 1 << 20, "{refusal:?}");
+                assert_eq!(event.role, Some(MemoryRole::Workspace));
+            }
+            other => panic!("the program's workload records no {other:?}"),
+        }
+    }
+    assert_eq!(figures, did.tenants, "the trace holds what the program did");
+    assert_eq!(marks, ["serve", "drain"]);
+    assert_eq!(marks.len() as u64, did.marks);
+    assert!(live.is_empty(), "{} blocks never released", live.len());
+    assert!(threads.len() >= 2, "chat and embed ran on two threads: {threads:?}");
+
+    let configs: Vec<ReplayConfig> = AllocatorKind::ALL.iter().copied().map(ReplayConfig::new).collect();
+    for config in &configs {
+        let report = replay::replay(trace, config);
+        let again = replay::replay(trace, config);
+        assert_eq!(report.devices.len(), 1);
+        let (books, repeat) = (&report.devices[0], &again.devices[0]);
+        let what = config.label();
+        assert_eq!(books.books(), repeat.books(), "{what}: the same books on every replay");
+        assert_eq!(books.refusals.len(), 1, "{what}: the quota refuses the 2 MiB request again");
+        assert!(books.refusals[0].refused_when_recorded, "{what}");
+        assert_eq!(books.refusals[0].requested, 2 << 20, "{what}");
+        assert_eq!((books.live_at_end, books.final_allocated), (0, 0), "{what}: nothing live or charged at the end");
+        // The weights and at least the chat pages of two requests in flight.
+        assert!(books.peak_allocated >= (1 << 20) + 2 * (64 << 10), "{what}: peak {}", books.peak_allocated);
+        assert!(books.peak_reserved >= books.peak_allocated, "{what}");
+    }
+}
+
+#[test]
+fn a_c_program_records_its_governed_mechanisms_and_the_trace_is_its_workload() {
+    let program = build(Language::C("c11"), "tests/c/record.c", "record-c");
+    let path = recording_path("record.mtrace");
+    let stdout = run_with(&program, &[path.to_str().unwrap()]);
+    assert!(stdout.contains("c record:") && stdout.contains("failure messages checked"), "{stdout}");
+    let did = Workload::parse(&stdout);
+    assert_eq!(did.tenants, Workload::parse(WORKLOAD_SHAPE).tenants, "the workload is deterministic:\n{stdout}");
+    check_recording(&read(&path), &did, Exact::Everything);
+    // The recorder that was only destroyed: a whole trace with nothing in it.
+    let unfinished = read(&PathBuf::from(format!("{}.unfinished", path.display())));
+    assert_eq!((unfinished.events.len(), unfinished.tenants.len()), (0, 0));
+    assert_eq!(unfinished.end.map(|end| end.events), Some(0));
+    if std::env::var_os("MEMORY_BLESS_TRACES").is_some() {
+        std::fs::copy(&path, shipped_recording()).expect("crates/memory-trace/traces is writable");
+    }
+}
+
+#[test]
+fn the_shipped_capi_trace_is_what_the_c_program_records() {
+    let path = shipped_recording();
+    let trace = read(&path);
+    check_recording(&trace, &Workload::parse(WORKLOAD_SHAPE), Exact::CountsOnly);
+    let bytes = std::fs::metadata(&path).unwrap().len();
+    assert!(bytes <= 64 << 10, "{} is {bytes} bytes: keep the C program's workload small", path.display());
+}
+
+#[test]
+fn the_c_record_program_has_no_memory_errors_or_leaks_under_valgrind() {
+    let path = recording_path("record-valgrind.mtrace");
+    valgrind_with(&build(Language::C("c11"), "tests/c/record.c", "record-c"), &[path.to_str().unwrap()]);
+    check_recording(&read(&path), &Workload::parse(WORKLOAD_SHAPE), Exact::CountsOnly);
 }

@@ -1,5 +1,7 @@
 //! The governor: device limits, accounts and quotas, the admission policy, and reclaim
-//! holders written in C.
+//! holders written in C. A governor handle may also name a recorder
+//! (`mc_recorder_trace_governor`, in `recorder`): mechanisms registered through it are
+//! recorded.
 
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
@@ -26,8 +28,24 @@ pub(crate) struct HolderEntry {
     id: HolderId,
 }
 
+/// What a governor handle names: the governor's books (shared by every handle made from
+/// them) and, for a handle made by `mc_recorder_trace_governor`, the recording that the
+/// mechanisms registered through this handle write to.
+pub(crate) struct GovernorEntry {
+    pub(crate) governor: Governor,
+    pub(crate) recording: Option<Arc<super::recorder::Recording>>,
+}
+
+impl std::ops::Deref for GovernorEntry {
+    type Target = Governor;
+
+    fn deref(&self) -> &Governor {
+        &self.governor
+    }
+}
+
 tables! {
-    GOVERNORS in GOVERNOR_CELLS: Governor = (KIND_GOVERNOR, Scheme::Hazard, "governor", FREE_GOVERNORS);
+    GOVERNORS in GOVERNOR_CELLS: GovernorEntry = (KIND_GOVERNOR, Scheme::Hazard, "governor", FREE_GOVERNORS);
     HOLDERS in HOLDER_CELLS: HolderEntry = (KIND_HOLDER, Scheme::Hazard, "reclaim holder", FREE_HOLDERS);
 }
 
@@ -39,7 +57,7 @@ tables! {
 pub unsafe extern "C" fn mc_governor_create(out: *mut *mut McGovernor) -> McStatus {
     guard("mc_governor_create", || {
         check_out(out, "out")?;
-        let handle = fill(vacancy(&GOVERNORS)?, Governor::new());
+        let handle = fill(vacancy(&GOVERNORS)?, GovernorEntry { governor: Governor::new(), recording: None });
         // SAFETY: checked above.
         unsafe { write(out, handle) };
         Ok(())
@@ -47,7 +65,8 @@ pub unsafe extern "C" fn mc_governor_create(out: *mut *mut McGovernor) -> McStat
 }
 
 /// Destroys a governor handle (governed mechanisms and registered reclaim holders keep
-/// the books they use).
+/// the books they use, and other handles of the same books, made by
+/// `mc_recorder_trace_governor`, stay valid).
 #[unsafe(no_mangle)]
 pub extern "C" fn mc_governor_destroy(governor: *mut McGovernor) -> McStatus {
     guard("mc_governor_destroy", || super::remove(&GOVERNORS, governor))
@@ -215,7 +234,7 @@ pub unsafe extern "C" fn mc_governor_register_holder(
         let cell = vacancy(&HOLDERS)?;
         let made = Arc::new(CHolder { name, reclaim, reclaimable, user: Arc::clone(&pointer) });
         let id = governor_entry.register_holder(device, order, made);
-        let handle = fill(cell, HolderEntry { governor: Governor::clone(&governor_entry), id });
+        let handle = fill(cell, HolderEntry { governor: governor_entry.governor.clone(), id });
         // SAFETY: checked above.
         unsafe { write(out, handle) };
         Ok(())

@@ -5,6 +5,9 @@
 //! Every registration borrows and checks all it names (registry, governor, context,
 //! authority, kind, out-pointer, a free handle) before any allocator is made: no driver
 //! is opened, no plugin instantiated and no vtable negotiated for a call that is refused.
+//! A governor handle made by `mc_recorder_trace_governor` makes a governed registration
+//! a recorded one: the governed allocator is wrapped by the recording (memory-trace's
+//! `TracedAllocator`) before the registry gets it.
 
 use std::ffi::c_char;
 use std::sync::Arc;
@@ -13,11 +16,11 @@ use allocator_cpu::{PooledAllocator, SystemAllocator};
 #[cfg(unix)]
 use allocator_cpu::{SharedHostAllocator, VirtualHostAllocator};
 use allocator_cuda::{CudaAllocator, CudaDevice, CudaPoolAllocator, CudaStream, CudaVmmAllocator};
-use memory_governor::{BindingRegistry, DeviceAllocator, Governor, MechanismIdentity, MechanismState, RegistryError};
+use memory_governor::{BindingRegistry, DeviceAllocator, MechanismIdentity, MechanismState, RegistryError};
 use memory_plugin::{InstanceOptions, PluginAllocator};
 use memory_plugin_abi::{MP_CAP_ALL, MpAllocator};
 
-use super::governor::GOVERNORS;
+use super::governor::{GOVERNORS, GovernorEntry};
 use super::plugins::LIBRARIES;
 use super::registry::{
     AUTHORITIES, AuthorityEntry, Booked, CONTEXTS, ContextEntry, REGISTRIES, RegistryEntry, Ticket, check_issued,
@@ -44,7 +47,7 @@ tables! {
 /// What a registration names, borrowed and checked, and the handle it will fill.
 struct Parties {
     registry: Borrow<RegistryEntry>,
-    governor: Option<Borrow<Governor>>,
+    governor: Option<Borrow<GovernorEntry>>,
     context: Borrow<ContextEntry>,
     authority: Borrow<AuthorityEntry>,
     cell: Vacancy<MechanismEntry>,
@@ -83,6 +86,9 @@ fn parties(
             format!("{error}, or pass a null governor to register the mechanism ungoverned"),
         ));
     }
+    if let Some(recording) = governor_entry.as_ref().and_then(|entry| entry.recording.as_ref()) {
+        recording.check_open(governor.cast())?;
+    }
     let cell = vacancy(&MECHANISMS)?;
     let ticket = registry_entry.books.open(Booked::Mechanism, registry)?;
     Ok(Parties {
@@ -96,7 +102,8 @@ fn parties(
 }
 
 impl Parties {
-    /// Registers `allocator` (governed when a governor was given) and fills the handle.
+    /// Registers `allocator` (governed when a governor was given, and recorded when that
+    /// governor handle names a recording) and fills the handle.
     fn register(
         self,
         allocator: Arc<dyn DeviceAllocator>,
@@ -111,7 +118,10 @@ impl Parties {
                         format!("{error}; call mc_governor_open_account for the authority first"),
                     )
                 })?;
-                Arc::new(governed)
+                match &governor.recording {
+                    None => Arc::new(governed),
+                    Some(recording) => Arc::new(recording.trace(&governor.governor, governed)),
+                }
             }
         };
         let identity = self.registry.register_allocator(&self.context.identity, &self.authority.identity, allocator)?;
@@ -120,7 +130,8 @@ impl Parties {
 }
 
 /// Registers a built-in host allocator (`MC_CPU_*`) on the context's device. With a
-/// non-null `governor` every allocation is charged to the authority's account. What an
+/// non-null `governor` every allocation is charged to the authority's account (and
+/// recorded, when the handle was made by `mc_recorder_trace_governor`). What an
 /// allocation of each kind is (usable at once, or reserved until committed or mapped):
 /// docs/C-ABI.md §6.
 ///

@@ -10,6 +10,7 @@
 //! | `capabilities` | virtual backing (commit, decommit) and shared mapping (map, unmap) | `McBacking` |
 //! | `queues` | deferred-release queues | `McQueue` |
 //! | `plugins` | plugin libraries: load, tally, retry suspect blocks, unload | `McPluginLibrary` |
+//! | `recorder` | recording governed mechanisms to a trace file; marks; the caller tag | `McRecorder` |
 //! | `snapshot` | the JSON snapshot | — |
 //!
 //! Each function runs inside [`guard`] (no panic crosses the boundary), checks every
@@ -59,6 +60,7 @@ mod governor;
 mod mechanisms;
 mod plugins;
 mod queues;
+mod recorder;
 mod registry;
 mod snapshot;
 
@@ -68,13 +70,14 @@ pub use governor::*;
 pub use mechanisms::*;
 pub use plugins::*;
 pub use queues::*;
+pub use recorder::*;
 pub use registry::*;
 pub use snapshot::*;
 
 /// The C API's version: major changes break callers, minor ones only add.
 pub const MC_API_MAJOR: u32 = 1;
 /// The C API's minor version.
-pub const MC_API_MINOR: u32 = 2;
+pub const MC_API_MINOR: u32 = 3;
 
 /// What a handle of `tag` is, for a message about a handle of the wrong kind.
 fn kind_name(tag: u8) -> &'static str {
@@ -90,6 +93,7 @@ fn kind_name(tag: u8) -> &'static str {
         queues::KIND_QUEUE => "it is a queue handle",
         capabilities::KIND_BACKING => "it is a shared backing handle",
         governor::KIND_HOLDER => "it is a reclaim holder handle",
+        recorder::KIND_RECORDER => "it is a recorder handle",
         _ => "it is no handle of this library",
     }
 }
