@@ -438,7 +438,7 @@ pub fn engine(config: &EngineConfig) -> Result<(), String> {
         for name in names {
             let authority = registry.register_authority(key, Arc::new(name.to_owned())).map_err(|e| err(&e))?;
             governor.open_account(AccountConfig::new(key, authority).with_label(name)).map_err(|e| err(&e))?;
-            let system: Arc<dyn DeviceAllocator> = Arc::new(allocator_cpu::SystemAllocator::for_device(key));
+            let system: Arc<dyn DeviceAllocator> = Arc::new(allocator_cpu::SystemAllocator::for_caches(key));
             let pool: Arc<dyn DeviceAllocator> =
                 Arc::new(allocator_cpu::PooledAllocator::new(governor.cache_backing(system)));
             pools.push(Arc::clone(&pool));

@@ -79,7 +79,7 @@ pub fn run(requests: usize, record: Option<&Path>) -> Result<(String, bool), Str
             .map_err(|e| e.to_string())?;
         // The tenant's own pool, over a cache backing: its idle blocks are the tenant's
         // `cached`, and the device limit bounds what all pools hold.
-        let backing = governor.cache_backing(Arc::new(SystemAllocator::new()));
+        let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(DeviceKey::HOST)));
         let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
         let governed = governor.govern(pool, authority).map_err(|e| e.to_string())?;
         let governed: Arc<dyn DeviceAllocator> = match &recorder {

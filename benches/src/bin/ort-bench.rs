@@ -591,7 +591,7 @@ fn build(name: &str, config: &str) -> Result<Bench, String> {
                 };
                 // The pool takes its memory through a cache backing, as a governed pool
                 // is built: the device limit bounds what it holds, used and idle.
-                let backing = governor.cache_backing(Arc::new(SystemAllocator::new()));
+                let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(DeviceKey::HOST)));
                 let pool = Arc::new(PooledAllocator::with_config(
                     Probe { inner: backing, log: Arc::clone(&below) },
                     pool_config,
@@ -733,7 +733,7 @@ fn child_multi(args: &[String]) -> Result<(), String> {
         }
         "shared-governed-pool" => {
             let (registry, governor, tenant, account) = governed_tenant()?;
-            let backing = governor.cache_backing(Arc::new(SystemAllocator::new()));
+            let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(DeviceKey::HOST)));
             let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
             let allocator = governed_allocator(&env, &registry, &governor, tenant, account, pool)?;
             let commit =

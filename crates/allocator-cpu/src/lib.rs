@@ -56,8 +56,9 @@
 //! use allocator_cpu::{PooledAllocator, SystemAllocator, VirtualHostAllocator};
 //! use memory_api::{AllocationRequest, ByteRange, DeviceAllocator, MemoryRole};
 //!
-//! // A pool of KV pages over the system allocator.
-//! let pool = PooledAllocator::new(SystemAllocator::new());
+//! // A pool of KV pages over the system allocator (large blocks from the OS, so what
+//! // the pool gives back leaves the process).
+//! let pool = PooledAllocator::new(SystemAllocator::for_caches(memory_api::DeviceKey::HOST));
 //! let page = AllocationRequest::new(64 << 10, 256)?.with_role(MemoryRole::KvCache);
 //! let block = pool.allocate(&page)?;
 //! assert!(pool.release(block).is_complete());     // cached, not freed

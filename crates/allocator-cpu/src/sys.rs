@@ -20,6 +20,7 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
     Reserve,
+    MapPages,
     Protect,
     Discard,
     Populate,
@@ -35,6 +36,7 @@ impl Op {
     pub(crate) const fn name(self) -> &'static str {
         match self {
             Op::Reserve => "mmap(PROT_NONE)",
+            Op::MapPages => "mmap(PROT_READ | PROT_WRITE)",
             Op::Protect => "mprotect",
             Op::Discard => "madvise(MADV_DONTNEED)",
             Op::Populate => "madvise(MADV_POPULATE_WRITE)",
@@ -108,15 +110,28 @@ pub(crate) fn page_size() -> usize {
 /// start. `len` must be a non-zero multiple of the page size and `align` a power of two.
 /// Nothing is committed: the kernel neither backs nor charges a `PROT_NONE` mapping.
 pub(crate) fn reserve(len: usize, align: usize) -> SysResult<usize> {
-    inject::check(Op::Reserve)?;
+    map_fresh(Op::Reserve, len, align, ProtFlags::empty())
+}
+
+/// Maps `len` bytes of fresh, zeroed, readable and writable private memory aligned to
+/// `align`; returns its start. `len` must be a non-zero multiple of the page size and
+/// `align` a power of two. Pages are backed when first touched; [`unmap`] gives them
+/// back to the system.
+pub(crate) fn map_pages(len: usize, align: usize) -> SysResult<usize> {
+    map_fresh(Op::MapPages, len, align, ProtFlags::READ | ProtFlags::WRITE)
+}
+
+/// A fresh private anonymous mapping of `len` bytes aligned to `align` with `prot`.
+fn map_fresh(op: Op, len: usize, align: usize, prot: ProtFlags) -> SysResult<usize> {
+    inject::check(op)?;
     let page = page_size();
     let align = align.max(page);
-    let nomem = SysError { op: Op::Reserve, errno: rustix::io::Errno::NOMEM };
+    let nomem = SysError { op, errno: rustix::io::Errno::NOMEM };
     let span = len.checked_add(align - page).ok_or(nomem)?;
     // SAFETY: a null hint asks the kernel for a fresh range, so no existing memory is
     // affected; `mmap_anonymous` has no other obligation.
-    let base = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), span, ProtFlags::empty(), MapFlags::PRIVATE) };
-    let base = wrap(Op::Reserve, base)?.expose_provenance();
+    let base = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), span, prot, MapFlags::PRIVATE) };
+    let base = wrap(op, base)?.expose_provenance();
     let start = base.next_multiple_of(align);
     let (head, tail) = (start - base, span - (start - base) - len);
     // Trim the alignment slack. A failed trim only leaves a little extra inaccessible

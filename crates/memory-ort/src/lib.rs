@@ -134,7 +134,7 @@
 //! let context = registry.register_provider_context(DeviceKey::HOST, Arc::new("onnx runtime"))?;
 //! let tenant = registry.register_authority(DeviceKey::HOST, Arc::new("tenant-a"))?;
 //! let account = governor.open_account(AccountConfig::new(DeviceKey::HOST, tenant).with_quota(256 << 20))?;
-//! let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(SystemAllocator::new()));
+//! let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(SystemAllocator::for_caches(DeviceKey::HOST)));
 //! let mechanism = registry.register_allocator(&context, &tenant, Arc::new(governor.govern(pool, tenant)?))?;
 //! let binding = registry.bind_registered(&mechanism)?;
 //!

@@ -65,7 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (label, quota) in [("chat", 120 * MIB as u64), ("embed", 48 * MIB as u64)] {
         let authority = registry.register_authority(GPU, Arc::new(label))?;
         governor.open_account(AccountConfig::new(GPU, authority).with_label(label).with_quota(quota))?;
-        let backing = governor.cache_backing(Arc::new(SystemAllocator::for_device(GPU)));
+        let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(GPU)));
         let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
         let traced = recorder.trace(&governor, governor.govern(pool, authority)?);
         let mechanism = registry.register_allocator(&context, &authority, Arc::new(traced))?;

@@ -362,7 +362,7 @@ fn stack_for(kind: AllocatorKind, device: DeviceKey, governor: &Governor) -> Sta
     let top: Arc<dyn DeviceAllocator> = match kind {
         AllocatorKind::System => Arc::new(SystemAllocator::for_device(device)),
         AllocatorKind::Pooled => {
-            let backing = governor.cache_backing(Arc::new(SystemAllocator::for_device(device)));
+            let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(device)));
             Arc::new(PooledAllocator::new(backing))
         }
         #[cfg(unix)]

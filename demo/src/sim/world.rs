@@ -171,7 +171,7 @@ impl World {
             // what it holds, used and idle (`reserved`), and a shortfall runs the recovery
             // ladder (trim the caches, reclaim idle sequences, then refuse).
             (Hardware::Host, Backend::Pooled) => Arc::new(allocator_cpu::PooledAllocator::new(
-                self.governor.cache_backing(Arc::new(allocator_cpu::SystemAllocator::for_device(device.key))),
+                self.governor.cache_backing(Arc::new(allocator_cpu::SystemAllocator::for_caches(device.key))),
             )),
             #[cfg(feature = "cuda")]
             (Hardware::Cuda(cuda), Backend::Plain) => Arc::new(allocator_cuda::CudaAllocator::new(cuda)),

@@ -165,7 +165,7 @@ pub unsafe extern "C" fn mc_register_cpu_allocator(
         let parties = parties(registry, governor, context, authority, out)?;
         let device = parties.context.device;
         let allocator: Arc<dyn DeviceAllocator> = match kind {
-            MC_CPU_POOLED => Arc::new(PooledAllocator::new(SystemAllocator::for_device(device))),
+            MC_CPU_POOLED => Arc::new(PooledAllocator::new(SystemAllocator::for_caches(device))),
             #[cfg(unix)]
             MC_CPU_VIRTUAL => Arc::new(VirtualHostAllocator::for_device(device)),
             #[cfg(unix)]
