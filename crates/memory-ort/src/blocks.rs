@@ -156,6 +156,16 @@ pub(crate) struct Counters {
     runtime_held: AtomicU64,
 }
 
+/// Raises a high-water mark to `value`: a plain load first, so the common case (no new
+/// high) makes no read-modify-write (`fetch_max` is a compare-and-swap loop even when
+/// nothing changes).
+#[inline(always)]
+fn raise_to(mark: &AtomicU64, value: u64) {
+    if mark.load(Ordering::Relaxed) < value {
+        mark.fetch_max(value, Ordering::Relaxed);
+    }
+}
+
 impl Counters {
     fn allocated(&self, kind: RequestKind, bytes: u64) {
         match kind {
@@ -164,8 +174,8 @@ impl Counters {
         };
         self.total_allocated.fetch_add(bytes, Ordering::Relaxed);
         let now = self.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak_in_use.fetch_max(now, Ordering::Relaxed);
-        self.max_alloc_size.fetch_max(bytes, Ordering::Relaxed);
+        raise_to(&self.peak_in_use, now);
+        raise_to(&self.max_alloc_size, bytes);
     }
 
     fn freed(&self, bytes: u64) {
@@ -233,7 +243,11 @@ pub(crate) struct GovernedBlocks {
     config: OrtAllocatorConfig,
     alignment: usize,
     release: ReleasePath,
-    live: DashMap<usize, Record>,
+    /// Live blocks by address. Hashed with foldhash's fast hasher rather than the
+    /// standard library's SipHash: the keys are addresses ONNX Runtime hands back, not
+    /// input an attacker chooses to collide, and SipHash was half the map's cost on the
+    /// allocate + free path (about 440 instructions of a pair, callgrind on Silero VAD).
+    live: DashMap<usize, Record, foldhash::fast::RandomState>,
     refusal_answer: RefusalAnswer,
     counters: Counters,
     last_refusal: Mutex<Option<String>>,
@@ -255,7 +269,7 @@ impl GovernedBlocks {
             config,
             alignment,
             release,
-            live: DashMap::new(),
+            live: DashMap::with_hasher(foldhash::fast::RandomState::default()),
             counters: Counters::default(),
             last_refusal: Mutex::new(None),
         }
