@@ -46,6 +46,13 @@
 //! governed pair itself ran at 2.5x its idle time): counter 5.99x -> 2.80x, system
 //! 3.86x -> 2.28x (per run: 1.79-3.36x and 1.63-2.41x after). At load 0.4, before the
 //! change, it was 2.35x and 1.62x, the clock read 57 of the 75 ns added per pair.
+//! Idle, later: counter 2.14x (66 -> 142 ns), system 1.48x (136 -> 202 ns). Taking the
+//! parts out one at a time in that bench: with neither the stamps nor the ring push,
+//! 1.10x and 1.05x (the wrapper, the thread-local loads, building the words); the two
+//! counter reads add about 25 ns a pair (12 ns each on this VM); the pushes, with the
+//! writer draining on the other core, about 40 ns (about 150 bytes a pair written into
+//! lines the writer reads, so each is a cross-core miss). Only fewer bytes per event,
+//! or fewer counter reads, would move the figure much.
 //! A saturating loop produces over 1 GB/s of trace, so on this machine the figure
 //! follows how much of a core the writer gets; the target (1.1x) is not met
 //! here. Recording off costs nothing: code that does not record registers the governed
