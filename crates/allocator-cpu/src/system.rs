@@ -95,9 +95,10 @@ impl SystemAllocator {
     /// heap, where a freed block stays resident and a later, larger one needs fresh
     /// memory beside it. Under a cache that gives idle blocks back (a pool trimming its
     /// segments), the process then holds the cache's blocks *and* the heap's leftovers:
-    /// measured on ONNX Runtime models whose shapes vary, peak resident memory was
-    /// 1.4-1.8x what the pool held. With the blocks from the OS, what the cache holds
-    /// is what the process holds. The price is a page fault per page of a fresh block,
+    /// two ONNX Runtime sessions sharing one governed pool, shapes varying, peaked at
+    /// 255 MiB resident over the heap and 187 MiB with the blocks from the OS, the
+    /// governor's `reserved` peak being 132 MiB both ways (`cargo xtask bench --ort`).
+    /// With the blocks from the OS, what the cache holds is what the process holds. The price is a page fault per page of a fresh block,
     /// which a cache pays only when it grows.
     #[must_use]
     pub fn with_large_blocks_from_os(mut self, min_bytes: usize) -> SystemAllocator {
