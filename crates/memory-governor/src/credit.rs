@@ -392,7 +392,7 @@ pub(crate) struct RoleCounter {
 
 impl RoleCounter {
     pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Acquire) & USED_BYTES
+        self.used.load(Ordering::Acquire)
     }
 
     pub(crate) fn peak(&self) -> u64 {
