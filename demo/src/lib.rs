@@ -30,10 +30,5 @@ pub mod report;
 mod sim;
 
 pub use config::{Config, FlagError, Invocation, parse};
-/// The line printed after `--record`: how to replay the trace and draw its page.
-pub fn recorded_line(path: &std::path::Path) -> String {
-    format!("replay it: cargo xtask replay {} --compare system,pooled,virtual --html report.html\n", path.display())
-}
-
-pub use report::{Check, RESERVED_PEAK_TARGET, Report, footprint_violations, reserved_ratio};
+pub use report::{Check, RESERVED_PEAK_TARGET, Report, footprint_violations, recorded_line, reserved_ratio};
 pub use sim::{SimError, run};

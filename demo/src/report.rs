@@ -102,6 +102,11 @@ pub struct Report {
     lines: Vec<String>,
 }
 
+/// The line printed after `--record`: how to replay the trace and draw its page.
+pub fn recorded_line(path: &std::path::Path) -> String {
+    format!("replay it: cargo xtask replay {} --compare system,pooled,virtual --html report.html\n", path.display())
+}
+
 /// A device's reserved peak over its allocated peak (1 when nothing was allocated).
 pub fn reserved_ratio(device: &DeviceSnapshot) -> f64 {
     if device.peak == 0 { 1.0 } else { device.reserved_peak as f64 / device.peak as f64 }
