@@ -143,7 +143,9 @@ fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its
     let mut cached = Vec::new();
     let mut outputs = Vec::new();
     for trim in [true, false] {
-        let pool = std::sync::Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::new()));
+        let pool = std::sync::Arc::new(allocator_cpu::PooledAllocator::new(
+            allocator_cpu::SystemAllocator::for_caches(memory_governor::DeviceKey::HOST),
+        ));
         let inner: std::sync::Arc<dyn memory_governor::DeviceAllocator> = pool.clone();
         let tenant = Tenant::new("trim", 512 * MIB, Backing::Custom(inner));
         let binding = tenant.registry.bind_registered(&tenant.mechanism).unwrap();

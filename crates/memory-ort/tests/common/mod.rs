@@ -88,7 +88,8 @@ impl Tenant {
         let account =
             governor.open_account(AccountConfig::new(device, authority).with_quota(quota).with_label(name)).unwrap();
         let inner: Arc<dyn DeviceAllocator> = match backing {
-            Backing::Pooled => Arc::new(PooledAllocator::new(SystemAllocator::new())),
+            // The stack a runtime is told to build: large blocks from the OS.
+            Backing::Pooled => Arc::new(PooledAllocator::new(SystemAllocator::for_caches(device))),
             Backing::System => Arc::new(SystemAllocator::new()),
             Backing::Custom(inner) => inner,
         };
