@@ -132,7 +132,8 @@ mod loom_ring;
 
 // Recording.
 pub use recorder::{
-    CallerTag, RecordError, Recorder, RecorderConfig, RecordingSummary, caller_tag, set_caller_tag, with_caller_tag,
+    CallerTag, RecordError, Recorder, RecorderConfig, RecordingSummary, caller_tag, replace_caller_tag, set_caller_tag,
+    with_caller_tag,
 };
 pub use traced::TracedAllocator;
 

@@ -113,8 +113,13 @@ pub fn caller_tag() -> u64 {
 /// Sets the calling thread's caller tag (a request id, a stream id) until the guard
 /// drops, when the previous tag comes back. Events record the tag current at the call.
 pub fn set_caller_tag(tag: u64) -> CallerTag {
-    let previous = CALLER.try_with(|caller| caller.replace(tag)).unwrap_or(0);
-    CallerTag { previous, _not_send: std::marker::PhantomData }
+    CallerTag { previous: replace_caller_tag(tag), _not_send: std::marker::PhantomData }
+}
+
+/// Sets the calling thread's caller tag to `tag` until the thread sets another (no
+/// guard: for callers that keep a tag across calls, as C does); the previous tag.
+pub fn replace_caller_tag(tag: u64) -> u64 {
+    CALLER.try_with(|caller| caller.replace(tag)).unwrap_or(0)
 }
 
 /// Runs `f` with the calling thread's caller tag set to `tag`.

@@ -10,8 +10,8 @@ use allocator_cpu::SystemAllocator;
 use memory_governor::*;
 use memory_testkit::{FaultyAllocator, HostHeap};
 use memory_trace::{
-    FailureKind, MarkKind, Recorder, RecorderConfig, RefusalKind, ReleaseKind, Scope, Trace, What, read_trace,
-    set_caller_tag, with_caller_tag,
+    FailureKind, MarkKind, Recorder, RecorderConfig, RefusalKind, ReleaseKind, Scope, Trace, What, caller_tag,
+    read_trace, replace_caller_tag, set_caller_tag, with_caller_tag,
 };
 
 const DEV: DeviceKey = DeviceKey::host(7);
@@ -71,6 +71,19 @@ fn setup(recorder: &Recorder, inner: Arc<dyn DeviceAllocator>, quota: Option<u64
     registry.register_allocator(&context, &authority, Arc::new(traced)).unwrap();
     let binding = registry.bind(DEV).unwrap();
     Setup { registry, governor, context, binding }
+}
+
+#[test]
+fn a_replaced_caller_tag_stays_until_replaced_and_a_guard_restores_what_was_before() {
+    assert_eq!(replace_caller_tag(7), 0);
+    assert_eq!(caller_tag(), 7, "no guard: the tag stays");
+    {
+        let _guard = set_caller_tag(8);
+        assert_eq!(caller_tag(), 8);
+    }
+    assert_eq!(caller_tag(), 7, "the guard put back the replaced tag");
+    assert_eq!(replace_caller_tag(0), 7);
+    assert_eq!(caller_tag(), 0);
 }
 
 #[test]

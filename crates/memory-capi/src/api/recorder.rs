@@ -269,9 +269,8 @@ pub extern "C" fn mc_recorder_destroy(recorder: *mut McRecorder) -> McStatus {
 #[unsafe(no_mangle)]
 pub extern "C" fn mc_trace_set_caller_tag(tag: u64) -> McStatus {
     guard("mc_trace_set_caller_tag", || {
-        // The guard would put the previous tag back when it drops; in C the tag stays
-        // until the thread sets another, so it is not dropped (it owns nothing).
-        std::mem::forget(memory_trace::set_caller_tag(tag));
+        // In C the tag stays until the thread sets another: no guard to restore it.
+        memory_trace::replace_caller_tag(tag);
         Ok(())
     })
 }
