@@ -402,6 +402,15 @@ fn check_recording(trace: &Trace, did: &Workload, exact: Exact) {
     assert_eq!(figures, did.tenants, "the trace holds what the program did");
     assert_eq!(marks, ["serve", "drain"]);
     assert_eq!(marks.len() as u64, did.marks);
+    // The program marks "serve" before it starts its threads and "drain" after it joined
+    // them: in time order (events carry the clock's raw stamps, turned into nanoseconds
+    // by the writer; marks nanoseconds at once) every allocation lies between the two.
+    let label = |event: &memory_trace::Event| match &event.what {
+        What::Mark { label, .. } => Some(label.clone()),
+        _ => None,
+    };
+    assert_eq!(trace.events.first().and_then(label).as_deref(), Some("serve"), "the first event in time");
+    assert_eq!(trace.events.last().and_then(label).as_deref(), Some("drain"), "the last event in time");
     assert!(live.is_empty(), "{} blocks never released", live.len());
     assert!(threads.len() >= 2, "chat and embed ran on two threads: {threads:?}");
 
