@@ -212,3 +212,152 @@ fn a_binding_destroyed_while_threads_allocate_through_it_answers_ok_or_stale_and
         assert_eq!(destroyed.load(SeqCst), 1, "round {round}: the destroyed binding's value was never dropped");
     }
 }
+
+// ---------------------------------------------------------------------------------
+// Recording (`mc_recorder_*`)
+
+/// A governor with `s.authority`'s account ("tenant"), a recorder writing to `path`, a
+/// recording handle of the governor, and a system-allocator mechanism registered
+/// through it, bound.
+struct Recorded {
+    s: Setup,
+    governor: *mut McGovernor,
+    recorder: *mut McRecorder,
+    recorded: *mut McGovernor,
+    mechanism: *mut McMechanism,
+    binding: *mut McBinding,
+}
+
+fn c_text(text: &str) -> std::ffi::CString {
+    std::ffi::CString::new(text).unwrap()
+}
+
+fn recorded(path: &std::path::Path) -> Recorded {
+    let s = setup();
+    let mut r = Recorded {
+        s,
+        governor: null_mut(),
+        recorder: null_mut(),
+        recorded: null_mut(),
+        mechanism: null_mut(),
+        binding: null_mut(),
+    };
+    // SAFETY: live out-pointers and NUL-terminated strings (so for each call below).
+    ok(unsafe { mc_governor_create(&mut r.governor) });
+    // SAFETY: as above.
+    ok(unsafe { mc_governor_open_account(r.governor, r.s.authority, u64::MAX, c_text("tenant").as_ptr()) });
+    let path = c_text(path.to_str().unwrap());
+    // SAFETY: as above.
+    ok(unsafe { mc_recorder_create(path.as_ptr(), &mut r.recorder) });
+    // SAFETY: as above.
+    ok(unsafe { mc_recorder_trace_governor(r.recorder, r.governor, &mut r.recorded) });
+    r.mechanism = register_through(&r, r.recorded);
+    // SAFETY: as above.
+    ok(unsafe { mc_bind_mechanism(r.s.registry, r.mechanism, &mut r.binding) });
+    r
+}
+
+fn register_through(r: &Recorded, governor: *mut McGovernor) -> *mut McMechanism {
+    let mut mechanism = null_mut();
+    // SAFETY: a live out-pointer.
+    let status = unsafe {
+        mc_register_cpu_allocator(r.s.registry, governor, r.s.context, r.s.authority, MC_CPU_SYSTEM, &mut mechanism)
+    };
+    if status != MC_OK {
+        assert!(mechanism.is_null(), "a refused registration makes no handle");
+    }
+    ok(status);
+    mechanism
+}
+
+/// `pairs` allocations, each released at once, through `binding`.
+fn allocate_and_release(binding: *mut McBinding, pairs: usize) {
+    for _ in 0..pairs {
+        let mut block = null_mut();
+        // SAFETY: a live out-pointer; a null report is allowed.
+        ok(unsafe { mc_allocate(binding, 4096, 64, MP_ROLE_OTHER, &mut block) });
+        // SAFETY: as above.
+        ok(unsafe { mc_release(binding, block, null_mut()) });
+    }
+}
+
+fn mark(recorder: *mut McRecorder, kind: McMark, label: &str) -> McStatus {
+    // SAFETY: a NUL-terminated label.
+    unsafe { mc_recorder_mark(recorder, HOST, kind, c_text(label).as_ptr()) }
+}
+
+fn finish(recorder: *mut McRecorder) -> (McStatus, McRecordingSummary) {
+    let mut summary = McRecordingSummary::default();
+    // SAFETY: a live out-pointer.
+    let status = unsafe { mc_recorder_finish(recorder, &mut summary) };
+    (status, summary)
+}
+
+/// Tears down what `recorded` made (the recorder already destroyed).
+fn teardown(r: Recorded) {
+    ok(mc_binding_destroy(r.binding));
+    ok(mc_binding_destroy(r.s.binding));
+    for mechanism in [r.mechanism, r.s.mechanism] {
+        ok(mc_mechanism_retire(r.s.registry, mechanism));
+        ok(mc_mechanism_remove(r.s.registry, mechanism));
+    }
+    ok(mc_context_remove(r.s.registry, r.s.context));
+    ok(mc_authority_remove(r.s.registry, r.s.authority));
+    ok(mc_registry_destroy(r.s.registry));
+    ok(mc_governor_destroy(r.recorded));
+    ok(mc_governor_destroy(r.governor));
+}
+
+fn temporary(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("memory-capi-api-{}-{name}.mtrace", std::process::id()))
+}
+
+fn read_recording(path: &std::path::Path) -> memory_trace::Trace {
+    let trace = memory_trace::read_trace(std::fs::File::open(path).unwrap()).unwrap();
+    assert!(trace.damage.is_none(), "{:?}", trace.damage);
+    trace
+}
+
+#[test]
+fn a_finished_recording_refuses_a_second_finish_marks_and_registrations_with_mc_err_state() {
+    let path = temporary("finished");
+    let r = recorded(&path);
+    allocate_and_release(r.binding, 3);
+    ok(mark(r.recorder, MC_MARK_NOTE, "done"));
+    let (status, summary) = finish(r.recorder);
+    ok(status);
+    assert_eq!((summary.events, summary.dropped), (7, 0));
+
+    // Once only: the second finish leaves the summary alone and says what to do.
+    let (status, again) = finish(r.recorder);
+    assert_eq!(status, MC_ERR_STATE, "{}", message());
+    let text = message();
+    assert!(text.starts_with("mc_recorder_finish: MC_ERR_STATE: "), "{text}");
+    assert!(text.contains("already finished") && text.contains("mc_recorder_create"), "{text}");
+    assert_eq!(again, McRecordingSummary::default());
+    assert_eq!(mark(r.recorder, MC_MARK_NOTE, "late"), MC_ERR_STATE);
+    let text = message();
+    assert!(text.contains("finished its recording") && text.contains("mc_recorder_create"), "{text}");
+    let mut another = null_mut();
+    // SAFETY: a live out-pointer.
+    assert_eq!(unsafe { mc_recorder_trace_governor(r.recorder, r.governor, &mut another) }, MC_ERR_STATE);
+    assert!(another.is_null());
+    let mut late = null_mut();
+    // SAFETY: a live out-pointer.
+    let status = unsafe {
+        mc_register_cpu_allocator(r.s.registry, r.recorded, r.s.context, r.s.authority, MC_CPU_SYSTEM, &mut late)
+    };
+    assert_eq!(status, MC_ERR_STATE, "{}", message());
+    assert!(message().contains("whose recording is finished"), "{}", message());
+    assert!(late.is_null());
+    // The recorded mechanism keeps working, unrecorded (its events are dropped).
+    allocate_and_release(r.binding, 1);
+    // A destroy after a finish has nothing left to finish.
+    ok(mc_recorder_destroy(r.recorder));
+    assert_eq!(mc_recorder_destroy(r.recorder), MC_ERR_STALE_HANDLE);
+    teardown(r);
+
+    let trace = read_recording(&path);
+    assert_eq!(trace.events.len(), 7, "the late events are not in the file");
+    std::fs::remove_file(&path).unwrap();
+}

@@ -385,12 +385,19 @@ impl Recorder {
         self.shared.mark(device, 0, kind, 0, label);
     }
 
+    /// Whether [`Recorder::finish`] was called (it may still be running on another
+    /// thread): from then on nothing more is recorded.
+    pub fn is_finished(&self) -> bool {
+        lock(&self.writer).is_none()
+    }
+
     /// Stops recording, drains every ring, writes the end record and waits for the
     /// writer. Events recorded after this call are dropped (counted); events recorded
     /// *during* it by other threads may be missing, so stop the workload first.
     ///
     /// # Errors
-    /// [`RecordError`] when writing failed (the file is readable up to the failure).
+    /// [`RecordError`] when writing failed (the file is readable up to the failure), or
+    /// [`RecordError::AlreadyFinished`] when this is not the first call.
     pub fn finish(&self) -> Result<RecordingSummary, RecordError> {
         let Some(handle) = lock(&self.writer).take() else { return Err(RecordError::AlreadyFinished) };
         self.shared.closed.store(true, Ordering::Release);
@@ -401,7 +408,7 @@ impl Recorder {
 
 impl Drop for Recorder {
     fn drop(&mut self) {
-        if lock(&self.writer).is_some()
+        if !self.is_finished()
             && let Err(error) = self.finish()
         {
             tracing::error!(%error, "trace recorder dropped without finish(), and writing failed");

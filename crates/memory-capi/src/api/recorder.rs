@@ -19,24 +19,23 @@ use super::governor::{GOVERNORS, GovernorEntry};
 use super::{borrow, check_optional_out, check_out, device_key, fill, text, text_or, vacancy, write, write_optional};
 use crate::handles::{Scheme, number};
 use crate::status::{Failure, MC_ERR_BACKEND, MC_ERR_INVALID_ARGUMENT, MC_ERR_STATE, McStatus, guard};
-use crate::sync::{AtomicBool, Ordering};
 use crate::types::*;
 
 pub(crate) const KIND_RECORDER: u8 = 0xac;
 
-/// One recording: the recorder, the file it writes, and whether it was finished.
+/// One recording: the recorder and the file it writes. Whether it is finished is the
+/// recorder's own state (`Recorder::is_finished`, set by the one `Recorder::finish` that
+/// runs), the only one: every check below reads it.
 pub(crate) struct Recording {
     recorder: Recorder,
     path: String,
-    /// Set once, by the call that finishes the recording (`swap`: exactly one does).
-    finished: AtomicBool,
 }
 
 impl Recording {
     /// Refuses a registration through `governor` (a handle naming this recording) once
     /// the recording is finished: its events would be dropped.
     pub(crate) fn check_open(&self, governor: *const McGovernor) -> Result<(), Failure> {
-        if self.finished.load(Ordering::Acquire) {
+        if self.recorder.is_finished() {
             return Err(Failure::new(
                 MC_ERR_STATE,
                 format!(
@@ -53,7 +52,7 @@ impl Recording {
 
     /// Refuses a call that would add to the recording once it is finished.
     fn check_running(&self, recorder: *const McRecorder) -> Result<(), Failure> {
-        if self.finished.load(Ordering::Acquire) {
+        if self.recorder.is_finished() {
             return Err(Failure::new(
                 MC_ERR_STATE,
                 format!(
@@ -72,10 +71,12 @@ impl Recording {
         self.recorder.trace(governor, governed)
     }
 
-    /// Finishes the recording, once; the summary of what was written.
+    /// Finishes the recording, once; the summary of what was written. A second call (or
+    /// one racing the first) is `MC_ERR_STATE`, as the recorder says.
     fn finish(&self, recorder: *const McRecorder) -> Result<McRecordingSummary, Failure> {
-        if self.finished.swap(true, Ordering::AcqRel) {
-            return Err(Failure::new(
+        match self.recorder.finish() {
+            Ok(summary) => Ok(summary.into()),
+            Err(RecordError::AlreadyFinished) => Err(Failure::new(
                 MC_ERR_STATE,
                 format!(
                     "recorder {:#x} already finished its recording of \"{}\"; a recording is finished once: read the \
@@ -83,14 +84,13 @@ impl Recording {
                     number(recorder),
                     self.path
                 ),
-            ));
-        }
-        match self.recorder.finish() {
-            Ok(summary) => Ok(summary.into()),
-            Err(error @ (RecordError::Io { .. } | RecordError::WriterPanicked)) => {
-                Err(Failure::new(MC_ERR_BACKEND, format!("recording to \"{}\": {error}", self.path)))
-            }
-            Err(error) => Err(Failure::new(MC_ERR_STATE, format!("recording to \"{}\": {error}", self.path))),
+            )),
+            // Io, WriterPanicked and whatever a newer memory-trace adds: the file was not
+            // written whole.
+            Err(error) => Err(Failure::new(
+                MC_ERR_BACKEND,
+                format!("recording to \"{}\": {error}; the recording is finished", self.path),
+            )),
         }
     }
 }
@@ -130,7 +130,7 @@ pub unsafe extern "C" fn mc_recorder_create(path: *const std::ffi::c_char, out: 
                 ),
             )
         })?;
-        let recording = Recording { recorder, path: path.to_owned(), finished: AtomicBool::new(false) };
+        let recording = Recording { recorder, path: path.to_owned() };
         let handle = fill(cell, Arc::new(recording));
         // SAFETY: checked above.
         unsafe { write(out, handle) };
@@ -249,13 +249,11 @@ pub extern "C" fn mc_recorder_destroy(recorder: *mut McRecorder) -> McStatus {
     guard("mc_recorder_destroy", || {
         {
             let recording = borrow(&RECORDERS, recorder)?;
-            if !recording.finished.load(Ordering::Acquire) {
-                match recording.finish(recorder) {
-                    // Finished by another call meanwhile: nothing left to do.
-                    Ok(_) => {}
-                    Err(failure) if failure.status == MC_ERR_STATE => {}
-                    Err(failure) => return Err(failure),
-                }
+            match recording.finish(recorder) {
+                Ok(_) => {}
+                // Finished already (by mc_recorder_finish, or a destroy whose finish failed).
+                Err(failure) if failure.status == MC_ERR_STATE => {}
+                Err(failure) => return Err(failure),
             }
         }
         super::remove(&RECORDERS, recorder)
