@@ -111,6 +111,9 @@ fn the_c_api_trace_holds_the_c_programs_workload_and_replays_its_refusal() {
     // memory-capi's tests/c/record.c: chat (a governed pool, quota 4 MiB) and embed (the
     // governed system allocator, quota 1 MiB) on host:1 (limit 8 MiB), each on a thread
     // of its own, every request's id its caller tag; embed's request 12 asks for 2 MiB.
+    // The plain governor handle set embed's quota to 3 MiB and the limit to 16 MiB; the
+    // recording handle lowered both before registration, so the 1 MiB and 8 MiB here
+    // (and the refusal) are the books both handles share.
     let trace = read_trace(std::fs::File::open(trace_path("capi.mtrace")).unwrap()).unwrap();
     assert!(trace.damage.is_none(), "{:?}", trace.damage);
     let device = DeviceKey::host(1);

@@ -8,7 +8,9 @@
  * once for more than its quota, which the governor refuses. Every request's id is its
  * thread's caller tag (mc_trace_set_caller_tag). Everything is released, the recording
  * finished and its summary checked; then every recorder function's refusals, each
- * before any effect.
+ * before any effect. The device limit and embed's quota the plain handle set are
+ * lowered through the recording handle before the mechanisms register: the recorded
+ * books and the refusal are the lowered ones.
  *
  * The workload runs on threads the program starts, not on the main thread: a thread's
  * first recorded event names the thread in the trace, through Rust's handle of the
@@ -153,6 +155,16 @@ static void *serve_embed(void *argument) {
     return NULL;
 }
 
+/* The quota of the account labelled `label` in a snapshot's JSON (an account's fields
+ * are in name order: its label comes before its quota); -1 when not found. */
+static long long account_quota(const char *json, const char *label) {
+    char key[64];
+    snprintf(key, sizeof key, "\"label\":\"%s\"", label);
+    const char *account = strstr(json, key);
+    const char *quota = account == NULL ? NULL : strstr(account, "\"quota\":");
+    return quota == NULL ? -1 : strtoll(quota + strlen("\"quota\":"), NULL, 10);
+}
+
 static long file_size(const char *path) {
     FILE *file = fopen(path, "rb");
     if (file == NULL) return -1;
@@ -182,22 +194,36 @@ int main(int argc, char **argv) {
     OK(mc_context_register(registry, GPU, NULL, NULL, &context));
     OK(mc_authority_register(registry, GPU, NULL, NULL, &chat_tenant));
     OK(mc_authority_register(registry, GPU, NULL, NULL, &embed_tenant));
-    OK(mc_governor_set_device_limit(governor, GPU, 8 * MIB));
+    OK(mc_governor_set_device_limit(governor, GPU, 16 * MIB));
     OK(mc_governor_open_account(governor, chat_tenant, 4 * MIB, "chat"));
-    OK(mc_governor_open_account(governor, embed_tenant, 1 * MIB, "embed"));
+    OK(mc_governor_open_account(governor, embed_tenant, 3 * MIB, "embed"));
 
     /* Record: a second handle of the governor's books that names the recorder; both
      * mechanisms are registered through it. */
     OK(mc_recorder_create(path, &recorder));
     OK(mc_recorder_trace_governor(recorder, governor, &recorded));
+    /* Limits and quotas set through either handle are the same books: the recording
+     * handle lowers the device limit (16 to 8 MiB) and embed's quota (3 to 1 MiB) that the
+     * plain handle set. The plain handle's snapshot shows the new quota, the trace records
+     * both as the tenants' books at registration (tests/programs.rs checks 8 MiB and
+     * 1 MiB), and the governor enforces the quota: embed's 2 MiB request is refused by it,
+     * which 3 MiB would have let through. */
+    OK(mc_governor_set_device_limit(recorded, GPU, 8 * MIB));
+    OK(mc_governor_set_quota(recorded, embed_tenant, 1 * MIB));
+    size_t length = 0;
+    EXPECT(mc_snapshot_json(registry, governor, NULL, 0, &length), MC_ERR_BUFFER_TOO_SMALL);
+    char *json = malloc(length + 1);
+    TRUE(json != NULL);
+    OK(mc_snapshot_json(registry, governor, json, length + 1, &length));
+    TRUE(account_quota(json, "embed") == 1 * MIB);
+    TRUE(account_quota(json, "chat") == 4 * MIB);
+    free(json);
     OK(mc_register_cpu_allocator(registry, recorded, context, chat_tenant, MC_CPU_POOLED, &chat_pool));
     OK(mc_register_cpu_allocator(registry, recorded, context, embed_tenant, MC_CPU_SYSTEM, &embed_system));
     Tenant chat = {.tally = {.label = "chat"}};
     OK(mc_bind_mechanism(registry, chat_pool, &chat.binding));
     Embed embed = {.tally = {.label = "embed"}};
     OK(mc_bind_mechanism(registry, embed_system, &embed.binding));
-    /* Limits and quotas set through either handle are the same books. */
-    OK(mc_governor_set_quota(recorded, embed_tenant, 1 * MIB));
 
     uint64_t marks = 0;
     OK(mc_recorder_mark(recorder, GPU, MC_MARK_NOTE, "serve"));
