@@ -674,10 +674,12 @@ McStatus mc_recorder_mark(struct McRecorder *recorder, MpDevice device, McMark k
 McStatus mc_recorder_finish(struct McRecorder *recorder, struct McRecordingSummary *out);
 
 // Destroys a recorder handle, finishing its recording first if `mc_recorder_finish`
-// was not called (if that finish fails, the call is `MC_ERR_BACKEND`, the recording is
-// finished and the handle stays valid: destroy it again). Governor handles naming the
-// recorder stay valid, and the mechanisms registered through them keep working
-// (unrecorded); a registration through them is refused (`MC_ERR_STATE`).
+// was not called: the file is then a whole trace, as `mc_recorder_finish` writes it
+// (every event recorded before the call, the end record; no summary is given). If that
+// finish fails, the call is `MC_ERR_BACKEND` (the file is readable up to the failure),
+// the recording is finished and the handle stays valid: destroy it again. Governor
+// handles naming the recorder stay valid, and the mechanisms registered through them
+// keep working (unrecorded); a registration through them is refused (`MC_ERR_STATE`).
 McStatus mc_recorder_destroy(struct McRecorder *recorder);
 
 // Sets the calling thread's caller tag (a request id, a stream id; 0: none): every

@@ -361,3 +361,50 @@ fn a_finished_recording_refuses_a_second_finish_marks_and_registrations_with_mc_
     assert_eq!(trace.events.len(), 7, "the late events are not in the file");
     std::fs::remove_file(&path).unwrap();
 }
+
+#[test]
+fn a_recorder_destroyed_unfinished_writes_every_event_recorded_and_the_end_record() {
+    let path = temporary("unfinished");
+    let r = recorded(&path);
+    ok(mark(r.recorder, MC_MARK_NOTE, "serve"));
+    allocate_and_release(r.binding, 5);
+    ok(mark(r.recorder, MC_MARK_DEVICE_LOST, "lost"));
+    // No mc_recorder_finish: the destroy finishes the recording.
+    ok(mc_recorder_destroy(r.recorder));
+    assert_eq!(mc_recorder_destroy(r.recorder), MC_ERR_STALE_HANDLE);
+    assert_eq!(finish(r.recorder).0, MC_ERR_STALE_HANDLE);
+    // The recording handle stays a governor handle; the mechanism works, unrecorded, and
+    // nothing more is registered through the handle.
+    allocate_and_release(r.binding, 2);
+    let mut late = null_mut();
+    // SAFETY: a live out-pointer.
+    let status = unsafe {
+        mc_register_cpu_allocator(r.s.registry, r.recorded, r.s.context, r.s.authority, MC_CPU_SYSTEM, &mut late)
+    };
+    assert_eq!(status, MC_ERR_STATE, "{}", message());
+    teardown(r);
+
+    let trace = read_recording(&path);
+    let end = trace.end.expect("the destroy wrote the end record");
+    assert_eq!((end.events, end.dropped), (12, 0), "5 allocations, 5 releases, 2 marks; nothing dropped before it");
+    let marks: Vec<(memory_trace::MarkKind, &str)> = trace
+        .events
+        .iter()
+        .filter_map(|event| match &event.what {
+            memory_trace::What::Mark { kind, label, .. } => Some((*kind, label.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(marks, [(memory_trace::MarkKind::Note, "serve"), (memory_trace::MarkKind::DeviceLost, "lost")]);
+    let lost = trace
+        .events
+        .iter()
+        .find(|event| matches!(event.what, memory_trace::What::Mark { kind: memory_trace::MarkKind::DeviceLost, .. }))
+        .expect("the device-lost mark");
+    assert_eq!(lost.device, memory_governor::DeviceKey::host(3));
+    let allocations = trace.events.iter().filter(|event| matches!(event.what, memory_trace::What::Allocate(_))).count();
+    assert_eq!(allocations, 5);
+    assert_eq!(trace.tenants.len(), 1);
+    assert_eq!(trace.tenants[0].label, "tenant");
+    std::fs::remove_file(&path).unwrap();
+}

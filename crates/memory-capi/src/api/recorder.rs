@@ -240,10 +240,12 @@ pub unsafe extern "C" fn mc_recorder_finish(recorder: *mut McRecorder, out: *mut
 }
 
 /// Destroys a recorder handle, finishing its recording first if `mc_recorder_finish`
-/// was not called (if that finish fails, the call is `MC_ERR_BACKEND`, the recording is
-/// finished and the handle stays valid: destroy it again). Governor handles naming the
-/// recorder stay valid, and the mechanisms registered through them keep working
-/// (unrecorded); a registration through them is refused (`MC_ERR_STATE`).
+/// was not called: the file is then a whole trace, as `mc_recorder_finish` writes it
+/// (every event recorded before the call, the end record; no summary is given). If that
+/// finish fails, the call is `MC_ERR_BACKEND` (the file is readable up to the failure),
+/// the recording is finished and the handle stays valid: destroy it again. Governor
+/// handles naming the recorder stay valid, and the mechanisms registered through them
+/// keep working (unrecorded); a registration through them is refused (`MC_ERR_STATE`).
 #[unsafe(no_mangle)]
 pub extern "C" fn mc_recorder_destroy(recorder: *mut McRecorder) -> McStatus {
     guard("mc_recorder_destroy", || {

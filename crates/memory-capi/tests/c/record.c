@@ -8,9 +8,10 @@
  * once for more than its quota, which the governor refuses. Every request's id is its
  * thread's caller tag (mc_trace_set_caller_tag). Everything is released, the recording
  * finished and its summary checked; then every recorder function's refusals, each
- * before any effect. The device limit and embed's quota the plain handle set are
- * lowered through the recording handle before the mechanisms register: the recorded
- * books and the refusal are the lowered ones.
+ * before any effect, and a recorder destroyed unfinished after it recorded. The device
+ * limit and embed's quota the plain handle set are lowered through the recording handle
+ * before the mechanisms register: the recorded books and the refusal are the lowered
+ * ones.
  *
  * The workload runs on threads the program starts, not on the main thread: a thread's
  * first recorded event names the thread in the trace, through Rust's handle of the
@@ -18,7 +19,8 @@
  * process exit (valgrind would call those 48 bytes possibly lost; docs/C-ABI.md).
  *
  *   record TRACE   writes the recording to TRACE and a recording that was never
- *                  finished (mc_recorder_destroy finishes it) to TRACE.unfinished
+ *                  finished (mc_recorder_destroy finishes it: LATE_PAIRS allocations and
+ *                  releases of chat's account and a device-lost mark) to TRACE.unfinished
  *
  * The last lines of output give the workload's figures (tests/programs.rs compares the
  * trace with them); crates/memory-trace/traces/capi.mtrace is one such recording. */
@@ -152,6 +154,18 @@ static void *serve_embed(void *argument) {
     }
     must(mc_trace_caller_tag(&embed->tag_seen), "mc_trace_caller_tag");
     for (int i = 0; i < KEPT; i++) give(embed->binding, outputs[i], &embed->tally);
+    return NULL;
+}
+
+/* On a thread, through a recorder that is destroyed unfinished: LATE_PAIRS blocks of
+ * 4 KiB of chat's account, each given back at once, tagged 3000 + its number. */
+#define LATE_PAIRS 3
+static void *serve_late(void *argument) {
+    Tenant *late = argument;
+    for (uint64_t pair = 0; pair < LATE_PAIRS; pair++) {
+        must(mc_trace_set_caller_tag(3000 + pair), "mc_trace_set_caller_tag");
+        give(late->binding, take(late->binding, 4 * KIB, MP_ROLE_OTHER, &late->tally), &late->tally);
+    }
     return NULL;
 }
 
@@ -299,8 +313,8 @@ int main(int argc, char **argv) {
     EXPECT(mc_recorder_mark(NULL, GPU, MC_MARK_NOTE, NULL), MC_ERR_NULL_ARGUMENT);
     EXPECT(mc_trace_caller_tag(NULL), MC_ERR_NULL_ARGUMENT);
 
-    /* A recorder that was never finished: destroy finishes it (a whole, empty trace);
-     * a running recorder refuses a governor handle that already records, and unknown
+    /* A recorder that was never finished: destroy finishes it (a whole trace); a running
+     * recorder refuses a governor handle that already records, and unknown
      * marks and tiers. */
     McRecorder *second = NULL;
     McGovernor *second_recorded = NULL;
@@ -313,11 +327,32 @@ int main(int argc, char **argv) {
     MpDevice unknown_tier = {99, 0};
     EXPECT(mc_recorder_mark(second, unknown_tier, MC_MARK_NOTE, NULL), MC_ERR_INVALID_ARGUMENT);
     OK(mc_recorder_trace_governor(second, governor, &second_recorded));
-    OK(mc_governor_destroy(second_recorded));
+    /* It records (a system allocator of chat's account, on a thread of its own, and a
+     * device-lost mark), and is destroyed unfinished: the destroy writes the whole trace,
+     * every event and the end record (tests/programs.rs reads it back). */
+    McMechanism *late_system = NULL;
+    OK(mc_register_cpu_allocator(registry, second_recorded, context, chat_tenant, MC_CPU_SYSTEM, &late_system));
+    Tenant late_run = {.tally = {.label = "chat, recorded unfinished"}};
+    OK(mc_bind_mechanism(registry, late_system, &late_run.binding));
+    pthread_t late_thread;
+    TRUE(pthread_create(&late_thread, NULL, serve_late, &late_run) == 0);
+    TRUE(pthread_join(late_thread, NULL) == 0);
+    TRUE(late_run.tally.allocations == LATE_PAIRS && late_run.tally.releases == LATE_PAIRS);
+    OK(mc_recorder_mark(second, GPU, MC_MARK_DEVICE_LOST, "lost"));
     OK(mc_recorder_destroy(second));
     EXPECT(mc_recorder_destroy(second), MC_ERR_STALE_HANDLE);
     EXPECT(mc_recorder_finish(second, NULL), MC_ERR_STALE_HANDLE);
     TRUE(file_size(unfinished) > 0);
+    /* Its mechanism keeps working, unrecorded; its recording handle takes no registration. */
+    give(late_run.binding, take(late_run.binding, 4 * KIB, MP_ROLE_OTHER, &late_run.tally), &late_run.tally);
+    late = NULL;
+    EXPECT(mc_register_cpu_allocator(registry, second_recorded, context, chat_tenant, MC_CPU_SYSTEM, &late),
+           MC_ERR_STATE);
+    TRUE(late == NULL);
+    OK(mc_binding_destroy(late_run.binding));
+    OK(mc_mechanism_retire(registry, late_system));
+    OK(mc_mechanism_remove(registry, late_system));
+    OK(mc_governor_destroy(second_recorded));
 
     /* Teardown: every handle goes. */
     OK(mc_binding_destroy(chat.binding));
