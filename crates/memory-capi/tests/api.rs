@@ -408,3 +408,41 @@ fn a_recorder_destroyed_unfinished_writes_every_event_recorded_and_the_end_recor
     assert_eq!(trace.tenants[0].label, "tenant");
     std::fs::remove_file(&path).unwrap();
 }
+
+/// A file every write to fails (ENOSPC), as root too.
+const FULL: &str = "/dev/full";
+
+#[test]
+fn a_finish_that_cannot_write_is_mc_err_backend_and_the_recording_is_finished() {
+    assert!(std::path::Path::new(FULL).exists(), "{FULL} is the file no write to succeeds");
+    let r = recorded(std::path::Path::new(FULL));
+    allocate_and_release(r.binding, 2);
+    ok(mark(r.recorder, MC_MARK_DEVICE_LOST, "lost"));
+    let (status, summary) = finish(r.recorder);
+    assert_eq!(status, MC_ERR_BACKEND, "{}", message());
+    let text = message();
+    assert!(text.starts_with("mc_recorder_finish: MC_ERR_BACKEND: "), "{text}");
+    assert!(text.contains("\"/dev/full\"") && text.contains("os error 28"), "{text}");
+    assert!(text.contains("readable up to there") && text.contains("the recording is finished"), "{text}");
+    assert!(!text.contains("::"), "{text}");
+    assert_eq!(summary, McRecordingSummary::default(), "no summary on failure");
+    // Finished either way.
+    assert_eq!(finish(r.recorder).0, MC_ERR_STATE);
+    assert!(message().contains("already finished"), "{}", message());
+    assert_eq!(mark(r.recorder, MC_MARK_NOTE, "late"), MC_ERR_STATE);
+    ok(mc_recorder_destroy(r.recorder));
+    teardown(r);
+}
+
+#[test]
+fn a_destroy_whose_finish_cannot_write_is_mc_err_backend_and_a_second_destroy_succeeds() {
+    let r = recorded(std::path::Path::new(FULL));
+    allocate_and_release(r.binding, 2);
+    assert_eq!(mc_recorder_destroy(r.recorder), MC_ERR_BACKEND, "{}", message());
+    assert!(message().starts_with("mc_recorder_destroy: MC_ERR_BACKEND: "), "{}", message());
+    // The recording is finished and the handle still valid: destroy it again.
+    assert_eq!(mark(r.recorder, MC_MARK_NOTE, "late"), MC_ERR_STATE);
+    ok(mc_recorder_destroy(r.recorder));
+    assert_eq!(mc_recorder_destroy(r.recorder), MC_ERR_STALE_HANDLE);
+    teardown(r);
+}

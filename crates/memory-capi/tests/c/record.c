@@ -8,10 +8,10 @@
  * once for more than its quota, which the governor refuses. Every request's id is its
  * thread's caller tag (mc_trace_set_caller_tag). Everything is released, the recording
  * finished and its summary checked; then every recorder function's refusals, each
- * before any effect, and a recorder destroyed unfinished after it recorded. The device
- * limit and embed's quota the plain handle set are lowered through the recording handle
- * before the mechanisms register: the recorded books and the refusal are the lowered
- * ones.
+ * before any effect, a recorder destroyed unfinished after it recorded, and recordings
+ * whose file takes no write (/dev/full). The device limit and embed's quota the plain
+ * handle set are lowered through the recording handle before the mechanisms register:
+ * the recorded books and the refusal are the lowered ones.
  *
  * The workload runs on threads the program starts, not on the main thread: a thread's
  * first recorded event names the thread in the trace, through Rust's handle of the
@@ -353,6 +353,27 @@ int main(int argc, char **argv) {
     OK(mc_mechanism_retire(registry, late_system));
     OK(mc_mechanism_remove(registry, late_system));
     OK(mc_governor_destroy(second_recorded));
+
+    /* A recording whose file takes no write (every write to /dev/full fails with ENOSPC,
+     * as root too): finish is MC_ERR_BACKEND with the system's reason, and the recording
+     * is finished either way; a destroy that has to finish such a recording is
+     * MC_ERR_BACKEND and leaves the handle for a second destroy. */
+    McRecorder *full = NULL;
+    McRecordingSummary unwritten = {0};
+    OK(mc_recorder_create("/dev/full", &full));
+    OK(mc_recorder_mark(full, GPU, MC_MARK_DEVICE_LOST, "nowhere"));
+    EXPECT(mc_recorder_finish(full, &unwritten), MC_ERR_BACKEND);
+    SAYS("No space left on device");
+    SAYS("the file is readable up to there");
+    TRUE(unwritten.events == 0 && unwritten.bytes == 0);
+    EXPECT(mc_recorder_finish(full, NULL), MC_ERR_STATE);
+    SAYS("already finished");
+    OK(mc_recorder_destroy(full));
+    OK(mc_recorder_create("/dev/full", &full));
+    EXPECT(mc_recorder_destroy(full), MC_ERR_BACKEND);
+    SAYS("/dev/full");
+    OK(mc_recorder_destroy(full));
+    EXPECT(mc_recorder_destroy(full), MC_ERR_STALE_HANDLE);
 
     /* Teardown: every handle goes. */
     OK(mc_binding_destroy(chat.binding));
