@@ -169,7 +169,7 @@ typedef struct McRecordingSummary {
   uint64_t bytes;
   // Events not recorded because they came after the recording was finished.
   uint64_t dropped;
-  // Times a recording thread found its ring full and wrote the rings out itself.
+  // Times a recording thread found its ring full and wrote that ring out itself.
   uint64_t waits;
 } McRecordingSummary;
 

@@ -218,7 +218,7 @@ pub struct McRecordingSummary {
     pub bytes: u64,
     /// Events not recorded because they came after the recording was finished.
     pub dropped: u64,
-    /// Times a recording thread found its ring full and wrote the rings out itself.
+    /// Times a recording thread found its ring full and wrote that ring out itself.
     pub waits: u64,
 }
 

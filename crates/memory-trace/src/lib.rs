@@ -68,8 +68,8 @@
 //!   order, across the ring's wrap, and runs with
 //!   `RUSTFLAGS="--cfg memory_loom" cargo test -p memory-trace --lib loom`.
 //! - The recorder never drops an event while recording: a thread that finds its ring
-//!   full drains the rings itself under the output lock, as their one consumer for a
-//!   moment (counted in [`RecordingSummary::waits`]); a test records ten
+//!   full drains it itself under the output lock, as the rings' one consumer for a
+//!   moment (its own ring only; counted in [`RecordingSummary::waits`]); a test records ten
 //!   million events from several threads and reads back every one.
 //! - The reader checks every record's CRC-32 and every event's size before decoding, so
 //!   a damaged file cannot be misread past the damage; tests truncate and corrupt files at

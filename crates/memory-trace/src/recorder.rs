@@ -6,8 +6,8 @@
 //! [`ring`](crate::ring)). The writer thread wakes every `flush_interval`, or when a ring
 //! passes half full, drains every ring into one events record each, and writes the records
 //! that cold paths queued (tenants, thread names, marks). A thread that finds its ring
-//! full drains the rings itself under the output lock (the lock makes whoever holds it
-//! the rings' one consumer) and pushes again: nothing is dropped, so a recording is whole
+//! full drains its own ring (and the queued cold records) itself under the output lock
+//! (the lock makes whoever holds it the rings' one consumer) and pushes again: nothing is dropped, so a recording is whole
 //! however long it runs, memory stays bounded by one ring per thread, and a thread never
 //! waits for the scheduler to run the writer.
 
@@ -144,6 +144,30 @@ impl Drop for CallerTag {
 }
 
 impl Shared {
+    /// What a recording to `out` (its header written) shares, before its writer starts.
+    fn new(out: Box<dyn Write + Send>, ring_words: usize) -> Shared {
+        let output = Output {
+            out,
+            error: None,
+            summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
+            finished: false,
+            words: Vec::new(),
+            bytes: Vec::new(),
+        };
+        Shared {
+            clock: Clock::start(),
+            locals: PerThread::new(),
+            ring_words,
+            cold: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+            writer: std::sync::OnceLock::new(),
+            next_tenant: AtomicU32::new(1),
+            dropped: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            output: Mutex::new(output),
+        }
+    }
+
     /// The time now as a raw stamp of the recorder's clock (see [`Clock`]): what a ring
     /// holds in an event's first word until the writer turns it into nanoseconds.
     #[inline(always)]
@@ -195,8 +219,13 @@ impl Shared {
     /// moment (under the output lock, which orders it with the writer thread and any
     /// other helper), then pushes again. Waiting for the writer instead left a thread
     /// parked for as long as the scheduler kept the writer off a core (milliseconds on a
-    /// loaded machine); draining costs it the writer's work for the ring's events and no
-    /// more. A closed recording drops the event (counted).
+    /// loaded machine); draining costs it the writer's work for its own ring's events and
+    /// no more: the other threads' rings are not full and wait for the writer. Nothing
+    /// orders events across rings in the file (a reader sorts by time; each thread's
+    /// events stay in order within its ring and its records), so draining one ring
+    /// early keeps every ordering the format promises. The cold records queued so far
+    /// go first, as in the writer's pass, so this thread's name and its tenants come
+    /// before its events in the file. A closed recording drops the event (counted).
     #[cold]
     #[inline(never)]
     fn push_when_drained(&self, local: &Local, words: &[u64]) {
@@ -206,7 +235,7 @@ impl Shared {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            self.drain_into(&mut lock(&self.output));
+            self.drain_own(&mut lock(&self.output), &local.ring);
             if local.ring.push(words) != Pushed::Full {
                 return;
             }
@@ -251,7 +280,7 @@ pub struct RecordingSummary {
     pub bytes: u64,
     /// Events not recorded because they came after the recording was finished.
     pub dropped: u64,
-    /// Times a recording thread found its ring full and drained the rings itself.
+    /// Times a recording thread found its ring full and drained that ring itself.
     pub waits: u64,
 }
 
@@ -333,26 +362,7 @@ impl Recorder {
         // are gathered.
         let mut out = BufWriter::with_capacity(64 << 10, out);
         format::write_header(&mut out, origin_unix_ns)?;
-        let output = Output {
-            out: Box::new(out),
-            error: None,
-            summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
-            finished: false,
-            words: Vec::new(),
-            bytes: Vec::new(),
-        };
-        let shared = Arc::new(Shared {
-            clock: Clock::start(),
-            locals: PerThread::new(),
-            ring_words: config.ring_words,
-            cold: Mutex::new(Vec::new()),
-            closed: AtomicBool::new(false),
-            writer: std::sync::OnceLock::new(),
-            next_tenant: AtomicU32::new(1),
-            dropped: AtomicU64::new(0),
-            waits: AtomicU64::new(0),
-            output: Mutex::new(output),
-        });
+        let shared = Arc::new(Shared::new(Box::new(out), config.ring_words));
         let handle = {
             let shared = Arc::clone(&shared);
             let interval = config.flush_interval;
@@ -482,25 +492,45 @@ impl Shared {
         if output.finished {
             return false;
         }
+        let mut wrote = self.drain_cold(output);
+        for local in self.locals.iter() {
+            wrote |= self.drain_ring(output, &local.ring);
+        }
+        wrote
+    }
+
+    /// What a thread whose ring is full drains (`output` held): the cold records queued
+    /// so far, then its own `ring` only.
+    fn drain_own(&self, output: &mut Output, ring: &Ring) {
+        if output.finished {
+            return;
+        }
+        self.drain_cold(output);
+        self.drain_ring(output, ring);
+    }
+
+    /// The cold records queued so far (`output` held); whether there were any.
+    fn drain_cold(&self, output: &mut Output) -> bool {
         let cold = std::mem::take(&mut *lock(&self.cold));
-        let mut wrote = !cold.is_empty();
         for record in &cold {
             if record.kind == record::MARK {
                 output.summary.events += 1;
             }
             output.record(record.kind, &record.payload);
         }
-        for local in self.locals.iter() {
-            if local.ring.is_empty() {
-                continue;
-            }
-            let (mut words, mut bytes) = (std::mem::take(&mut output.words), std::mem::take(&mut output.bytes));
-            output.summary.events += drain_events(&local.ring, &self.clock, &mut words, &mut bytes);
-            output.record(record::EVENTS, &bytes);
-            (output.words, output.bytes) = (words, bytes);
-            wrote = true;
+        !cold.is_empty()
+    }
+
+    /// `ring` into one events record (`output` held); whether it held anything.
+    fn drain_ring(&self, output: &mut Output, ring: &Ring) -> bool {
+        if ring.is_empty() {
+            return false;
         }
-        wrote
+        let (mut words, mut bytes) = (std::mem::take(&mut output.words), std::mem::take(&mut output.bytes));
+        output.summary.events += drain_events(ring, &self.clock, &mut words, &mut bytes);
+        output.record(record::EVENTS, &bytes);
+        (output.words, output.bytes) = (words, bytes);
+        true
     }
 }
 
@@ -530,5 +560,77 @@ fn write_loop(shared: &Shared, interval: Duration) -> Result<RecordingSummary, R
     match output.error.take() {
         None => Ok(output.summary),
         Some(source) => Err(RecordError::Io { written: output.summary.bytes, source }),
+    }
+}
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+    use crate::event::{self, Block, What};
+
+    /// An output the test reads back.
+    #[derive(Clone, Default)]
+    struct Bytes(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Bytes {
+        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_full_ring_drains_only_itself_and_every_threads_events_stay_in_order() {
+        let bytes = Bytes::default();
+        let mut out = bytes.clone();
+        format::write_header(&mut out, 0).unwrap();
+        // No writer thread: only a thread whose ring is full drains, so what it drained
+        // is exactly what the file holds. 32 words: four lost events (7 words) fit.
+        let shared = Shared::new(Box::new(out), 32);
+        let device = DeviceKey::host(1);
+        let lost =
+            |id: u64| move |ts, thread| event::lost_words(ts, thread, device, 1, &Block::new(id, id << 12, 64, 64));
+        let events = || lock(&shared.output).summary.events;
+
+        shared.emit(lost(0)); // this thread's ring (and thread index) first
+        let other = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    shared.emit(lost(100));
+                    shared.emit(lost(101));
+                    shared.locals.get(thread_index()).expect("the other thread's ring")
+                })
+                .join()
+                .unwrap()
+        });
+        for id in 1..10 {
+            shared.emit(lost(id));
+        }
+        // Full at ids 4 and 8: each time this thread wrote out its own four events, and
+        // the other thread's two wait in its ring for the writer.
+        assert_eq!(shared.waits.load(Ordering::Relaxed), 2);
+        assert_eq!(events(), 8, "only the full ring's events were written");
+        assert!(!other.ring.is_empty(), "the other thread's ring was not drained");
+
+        shared.closed.store(true, Ordering::Release);
+        let summary = write_loop(&shared, Duration::ZERO).unwrap();
+        assert_eq!((summary.events, summary.waits, summary.dropped), (12, 2, 0));
+        let written = bytes.0.lock().unwrap().clone();
+        let mut by_thread = std::collections::BTreeMap::<u32, Vec<u64>>::new();
+        let trace = crate::scan_trace(&written[..], |event| match event.what {
+            What::Lost(block) => by_thread.entry(event.thread).or_default().push(block.id),
+            other => panic!("only lost blocks were recorded: {other:?}"),
+        })
+        .unwrap();
+        assert!(trace.damage.is_none(), "{:?}", trace.damage);
+        assert_eq!(trace.end.map(|end| end.events), Some(12));
+        assert_eq!(trace.threads.len(), 2, "both threads are named: {:?}", trace.threads);
+        let mut orders: Vec<Vec<u64>> = by_thread.into_values().collect();
+        orders.sort();
+        assert_eq!(orders, [(0..10).collect::<Vec<u64>>(), vec![100, 101]], "each thread's events in its order");
     }
 }
