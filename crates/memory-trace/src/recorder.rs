@@ -67,16 +67,30 @@ pub(crate) struct Shared {
     clock: Clock,
     locals: PerThread<Local>,
     ring_words: usize,
-    cold: Mutex<Vec<Cold>>,
+    /// Records built on cold paths (tenants, thread names, marks), until the writer's
+    /// last pass closes the queue (see [`ColdQueue`]).
+    cold: Mutex<ColdQueue>,
+    /// Set by [`Recorder::finish`]: events recorded from now on are dropped (counted).
     closed: AtomicBool,
     writer: std::sync::OnceLock<Thread>,
     next_tenant: AtomicU32,
-    /// Events not recorded because the recording was closed.
+    /// Events and marks not recorded because the recording was finished: those that
+    /// found it closed, and (counted by [`Recorder::dropped`]) those that landed in a
+    /// ring after the writer's last drain.
     dropped: AtomicU64,
     /// Times a thread found its ring full and drained it itself.
     waits: AtomicU64,
     /// The file; its holder is the rings' consumer (see [`Output`]).
     output: Mutex<Output>,
+}
+
+/// The records queued on cold paths, and whether the queue still takes them. The
+/// writer's last pass takes the records and closes the queue under one lock, so a record
+/// is either queued before that (and written, before the end record) or refused: a mark
+/// that [`Recorder::try_mark`] answered `Ok` is in the file.
+struct ColdQueue {
+    records: Vec<Cold>,
+    closed: bool,
 }
 
 /// The calling thread's number in traces (process-wide, from 1, never reused).
@@ -158,7 +172,7 @@ impl Shared {
             clock: Clock::start(),
             locals: PerThread::new(),
             ring_words,
-            cold: Mutex::new(Vec::new()),
+            cold: Mutex::new(ColdQueue { records: Vec::new(), closed: false }),
             closed: AtomicBool::new(false),
             writer: std::sync::OnceLock::new(),
             next_tenant: AtomicU32::new(1),
@@ -249,15 +263,33 @@ impl Shared {
         }
     }
 
-    /// Queues a record built on a cold path for the writer.
-    pub(crate) fn queue(&self, cold: Cold) {
-        lock(&self.cold).push(cold);
+    /// Queues a record built on a cold path for the writer; whether the queue took it
+    /// (`false`: the writer's last pass closed it, and the record is not written).
+    pub(crate) fn queue(&self, cold: Cold) -> bool {
+        let mut queue = lock(&self.cold);
+        if queue.closed {
+            return false;
+        }
+        queue.records.push(cold);
+        true
     }
 
-    /// Queues a mark at the time now.
-    pub(crate) fn mark(&self, device: DeviceKey, tenant: u32, kind: MarkKind, value: u64, label: &str) {
+    /// Queues a mark at the time now; `Err` (counted in `dropped`) when the recording
+    /// is finished: the writer's last pass closed the queue, and the mark is not written.
+    pub(crate) fn mark(
+        &self,
+        device: DeviceKey,
+        tenant: u32,
+        kind: MarkKind,
+        value: u64,
+        label: &str,
+    ) -> Result<(), RecordError> {
         let ts = self.clock.nanos(self.clock.stamp());
-        self.queue(writer::mark_record(ts, thread_number(), device, tenant, kind, value, label));
+        if self.queue(writer::mark_record(ts, thread_number(), device, tenant, kind, value, label)) {
+            return Ok(());
+        }
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        Err(RecordError::AlreadyFinished { asked: format!("a {} mark \"{label}\"", kind.name()) })
     }
 
     fn register_tenant(&self, mut tenant: Tenant) -> u32 {
@@ -278,7 +310,8 @@ pub struct RecordingSummary {
     pub records: u64,
     /// Bytes written (the header included).
     pub bytes: u64,
-    /// Events not recorded because they came after the recording was finished.
+    /// Events and marks not recorded because they came after the recording was finished
+    /// (up to its end record; [`Recorder::dropped`] counts those since, too).
     pub dropped: u64,
     /// Times a recording thread found its ring full and drained that ring itself.
     pub waits: u64,
@@ -300,9 +333,16 @@ pub enum RecordError {
     /// The writer thread panicked.
     #[error("the trace writer thread panicked; the file is readable up to its last flush")]
     WriterPanicked,
-    /// The recording was already finished.
-    #[error("the recording was already finished")]
-    AlreadyFinished,
+    /// The recording was already finished: what was asked (a second finish, a mark) added
+    /// nothing to the file.
+    #[error(
+        "{asked} was asked of a recording that was already finished (Recorder::finish), so nothing was added to \
+         the file; ask before finishing, or record again with a new Recorder"
+    )]
+    AlreadyFinished {
+        /// What was asked: `"finish"`, or the mark with its kind and label.
+        asked: String,
+    },
 }
 
 /// An opt-in recorder of governed allocations: wrap each governed allocator with
@@ -390,9 +430,49 @@ impl Recorder {
     }
 
     /// Records a mark now: a device lost (call it beside `invalidate_device`), or a note
-    /// (a phase of the workload).
+    /// (a phase of the workload). `Ok` means the mark is in the file once the recording
+    /// is finished, even when this call races [`Recorder::finish`] on another thread.
+    ///
+    /// # Errors
+    /// [`RecordError::AlreadyFinished`] when the recording is finished (or its finish,
+    /// racing this call, already wrote its last pass): the mark is not in the file, and
+    /// is counted in [`Recorder::dropped`].
+    pub fn try_mark(&self, device: DeviceKey, kind: MarkKind, label: &str) -> Result<(), RecordError> {
+        self.shared.mark(device, 0, kind, 0, label)
+    }
+
+    /// [`Recorder::try_mark`] for callers with nothing to do about a finished recording:
+    /// a mark refused because the recording is finished is not in the file, is counted in
+    /// [`Recorder::dropped`] and logged (a `tracing` warning). Never silently lost.
     pub fn mark(&self, device: DeviceKey, kind: MarkKind, label: &str) {
-        self.shared.mark(device, 0, kind, 0, label);
+        if let Err(error) = self.try_mark(device, kind, label) {
+            tracing::warn!(%error, "trace mark not recorded");
+        }
+    }
+
+    /// Events and marks not in the file because they came after [`Recorder::finish`], or
+    /// raced it: the summary's `dropped`, plus those recorded since. Every event a traced
+    /// allocator records is either in the file or counted here, once the calls that
+    /// recorded it have returned (an event that raced the last drain waits in its ring
+    /// until this call counts it); 0 while recording.
+    pub fn dropped(&self) -> u64 {
+        let output = lock(&self.shared.output);
+        if output.finished {
+            // The rings' consumer (under the output lock): what landed after the last
+            // drain is counted and discarded.
+            for local in self.shared.locals.iter() {
+                let (mut words, mut at) = (Vec::new(), 0usize);
+                local.ring.drain_with(|word| words.push(word));
+                let mut late = 0u64;
+                while at + 1 < words.len() {
+                    at += usize::from(words[at + 1] as u8).max(2);
+                    late += 1;
+                }
+                self.shared.dropped.fetch_add(late, Ordering::Relaxed);
+            }
+        }
+        drop(output);
+        self.shared.dropped.load(Ordering::Relaxed)
     }
 
     /// Whether [`Recorder::finish`] was called (it may still be running on another
@@ -402,14 +482,27 @@ impl Recorder {
     }
 
     /// Stops recording, drains every ring, writes the end record and waits for the
-    /// writer. Events recorded after this call are dropped (counted); events recorded
-    /// *during* it by other threads may be missing, so stop the workload first.
+    /// writer.
+    ///
+    /// What is in the file:
+    /// - every event recorded by a call that returned before this one was made (on any
+    ///   thread, ordered before it: joined, or synchronised with it);
+    /// - every mark [`Recorder::try_mark`] answered `Ok`, whenever it was made;
+    /// - of the events recorded by calls that overlap this one on other threads, those
+    ///   that reached their ring before the writer's last drain. The others are not in
+    ///   the file and are counted, never silently lost: those that found the recording
+    ///   closed in the summary's `dropped` (and the end record's), and those that landed
+    ///   in a ring after the last drain in [`Recorder::dropped`], which counts every
+    ///   event not in the file once the calls have returned. Stop the workload first to
+    ///   have it all.
     ///
     /// # Errors
     /// [`RecordError`] when writing failed (the file is readable up to the failure), or
     /// [`RecordError::AlreadyFinished`] when this is not the first call.
     pub fn finish(&self) -> Result<RecordingSummary, RecordError> {
-        let Some(handle) = lock(&self.writer).take() else { return Err(RecordError::AlreadyFinished) };
+        let Some(handle) = lock(&self.writer).take() else {
+            return Err(RecordError::AlreadyFinished { asked: "finish".to_owned() });
+        };
         self.shared.closed.store(true, Ordering::Release);
         handle.thread().unpark();
         handle.join().map_err(|_| RecordError::WriterPanicked)?
@@ -511,7 +604,18 @@ impl Shared {
 
     /// The cold records queued so far (`output` held); whether there were any.
     fn drain_cold(&self, output: &mut Output) -> bool {
-        let cold = std::mem::take(&mut *lock(&self.cold));
+        self.take_cold(output, false)
+    }
+
+    /// The cold records queued so far (`output` held), closing the queue when `close`
+    /// (in the same lock, so every record queued is taken by this pass or an earlier
+    /// one); whether there were any.
+    fn take_cold(&self, output: &mut Output, close: bool) -> bool {
+        let cold = {
+            let mut queue = lock(&self.cold);
+            queue.closed |= close;
+            std::mem::take(&mut queue.records)
+        };
         for record in &cold {
             if record.kind == record::MARK {
                 output.summary.events += 1;
@@ -535,20 +639,24 @@ impl Shared {
 }
 
 fn write_loop(shared: &Shared, interval: Duration) -> Result<RecordingSummary, RecordError> {
-    loop {
-        let closing = shared.closed.load(Ordering::Acquire);
+    // Until `closed` (with `Acquire`: every event recorded before `finish` is in its
+    // ring, below a head this thread's drains see).
+    while !shared.closed.load(Ordering::Acquire) {
         {
             let mut output = lock(&shared.output);
-            if shared.drain_into(&mut output) && !closing {
+            if shared.drain_into(&mut output) {
                 output.flush();
             }
         }
-        if closing {
-            break;
-        }
         std::thread::park_timeout(interval);
     }
+    // The last pass: the cold queue closed as it is taken (a mark is either in it or
+    // refused), then every ring, then the end record.
     let mut output = lock(&shared.output);
+    shared.take_cold(&mut output, true);
+    for local in shared.locals.iter() {
+        shared.drain_ring(&mut output, &local.ring);
+    }
     output.summary.dropped = shared.dropped.load(Ordering::Relaxed);
     output.summary.waits = shared.waits.load(Ordering::Relaxed);
     let end = writer::end_record(output.summary.events, output.summary.records + 1, output.summary.dropped);

@@ -10,8 +10,8 @@ use allocator_cpu::SystemAllocator;
 use memory_governor::*;
 use memory_testkit::{FaultyAllocator, HostHeap};
 use memory_trace::{
-    FailureKind, MarkKind, Recorder, RecorderConfig, RefusalKind, ReleaseKind, Scope, Trace, What, caller_tag,
-    read_trace, replace_caller_tag, set_caller_tag, with_caller_tag,
+    FailureKind, MarkKind, RecordError, Recorder, RecorderConfig, RefusalKind, ReleaseKind, Scope, Trace, What,
+    caller_tag, read_trace, replace_caller_tag, set_caller_tag, with_caller_tag,
 };
 
 const DEV: DeviceKey = DeviceKey::host(7);
@@ -276,9 +276,114 @@ fn events_after_finish_are_dropped_and_counted_not_written() {
     let summary = recorder.finish().unwrap();
     assert_eq!((summary.events, summary.dropped), (1, 0));
     s.binding.release(block).unwrap();
-    assert!(matches!(recorder.finish(), Err(memory_trace::RecordError::AlreadyFinished)));
+    let second = recorder.finish().unwrap_err();
+    assert!(matches!(&second, RecordError::AlreadyFinished { asked } if asked == "finish"), "{second:?}");
+    let mark = recorder.try_mark(DEV, MarkKind::Note, "late").unwrap_err();
+    assert_eq!(
+        mark.to_string(),
+        "a note mark \"late\" was asked of a recording that was already finished (Recorder::finish), so nothing \
+         was added to the file; ask before finishing, or record again with a new Recorder"
+    );
+    recorder.mark(DEV, MarkKind::Note, "later"); // refused, counted and logged
+    assert_eq!(recorder.dropped(), 3, "the release and both marks");
     let trace = read_trace(&bytes.lock().unwrap()[..]).unwrap();
     assert_eq!(trace.events.len(), 1);
+}
+
+/// Marks racing `finish` on other threads, many times: each `try_mark` either returns
+/// `Ok` and its mark is in the file, or is refused as `AlreadyFinished` (and counted);
+/// no mark is lost between the two.
+#[test]
+fn a_mark_racing_finish_is_in_the_file_or_refused_never_lost() {
+    const ROUNDS: usize = 200;
+    const THREADS: usize = 3;
+    for round in 0..ROUNDS {
+        let (recorder, bytes) = recorder(RecorderConfig::default());
+        let (summary, marked) = std::thread::scope(|scope| {
+            let markers: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let recorder = &recorder;
+                    scope.spawn(move || {
+                        let mut marked = Vec::new();
+                        for i in 0.. {
+                            let label = format!("{t}-{i}");
+                            match recorder.try_mark(DEV, MarkKind::Note, &label) {
+                                Ok(()) => marked.push(label),
+                                Err(RecordError::AlreadyFinished { .. }) => return marked,
+                                Err(error) => panic!("{error}"),
+                            }
+                        }
+                        unreachable!()
+                    })
+                })
+                .collect();
+            // Finish at a different point of the marking each round.
+            for _ in 0..round * 7 {
+                std::hint::spin_loop();
+            }
+            let summary = recorder.finish().unwrap();
+            let marked: Vec<String> = markers.into_iter().flat_map(|marker| marker.join().unwrap()).collect();
+            (summary, marked)
+        });
+        let trace = read_trace(&bytes.lock().unwrap()[..]).unwrap();
+        assert!(trace.damage.is_none(), "{:?}", trace.damage);
+        let mut in_file: Vec<String> = trace
+            .events
+            .iter()
+            .map(|event| match &event.what {
+                What::Mark { label, .. } => label.clone(),
+                other => panic!("only marks were recorded: {other:?}"),
+            })
+            .collect();
+        let mut marked = marked;
+        in_file.sort();
+        marked.sort();
+        assert_eq!(in_file, marked, "round {round}: the marks answered Ok, exactly");
+        assert_eq!(summary.events, marked.len() as u64);
+        assert_eq!(recorder.dropped(), THREADS as u64, "round {round}: one refused mark a thread");
+    }
+}
+
+/// Allocations and releases racing `finish` on other threads, many times: every event
+/// is in the file or counted by `Recorder::dropped` once the threads have stopped.
+#[test]
+fn events_racing_finish_are_in_the_file_or_counted_by_dropped() {
+    const ROUNDS: usize = 50;
+    const THREADS: usize = 3;
+    for round in 0..ROUNDS {
+        // Small rings: some threads find theirs full and drain it themselves meanwhile.
+        let (recorder, bytes) = recorder(RecorderConfig::default().with_ring_words(64));
+        let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let events: u64 = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    let (binding, stop) = (s.binding.clone(), &stop);
+                    scope.spawn(move || {
+                        let mut events = 0u64;
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            let block = binding.allocate(request(256, MemoryRole::KvCache)).unwrap();
+                            binding.release(block).unwrap();
+                            events += 2;
+                        }
+                        events
+                    })
+                })
+                .collect();
+            std::thread::sleep(std::time::Duration::from_micros(200 + 37 * round as u64));
+            recorder.finish().unwrap();
+            // A little more after the finish: those are dropped.
+            std::thread::sleep(std::time::Duration::from_micros(100));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            workers.into_iter().map(|worker| worker.join().unwrap()).sum()
+        });
+        let trace = read_trace(&bytes.lock().unwrap()[..]).unwrap();
+        assert!(trace.damage.is_none(), "{:?}", trace.damage);
+        let written = trace.events.len() as u64;
+        assert_eq!(trace.end.unwrap().events, written);
+        assert_eq!(written + recorder.dropped(), events, "round {round}: {written} written of {events}");
+        drop(s);
+    }
 }
 
 /// Ten million events from four threads record whole and read back (release build:

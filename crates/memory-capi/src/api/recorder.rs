@@ -53,17 +53,22 @@ impl Recording {
     /// Refuses a call that would add to the recording once it is finished.
     fn check_running(&self, recorder: *const McRecorder) -> Result<(), Failure> {
         if self.recorder.is_finished() {
-            return Err(Failure::new(
-                MC_ERR_STATE,
-                format!(
-                    "recorder {:#x} finished its recording of \"{}\" (mc_recorder_finish); record again with a new \
-                     recorder (mc_recorder_create)",
-                    number(recorder),
-                    self.path
-                ),
-            ));
+            return Err(self.finished(recorder));
         }
         Ok(())
+    }
+
+    /// What a call that would add to a finished recording is answered.
+    fn finished(&self, recorder: *const McRecorder) -> Failure {
+        Failure::new(
+            MC_ERR_STATE,
+            format!(
+                "recorder {:#x} finished its recording of \"{}\" (mc_recorder_finish); record again with a new \
+                     recorder (mc_recorder_create)",
+                number(recorder),
+                self.path
+            ),
+        )
     }
 
     /// Wraps a governed allocator registered through a handle naming this recording.
@@ -76,7 +81,7 @@ impl Recording {
     fn finish(&self, recorder: *const McRecorder) -> Result<McRecordingSummary, Failure> {
         match self.recorder.finish() {
             Ok(summary) => Ok(summary.into()),
-            Err(RecordError::AlreadyFinished) => Err(Failure::new(
+            Err(RecordError::AlreadyFinished { .. }) => Err(Failure::new(
                 MC_ERR_STATE,
                 format!(
                     "recorder {:#x} already finished its recording of \"{}\"; a recording is finished once: read the \
@@ -212,8 +217,14 @@ pub unsafe extern "C" fn mc_recorder_mark(
         // SAFETY: null or NUL-terminated (the caller's contract).
         let label = unsafe { text_or(label, "label", "") }?;
         recording.check_running(recorder)?;
-        recording.recorder.mark(device, kind, label);
-        Ok(())
+        // A finish racing this call on another thread: the recorder refuses the mark
+        // (and counts it) rather than lose it, so MC_OK means the mark is in the file and
+        // MC_ERR_STATE that it is not.
+        match recording.recorder.try_mark(device, kind, label) {
+            Ok(()) => Ok(()),
+            Err(RecordError::AlreadyFinished { .. }) => Err(recording.finished(recorder)),
+            Err(error) => Err(Failure::new(MC_ERR_BACKEND, format!("recording to \"{}\": {error}", recording.path))),
+        }
     })
 }
 
