@@ -556,7 +556,11 @@ struct Bench {
     handles: Handles,
 }
 
-fn build(name: &str, config: &str) -> Result<Bench, String> {
+/// Builds a child's session for `config`. With `logged` (`--trace` only), the requests
+/// above and below the pool are logged; the timed children log nothing, so what they
+/// measure is the allocator stack a runtime would build, with no lock or growing log of
+/// the bench's own on its path.
+fn build(name: &str, config: &str, logged: bool) -> Result<Bench, String> {
     let work = model(name)?.work;
     let assets = OrtAssets::locate().map_err(|e| e.to_string())?;
     let env = OrtEnvironment::load(&assets.library).map_err(|e| e.to_string())?;
@@ -584,6 +588,7 @@ fn build(name: &str, config: &str) -> Result<Bench, String> {
                 Arc::new(SystemAllocator::new())
             } else {
                 let (above, below): (Log, Log) = Default::default();
+                let below_log = logged.then(|| Arc::clone(&below));
                 let pool_config = if config == "governed-pool-cap16" {
                     PoolConfig::default().with_max_cached_bytes(16 << 20)
                 } else {
@@ -592,20 +597,27 @@ fn build(name: &str, config: &str) -> Result<Bench, String> {
                 // The pool takes its memory through a cache backing, as a governed pool
                 // is built: the device limit bounds what it holds, used and idle.
                 let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(DeviceKey::HOST)));
-                let pool = Arc::new(PooledAllocator::with_config(
-                    Probe { inner: backing, log: Arc::clone(&below) },
-                    pool_config,
-                ));
+                let pool =
+                    Arc::new(PooledAllocator::with_config(Probe { inner: backing, log: below_log }, pool_config));
                 handles.pool = Some(Arc::clone(&pool));
-                (handles.above, handles.below) = (Some(Arc::clone(&above)), Some(below));
+                if logged {
+                    (handles.above, handles.below) = (Some(Arc::clone(&above)), Some(below));
+                }
                 let pool: Arc<dyn DeviceAllocator> = pool;
                 if config == "governed-pool-pow2" {
-                    Arc::new(PowerOfTwo { inner: pool, log: above })
+                    Arc::new(PowerOfTwo { inner: pool, log: logged.then_some(above) })
                 } else if config == "governed-pool-trim-grow" {
                     let trimmed = Arc::clone(handles.pool.as_ref().expect("set above"));
-                    Arc::new(TrimOnGrowth { inner: pool, log: above, pool: trimmed, largest: AtomicUsize::new(0) })
+                    Arc::new(TrimOnGrowth {
+                        inner: pool,
+                        log: logged.then_some(above),
+                        pool: trimmed,
+                        largest: AtomicUsize::new(0),
+                    })
+                } else if logged {
+                    Arc::new(Probe { inner: pool, log: Some(above) })
                 } else {
-                    Arc::new(Probe { inner: pool, log: above })
+                    pool
                 }
             };
             let allocator = governed_allocator(&env, &registry, &governor, tenant, account, inner)?;
@@ -686,7 +698,7 @@ fn child(args: &[String]) -> Result<(), String> {
     let [name, config, iters] = args else { return Err("usage: --child MODEL CONFIG ITERS".to_owned()) };
     let iters: usize = iters.parse().map_err(|_| "ITERS is a number")?;
     let work = model(name)?.work;
-    let mut bench = build(name, config)?;
+    let mut bench = build(name, config, false)?;
     let warm_up = work.warm_up();
     for index in 0..warm_up {
         (bench.run)(index)?;
@@ -818,7 +830,7 @@ fn trace(args: &[String]) -> Result<(), String> {
     };
     let passes: usize = args.get(2).map_or(Ok(2), |v| v.parse().map_err(|_| "PASSES is a number"))?;
     let work = model(name)?.work;
-    let mut bench = build(name, config)?;
+    let mut bench = build(name, config, true)?;
     println!("# {name} {config}, per run: its time; the requests that reached the pool (what the adapter asked for,");
     println!("# let through by the governor) and those that reached the system below it: count, and those of >= 1 MiB");
     println!("# in MiB; the pool's segments after the run (count, MiB, of which cached MiB); resident and peak MiB");
@@ -889,7 +901,8 @@ fn trace(args: &[String]) -> Result<(), String> {
 /// through: what the adapter asked for, or what reached the system below the pool).
 struct Probe<A> {
     inner: A,
-    log: Log,
+    /// `None`: forwards only (the timed children).
+    log: Option<Log>,
 }
 
 impl<A: DeviceAllocator> DeviceAllocator for Probe<A> {
@@ -900,7 +913,7 @@ impl<A: DeviceAllocator> DeviceAllocator for Probe<A> {
         self.inner.name()
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        if let Ok(mut log) = self.log.lock() {
+        if let Some(Ok(mut log)) = self.log.as_ref().map(|log| log.lock()) {
             log.push(request.bytes());
         }
         self.inner.allocate(request)
@@ -923,7 +936,7 @@ impl<A: DeviceAllocator> DeviceAllocator for Probe<A> {
 /// before it, and logs requests as `Probe` does.
 struct TrimOnGrowth<A> {
     inner: A,
-    log: Log,
+    log: Option<Log>,
     pool: Arc<BenchPool>,
     largest: AtomicUsize,
 }
@@ -936,7 +949,7 @@ impl<A: DeviceAllocator> DeviceAllocator for TrimOnGrowth<A> {
         self.inner.name()
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        if let Ok(mut log) = self.log.lock() {
+        if let Some(Ok(mut log)) = self.log.as_ref().map(|log| log.lock()) {
             log.push(request.bytes());
         }
         if request.bytes() >= 1 << 20 && self.largest.fetch_max(request.bytes(), Ordering::Relaxed) < request.bytes() {
@@ -962,7 +975,7 @@ impl<A: DeviceAllocator> DeviceAllocator for TrimOnGrowth<A> {
 /// (the block, and so the charge, is the rounded size), and logs them as `Probe` does.
 struct PowerOfTwo<A> {
     inner: A,
-    log: Log,
+    log: Option<Log>,
 }
 
 impl<A: DeviceAllocator> DeviceAllocator for PowerOfTwo<A> {
@@ -973,7 +986,7 @@ impl<A: DeviceAllocator> DeviceAllocator for PowerOfTwo<A> {
         self.inner.name()
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        if let Ok(mut log) = self.log.lock() {
+        if let Some(Ok(mut log)) = self.log.as_ref().map(|log| log.lock()) {
             log.push(request.bytes());
         }
         if request.bytes() >= 1 << 20
