@@ -631,6 +631,151 @@ pub(crate) fn lost_words(ts: u64, thread: u32, device: DeviceKey, tenant: u32, b
     ]
 }
 
+/// The recorder's ring encoding of the two hot events: what a recording thread stores,
+/// which the writer expands into the file's events ([`expand`]). The file format does
+/// not change; the ring holds fewer words, so a recording thread writes fewer cache
+/// lines that the writer thread reads (each a cross-core miss): an allocation is 5 words
+/// instead of 9 and a release 5 instead of 10, plus one word for a caller tag, one for
+/// bytes asked for other than the block's (allocation) or a residual (quarantine).
+///
+/// A ring event's second word keeps the low byte as its size in words, as every event
+/// does (the writer walks the ring by it):
+///
+/// | bits | field |
+/// |------|-------|
+/// | 0-7 | size in ring words (5 to 7) |
+/// | 8-15 | ring kind ([`compact::ALLOCATE`], [`compact::RELEASE`]) |
+/// | 16-23 | role ordinal (allocation) or outcome code (release) |
+/// | 24-29 | log2 of the alignment (a power of two; other alignments go in file form) |
+/// | 30 | a caller tag follows (last word) |
+/// | 31 | an extra word follows: bytes asked for (allocation), residual (release) |
+/// | 32-63 | tenant |
+///
+/// Words: 0 the clock stamp, 1 the header above, 2 id, 3 address, 4 block bytes, then
+/// the extra word and the caller tag when their flags say so. The thread is not stored:
+/// a ring belongs to one thread at a time, and the first event of each thread in it is
+/// an [`compact::OWNER`] pseudo-event (`[thread, header]`) that the writer remembers for
+/// that ring. Device: the tenant's, from the recorder's table of tenants.
+pub(crate) mod compact {
+    /// A pseudo-event: the thread whose events follow in this ring (not an event).
+    pub(crate) const OWNER: u8 = 0x80;
+    /// An allocation (file kind `allocate`).
+    pub(crate) const ALLOCATE: u8 = 0x81;
+    /// A release (file kind `release`).
+    pub(crate) const RELEASE: u8 = 0x82;
+    /// The most words a compact event has.
+    pub(crate) const MAX: usize = 7;
+    /// The words before the optional ones.
+    pub(crate) const BASE: usize = 5;
+    pub(crate) const CALLER: u64 = 1 << 30;
+    pub(crate) const EXTRA: u64 = 1 << 31;
+}
+
+/// A compact ring event: its words and how many are used.
+pub(crate) struct Compact {
+    pub(crate) words: [u64; compact::MAX],
+    pub(crate) len: usize,
+}
+
+impl Compact {
+    /// The words to push.
+    #[inline(always)]
+    pub(crate) fn words(&self) -> &[u64] {
+        &self.words[..self.len]
+    }
+}
+
+/// A compact event of `kind` whose byte 2 is `code`: the header word filled in last,
+/// once the optional words are known. `None` when the alignment is not a power of two
+/// (the caller records the file form).
+#[inline(always)]
+fn compact_event(ts: u64, kind: u8, code: u8, tenant: u32, block: &Block, extra: Option<u64>) -> Option<Compact> {
+    if !block.align.is_power_of_two() {
+        return None;
+    }
+    let mut words = [ts, 0, block.id, block.address, block.bytes, 0, 0];
+    let (mut len, mut flags) = (compact::BASE, 0);
+    if let Some(extra) = extra {
+        words[len] = extra;
+        len += 1;
+        flags |= compact::EXTRA;
+    }
+    if block.caller != 0 {
+        words[len] = block.caller;
+        len += 1;
+        flags |= compact::CALLER;
+    }
+    words[1] = len as u64
+        | u64::from(kind) << 8
+        | u64::from(code) << 16
+        | u64::from(block.align.trailing_zeros()) << 24
+        | flags
+        | u64::from(tenant) << 32;
+    Some(Compact { words, len })
+}
+
+/// An allocation in ring form (see [`compact`]); `None` for an alignment that is not a
+/// power of two.
+#[inline(always)]
+pub(crate) fn compact_allocate(ts: u64, tenant: u32, role: MemoryRole, block: &Block) -> Option<Compact> {
+    let extra = (block.requested != block.bytes).then_some(block.requested);
+    compact_event(ts, compact::ALLOCATE, role.ordinal() as u8, tenant, block, extra)
+}
+
+/// A release in ring form (see [`compact`]); `None` for an alignment that is not a power
+/// of two.
+#[inline(always)]
+pub(crate) fn compact_release(
+    ts: u64,
+    tenant: u32,
+    block: &Block,
+    outcome: ReleaseKind,
+    residual: u64,
+) -> Option<Compact> {
+    let extra = (residual != 0).then_some(residual);
+    compact_event(ts, compact::RELEASE, outcome.code() as u8, tenant, block, extra)
+}
+
+/// The owner pseudo-event of a ring: `thread`'s events follow.
+pub(crate) fn owner_words(thread: u32) -> [u64; 2] {
+    [u64::from(thread), 2 | u64::from(compact::OWNER) << 8]
+}
+
+/// Appends the file words of the ring event `ring` (whole, its size checked by the
+/// caller; its time word already in nanoseconds) to `out`: a compact event expanded with
+/// `thread` and the tenant's `device` (looked up only for compact events), any other as
+/// it is.
+#[inline]
+pub(crate) fn expand(ring: &[u64], thread: u32, device: impl FnOnce(u32) -> DeviceKey, out: &mut Vec<u64>) {
+    let header = ring[1];
+    let ring_kind = (header >> 8) as u8;
+    if ring_kind != compact::ALLOCATE && ring_kind != compact::RELEASE {
+        out.extend_from_slice(ring);
+        return;
+    }
+    let (code, tenant) = ((header >> 16) as u8, (header >> 32) as u32);
+    let align = 1u64 << ((header >> 24) & 0x3f);
+    let mut at = compact::BASE;
+    let extra = if header & compact::EXTRA != 0 {
+        at += 1;
+        Some(ring[at - 1])
+    } else {
+        None
+    };
+    let caller = if header & compact::CALLER != 0 { ring[at] } else { 0 };
+    let (ts, id, address, bytes) = (ring[0], ring[2], ring[3], ring[4]);
+    let device = device(tenant);
+    let word2 = format::word2(thread, tenant);
+    if ring_kind == compact::ALLOCATE {
+        let word1 = format::word1(words::ALLOCATE, kind::ALLOCATE, code, device);
+        out.extend_from_slice(&[ts, word1, word2, id, address, extra.unwrap_or(bytes), bytes, align, caller]);
+    } else {
+        let word1 = format::word1(words::RELEASE, kind::RELEASE, NO_ROLE, device);
+        let residual = extra.unwrap_or(0);
+        out.extend_from_slice(&[ts, word1, word2, id, address, bytes, align, caller, u64::from(code), residual]);
+    }
+}
+
 impl Event {
     /// An event of `what` at `ts_ns` on `thread`, for `tenant` on `device`.
     pub fn new(ts_ns: u64, thread: u32, device: DeviceKey, tenant: u32, role: Option<MemoryRole>, what: What) -> Event {
@@ -754,5 +899,54 @@ impl Event {
             What::Lost(_) => "lost",
             What::Mark { .. } => "mark",
         }
+    }
+}
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+
+    fn expanded(compact: &Compact, thread: u32, device: DeviceKey) -> Vec<u64> {
+        let mut out = Vec::new();
+        expand(compact.words(), thread, |_| device, &mut out);
+        out
+    }
+
+    #[test]
+    fn a_compact_event_expands_to_the_file_event_it_stands_for() {
+        let device = DeviceKey::device(3);
+        let (thread, tenant) = (7, 2);
+        for (requested, caller) in [(4096, 0), (4000, 0), (4096, 99), (4000, 99)] {
+            let block = Block::new(0x1234, 0x7000_0000, 4096, 256).with_requested(requested).with_caller(caller);
+            let role = MemoryRole::KvCache;
+            let allocate = compact_allocate(11, tenant, role, &block).expect("a power-of-two alignment");
+            let words = 5 + usize::from(requested != 4096) + usize::from(caller != 0);
+            assert_eq!(allocate.len, words, "only the words that carry something");
+            let file = allocate_words(11, thread, device, tenant, role, &block);
+            assert_eq!(expanded(&allocate, thread, device), file, "allocate {requested} {caller}");
+            for (outcome, residual) in
+                [(ReleaseKind::Complete, 0), (ReleaseKind::Quarantined, 1024), (ReleaseKind::Failed, 0)]
+            {
+                let release = compact_release(12, tenant, &block, outcome, residual).expect("a power-of-two alignment");
+                let file = release_words(12, thread, device, tenant, &block, outcome, residual);
+                assert_eq!(expanded(&release, thread, device), file, "release {outcome:?} {residual} {caller}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_alignment_that_is_not_a_power_of_two_has_no_compact_form() {
+        let block = Block::new(1, 0x1000, 96, 48);
+        assert!(compact_allocate(1, 1, MemoryRole::Other, &block).is_none());
+        assert!(compact_release(1, 1, &block, ReleaseKind::Complete, 0).is_none());
+    }
+
+    #[test]
+    fn a_file_event_in_a_ring_passes_through_as_it_is() {
+        let device = DeviceKey::host(1);
+        let lost = lost_words(5, 3, device, 1, &Block::new(9, 0x2000, 64, 64));
+        let mut out = Vec::new();
+        expand(&lost, 99, |_| panic!("no device lookup for a file event"), &mut out);
+        assert_eq!(out, lost);
     }
 }

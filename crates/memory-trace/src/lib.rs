@@ -32,10 +32,16 @@
 //! # Cost
 //! A recorded call costs the governed call plus one raw counter read (`rdtsc` through
 //! `quanta`, scaled to nanoseconds later on the writer thread: see `src/clock.rs`), a
-//! few thread-local loads and about ten stores into the thread's ring. The writer thread
+//! few thread-local loads and five to seven stores into the thread's ring. Allocations
+//! and releases go into the ring in a compact form (`event::compact`: 5 words, 40 bytes,
+//! plus one for a caller tag and one for bytes asked for other than the block's or a
+//! quarantine's residual) instead of the file's 9 and 10 words: the thread and the
+//! device are not stored (a ring has one owner thread at a time, named by a pseudo-event
+//! when it changes; the device is the tenant's) and the alignment is a shift. The writer
+//! thread expands them into the file's events, so the file format is the same; it
 //! drains, frames and checksums (CRC-32 by `crc32fast`) on another core, about 76 bytes
-//! an event; a thread that finds its ring full does that work itself, under the output
-//! lock, rather than wait for the scheduler to run the writer.
+//! of file an event; a thread that finds its ring full does that work itself, under the
+//! output lock, rather than wait for the scheduler to run the writer.
 //!
 //! `cargo bench -p memory-benches --bench trace` measures allocate + release through a
 //! binding, governed vs traced, interleaved in one run (4 KiB; the counter allocator,
@@ -50,14 +56,25 @@
 //! parts out one at a time in that bench: with neither the stamps nor the ring push,
 //! 1.10x and 1.05x (the wrapper, the thread-local loads, building the words); the two
 //! counter reads add about 25 ns a pair (12 ns each on this VM); the pushes, with the
-//! writer draining on the other core, about 40 ns (about 150 bytes a pair written into
-//! lines the writer reads, so each is a cross-core miss). Only fewer bytes per event,
-//! or fewer counter reads, would move the figure much.
-//! A saturating loop produces over 1 GB/s of trace, so on this machine the figure
-//! follows how much of a core the writer gets; the target (1.1x) is not met
-//! here. Recording off costs nothing: code that does not record registers the governed
-//! allocator itself, whose instruction budget (`cargo xtask budget`) this crate does not
-//! touch.
+//! writer draining on the other core, about 40 ns (then about 150 bytes a pair written
+//! into lines the writer reads, so each is a cross-core miss).
+//!
+//! The compact ring form cut those bytes to 80 a pair (19 words to 10, the bench's pairs
+//! having no caller tag). Instructions per pair under callgrind
+//! (`examples/traced_instructions.rs`, whose header has the commands; counter
+//! allocator, the difference of 60,000 and 10,000 pairs, deterministic for a build):
+//! the traced allocate and release themselves (the governed allocate inlined in the
+//! first) 464 -> 410, the writer's draining, expanding, framing and checksumming 627 ->
+//! 526, the whole process 1859 -> 1672 (the governed pair alone: about 850); the ring
+//! push now stores the event's words through one slice instead of rereading the ring's
+//! fields for each word. In time the change did not show: ten alternating runs of the
+//! bench, before and after, at load average 2.4-6.1 (another engineer's builds on the
+//! two cores), gave medians of counter 2.18x -> 2.27x and system 1.56x -> 1.85x, with
+//! single runs from 1.25x to 3.69x on both sides: on this machine the figure follows
+//! how much of a core the writer gets, not the few nanoseconds moved. The target
+//! (1.1x) is not met here. Recording off costs nothing: code that does not record
+//! registers the governed allocator itself, whose instruction budget (`cargo xtask
+//! budget`) this crate does not touch.
 //!
 //! # Correctness
 //! - No `unsafe` code (`#![forbid(unsafe_code)]`).

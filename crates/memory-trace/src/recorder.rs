@@ -1,8 +1,10 @@
 //! The recorder: per-thread rings of event words, drained to a file by one writer thread.
 //!
-//! A recording thread encodes its event into a small array on its stack and pushes it
-//! into its own ring (`memory_sync`'s per-thread table: one ring per thread index, reused
-//! by the next thread that gets the index), with no lock and no read-modify-write (see
+//! A recording thread encodes its event into a small array on its stack (allocations
+//! and releases in the ring's compact form, see [`compact`](crate::event::compact); the
+//! writer expands them into the file's events) and pushes it into its own ring
+//! (`memory_sync`'s per-thread table: one ring per thread index, reused by the next
+//! thread that gets the index), with no lock and no read-modify-write (see
 //! [`ring`](crate::ring)). The writer thread wakes every `flush_interval`, or when a ring
 //! passes half full, drains every ring into one events record each, and writes the records
 //! that cold paths queued (tenants, thread names, marks). A thread that finds its ring
@@ -22,7 +24,7 @@ use memory_governor::{DeviceKey, GovernedAllocator, Governor};
 use memory_sync::per_thread::{PerThread, thread_index};
 
 use crate::clock::Clock;
-use crate::event::{MarkKind, Tenant};
+use crate::event::{self, Compact, MarkKind, Tenant, compact};
 use crate::format::{self, record};
 use crate::ring::{Pushed, Ring};
 use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Mutex, Ordering, lock, yield_now};
@@ -33,8 +35,9 @@ use crate::writer::{self, Cold};
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RecorderConfig {
-    /// Words (8 bytes each) of each thread's ring; an event is 7 to 18 words. Rounded up
-    /// to a power of two. Default 32768 (256 KiB, about 3,500 allocation events).
+    /// Words (8 bytes each) of each thread's ring; an allocation or release is 5 to 7
+    /// words there, other events 7 to 18. Rounded up to a power of two. Default 32768
+    /// (256 KiB, about 6,500 allocations and releases without caller tags).
     pub ring_words: usize,
     /// How often the writer drains the rings when no ring asks sooner. Default 2 ms.
     pub flush_interval: Duration,
@@ -57,8 +60,13 @@ impl RecorderConfig {
 /// One thread's part of a recorder.
 struct Local {
     ring: Ring,
-    /// The trace thread number this ring's thread announced (its name record); owner only.
+    /// The trace thread number this ring's thread announced (its name record and the
+    /// ring's owner pseudo-event); owner only.
     announced: AtomicU32,
+    /// The thread whose events the consumer is reading in this ring: the last owner
+    /// pseudo-event it drained (see [`compact`](crate::event::compact)); consumer only,
+    /// under the output lock, so `Relaxed`.
+    thread: AtomicU32,
 }
 
 /// What recording threads and the writer share.
@@ -73,7 +81,9 @@ pub(crate) struct Shared {
     /// Set by [`Recorder::finish`]: events recorded from now on are dropped (counted).
     closed: AtomicBool,
     writer: std::sync::OnceLock<Thread>,
-    next_tenant: AtomicU32,
+    /// Each tenant's device, by tenant number - 1: the writer expands compact events
+    /// with it (see [`Output::devices`]).
+    devices: Mutex<Vec<DeviceKey>>,
     /// Events and marks not recorded because the recording was finished: those that
     /// found it closed, and (counted by [`Recorder::dropped`]) those that landed in a
     /// ring after the writer's last drain.
@@ -165,8 +175,8 @@ impl Shared {
             error: None,
             summary: RecordingSummary { bytes: u64::from(format::HEADER_BYTES), ..RecordingSummary::default() },
             finished: false,
-            words: Vec::new(),
-            bytes: Vec::new(),
+            devices: Vec::new(),
+            scratch: Scratch::default(),
         };
         Shared {
             clock: Clock::start(),
@@ -175,7 +185,7 @@ impl Shared {
             cold: Mutex::new(ColdQueue { records: Vec::new(), closed: false }),
             closed: AtomicBool::new(false),
             writer: std::sync::OnceLock::new(),
-            next_tenant: AtomicU32::new(1),
+            devices: Mutex::new(Vec::new()),
             dropped: AtomicU64::new(0),
             waits: AtomicU64::new(0),
             output: Mutex::new(output),
@@ -199,27 +209,54 @@ impl Shared {
     /// Records one event built by `build(stamp, thread)` at `stamp` (from [`Shared::stamp`]).
     #[inline(always)]
     pub(crate) fn emit_at<const N: usize>(&self, ts: u64, build: impl FnOnce(u64, u32) -> [u64; N]) {
+        if let Some((local, thread)) = self.local() {
+            let words = build(ts, thread);
+            self.push(local, &words, true);
+        }
+    }
+
+    /// Records one event in ring form (see [`compact`]).
+    #[inline(always)]
+    pub(crate) fn emit_compact(&self, event: &Compact) {
+        if let Some((local, _)) = self.local() {
+            self.push(local, event.words(), true);
+        }
+    }
+
+    /// The calling thread's ring and trace number, its name announced; `None` (the
+    /// event counted as dropped) once the recording is closed.
+    #[inline(always)]
+    fn local(&self) -> Option<(&Local, u32)> {
         if self.closed.load(Ordering::Relaxed) {
             self.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+            return None;
         }
         let thread = thread_number();
-        let local = self
-            .locals
-            .get_or(thread_index(), || Local { ring: Ring::new(self.ring_words), announced: AtomicU32::new(0) });
+        let local = self.locals.get_or(thread_index(), || Local {
+            ring: Ring::new(self.ring_words),
+            announced: AtomicU32::new(0),
+            thread: AtomicU32::new(0),
+        });
         if local.announced.load(Ordering::Relaxed) != thread {
             self.announce(local, thread);
         }
-        let words = build(ts, thread);
-        match local.ring.push(&words) {
+        Some((local, thread))
+    }
+
+    /// Pushes one event's words (`event`: an event, counted if dropped; else the owner
+    /// pseudo-event).
+    #[inline(always)]
+    fn push(&self, local: &Local, words: &[u64], event: bool) {
+        match local.ring.push(words) {
             Pushed::Queued => {}
             Pushed::QueuedWake => self.wake(),
-            Pushed::Full => self.push_when_drained(local, &words),
+            Pushed::Full => self.push_when_drained(local, words, event),
         }
     }
 
     /// The thread's first event through this recorder (or the first since its ring
-    /// belonged to another thread): its name goes into the trace.
+    /// belonged to another thread): its name goes into the trace, and its owner
+    /// pseudo-event into the ring, before its events.
     #[cold]
     #[inline(never)]
     fn announce(&self, local: &Local, thread: u32) {
@@ -227,6 +264,7 @@ impl Shared {
         let current = std::thread::current();
         let name = current.name().map_or_else(|| format!("thread {thread}"), str::to_owned);
         self.queue(writer::thread_record(thread, &name));
+        self.push(local, &event::owner_words(thread), false);
     }
 
     /// The ring is full: this thread drains it itself, as the rings' consumer for a
@@ -242,14 +280,16 @@ impl Shared {
     /// before its events in the file. A closed recording drops the event (counted).
     #[cold]
     #[inline(never)]
-    fn push_when_drained(&self, local: &Local, words: &[u64]) {
+    fn push_when_drained(&self, local: &Local, words: &[u64], event: bool) {
         self.waits.fetch_add(1, Ordering::Relaxed);
         loop {
             if self.closed.load(Ordering::Acquire) {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
+                if event {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                }
                 return;
             }
-            self.drain_own(&mut lock(&self.output), &local.ring);
+            self.drain_own(&mut lock(&self.output), local);
             if local.ring.push(words) != Pushed::Full {
                 return;
             }
@@ -293,7 +333,11 @@ impl Shared {
     }
 
     fn register_tenant(&self, mut tenant: Tenant) -> u32 {
-        let id = self.next_tenant.fetch_add(1, Ordering::Relaxed);
+        let id = {
+            let mut devices = lock(&self.devices);
+            devices.push(tenant.device);
+            devices.len() as u32
+        };
         tenant.id = id;
         self.queue(writer::tenant_record(&tenant));
         id
@@ -462,11 +506,12 @@ impl Recorder {
             // drain is counted and discarded.
             for local in self.shared.locals.iter() {
                 let (mut words, mut at) = (Vec::new(), 0usize);
-                local.ring.drain_with(|word| words.push(word));
+                local.ring.drain(&mut words);
                 let mut late = 0u64;
                 while at + 1 < words.len() {
-                    at += usize::from(words[at + 1] as u8).max(2);
-                    late += 1;
+                    let header = words[at + 1];
+                    late += u64::from((header >> 8) as u8 != compact::OWNER);
+                    at += usize::from(header as u8).max(2);
                 }
                 self.shared.dropped.fetch_add(late, Ordering::Relaxed);
             }
@@ -529,8 +574,10 @@ pub(crate) struct Output {
     summary: RecordingSummary,
     /// The end record is written: nothing more goes to the file.
     finished: bool,
-    words: Vec<u64>,
-    bytes: Vec<u8>,
+    /// The writer's copy of [`Shared::devices`], refreshed when an event names a tenant
+    /// it does not hold yet.
+    devices: Vec<DeviceKey>,
+    scratch: Scratch,
 }
 
 impl Output {
@@ -556,26 +603,68 @@ impl Output {
     }
 }
 
-/// Drains `ring` into `words`, turns each event's first word from a clock stamp into
-/// nanoseconds since the recording started, and lays the words out in `out` as
-/// little-endian bytes; the number of events. A ring holds whole events only (its head
-/// is published past whole events), and the low byte of an event's second word is its
-/// size in words.
-fn drain_events(ring: &Ring, clock: &Clock, words: &mut Vec<u64>, out: &mut Vec<u8>) -> u64 {
-    words.clear();
-    ring.drain_with(|word| words.push(word));
-    let (mut at, mut events) = (0usize, 0u64);
-    while at + 1 < words.len() {
-        words[at] = clock.nanos(words[at]);
-        at += usize::from(words[at + 1] as u8).max(2);
-        events += 1;
+/// Scratch buffers of the consumer, kept between drains.
+#[derive(Default)]
+struct Scratch {
+    /// A ring's words as drained.
+    ring: Vec<u64>,
+    /// The file's words of those events.
+    file: Vec<u64>,
+    /// Their little-endian bytes.
+    bytes: Vec<u8>,
+}
+
+impl Shared {
+    /// Drains `local`'s ring into `scratch.ring`, expands its events into the file's
+    /// (`scratch.file`: compact events with their ring's thread and their tenant's
+    /// device, see [`compact`]; others as they are) with each time word turned from a
+    /// clock stamp into nanoseconds since the recording started, and lays them out in
+    /// `scratch.bytes` as little-endian bytes; the number of events. A ring holds whole
+    /// events only (its head is published past whole events), and the low byte of an
+    /// event's second word is its size in words.
+    fn drain_events(&self, local: &Local, devices: &mut Vec<DeviceKey>, scratch: &mut Scratch) -> u64 {
+        let Scratch { ring, file, bytes } = scratch;
+        ring.clear();
+        file.clear();
+        local.ring.drain(ring);
+        file.reserve(ring.len() * 2);
+        let (mut at, mut events) = (0usize, 0u64);
+        let mut thread = local.thread.load(Ordering::Relaxed);
+        while at + 1 < ring.len() {
+            let size = usize::from(ring[at + 1] as u8).max(2).min(ring.len() - at);
+            let event = &mut ring[at..at + size];
+            if (event[1] >> 8) as u8 == compact::OWNER {
+                thread = event[0] as u32;
+            } else {
+                event[0] = self.clock.nanos(event[0]);
+                event::expand(event, thread, |tenant| self.device_of(devices, tenant), file);
+                events += 1;
+            }
+            at += size;
+        }
+        local.thread.store(thread, Ordering::Relaxed);
+        bytes.clear();
+        bytes.resize(file.len() * 8, 0);
+        for (out, word) in bytes.chunks_exact_mut(8).zip(file.iter()) {
+            out.copy_from_slice(&word.to_le_bytes());
+        }
+        events
     }
-    out.clear();
-    out.resize(words.len() * 8, 0);
-    for (bytes, word) in out.chunks_exact_mut(8).zip(words.iter()) {
-        bytes.copy_from_slice(&word.to_le_bytes());
+
+    /// Tenant `tenant`'s device, from the consumer's copy `devices` of the table
+    /// (refreshed when it does not hold the tenant yet: a tenant's device is in the table
+    /// before its allocator exists, so before any of its events is in a ring).
+    #[inline]
+    fn device_of(&self, devices: &mut Vec<DeviceKey>, tenant: u32) -> DeviceKey {
+        let index = (tenant as usize).wrapping_sub(1);
+        if let Some(&device) = devices.get(index) {
+            return device;
+        }
+        devices.clone_from(&lock(&self.devices));
+        // Tenant numbers come only from `register_tenant`; a device index no tier has
+        // would mark one that did not, for the reader.
+        devices.get(index).copied().unwrap_or(DeviceKey::device(u32::MAX))
     }
-    events
 }
 
 impl Shared {
@@ -587,19 +676,19 @@ impl Shared {
         }
         let mut wrote = self.drain_cold(output);
         for local in self.locals.iter() {
-            wrote |= self.drain_ring(output, &local.ring);
+            wrote |= self.drain_ring(output, local);
         }
         wrote
     }
 
     /// What a thread whose ring is full drains (`output` held): the cold records queued
-    /// so far, then its own `ring` only.
-    fn drain_own(&self, output: &mut Output, ring: &Ring) {
+    /// so far, then its own ring only.
+    fn drain_own(&self, output: &mut Output, local: &Local) {
         if output.finished {
             return;
         }
         self.drain_cold(output);
-        self.drain_ring(output, ring);
+        self.drain_ring(output, local);
     }
 
     /// The cold records queued so far (`output` held); whether there were any.
@@ -625,16 +714,19 @@ impl Shared {
         !cold.is_empty()
     }
 
-    /// `ring` into one events record (`output` held); whether it held anything.
-    fn drain_ring(&self, output: &mut Output, ring: &Ring) -> bool {
-        if ring.is_empty() {
+    /// `local`'s ring into one events record (`output` held); whether it held any event.
+    fn drain_ring(&self, output: &mut Output, local: &Local) -> bool {
+        if local.ring.is_empty() {
             return false;
         }
-        let (mut words, mut bytes) = (std::mem::take(&mut output.words), std::mem::take(&mut output.bytes));
-        output.summary.events += drain_events(ring, &self.clock, &mut words, &mut bytes);
-        output.record(record::EVENTS, &bytes);
-        (output.words, output.bytes) = (words, bytes);
-        true
+        let mut scratch = std::mem::take(&mut output.scratch);
+        output.summary.events += self.drain_events(local, &mut output.devices, &mut scratch);
+        let wrote = !scratch.bytes.is_empty();
+        if wrote {
+            output.record(record::EVENTS, &scratch.bytes);
+        }
+        output.scratch = scratch;
+        wrote
     }
 }
 
@@ -655,7 +747,7 @@ fn write_loop(shared: &Shared, interval: Duration) -> Result<RecordingSummary, R
     let mut output = lock(&shared.output);
     shared.take_cold(&mut output, true);
     for local in shared.locals.iter() {
-        shared.drain_ring(&mut output, &local.ring);
+        shared.drain_ring(&mut output, local);
     }
     output.summary.dropped = shared.dropped.load(Ordering::Relaxed);
     output.summary.waits = shared.waits.load(Ordering::Relaxed);
@@ -740,5 +832,51 @@ mod tests {
         let mut orders: Vec<Vec<u64>> = by_thread.into_values().collect();
         orders.sort();
         assert_eq!(orders, [(0..10).collect::<Vec<u64>>(), vec![100, 101]], "each thread's events in its order");
+    }
+
+    #[test]
+    fn a_ring_handed_to_a_new_thread_keeps_each_events_thread() {
+        let bytes = Bytes::default();
+        let mut out = bytes.clone();
+        format::write_header(&mut out, 0).unwrap();
+        let shared = Shared::new(Box::new(out), 1024);
+        let tenant = shared.register_tenant(Tenant::new(0, DeviceKey::host(2), "t"));
+        let allocate = |id: u64| {
+            let block = Block::new(id, id << 12, 64, 64);
+            let compact = event::compact_allocate(shared.stamp(), tenant, memory_governor::MemoryRole::Other, &block);
+            shared.emit_compact(&compact.expect("a power-of-two alignment"));
+        };
+        // One thread after another, nothing drained between them: the second finds the
+        // first's events still in the ring its index owns (the index is reused once the
+        // first thread has exited).
+        let mut rings = Vec::new();
+        for first in [0, 10] {
+            std::thread::scope(|scope| {
+                scope
+                    .spawn(|| {
+                        allocate(first);
+                        allocate(first + 1);
+                        rings.push(thread_index());
+                    })
+                    .join()
+                    .unwrap();
+            });
+        }
+        assert_eq!(rings[0], rings[1], "the second thread got the first's index, so its ring");
+        shared.closed.store(true, Ordering::Release);
+        write_loop(&shared, Duration::ZERO).unwrap();
+        let written = bytes.0.lock().unwrap().clone();
+        let mut by_thread = std::collections::BTreeMap::<u32, Vec<u64>>::new();
+        let trace = crate::scan_trace(&written[..], |event| match event.what {
+            What::Allocate(block) => {
+                assert_eq!((event.tenant, event.device), (tenant, DeviceKey::host(2)));
+                by_thread.entry(event.thread).or_default().push(block.id);
+            }
+            other => panic!("only allocations were recorded: {other:?}"),
+        })
+        .unwrap();
+        assert!(trace.damage.is_none(), "{:?}", trace.damage);
+        assert_eq!(trace.threads.len(), 2, "{:?}", trace.threads);
+        assert_eq!(by_thread.into_values().collect::<Vec<_>>(), [vec![0, 1], vec![10, 11]]);
     }
 }

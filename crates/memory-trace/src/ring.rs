@@ -80,31 +80,39 @@ impl Ring {
         if fill + n > self.capacity() {
             return Pushed::Full;
         }
-        for (offset, &word) in event.iter().enumerate() {
-            self.words[((head + offset as u64) & self.mask) as usize].store(word, Ordering::Relaxed);
+        // The event's slots in one piece (one bounds check, the ring's fields read once:
+        // a store through an atomic could otherwise alias them), unless it wraps.
+        let start = (head & self.mask) as usize;
+        match self.words.get(start..start + event.len()) {
+            Some(slots) => {
+                for (slot, &word) in slots.iter().zip(event) {
+                    slot.store(word, Ordering::Relaxed);
+                }
+            }
+            None => {
+                for (offset, &word) in event.iter().enumerate() {
+                    self.words[((head + offset as u64) & self.mask) as usize].store(word, Ordering::Relaxed);
+                }
+            }
         }
         self.head.store(head + n, Ordering::Release);
         let half = self.capacity() / 2;
         if fill <= half && fill + n > half { Pushed::QueuedWake } else { Pushed::Queued }
     }
 
-    /// Hands every word pushed and not yet drained to `take`, in order (consumer only);
-    /// the number of words drained.
-    #[inline]
-    pub(crate) fn drain_with(&self, mut take: impl FnMut(u64)) -> usize {
+    /// Appends every word pushed and not yet drained to `out`, in order, a contiguous
+    /// piece at a time (consumer only); the number of words drained.
+    pub(crate) fn drain(&self, out: &mut Vec<u64>) -> usize {
         let tail = self.tail.load(Ordering::Relaxed);
         let head = self.head.load(Ordering::Acquire);
-        for word in tail..head {
-            take(self.words[(word & self.mask) as usize].load(Ordering::Relaxed));
+        let (start, n) = ((tail & self.mask) as usize, head.wrapping_sub(tail) as usize);
+        let first = n.min(self.words.len() - start);
+        out.reserve(n);
+        for piece in [&self.words[start..start + first], &self.words[..n - first]] {
+            out.extend(piece.iter().map(|word| word.load(Ordering::Relaxed)));
         }
         self.tail.store(head, Ordering::Release);
-        head.wrapping_sub(tail) as usize
-    }
-
-    /// Appends every word pushed and not yet drained to `out` (consumer only).
-    #[cfg(test)]
-    pub(crate) fn drain(&self, out: &mut Vec<u64>) -> usize {
-        self.drain_with(|word| out.push(word))
+        n
     }
 
     /// Whether anything waits to be drained (consumer's view).

@@ -110,7 +110,13 @@ impl DeviceAllocator for TracedAllocator {
             Ok(raw) => {
                 let block = block_of(&raw, request.bytes() as u64, caller_tag());
                 let (device, tenant, role) = (self.device, self.tenant, request.role());
-                self.shared.emit(|ts, thread| event::allocate_words(ts, thread, device, tenant, role, &block));
+                let ts = self.shared.stamp();
+                match event::compact_allocate(ts, tenant, role, &block) {
+                    Some(compact) => self.shared.emit_compact(&compact),
+                    None => self
+                        .shared
+                        .emit_at(ts, |ts, thread| event::allocate_words(ts, thread, device, tenant, role, &block)),
+                }
                 Ok(raw)
             }
             Err(error) => Err(self.failed(request, error)),
@@ -128,8 +134,12 @@ impl DeviceAllocator for TracedAllocator {
             ReleaseOutcome::Failed(_) => (ReleaseKind::Failed, 0),
         };
         let (device, tenant) = (self.device, self.tenant);
-        self.shared
-            .emit_at(stamp, |ts, thread| event::release_words(ts, thread, device, tenant, &block, kind, residual));
+        match event::compact_release(stamp, tenant, &block, kind, residual) {
+            Some(compact) => self.shared.emit_compact(&compact),
+            None => self
+                .shared
+                .emit_at(stamp, |ts, thread| event::release_words(ts, thread, device, tenant, &block, kind, residual)),
+        }
         outcome
     }
 
