@@ -67,11 +67,12 @@
 //! first) 464 -> 410, the writer's draining, expanding, framing and checksumming 627 ->
 //! 526, the whole process 1859 -> 1672 (the governed pair alone: about 850); the ring
 //! push now stores the event's words through one slice instead of rereading the ring's
-//! fields for each word. In time the change did not show: ten alternating runs of the
-//! bench, before and after, at load average 2.4-6.1 (another engineer's builds on the
-//! two cores), gave medians of counter 2.18x -> 2.27x and system 1.56x -> 1.85x, with
-//! single runs from 1.25x to 3.69x on both sides: on this machine the figure follows
-//! how much of a core the writer gets, not the few nanoseconds moved. The target
+//! fields for each word. In time the change did not show: twenty alternating runs of
+//! the bench binary before and after (two sets of ten, one in each order) at load
+//! average 2.4-6.3 (other builds on the two cores) gave medians of counter 2.21x ->
+//! 2.31x and system 1.61x -> 1.73x, with quartiles 1.85-3.00x -> 1.66-2.71x and
+//! 1.35-2.24x -> 1.45-1.97x: on this machine the figure follows how much of a core the
+//! writer gets, not the few nanoseconds moved. The target
 //! (1.1x) is not met here. Recording off costs nothing: code that does not record
 //! registers the governed allocator itself, whose instruction budget (`cargo xtask
 //! budget`) this crate does not touch.
