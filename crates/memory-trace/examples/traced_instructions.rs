@@ -16,8 +16,8 @@
 //! the two N, divided by 50,000, is its instructions per pair, whatever runs once left
 //! out. The recording thread's part is `TracedAllocator`'s `allocate` and `release`
 //! (their own instructions; the governed allocate is inlined in the first), and
-//! `quanta::Clock::raw`; the writer's, `Shared::drain_ring`, `Ring::drain`, `memset`
-//! and `crc32fast`. (A thread that finds its ring full drains it itself, in the same
+//! `quanta::Clock::raw`; the writer's, `Shared::drain_ring`, `Ring::drain` and
+//! `crc32fast` (and `memset`, which an earlier writer called). (A thread that finds its ring full drains it itself, in the same
 //! functions; how often depends on how valgrind schedules the writer, so only the
 //! program's total moves with it.)
 

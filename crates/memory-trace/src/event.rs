@@ -741,16 +741,19 @@ pub(crate) fn owner_words(thread: u32) -> [u64; 2] {
     [u64::from(thread), 2 | u64::from(compact::OWNER) << 8]
 }
 
-/// Appends the file words of the ring event `ring` (whole, its size checked by the
-/// caller; its time word already in nanoseconds) to `out`: a compact event expanded with
-/// `thread` and the tenant's `device` (looked up only for compact events), any other as
-/// it is.
+/// Appends the file bytes of the ring event `ring` (whole, its size checked by the
+/// caller; its time word already in nanoseconds) to `out`, little-endian: a compact
+/// event expanded with `thread` and the tenant's `device` (looked up only for compact
+/// events), any other as it is.
 #[inline]
-pub(crate) fn expand(ring: &[u64], thread: u32, device: impl FnOnce(u32) -> DeviceKey, out: &mut Vec<u64>) {
+pub(crate) fn expand(ring: &[u64], thread: u32, device: impl FnOnce(u32) -> DeviceKey, out: &mut Vec<u8>) {
     let header = ring[1];
     let ring_kind = (header >> 8) as u8;
     if ring_kind != compact::ALLOCATE && ring_kind != compact::RELEASE {
-        out.extend_from_slice(ring);
+        out.reserve(ring.len() * 8);
+        for word in ring {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
         return;
     }
     let (code, tenant) = ((header >> 16) as u8, (header >> 32) as u32);
@@ -768,12 +771,22 @@ pub(crate) fn expand(ring: &[u64], thread: u32, device: impl FnOnce(u32) -> Devi
     let word2 = format::word2(thread, tenant);
     if ring_kind == compact::ALLOCATE {
         let word1 = format::word1(words::ALLOCATE, kind::ALLOCATE, code, device);
-        out.extend_from_slice(&[ts, word1, word2, id, address, extra.unwrap_or(bytes), bytes, align, caller]);
+        put(out, [ts, word1, word2, id, address, extra.unwrap_or(bytes), bytes, align, caller]);
     } else {
         let word1 = format::word1(words::RELEASE, kind::RELEASE, NO_ROLE, device);
         let residual = extra.unwrap_or(0);
-        out.extend_from_slice(&[ts, word1, word2, id, address, bytes, align, caller, u64::from(code), residual]);
+        put(out, [ts, word1, word2, id, address, bytes, align, caller, u64::from(code), residual]);
     }
+}
+
+/// Appends `words` to `out` as little-endian bytes, in one copy.
+#[inline(always)]
+fn put<const N: usize>(out: &mut Vec<u8>, words: [u64; N]) {
+    let mut bytes = [[0u8; 8]; N];
+    for (to, word) in bytes.iter_mut().zip(words) {
+        *to = word.to_le_bytes();
+    }
+    out.extend_from_slice(bytes.as_flattened());
 }
 
 impl Event {
@@ -906,10 +919,14 @@ impl Event {
 mod tests {
     use super::*;
 
-    fn expanded(compact: &Compact, thread: u32, device: DeviceKey) -> Vec<u64> {
+    fn expanded(compact: &Compact, thread: u32, device: DeviceKey) -> Vec<u8> {
         let mut out = Vec::new();
         expand(compact.words(), thread, |_| device, &mut out);
         out
+    }
+
+    fn bytes(words: &[u64]) -> Vec<u8> {
+        words.iter().flat_map(|word| word.to_le_bytes()).collect()
     }
 
     #[test]
@@ -923,13 +940,14 @@ mod tests {
             let words = 5 + usize::from(requested != 4096) + usize::from(caller != 0);
             assert_eq!(allocate.len, words, "only the words that carry something");
             let file = allocate_words(11, thread, device, tenant, role, &block);
-            assert_eq!(expanded(&allocate, thread, device), file, "allocate {requested} {caller}");
+            assert_eq!(expanded(&allocate, thread, device), bytes(&file), "allocate {requested} {caller}");
             for (outcome, residual) in
                 [(ReleaseKind::Complete, 0), (ReleaseKind::Quarantined, 1024), (ReleaseKind::Failed, 0)]
             {
                 let release = compact_release(12, tenant, &block, outcome, residual).expect("a power-of-two alignment");
                 let file = release_words(12, thread, device, tenant, &block, outcome, residual);
-                assert_eq!(expanded(&release, thread, device), file, "release {outcome:?} {residual} {caller}");
+                let expanded = expanded(&release, thread, device);
+                assert_eq!(expanded, bytes(&file), "release {outcome:?} {residual} {caller}");
             }
         }
     }
@@ -947,6 +965,6 @@ mod tests {
         let lost = lost_words(5, 3, device, 1, &Block::new(9, 0x2000, 64, 64));
         let mut out = Vec::new();
         expand(&lost, 99, |_| panic!("no device lookup for a file event"), &mut out);
-        assert_eq!(out, lost);
+        assert_eq!(out, bytes(&lost));
     }
 }

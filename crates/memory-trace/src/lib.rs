@@ -65,15 +65,21 @@
 //! allocator, the difference of 60,000 and 10,000 pairs, deterministic for a build):
 //! the traced allocate and release themselves (the governed allocate inlined in the
 //! first) 464 -> 410, the writer's draining, expanding, framing and checksumming 627 ->
-//! 526, the whole process 1859 -> 1672 (the governed pair alone: about 850); the ring
+//! 344, the whole process 1859 -> 1555 (the governed pair alone: about 850). The ring
 //! push now stores the event's words through one slice instead of rereading the ring's
-//! fields for each word. In time the change did not show: twenty alternating runs of
-//! the bench binary before and after (two sets of ten, one in each order) at load
-//! average 2.4-6.3 (other builds on the two cores) gave medians of counter 2.21x ->
-//! 2.31x and system 1.61x -> 1.73x, with quartiles 1.85-3.00x -> 1.66-2.71x and
-//! 1.35-2.24x -> 1.45-1.97x: on this machine the figure follows how much of a core the
-//! writer gets, not the few nanoseconds moved. The target
-//! (1.1x) is not met here. Recording off costs nothing: code that does not record
+//! fields for each word, and the writer lays each expanded event out as bytes in one
+//! copy instead of zero-filling a buffer and copying into it word by word.
+//!
+//! In time, twenty alternating runs of the bench binary (built by `cargo bench -p
+//! memory-benches --bench trace --no-run`, run with `--bench`) before (commit d57eaf2)
+//! and after, two sets of ten, one in each order, at load average 4.4-5.4 (other builds
+//! on the two cores), gave medians of counter 1.92x -> 1.73x (154 -> 140 ns a traced pair;
+//! quartiles 1.81-2.10x -> 1.53-1.93x) and system 1.44x -> 1.36x (222 -> 203 ns;
+//! 1.31-1.53x -> 1.26-1.47x). The compact form before the writer's one-copy layout had
+//! shown no change in twenty such runs (medians 2.21x -> 2.31x and 1.61x -> 1.73x at
+//! load 2.4-6.3): on this machine the figure follows how much of a core the writer
+//! gets, so the writer's work counts as much as the recording thread's. The issue's
+//! target (1.1x) is not met here. Recording off costs nothing: code that does not record
 //! registers the governed allocator itself, whose instruction budget (`cargo xtask
 //! budget`) this crate does not touch.
 //!

@@ -608,26 +608,25 @@ impl Output {
 struct Scratch {
     /// A ring's words as drained.
     ring: Vec<u64>,
-    /// The file's words of those events.
-    file: Vec<u64>,
-    /// Their little-endian bytes.
+    /// The file's bytes of those events.
     bytes: Vec<u8>,
 }
 
 impl Shared {
-    /// Drains `local`'s ring into `scratch.ring`, expands its events into the file's
-    /// (`scratch.file`: compact events with their ring's thread and their tenant's
-    /// device, see [`compact`]; others as they are) with each time word turned from a
-    /// clock stamp into nanoseconds since the recording started, and lays them out in
-    /// `scratch.bytes` as little-endian bytes; the number of events. A ring holds whole
+    /// Drains `local`'s ring into `scratch.ring` and lays its events out in
+    /// `scratch.bytes` as the file's little-endian bytes (compact events expanded with
+    /// their ring's thread and their tenant's device, see [`compact`]; others as they
+    /// are), each time word turned from a clock stamp into nanoseconds since the
+    /// recording started; the number of events. A ring holds whole
     /// events only (its head is published past whole events), and the low byte of an
     /// event's second word is its size in words.
     fn drain_events(&self, local: &Local, devices: &mut Vec<DeviceKey>, scratch: &mut Scratch) -> u64 {
-        let Scratch { ring, file, bytes } = scratch;
+        let Scratch { ring, bytes } = scratch;
         ring.clear();
-        file.clear();
+        bytes.clear();
         local.ring.drain(ring);
-        file.reserve(ring.len() * 2);
+        // A compact event expands to at most twice its words.
+        bytes.reserve(ring.len() * 16);
         let (mut at, mut events) = (0usize, 0u64);
         let mut thread = local.thread.load(Ordering::Relaxed);
         while at + 1 < ring.len() {
@@ -637,17 +636,12 @@ impl Shared {
                 thread = event[0] as u32;
             } else {
                 event[0] = self.clock.nanos(event[0]);
-                event::expand(event, thread, |tenant| self.device_of(devices, tenant), file);
+                event::expand(event, thread, |tenant| self.device_of(devices, tenant), bytes);
                 events += 1;
             }
             at += size;
         }
         local.thread.store(thread, Ordering::Relaxed);
-        bytes.clear();
-        bytes.resize(file.len() * 8, 0);
-        for (out, word) in bytes.chunks_exact_mut(8).zip(file.iter()) {
-            out.copy_from_slice(&word.to_le_bytes());
-        }
         events
     }
 
