@@ -59,11 +59,12 @@ pub(crate) enum Freed {
 /// allocator cannot), so a null during a run would crash the process.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum RefusalAnswer {
-    /// Stop the run at its next kernel boundary and serve the block meanwhile: from the
-    /// governor's overdraft (host memory booked apart, bounded by the device's
-    /// overdraft limit), and past that limit from the scratch sink (see
-    /// [`crate::sink`]). The run fails with the governor's reason; both are freed as it
-    /// unwinds.
+    /// Stop the run at its next kernel boundary (or fail the commit once ONNX Runtime
+    /// returns) and serve the block meanwhile: from the governor's overdraft (host
+    /// memory booked apart, bounded by the device's overdraft limit), and past that
+    /// limit from the scratch sink (see [`crate::sink`]). The run or commit fails with
+    /// the governor's reason; both are freed as it unwinds. Outside a commit or run, a
+    /// session's table is served from the overdraft only (see `GovernedBlocks::refused`).
     OverdraftAndStop,
     /// Answer null (device memory: no host overdraft can stand in for it).
     Null,
@@ -286,9 +287,8 @@ impl GovernedBlocks {
     /// Allocates `size` bytes for `kind` on behalf of `caller` (the table it came
     /// through), charged to its role: `Reserve`, and `Alloc` while the session is being
     /// committed (prepacked weights), to the reserve role; other `Alloc` calls to the
-    /// alloc role. A refusal is recorded in `caller` and answered by its phase:
-    /// committing, null (ONNX Runtime checks it there and fails the commit); running,
-    /// the run is stopped and the block served per [`RefusalAnswer`]; idle, null. The
+    /// alloc role. A refusal is recorded in `caller` and answered by its phase (see
+    /// [`GovernedBlocks::refused`]). The
     /// reason is logged and kept for [`GovernedBlocks::last_refusal`]. A zero-byte
     /// request gets `None` without a refusal, as ONNX Runtime's own allocator answers it.
     pub(crate) fn allocate(&self, caller: &Caller, origin: usize, size: usize, kind: RequestKind) -> Option<usize> {
@@ -328,7 +328,21 @@ impl GovernedBlocks {
         Some(address)
     }
 
-    /// Answers a refused request (see [`GovernedBlocks::allocate`]).
+    /// Answers a refused request. ONNX Runtime does not check every pointer an
+    /// allocator returns (its own allocators throw instead, which a C allocator cannot):
+    /// a run's tensors do not, nor do some of a commit's buffers (prepacked weights are
+    /// written at once), nor a tensor that safe code makes through a session's table
+    /// (`ort::memory::Allocator::new(session, ..)` then `Tensor::new`). So, with
+    /// [`RefusalAnswer::OverdraftAndStop`] (host memory):
+    /// - committing or running: the refusal is recorded (a run's terminate flag is set,
+    ///   so it stops at the next kernel boundary; a commit fails with the reason once
+    ///   ONNX Runtime returns) and the block is served from the overdraft, past its limit
+    ///   from the scratch sink;
+    /// - idle, through a session's table: from the overdraft, booked as such; past its
+    ///   limit, null (the sink's aliased memory must never back a tensor that lives on);
+    /// - idle, through the handle's own table: null (its pointer's callers must check).
+    ///
+    /// With [`RefusalAnswer::Null`] (device memory), null in every phase.
     fn refused(
         &self,
         caller: &Caller,
@@ -339,39 +353,46 @@ impl GovernedBlocks {
         reason: &str,
     ) -> Option<usize> {
         let reason = self.refuse(caller, size, role, reason);
-        match phase {
-            Phase::Idle => {
+        if phase != Phase::Idle {
+            caller.refused(&reason);
+        }
+        match (self.refusal_answer, phase) {
+            (RefusalAnswer::Null, _) => None,
+            (RefusalAnswer::OverdraftAndStop, Phase::Committing | Phase::Running) => {
+                self.overdraft(caller, origin, size, true)
+            }
+            (RefusalAnswer::OverdraftAndStop, Phase::Idle) if caller.is_session() => {
+                let served = self.overdraft(caller, origin, size, false);
+                if served.is_none() {
+                    tracing::error!(
+                        bytes = size,
+                        "refused outside a commit or run of a governed session and past the overdraft limit: \
+                         answered null"
+                    );
+                }
+                served
+            }
+            (RefusalAnswer::OverdraftAndStop, Phase::Idle) => {
                 tracing::error!(
                     bytes = size,
-                    "refused outside a commit or run of a governed session: answered null (nothing can be stopped)"
+                    "refused through the handle's own table: answered null (nothing can be stopped)"
                 );
                 None
-            }
-            Phase::Committing => {
-                caller.refused(&reason);
-                None
-            }
-            Phase::Running => {
-                caller.refused(&reason);
-                match self.refusal_answer {
-                    RefusalAnswer::Null => None,
-                    RefusalAnswer::OverdraftAndStop => self.overdraft(caller, origin, size),
-                }
             }
         }
     }
 
-    /// Serves a refused run-time block while its run is being stopped: from the
-    /// governor's overdraft, or past its limit (or without an account to book it to)
-    /// from the scratch sink.
-    fn overdraft(&self, caller: &Caller, origin: usize, size: usize) -> Option<usize> {
+    /// Serves a refused block: from the governor's overdraft, or past its limit (or
+    /// without an account to book it to) from the scratch sink when `sink` (the block's
+    /// commit or run is failing, so its contents are discarded).
+    fn overdraft(&self, caller: &Caller, origin: usize, size: usize, sink: bool) -> Option<usize> {
         let draw = self.account.as_ref().map(|account| account.draw_overdraft(size as u64));
         let draw = match draw {
             Some(Ok(draw)) => match crate::ffi::overdraft_allocate(size, self.alignment) {
                 Some(address) => {
                     self.live.insert(address, Record { block: Block::Overdraft { bytes: size, _draw: draw }, origin });
                     both(&self.counters, &caller.counters, |counters| counters.overdrawn(size as u64));
-                    tracing::warn!(bytes = size, "refused block served from the overdraft; the run is being stopped");
+                    tracing::warn!(bytes = size, "refused block served from the overdraft");
                     return Some(address);
                 }
                 // The host could not give the overdraft: the draw goes back, the sink serves.
@@ -379,6 +400,9 @@ impl GovernedBlocks {
             },
             other => other,
         };
+        if !sink {
+            return None;
+        }
         let address = crate::sink::allocate(size, self.alignment)?;
         self.live.insert(address, Record { block: Block::Sink { bytes: size }, origin });
         both(&self.counters, &caller.counters, |counters| {
@@ -387,12 +411,12 @@ impl GovernedBlocks {
         match draw {
             Some(Err(refused)) => tracing::warn!(
                 bytes = size, %refused,
-                "refused block past the overdraft limit served from the scratch sink; the run is being stopped"
+                "refused block past the overdraft limit served from the scratch sink; its commit or run is failing"
             ),
             _ => tracing::warn!(
                 bytes = size,
                 "refused block (no account to book an overdraft to, or no host memory for it) served from the \
-                 scratch sink; the run is being stopped"
+                 scratch sink; its commit or run is failing"
             ),
         }
         Some(address)

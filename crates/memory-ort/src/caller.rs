@@ -90,9 +90,22 @@ pub(crate) struct Caller {
     phase: AtomicU8,
     refusal: Mutex<Refusal>,
     pub(crate) counters: Counters,
+    /// Whether the table is a session's (reachable from safe code, through
+    /// `ort::memory::Allocator::new(session, ..)`), not the handle's own.
+    session: bool,
 }
 
 impl Caller {
+    /// The caller of a session's table.
+    pub(crate) fn of_session() -> Caller {
+        Caller { session: true, ..Caller::default() }
+    }
+
+    /// Whether this is a session's table (see [`Caller::of_session`]).
+    pub(crate) fn is_session(&self) -> bool {
+        self.session
+    }
+
     pub(crate) fn phase(&self) -> Phase {
         Phase::of(self.phase.load(Ordering::Acquire))
     }

@@ -13,10 +13,11 @@
 
 use std::mem::ManuallyDrop;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 
 use ort::AsPointer;
+use parking_lot::ReentrantMutex;
 
 use ort::session::builder::SessionBuilder;
 use ort::session::{
@@ -36,7 +37,12 @@ static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 /// one allocator per memory info can be registered at a time. A governed session is
 /// released under it too, so ONNX Runtime freeing one session's memory does not show in
 /// the heap measure of another's commit.
-static REGISTRATION: Mutex<()> = Mutex::new(());
+///
+/// Reentrant: a commit's allocation may call the governor's reclaim holders on the
+/// committing thread, and a holder may drop an idle session, which takes this lock
+/// again. That release runs inside the allocation's `heap::own_work`, so what it frees
+/// is kept out of the commit's measure as the adapter's own work.
+static REGISTRATION: ReentrantMutex<()> = ReentrantMutex::new(());
 
 /// ONNX Runtime's environment (one per process), through which governed sessions are
 /// committed.
@@ -183,7 +189,7 @@ impl OrtEnvironment {
             }))
             .map_err(|err| runtime("set the session logger", &err))?;
         let (created, refusal) = {
-            let _window = REGISTRATION.lock().unwrap_or_else(PoisonError::into_inner);
+            let _window = REGISTRATION.lock();
             self.register(&core)?;
             // Unregisters and ends the commit phase also if `create` unwinds: the
             // environment must never keep the table of a core that is gone.
@@ -198,15 +204,33 @@ impl OrtEnvironment {
         };
         drop(builder);
         match created {
+            // A request of the commit was refused and served past the refusal (ONNX
+            // Runtime does not check every pointer it is given while it commits): the
+            // session goes, and the commit fails with the governor's reason.
+            Ok((session, _)) if refusal.is_some() => {
+                release_unwrapped(session);
+                Err(explain(
+                    refusal,
+                    "create the session",
+                    "a request was refused while onnx runtime created the session; it was served from the \
+                     overdraft (or the scratch sink) until the session was complete, then released",
+                ))
+            }
             Ok((session, runtime_held)) => {
                 if allocator.config().charges_runtime_memory()
                     && let Err(refused) = self.book_runtime_memory(allocator, &core, serial, runtime_held)
                 {
                     // ONNX Runtime frees what it kept; the table goes with the last block.
-                    drop(session);
+                    release_unwrapped(session);
                     return Err(refused);
                 }
-                let run_options = RunOptions::new().map_err(|err| runtime("create the session's run options", &err))?;
+                let run_options = match RunOptions::new() {
+                    Ok(options) => options,
+                    Err(err) => {
+                        release_unwrapped(session);
+                        return Err(runtime("create the session's run options", &err));
+                    }
+                };
                 tracing::info!(binding = %allocator.binding().identity(), serial, "governed ort session committed");
                 Ok(GovernedSession {
                     session: ManuallyDrop::new(session),
@@ -369,7 +393,7 @@ impl Drop for GovernedSession {
     fn drop(&mut self) {
         // ONNX Runtime frees the session's own memory as it releases it (unless an output
         // still holds it): not while another commit measures the heap.
-        let _window = REGISTRATION.lock().unwrap_or_else(PoisonError::into_inner);
+        let _window = REGISTRATION.lock();
         #[allow(unsafe_code)]
         // SAFETY: the session is dropped exactly once, here, and nothing uses it after
         // (this is the last thing done with `self.session`).
@@ -377,6 +401,14 @@ impl Drop for GovernedSession {
             ManuallyDrop::drop(&mut self.session)
         };
     }
+}
+
+/// Releases a session that never became a [`GovernedSession`] (its commit failed after
+/// ONNX Runtime created it) under the commit lock, as a governed session is released:
+/// ONNX Runtime's frees of its own memory must not show in another commit's measure.
+fn release_unwrapped(session: Session) {
+    let _window = REGISTRATION.lock();
+    drop(session);
 }
 
 /// Closes a commit's registration window when dropped (also if the commit panics).

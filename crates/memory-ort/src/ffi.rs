@@ -198,7 +198,7 @@ impl Core {
             table,
             info,
             blocks,
-            caller: Caller::default(),
+            caller: if base.is_some() { Caller::of_session() } else { Caller::default() },
             base,
             _hold: hold,
             base_blocks,

@@ -6,8 +6,9 @@
 //! [`BoundAllocation`](memory_governor::BoundAllocation) of a governed
 //! [`MemoryBinding`](memory_governor::MemoryBinding): registry-issued identity, charged
 //! by the governor to the tenant, by role. `Reserve` (initializers) and `Alloc` (per-run
-//! memory) charge different roles ([`OrtAllocatorConfig`]). A refusal answers null
-//! (ONNX Runtime's failure signal); the governor's message is logged, kept
+//! memory) charge different roles ([`OrtAllocatorConfig`]). A refusal fails the commit or
+//! run that asked (see "A refusal in the middle of a run" for what ONNX Runtime gets
+//! meanwhile); the governor's message is logged, kept
 //! ([`GovernedOrtAllocator::last_refusal`]) and attached to the session's error
 //! ([`OrtAdapterError::Refused`]).
 //!
@@ -30,17 +31,26 @@
 //! parallel executor, a global thread pool shared by two sessions, two sessions of one
 //! allocator run at once (`tests/execution_modes.rs`, `tests/global_pool.rs`).
 //!
-//! # A refusal in the middle of a run
+//! # A refusal in the middle of a run (or a commit)
 //! ONNX Runtime's tensors do not check the pointer an allocator returns, so a refused
-//! run-time request cannot be answered with null. Until the run reaches its next kernel
-//! boundary and stops, refused requests are served from the governor's **overdraft**
+//! run-time request cannot be answered with null; nor can a commit's (prepacked weights
+//! are written as soon as they are allocated: a null there crashed the process). Until
+//! the run reaches its next kernel boundary and stops, or the commit returns, refused
+//! requests are served from the governor's **overdraft**
 //! ([`Account::draw_overdraft`](memory_governor::Account::draw_overdraft): host memory
 //! booked per device and tenant, live and peak, bounded by the device's overdraft limit,
 //! 64 MiB by default); past that limit (or without an account to book it to) from the
 //! **scratch sink** (`src/sink.rs`): address space of the size asked mapped onto one
 //! fixed 2 MiB backing, so the process holds no more however much the stopped run asks.
-//! The run fails, its outputs are discarded, and both are freed as it unwinds. A refusal
-//! outside a commit or run (through the handle's own table) is answered with null.
+//! The run or commit fails with the governor's reason, its outputs (or the session) are
+//! discarded, and both are freed as it unwinds. Outside a commit or run, a request
+//! through a session's table (which safe code reaches with
+//! `ort::memory::Allocator::new(session, ..)`, and whose tensors do not check either) is
+//! served from the overdraft, booked as such; past its limit it is answered with null,
+//! never from the sink, whose aliased memory must not back a tensor that lives on. A
+//! refusal through the handle's own table outside a run is answered with null (its
+//! callers check the pointer). The CUDA allocator answers null in every phase: no host
+//! memory can stand in for device memory.
 //!
 //! # ONNX Runtime's own memory
 //! ONNX Runtime keeps part of every session in allocations of its own that no
@@ -73,11 +83,18 @@
 //!
 //! How exact it is:
 //! - **Other threads.** The heap figure is the process's. Governed commits are
-//!   serialized, a governed session is released under the same lock, and the adapter's
+//!   serialized, a governed session (also one whose commit was refused after ONNX
+//!   Runtime created it) is released under the same lock, and the adapter's
 //!   own work on every thread is taken out; what else allocates or frees C heap during
 //!   a commit (the application's threads, sessions without the adapter, outputs
 //!   releasing a session late) is booked to the commit, or taken from it (a figure
 //!   that would be negative books nothing, with a `warn` event).
+//!   The lock is reentrant: a reclaim holder that drops an idle session from inside a
+//!   commit's allocation (the governor calls holders on the allocating thread, the
+//!   committing one) releases it at once, and what that frees counts as the adapter's
+//!   own work (`tests/refusal_answers.rs`). A holder that hands the session to another
+//!   thread and waits for its release waits for the commit, which waits for the holder:
+//!   release it on the calling thread.
 //! - **Overhead included.** The figure is heap in use, so glibc's chunk headers
 //!   (about 0.4 MB on PP-OCRv4 detection's 27 000 small allocations) are booked too.
 //! - **Once per process.** The first commit also books what ONNX Runtime sets up once
