@@ -663,8 +663,10 @@ McStatus mc_recorder_mark(struct McRecorder *recorder, MpDevice device, McMark k
 
 // Finishes the recording: writes out every event recorded so far, the end record, and
 // closes the file; writes what was written to `out` (may be null). Stop the workload
-// first: events recorded by other threads during this call may be missing, and events
-// after it are dropped (counted in `dropped`). Once only: a second call is
+// first: an event another thread records during this call is in the file or left out
+// whole (a dropped event, never a damaged record), and events after it are dropped. A
+// mark that returned `MC_OK` is in the file (one racing this call is `MC_ERR_STATE`).
+// Once only: a second call is
 // `MC_ERR_STATE`. A write that failed is `MC_ERR_BACKEND` (the file is readable up to
 // the failure); the recording is finished either way. The handle stays valid until
 // `mc_recorder_destroy`.

@@ -150,6 +150,32 @@ fn the_cpp_program_has_no_memory_errors_or_leaks_under_valgrind() {
 
 /// memory-plugin's example plugin (`crates/memory-plugin/tests/c/example_plugin.c`), built
 /// once as a shared library; its configuration scripts its faults.
+/// A program that exits with one of every kind of handle still live, under valgrind
+/// with the leak kinds that mean a leak (definite, indirect) as errors: none of its
+/// blocks is lost, and the program ran to the end (docs/C-ABI.md section 2).
+#[test]
+fn handles_live_at_exit_leak_nothing_definitely_or_indirectly() {
+    let program = build(Language::C("c11"), "tests/c/live_at_exit.c", "live-at-exit");
+    let output = Command::new("valgrind")
+        .args(["--error-exitcode=99", "--leak-check=full", "--errors-for-leak-kinds=definite,indirect"])
+        .arg(&program)
+        .env("MC_TEST_NO_DRIVER", "1")
+        .output()
+        .expect("valgrind starts (apt-get install valgrind)");
+    let report = String::from_utf8_lossy(&output.stderr).into_owned();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "valgrind: {}\n{stdout}{report}", output.status);
+    assert!(stdout.contains("8 handles left live"), "{stdout}");
+    assert!(report.contains("ERROR SUMMARY: 0 errors"), "{report}");
+    for kind in ["definitely lost", "indirectly lost"] {
+        if let Some(line) = report.lines().find(|line| line.contains(kind)) {
+            assert!(line.contains(": 0 bytes in 0 blocks"), "{line}\n{report}");
+        }
+    }
+    // The handles' memory is still there to be found: reachable or possibly lost.
+    assert!(report.contains("still reachable") || report.contains("possibly lost"), "{report}");
+}
+
 fn example_plugin() -> &'static Path {
     static PLUGIN: OnceLock<PathBuf> = OnceLock::new();
     PLUGIN.get_or_init(|| {
