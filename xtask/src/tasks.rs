@@ -355,7 +355,12 @@ pub(crate) const MUTATED_CRATES: [&str; 2] = ["memory-binding", "memory-governor
 /// `previously_caught.txt`: what the first caught). Slow (minutes per file): a weekly
 /// workflow runs it, not CI.
 pub(crate) fn mutants_steps(flags: &flags::Mutants) -> Vec<Step> {
-    let mut args: Vec<String> = ["mutants", "--no-shuffle", "--timeout-multiplier", "3"].map(String::from).to_vec();
+    // Every feature on: code behind one (the governor's `metrics` publication, the
+    // registry's `hot-path-trace` events, `serde`) is otherwise not compiled, so its
+    // mutants build unchanged and pass as missed, and the tests that would catch them
+    // (gated on the same features) do not run.
+    let mut args: Vec<String> =
+        ["mutants", "--all-features", "--no-shuffle", "--timeout-multiplier", "3"].map(String::from).to_vec();
     for krate in MUTATED_CRATES {
         args.extend(["--package".to_owned(), krate.to_owned()]);
     }
@@ -648,6 +653,8 @@ mod tests {
         let cmd = all[0].cmd.to_string();
         assert!(cmd.contains("--package memory-binding --package memory-governor"), "{cmd}");
         assert!(!cmd.contains("--file"), "{cmd}");
+        // Feature-gated code (metrics, hot-path-trace, serde) is mutated and tested too.
+        assert!(cmd.contains("mutants --all-features"), "{cmd}");
         let file = "crates/memory-governor/src/allocator.rs";
         let one = mutants_steps(&flags::Mutants { file: Some(file.into()) });
         assert!(one[0].cmd.to_string().ends_with(&format!("--file {file}")), "{}", one[0].cmd);
@@ -664,6 +671,7 @@ mod tests {
         assert!(Path::new(&first[3]).file_stem().is_some_and(|stem| stem == "cargo"), "{first:?}");
         assert_eq!(first[4], "mutants", "{first:?}");
         let loom = &steps[1].cmd;
+        assert!(loom.arg_list().contains(&"--all-features".to_owned()), "{loom}");
         let args = loom.arg_list();
         assert!(args.contains(&"--iterate".to_owned()) && args.contains(&"--file".to_owned()), "{loom}");
         assert!(loom.to_string().ends_with("--profile release --cargo-arg=--lib -- -- loom"), "{loom}");

@@ -429,3 +429,44 @@ pub enum LeaseRequestError {
     #[error(transparent)]
     Admission(#[from] AdmissionError),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn footprint() -> Footprint {
+        Footprint {
+            device_allocated: 1000,
+            device_reserved: 1400,
+            device_cached: 400,
+            tenant_allocated: 300,
+            tenant_reserved: 350,
+            largest_free: 100,
+            trimmed: None,
+        }
+    }
+
+    #[test]
+    fn a_refused_request_leaves_the_figures_and_its_block_stays_reserved_only_if_cached() {
+        // The block went back to the inner allocator: neither allocated nor reserved.
+        let gone = footprint().without(200, false);
+        assert_eq!((gone.device_allocated, gone.device_reserved, gone.device_cached), (800, 1200, 400), "{gone:?}");
+        assert_eq!((gone.tenant_allocated, gone.tenant_reserved), (100, 150));
+        // The block went back into a cache: no longer allocated, still reserved, cached.
+        let cached = footprint().without(200, true);
+        assert_eq!(
+            (cached.device_allocated, cached.device_reserved, cached.device_cached),
+            (800, 1400, 600),
+            "{cached:?}"
+        );
+        assert_eq!((cached.tenant_allocated, cached.tenant_reserved), (100, 350));
+        assert_eq!(cached.largest_free, 100);
+    }
+
+    #[test]
+    fn fragmentation_is_one_less_the_largest_free_block_over_the_idle_bytes() {
+        assert!((footprint().fragmentation() - 0.75).abs() < 1e-9);
+        let one_block = Footprint { largest_free: 400, ..footprint() };
+        assert_eq!(one_block.fragmentation(), 0.0);
+    }
+}

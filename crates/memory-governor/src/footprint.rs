@@ -214,3 +214,82 @@ impl Idle {
 pub fn fragmentation(cached: u64, largest_free: u64) -> f64 {
     if cached == 0 { 0.0 } else { 1.0 - (largest_free.min(cached) as f64 / cached as f64) }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use memory_api::{AllocError, AllocationRequest, DeviceKey, RawAllocation, ReleaseOutcome};
+
+    use super::*;
+
+    /// A cache that reports `cached` idle bytes and counts the trims asked of it.
+    struct Idle {
+        cached: u64,
+        trims: AtomicUsize,
+    }
+
+    impl DeviceAllocator for Idle {
+        fn device(&self) -> DeviceKey {
+            DeviceKey::HOST
+        }
+        fn name(&self) -> &str {
+            "idle"
+        }
+        fn allocate(&self, _request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+            unreachable!("the ladder only trims")
+        }
+        fn release(&self, _allocation: RawAllocation) -> ReleaseOutcome {
+            unreachable!("the ladder only trims")
+        }
+        fn stats(&self) -> Option<AllocatorStats> {
+            Some(AllocatorStats { cached_bytes: self.cached, ..AllocatorStats::default() })
+        }
+        fn trim(&self) -> usize {
+            self.trims.fetch_add(1, Ordering::Relaxed);
+            self.cached as usize
+        }
+    }
+
+    fn cache(cached: u64) -> Arc<Idle> {
+        Arc::new(Idle { cached, trims: AtomicUsize::new(0) })
+    }
+
+    fn authority() -> AuthorityIdentity {
+        let registry = memory_binding::BindingRegistry::new();
+        registry.register_authority(memory_api::DeviceKey::HOST, std::sync::Arc::new(())).unwrap()
+    }
+
+    #[test]
+    fn the_ladder_trims_the_largest_idle_cache_first_and_never_one_with_nothing_idle() {
+        let caches = Caches::new();
+        let who = authority();
+        let (empty, small, large) = (cache(0), cache(10), cache(100));
+        for allocator in [&empty, &small, &large] {
+            let allocator: Arc<dyn DeviceAllocator> = allocator.clone();
+            caches.register(who, &allocator);
+        }
+        let trimmed = caches.trim_largest_first(50);
+        assert_eq!(trimmed, Trimmed { caches: 1, bytes: 100 });
+        assert_eq!(large.trims.load(Ordering::Relaxed), 1);
+        assert_eq!(small.trims.load(Ordering::Relaxed), 0, "the need was met by the largest");
+        let trimmed = caches.trim_largest_first(u64::MAX);
+        assert_eq!(trimmed, Trimmed { caches: 2, bytes: 110 });
+        assert_eq!(empty.trims.load(Ordering::Relaxed), 0, "a cache with nothing idle is not asked");
+        assert_eq!(caches.figures().trims, 3);
+        assert_eq!(caches.figures().trimmed_bytes, 210);
+    }
+
+    #[test]
+    fn registering_drops_the_entries_of_allocators_that_are_gone_and_counts_one_cache_once() {
+        let caches = Caches::new();
+        let who = authority();
+        let gone: Arc<dyn DeviceAllocator> = cache(1);
+        caches.register(who, &gone);
+        drop(gone);
+        let kept: Arc<dyn DeviceAllocator> = cache(2);
+        caches.register(who, &kept);
+        caches.register(who, &kept);
+        assert_eq!(read(&caches.entries).len(), 1, "the dead entry was dropped, the live one counted once");
+    }
+}

@@ -191,6 +191,8 @@ mod tests {
         let registry = memory_binding::BindingRegistry::new();
         let who = (DeviceKey::HOST, registry.register_authority(DeviceKey::HOST, Arc::new(())).unwrap());
         let first = draw(who.0, who.1, &device, &account, 60).unwrap();
+        assert_eq!(first.bytes(), 60);
+        assert_eq!(format!("{first:?}"), "OverdraftDraw { bytes: 60 }");
         let refused = draw(who.0, who.1, &device, &account, 41).unwrap_err();
         assert_eq!((refused.requested, refused.current, refused.limit), (41, 60, 100));
         assert!(refused.to_string().contains("set_overdraft_limit"), "{refused}");
@@ -203,5 +205,10 @@ mod tests {
         assert_eq!(snapshot.limit, Some(100));
         let account = account.snapshot(false);
         assert_eq!((account.current, account.peak, account.draws, account.limit), (0, 100, 2, None));
+    }
+
+    #[test]
+    fn the_default_limit_is_the_documented_64_mib() {
+        assert_eq!(DEFAULT_OVERDRAFT_LIMIT, 64 * 1024 * 1024);
     }
 }
