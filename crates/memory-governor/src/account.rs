@@ -790,3 +790,29 @@ impl Account {
         Ok(crate::Lease::new(self.clone(), role, bytes))
     }
 }
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use memory_api::{DeviceKey, IdentityIssuer};
+
+    use super::*;
+    use crate::{Governor, GovernorConfig};
+
+    /// Threads that charge once and end leave retired slots; each slot registered
+    /// after drops them (their counts folded into the role's), so the list does not grow
+    /// with thread churn and the figures stay whole.
+    #[test]
+    fn slots_of_finished_threads_are_dropped_and_their_counts_kept() {
+        let governor = Governor::with_config(GovernorConfig::default().with_credit_chunk(256));
+        let authority = IdentityIssuer::new().unwrap().authority().unwrap();
+        let account = governor.open_account(AccountConfig::new(DeviceKey::HOST, authority)).unwrap();
+        for _ in 0..8 {
+            let worker = account.clone();
+            std::thread::spawn(move || drop(worker.lease(MemoryRole::Activations, 64).unwrap())).join().unwrap();
+        }
+        drop(account.lease(MemoryRole::Activations, 64).unwrap());
+        assert_eq!(lock(&account.shared.slots).len(), 1, "only this thread's slot is left");
+        let role = account.snapshot().role(MemoryRole::Activations).clone();
+        assert_eq!((role.allocations, role.releases, role.live, role.current), (9, 9, 0, 0));
+    }
+}

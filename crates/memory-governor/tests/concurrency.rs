@@ -128,9 +128,30 @@ fn idle_credit_is_pulled_back(account: Account) {
     // The whole limit: only possible with the idle thread's credit back.
     let all = account.lease(MemoryRole::KvCache, 1000).expect("refused while credit sat with an idle thread");
     assert_eq!(account.snapshot().cached_credit, 0);
+    // The admission that pulled the credit back drew straight from the books: it is
+    // counted all the same (the idle thread's lease and this one opened, one closed).
+    let role = account.snapshot().role(MemoryRole::KvCache).clone();
+    assert_eq!((role.current, role.allocations, role.releases, role.live), (1000, 2, 1, 1));
     drop(all);
     finish_tx.send(()).unwrap();
     idle.join().unwrap();
+}
+
+/// A thread's very first charge of a role already draws its chunk of credit: the
+/// next small charges on that thread are served from it, with no shared write.
+#[test]
+fn a_threads_first_charge_draws_a_chunk_of_credit_for_the_next() {
+    let (_governor, account) = one_account(GPU, 1 << 20, u64::MAX, 256);
+    let worker = account.clone();
+    std::thread::spawn(move || {
+        let first = worker.lease(MemoryRole::Activations, 100).unwrap();
+        let snapshot = worker.snapshot();
+        assert_eq!(snapshot.role(MemoryRole::Activations).current, 100);
+        assert!(snapshot.cached_credit >= 256, "the first charge drew a chunk: {snapshot:?}");
+        drop(first);
+    })
+    .join()
+    .unwrap();
 }
 
 #[test]
