@@ -237,34 +237,45 @@ impl Shared {
             announced: AtomicU32::new(0),
             thread: AtomicU32::new(0),
         });
-        if local.announced.load(Ordering::Relaxed) != thread {
-            self.announce(local, thread);
+        if local.announced.load(Ordering::Relaxed) != thread && !self.announce(local, thread) {
+            // The owner pseudo-event found the ring full and the recording closed: an
+            // event pushed without it would be read as the ring's previous owner's.
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return None;
         }
         Some((local, thread))
     }
 
     /// Pushes one event's words (`event`: an event, counted if dropped; else the owner
-    /// pseudo-event).
+    /// pseudo-event); whether they are in the ring.
     #[inline(always)]
-    fn push(&self, local: &Local, words: &[u64], event: bool) {
+    fn push(&self, local: &Local, words: &[u64], event: bool) -> bool {
         match local.ring.push(words) {
-            Pushed::Queued => {}
-            Pushed::QueuedWake => self.wake(),
+            Pushed::Queued => true,
+            Pushed::QueuedWake => {
+                self.wake();
+                true
+            }
             Pushed::Full => self.push_when_drained(local, words, event),
         }
     }
 
     /// The thread's first event through this recorder (or the first since its ring
     /// belonged to another thread): its name goes into the trace, and its owner
-    /// pseudo-event into the ring, before its events.
+    /// pseudo-event into the ring, before its events. `false` when the pseudo-event
+    /// could not be pushed (the ring full and the recording closed): the ring is left
+    /// unannounced, so no event of this thread may follow.
     #[cold]
     #[inline(never)]
-    fn announce(&self, local: &Local, thread: u32) {
-        local.announced.store(thread, Ordering::Relaxed);
+    fn announce(&self, local: &Local, thread: u32) -> bool {
         let current = std::thread::current();
         let name = current.name().map_or_else(|| format!("thread {thread}"), str::to_owned);
         self.queue(writer::thread_record(thread, &name));
-        self.push(local, &event::owner_words(thread), false);
+        let pushed = self.push(local, &event::owner_words(thread), false);
+        if pushed {
+            local.announced.store(thread, Ordering::Relaxed);
+        }
+        pushed
     }
 
     /// The ring is full: this thread drains it itself, as the rings' consumer for a
@@ -280,18 +291,23 @@ impl Shared {
     /// before its events in the file. A closed recording drops the event (counted).
     #[cold]
     #[inline(never)]
-    fn push_when_drained(&self, local: &Local, words: &[u64], event: bool) {
-        self.waits.fetch_add(1, Ordering::Relaxed);
+    fn push_when_drained(&self, local: &Local, words: &[u64], event: bool) -> bool {
+        let mut counted = false;
         loop {
             if self.closed.load(Ordering::Acquire) {
                 if event {
                     self.dropped.fetch_add(1, Ordering::Relaxed);
                 }
-                return;
+                return false;
+            }
+            if !counted {
+                // A wait is a full ring this thread drains itself (not one it drops).
+                self.waits.fetch_add(1, Ordering::Relaxed);
+                counted = true;
             }
             self.drain_own(&mut lock(&self.output), local);
             if local.ring.push(words) != Pushed::Full {
-                return;
+                return true;
             }
             yield_now();
         }
@@ -778,6 +794,29 @@ mod tests {
     }
 
     #[test]
+    fn an_owner_event_that_finds_the_ring_full_and_the_recording_closed_announces_nothing() {
+        let bytes = Bytes::default();
+        let mut out = bytes.clone();
+        format::write_header(&mut out, 0).unwrap();
+        let shared = Shared::new(Box::new(out), 32);
+        let device = DeviceKey::host(1);
+        // The owner event (2 words) and four lost events (7 words each): 30 of 32 words.
+        for id in 0..4 {
+            shared.emit(|ts, thread| event::lost_words(ts, thread, device, 1, &Block::new(id, id << 12, 64, 64)));
+        }
+        let local = shared.locals.get(thread_index()).expect("this thread's ring");
+        assert_eq!(local.ring.push(&[0]), Pushed::Queued, "31 of 32 words: no room for an owner event");
+        shared.closed.store(true, Ordering::Release);
+        let before = local.announced.load(Ordering::Relaxed);
+        // Another thread taking the ring over now could not name itself in it: it must
+        // not be left announced, or its events would read as the previous owner's.
+        assert!(!shared.announce(local, before + 1));
+        assert_eq!(local.announced.load(Ordering::Relaxed), before);
+        assert_eq!(shared.waits.load(Ordering::Relaxed), 0, "a dropped push is not a wait");
+        assert_eq!(shared.dropped.load(Ordering::Relaxed), 0, "the owner event is not an event");
+    }
+
+    #[test]
     fn a_full_ring_drains_only_itself_and_every_threads_events_stay_in_order() {
         let bytes = Bytes::default();
         let mut out = bytes.clone();
@@ -842,21 +881,27 @@ mod tests {
         };
         // One thread after another, nothing drained between them: the second finds the
         // first's events still in the ring its index owns (the index is reused once the
-        // first thread has exited).
-        let mut rings = Vec::new();
-        for first in [0, 10] {
-            std::thread::scope(|scope| {
-                scope
-                    .spawn(|| {
-                        allocate(first);
-                        allocate(first + 1);
-                        rings.push(thread_index());
-                    })
-                    .join()
-                    .unwrap();
-            });
-        }
-        assert_eq!(rings[0], rings[1], "the second thread got the first's index, so its ring");
+        // first thread has exited). Other tests' threads may take the freed index first:
+        // a thread that does not get it records nothing, and the next one tries.
+        let run = |body: &(dyn Fn() -> bool + Sync)| std::thread::scope(|scope| scope.spawn(body).join().unwrap());
+        let first_index = std::sync::OnceLock::new();
+        run(&|| {
+            allocate(0);
+            allocate(1);
+            first_index.set(thread_index()).is_ok()
+        });
+        let first_index = *first_index.get().expect("the first thread's index");
+        let handed_over = (0..1000).any(|_| {
+            run(&|| {
+                let same = thread_index() == first_index;
+                if same {
+                    allocate(10);
+                    allocate(11);
+                }
+                same
+            })
+        });
+        assert!(handed_over, "a later thread got the first's index, so its ring");
         shared.closed.store(true, Ordering::Release);
         write_loop(&shared, Duration::ZERO).unwrap();
         let written = bytes.0.lock().unwrap().clone();
