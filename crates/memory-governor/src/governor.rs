@@ -474,3 +474,28 @@ impl Governor {
         self.inner.timeline.chrome_trace().to_string()
     }
 }
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use memory_api::DeviceKey;
+
+    use super::*;
+
+    #[test]
+    fn the_configured_overdraft_limit_is_what_every_new_device_starts_with() {
+        let config = GovernorConfig::default().with_overdraft_limit(12_345);
+        assert_eq!(config.overdraft_limit(), 12_345);
+        let governor = Governor::with_config(config);
+        governor.set_device_limit(DeviceKey::HOST, 1 << 20).unwrap();
+        let device = governor.snapshot().device(DeviceKey::HOST).cloned().unwrap();
+        assert_eq!(device.overdraft.limit, Some(12_345));
+        assert_eq!(GovernorConfig::default().overdraft_limit(), crate::DEFAULT_OVERDRAFT_LIMIT);
+    }
+
+    #[test]
+    #[allow(deprecated)]
+    fn the_former_name_of_with_credit_chunk_still_sets_the_chunk() {
+        assert_eq!(GovernorConfig::default().credit_chunk(1234).chunk(), 1234);
+        assert_eq!(GovernorConfig::default().with_credit_chunk(1234).chunk(), 1234);
+    }
+}
