@@ -238,7 +238,7 @@ impl Shared {
             thread: AtomicU32::new(0),
         });
         if local.announced.load(Ordering::Relaxed) != thread && !self.announce(local, thread) {
-            // The owner pseudo-event found the ring full and the recording closed: an
+            // The thread could not be named (the recording closed meanwhile): an
             // event pushed without it would be read as the ring's previous owner's.
             self.dropped.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -262,15 +262,19 @@ impl Shared {
 
     /// The thread's first event through this recorder (or the first since its ring
     /// belonged to another thread): its name goes into the trace, and its owner
-    /// pseudo-event into the ring, before its events. `false` when the pseudo-event
-    /// could not be pushed (the ring full and the recording closed): the ring is left
-    /// unannounced, so no event of this thread may follow.
+    /// pseudo-event into the ring, before its events. `false` when either could not go
+    /// in (the writer's last pass closed the record queue, or the ring is full and the
+    /// recording closed): the ring is left unannounced, so no event of this thread may
+    /// follow (its events would be the previous owner's, or a thread the file never
+    /// names).
     #[cold]
     #[inline(never)]
     fn announce(&self, local: &Local, thread: u32) -> bool {
         let current = std::thread::current();
         let name = current.name().map_or_else(|| format!("thread {thread}"), str::to_owned);
-        self.queue(writer::thread_record(thread, &name));
+        if !self.queue(writer::thread_record(thread, &name)) {
+            return false;
+        }
         let pushed = self.push(local, &event::owner_words(thread), false);
         if pushed {
             local.announced.store(thread, Ordering::Relaxed);
@@ -814,6 +818,13 @@ mod tests {
         assert_eq!(local.announced.load(Ordering::Relaxed), before);
         assert_eq!(shared.waits.load(Ordering::Relaxed), 0, "a dropped push is not a wait");
         assert_eq!(shared.dropped.load(Ordering::Relaxed), 0, "the owner event is not an event");
+        // Once the writer's last pass closed the record queue, a thread that could not
+        // be named in the file is not announced either, whatever room the ring has.
+        local.ring.drain(&mut Vec::new());
+        lock(&shared.cold).closed = true;
+        assert!(!shared.announce(local, before + 2));
+        assert_eq!(local.announced.load(Ordering::Relaxed), before);
+        assert!(local.ring.is_empty(), "nothing pushed for a thread the file would not name");
     }
 
     #[test]
