@@ -52,6 +52,13 @@
 //! callers check the pointer). The CUDA allocator answers null in every phase: no host
 //! memory can stand in for device memory.
 //!
+//! The phase is the session's, not the calling thread's: a tensor that another thread
+//! makes through the session's table while the session runs is that run's request. Its
+//! refusal stops the run (with that request's reason), and past the overdraft limit it
+//! is served from the sink, whose aliased memory then backs a tensor that outlives the
+//! run. Make such tensors through the handle's own table
+//! ([`GovernedOrtAllocator::as_ort_allocator`]), or not while the session runs.
+//!
 //! # ONNX Runtime's own memory
 //! ONNX Runtime keeps part of every session in allocations of its own that no
 //! `OrtAllocator` sees: the graph with its initializer buffers, the kernels, and what a
@@ -92,7 +99,8 @@
 //!   The lock is reentrant: a reclaim holder that drops an idle session from inside a
 //!   commit's allocation (the governor calls holders on the allocating thread, the
 //!   committing one) releases it at once, and what that frees counts as the adapter's
-//!   own work (`tests/refusal_answers.rs`). A holder that hands the session to another
+//!   own work, once (own work nests there: only the outermost measures;
+//!   `tests/refusal_answers.rs`, `heap.rs`). A holder that hands the session to another
 //!   thread and waits for its release waits for the commit, which waits for the holder:
 //!   release it on the calling thread.
 //! - **Overhead included.** The figure is heap in use, so glibc's chunk headers
