@@ -94,8 +94,6 @@ fn a_tensor_made_through_a_sessions_table_outside_a_run_is_served_from_the_overd
     drop(tensor);
     let device = tenant.governor.snapshot().device(tenant.device).cloned().unwrap();
     assert_eq!(device.overdraft.current, 0);
-    // A run still works under a quota that fits.
-    tenant.governor.set_quota(tenant.authority, 64 << 20).unwrap();
     drop(table);
     drop(session);
     drop(allocator);

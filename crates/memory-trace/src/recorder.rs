@@ -525,13 +525,11 @@ impl Recorder {
             // The rings' consumer (under the output lock): what landed after the last
             // drain is counted and discarded.
             for local in self.shared.locals.iter() {
-                let (mut words, mut at) = (Vec::new(), 0usize);
+                let (mut words, mut at, mut late) = (Vec::new(), 0usize, 0u64);
                 local.ring.drain(&mut words);
-                let mut late = 0u64;
-                while at + 1 < words.len() {
-                    let header = words[at + 1];
-                    late += u64::from((header >> 8) as u8 != compact::OWNER);
-                    at += usize::from(header as u8).max(2);
+                while let Some(size) = event_size(&words, at) {
+                    late += u64::from(!is_owner(&words[at..at + size]));
+                    at += size;
                 }
                 self.shared.dropped.fetch_add(late, Ordering::Relaxed);
             }
@@ -623,6 +621,19 @@ impl Output {
     }
 }
 
+/// The size in words of the event at `at` of a drained ring's `words` (the low byte of
+/// its second word, at least 2, at most what is left); `None` past the last event.
+#[inline]
+fn event_size(words: &[u64], at: usize) -> Option<usize> {
+    (at + 1 < words.len()).then(|| usize::from(words[at + 1] as u8).max(2).min(words.len() - at))
+}
+
+/// Whether a ring event is an owner pseudo-event (a ring's new thread), not an event.
+#[inline]
+fn is_owner(event: &[u64]) -> bool {
+    (event[1] >> 8) as u8 == compact::OWNER
+}
+
 /// Scratch buffers of the consumer, kept between drains.
 #[derive(Default)]
 struct Scratch {
@@ -649,10 +660,9 @@ impl Shared {
         bytes.reserve(ring.len() * 16);
         let (mut at, mut events) = (0usize, 0u64);
         let mut thread = local.thread.load(Ordering::Relaxed);
-        while at + 1 < ring.len() {
-            let size = usize::from(ring[at + 1] as u8).max(2).min(ring.len() - at);
+        while let Some(size) = event_size(ring, at) {
             let event = &mut ring[at..at + size];
-            if (event[1] >> 8) as u8 == compact::OWNER {
+            if is_owner(event) {
                 thread = event[0] as u32;
             } else {
                 event[0] = self.clock.nanos(event[0]);
@@ -797,12 +807,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_owner_event_that_finds_the_ring_full_and_the_recording_closed_announces_nothing() {
+    /// A recording with `ring_words` per ring into a buffer the test reads back, with
+    /// no writer thread (the test drains).
+    fn recording(ring_words: usize) -> (Bytes, Shared) {
         let bytes = Bytes::default();
         let mut out = bytes.clone();
         format::write_header(&mut out, 0).unwrap();
-        let shared = Shared::new(Box::new(out), 32);
+        (bytes, Shared::new(Box::new(out), ring_words))
+    }
+
+    #[test]
+    fn an_owner_event_that_finds_the_ring_full_and_the_recording_closed_announces_nothing() {
+        let (_, shared) = recording(32);
         let device = DeviceKey::host(1);
         // The owner event (2 words) and four lost events (7 words each): 30 of 32 words.
         for id in 0..4 {
@@ -829,12 +845,9 @@ mod tests {
 
     #[test]
     fn a_full_ring_drains_only_itself_and_every_threads_events_stay_in_order() {
-        let bytes = Bytes::default();
-        let mut out = bytes.clone();
-        format::write_header(&mut out, 0).unwrap();
         // No writer thread: only a thread whose ring is full drains, so what it drained
         // is exactly what the file holds. 32 words: four lost events (7 words) fit.
-        let shared = Shared::new(Box::new(out), 32);
+        let (bytes, shared) = recording(32);
         let device = DeviceKey::host(1);
         let lost =
             |id: u64| move |ts, thread| event::lost_words(ts, thread, device, 1, &Block::new(id, id << 12, 64, 64));
@@ -880,10 +893,7 @@ mod tests {
 
     #[test]
     fn a_ring_handed_to_a_new_thread_keeps_each_events_thread() {
-        let bytes = Bytes::default();
-        let mut out = bytes.clone();
-        format::write_header(&mut out, 0).unwrap();
-        let shared = Shared::new(Box::new(out), 1024);
+        let (bytes, shared) = recording(1024);
         let tenant = shared.register_tenant(Tenant::new(0, DeviceKey::host(2), "t"));
         let allocate = |id: u64| {
             let block = Block::new(id, id << 12, 64, 64);
