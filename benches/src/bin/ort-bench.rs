@@ -536,6 +536,13 @@ fn mib_of(bytes: u64) -> f64 {
 /// A log of request sizes.
 type Log = Arc<Mutex<Vec<usize>>>;
 
+/// Logs `bytes` in `log`, when there is one (`--trace` only).
+fn note(log: &Option<Log>, bytes: usize) {
+    if let Some(Ok(mut log)) = log.as_ref().map(|log| log.lock()) {
+        log.push(bytes);
+    }
+}
+
 /// The governed pool of the `governed-pool*` configurations: over a cache backing,
 /// with the requests that reach the backing logged.
 type BenchPool = PooledAllocator<Probe<CacheBacking>>;
@@ -913,9 +920,7 @@ impl<A: DeviceAllocator> DeviceAllocator for Probe<A> {
         self.inner.name()
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        if let Some(Ok(mut log)) = self.log.as_ref().map(|log| log.lock()) {
-            log.push(request.bytes());
-        }
+        note(&self.log, request.bytes());
         self.inner.allocate(request)
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
@@ -949,9 +954,7 @@ impl<A: DeviceAllocator> DeviceAllocator for TrimOnGrowth<A> {
         self.inner.name()
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        if let Some(Ok(mut log)) = self.log.as_ref().map(|log| log.lock()) {
-            log.push(request.bytes());
-        }
+        note(&self.log, request.bytes());
         if request.bytes() >= 1 << 20 && self.largest.fetch_max(request.bytes(), Ordering::Relaxed) < request.bytes() {
             self.pool.trim();
         }
@@ -986,9 +989,7 @@ impl<A: DeviceAllocator> DeviceAllocator for PowerOfTwo<A> {
         self.inner.name()
     }
     fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
-        if let Some(Ok(mut log)) = self.log.as_ref().map(|log| log.lock()) {
-            log.push(request.bytes());
-        }
+        note(&self.log, request.bytes());
         if request.bytes() >= 1 << 20
             && let Some(rounded) = request.bytes().checked_next_power_of_two()
             && let Ok(bigger) = AllocationRequest::new(rounded, request.align())
