@@ -298,9 +298,15 @@ impl GovernedBlocks {
         let phase = caller.phase();
         let session_long = kind == RequestKind::Reserve || phase == Phase::Committing;
         let role = if session_long { self.config.role_of_reserve() } else { self.config.role_of_alloc() };
-        let granted = AllocationRequest::new(size, self.alignment)
-            .map_err(|err| err.to_string())
-            .and_then(|request| self.binding.allocate(request.with_role(role)).map_err(|err| err.to_string()));
+        let allocate = || {
+            AllocationRequest::new(size, self.alignment)
+                .map_err(|err| err.to_string())
+                .and_then(|request| self.binding.allocate(request.with_role(role)).map_err(|err| err.to_string()))
+        };
+        // A commit's allocation may call reclaim holders that wait: a release on another
+        // thread must be able to tell (see `environment::release`).
+        let granted =
+            if phase == Phase::Committing { crate::environment::commit_allocation(allocate) } else { allocate() };
         let block = match granted {
             Ok(block) => block,
             Err(reason) => return self.refused(caller, origin, phase, size, role, &reason),

@@ -13,11 +13,12 @@
 
 use std::mem::ManuallyDrop;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use ort::AsPointer;
-use parking_lot::ReentrantMutex;
+use parking_lot::{ReentrantMutex, ReentrantMutexGuard};
 
 use ort::session::builder::SessionBuilder;
 use ort::session::{
@@ -43,6 +44,108 @@ static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 /// again. That release runs inside the allocation's `heap::own_work`, so what it frees
 /// is kept out of the commit's measure as the adapter's own work.
 static REGISTRATION: ReentrantMutex<()> = ReentrantMutex::new(());
+
+/// Sessions whose release could not wait for a stalled commit (see [`release`]): the
+/// next thread to hold the commit lock releases them, under it, before letting it go.
+static DEFERRED: Mutex<Vec<Session>> = Mutex::new(Vec::new());
+
+/// The allocations of the commit in progress that have not returned (on any thread),
+/// and since when one has been in progress without a break.
+static COMMIT_ALLOCATING: Mutex<(usize, Option<Instant>)> = Mutex::new((0, None));
+
+/// How long a release waits for the commit lock between looks at the commit.
+const RELEASE_POLL: Duration = Duration::from_millis(5);
+
+/// How long a commit's allocation must have been in progress for a release to stop
+/// waiting for the commit: far longer than an allocation takes, unless the governor is
+/// calling a reclaim holder that waits (for a lock the releasing thread may hold).
+const COMMIT_STALLED: Duration = Duration::from_millis(50);
+
+fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs an allocation of a commit (the governor may call reclaim holders inside it),
+/// so a release on another thread can tell a commit stalled in one (see [`release`]).
+pub(crate) fn commit_allocation<R>(allocate: impl FnOnce() -> R) -> R {
+    /// Leaves also if `allocate` unwinds.
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            let mut allocating = locked(&COMMIT_ALLOCATING);
+            allocating.0 = allocating.0.saturating_sub(1);
+            if allocating.0 == 0 {
+                allocating.1 = None;
+            }
+        }
+    }
+    {
+        let mut allocating = locked(&COMMIT_ALLOCATING);
+        if allocating.0 == 0 {
+            allocating.1 = Some(Instant::now());
+        }
+        allocating.0 += 1;
+    }
+    let _leave = Leave;
+    allocate()
+}
+
+/// Whether the commit in progress has been inside an allocation for
+/// [`COMMIT_STALLED`] or longer.
+fn commit_stalled() -> bool {
+    locked(&COMMIT_ALLOCATING).1.is_some_and(|since| since.elapsed() >= COMMIT_STALLED)
+}
+
+/// The commit lock held; letting it go releases the sessions deferred meanwhile.
+struct CommitLock(Option<ReentrantMutexGuard<'static, ()>>);
+
+impl CommitLock {
+    fn take() -> CommitLock {
+        CommitLock(Some(REGISTRATION.lock()))
+    }
+}
+
+impl Drop for CommitLock {
+    fn drop(&mut self) {
+        drop(self.0.take());
+        release_deferred();
+    }
+}
+
+/// Releases the deferred sessions when the commit lock is free (its holder, letting it
+/// go, does the same: a session deferred while it was held is released by someone).
+fn release_deferred() {
+    while !locked(&DEFERRED).is_empty() {
+        let Some(_window) = REGISTRATION.try_lock() else { return };
+        let sessions = std::mem::take(&mut *locked(&DEFERRED));
+        tracing::debug!(sessions = sessions.len(), "sessions deferred past a stalled commit released");
+        drop(sessions);
+    }
+}
+
+/// Releases a governed session (ONNX Runtime frees its own memory for it then, unless
+/// an output still holds it) under the commit lock, so the frees do not show in another
+/// commit's heap measure. It waits for a commit in progress, except one stalled inside
+/// an allocation (the governor calling a reclaim holder that waits, perhaps for a lock
+/// the calling thread holds: waiting for it would stop both threads for good); the
+/// session is then released as soon as that commit lets the lock go.
+fn release(session: Session) {
+    loop {
+        if let Some(window) = REGISTRATION.try_lock_for(RELEASE_POLL) {
+            let _window = CommitLock(Some(window));
+            drop(session);
+            return;
+        }
+        if commit_stalled() {
+            tracing::warn!(
+                "a session dropped while a commit is stalled in a reclaim holder: released once that commit is done"
+            );
+            locked(&DEFERRED).push(session);
+            release_deferred();
+            return;
+        }
+    }
+}
 
 /// ONNX Runtime's environment (one per process), through which governed sessions are
 /// committed.
@@ -189,7 +292,7 @@ impl OrtEnvironment {
             }))
             .map_err(|err| runtime("set the session logger", &err))?;
         let (created, refusal) = {
-            let _window = REGISTRATION.lock();
+            let _window = CommitLock::take();
             self.register(&core)?;
             // Unregisters and ends the commit phase also if `create` unwinds: the
             // environment must never keep the table of a core that is gone.
@@ -393,13 +496,11 @@ impl Drop for GovernedSession {
     fn drop(&mut self) {
         // ONNX Runtime frees the session's own memory as it releases it (unless an output
         // still holds it): not while another commit measures the heap.
-        let _window = REGISTRATION.lock();
         #[allow(unsafe_code)]
-        // SAFETY: the session is dropped exactly once, here, and nothing uses it after
-        // (this is the last thing done with `self.session`).
-        unsafe {
-            ManuallyDrop::drop(&mut self.session)
-        };
+        // SAFETY: the session is taken exactly once, here, and nothing uses the field
+        // after (this is the last thing done with `self.session`).
+        let session = unsafe { ManuallyDrop::take(&mut self.session) };
+        release(session);
     }
 }
 
@@ -407,8 +508,7 @@ impl Drop for GovernedSession {
 /// ONNX Runtime created it) under the commit lock, as a governed session is released:
 /// ONNX Runtime's frees of its own memory must not show in another commit's measure.
 fn release_unwrapped(session: Session) {
-    let _window = REGISTRATION.lock();
-    drop(session);
+    release(session);
 }
 
 /// Closes a commit's registration window when dropped (also if the commit panics).

@@ -100,9 +100,14 @@
 //!   commit's allocation (the governor calls holders on the allocating thread, the
 //!   committing one) releases it at once, and what that frees counts as the adapter's
 //!   own work, once (own work nests there: only the outermost measures;
-//!   `tests/refusal_answers.rs`, `heap.rs`). A holder that hands the session to another
-//!   thread and waits for its release waits for the commit, which waits for the holder:
-//!   release it on the calling thread.
+//!   `tests/refusal_answers.rs`, `heap.rs`). A session dropped on another thread waits
+//!   for a commit in progress, except one stalled in an allocation for 50 ms or more (a
+//!   reclaim holder that waits, perhaps for a lock the dropping thread holds, as a cache
+//!   that evicts under its own lock does): that drop returns at once, and the session is
+//!   released under the lock as soon as the commit is done, so its memory does not make
+//!   room for that commit (`tests/commit_lock.rs`). Release a holder's sessions on the
+//!   calling thread. A commit waits for the lock in every case: do not commit while
+//!   holding a lock a reclaim holder takes.
 //! - **Overhead included.** The figure is heap in use, so glibc's chunk headers
 //!   (about 0.4 MB on PP-OCRv4 detection's 27 000 small allocations) are booked too.
 //! - **Once per process.** The first commit also books what ONNX Runtime sets up once
@@ -115,7 +120,7 @@
 //!   allocator glibc does not see, the growth reads zero. The CUDA allocator does not
 //!   book it ([`OrtAllocatorConfig::cuda`]): the figure is host memory.
 //!
-//! //! # Correctness
+//! # Correctness
 //! - **Lifetimes across the boundary.** ONNX Runtime never says when it stops calling
 //!   an allocator. The table lives in a reference-counted core held by every handle,
 //!   by every session made with it (through the session's logger, which ONNX Runtime
