@@ -660,6 +660,14 @@ impl BindingRegistry {
         let mut still = Vec::new();
         let mut pending = core.take_quarantine().into_iter();
         while let Some(mut entry) = pending.next() {
+            // Once the device is lost (a callback of this retry, or another thread,
+            // found it gone) no further callback runs: the rest stay quarantined and
+            // termination hands them to `forget_lost`.
+            if core.lifecycle.state() == MechanismState::DeviceLost {
+                still.push(entry);
+                still.extend(pending);
+                break;
+            }
             // The registry's own copy of the block: an outcome about any other block is
             // not believed, and a panic must not lose the entry.
             let original = &entry.allocation;

@@ -1,0 +1,571 @@
+//! Adversarial scenarios from the registry's contract that the other suites do not
+//! drive: callbacks that re-enter the registry (allocate inside allocate, terminate the
+//! context from inside a release, re-enter termination from `forget_lost`), a release
+//! or capability call in flight on another thread while the device is lost and the
+//! context is confirmed, device loss racing releases on other threads, and bindings
+//! of a retired mechanism after the selection moved on.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use memory_api::{
+    AllocError, AllocationRequest, ByteRange, CapabilityError, DeviceAddress, DeviceAllocator, DeviceKey,
+    ProviderContextIdentity, RawAllocation, ReleaseOutcome, ReleaseSummary, VirtualBacking,
+};
+use memory_binding::{
+    AllocateError, BindError, BindingRegistry, BoundAllocation, BoundCapabilityError, DropPolicy, HandleError,
+    MechanismOptions, MechanismState, MemoryBinding, RegistryError,
+};
+
+const GPU0: DeviceKey = DeviceKey::device(0);
+const PAGE: usize = 4096;
+
+type Hook = Arc<dyn Fn(&RawAllocation) + Send + Sync>;
+
+/// Hands out addresses from a counter and keeps exact books of every block: live,
+/// released (and how often a release named a block it did not hold), forgotten. Hooks
+/// run inside `allocate` (after the block is made) and `release` (before it is booked),
+/// and a commit can be held on a channel.
+#[derive(Default)]
+struct Ledger {
+    next: AtomicU64,
+    live: Mutex<BTreeMap<u64, usize>>,
+    released: AtomicUsize,
+    unknown_releases: AtomicUsize,
+    forgotten: Mutex<Vec<u64>>,
+    forget_calls: AtomicUsize,
+    /// Set by the test once `confirm_context_terminated` returned `Ok`: any callback
+    /// after that is a defect.
+    terminated: AtomicBool,
+    late_callbacks: AtomicUsize,
+    on_allocate: Mutex<Option<Hook>>,
+    on_release: Mutex<Option<Hook>>,
+    on_forget: Mutex<Option<Arc<dyn Fn() + Send + Sync>>>,
+    commit_gate: Mutex<Option<mpsc::Receiver<()>>>,
+    commits_entered: AtomicUsize,
+    commits: AtomicUsize,
+}
+
+impl Ledger {
+    fn new() -> Arc<Ledger> {
+        Arc::new(Ledger { next: AtomicU64::new(1 << 32), ..Ledger::default() })
+    }
+
+    fn live(&self) -> usize {
+        self.live.lock().unwrap().len()
+    }
+
+    fn late(&self) {
+        if self.terminated.load(Ordering::SeqCst) {
+            self.late_callbacks.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl DeviceAllocator for Ledger {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn name(&self) -> &str {
+        "ledger"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.late();
+        let span = request.bytes().max(1).next_multiple_of(PAGE) as u64;
+        let address = self.next.fetch_add(span, Ordering::SeqCst);
+        self.live.lock().unwrap().insert(address, request.bytes());
+        let block = RawAllocation::new(DeviceAddress::new(address).unwrap(), request.bytes(), request.align(), GPU0, 7);
+        let hook = self.on_allocate.lock().unwrap().clone();
+        if let Some(hook) = hook {
+            hook(&block);
+        }
+        Ok(block)
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.late();
+        let hook = self.on_release.lock().unwrap().clone();
+        if let Some(hook) = hook {
+            hook(&allocation);
+        }
+        if self.live.lock().unwrap().remove(&allocation.address().get()).is_none() {
+            self.unknown_releases.fetch_add(1, Ordering::SeqCst);
+        }
+        self.released.fetch_add(1, Ordering::SeqCst);
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        Some(self)
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        self.forget_calls.fetch_add(1, Ordering::SeqCst);
+        {
+            let mut live = self.live.lock().unwrap();
+            let mut forgotten = self.forgotten.lock().unwrap();
+            for block in lost {
+                if live.remove(&block.address().get()).is_none() {
+                    self.unknown_releases.fetch_add(1, Ordering::SeqCst);
+                }
+                forgotten.push(block.address().get());
+            }
+        }
+        let hook = self.on_forget.lock().unwrap().clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+}
+
+impl VirtualBacking for Ledger {
+    fn granularity(&self) -> usize {
+        PAGE
+    }
+    fn commit(&self, _allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.late();
+        self.commits_entered.fetch_add(1, Ordering::SeqCst);
+        let gate = self.commit_gate.lock().unwrap().take();
+        if let Some(gate) = gate {
+            gate.recv_timeout(Duration::from_secs(30)).unwrap();
+        }
+        self.commits.fetch_add(1, Ordering::SeqCst);
+        Ok(range.len())
+    }
+    fn decommit(&self, _allocation: &RawAllocation, range: ByteRange) -> Result<usize, CapabilityError> {
+        self.late();
+        Ok(range.len())
+    }
+    fn committed_bytes(&self, _allocation: &RawAllocation) -> Result<usize, CapabilityError> {
+        Ok(0)
+    }
+}
+
+fn request(bytes: usize) -> AllocationRequest {
+    AllocationRequest::new(bytes, 64).unwrap()
+}
+
+fn register(
+    registry: &BindingRegistry,
+    ledger: &Arc<Ledger>,
+    policy: DropPolicy,
+) -> (ProviderContextIdentity, memory_api::MechanismIdentity) {
+    let context = registry.register_provider_context(GPU0, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new("authority")).unwrap();
+    let options = MechanismOptions::default().with_drop_policy(policy);
+    let allocator: Arc<dyn DeviceAllocator> = ledger.clone();
+    let mechanism = registry.register_allocator_with(&context, &authority, allocator, options).unwrap();
+    (context, mechanism)
+}
+
+/// Runs `f` on a thread and fails the test (rather than hanging it) when it does not
+/// finish in time: a deadlock is a defect, named here.
+fn within<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("{what} did not finish within 30 s (deadlock?)"),
+    }
+}
+
+fn not_quiescent(result: Result<memory_binding::TerminationReport, RegistryError>) -> (usize, usize) {
+    match result {
+        Err(RegistryError::ContextNotQuiescent { in_flight, holds, .. }) => (in_flight, holds),
+        other => panic!("expected ContextNotQuiescent, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_release_blocked_on_another_thread_holds_termination_until_it_returns() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, mechanism) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    let released = binding.allocate(request(PAGE)).unwrap();
+    let kept = binding.allocate(request(2 * PAGE)).unwrap();
+    let kept_address = kept.address().get();
+
+    let (entered_tx, entered_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let go_rx = Mutex::new(go_rx);
+    *ledger.on_release.lock().unwrap() = Some(Arc::new(move |_| {
+        entered_tx.send(()).unwrap();
+        go_rx.lock().unwrap().recv_timeout(Duration::from_secs(30)).unwrap();
+    }));
+
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| binding.release(released));
+        entered_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        // The release is inside the allocator: loss never waits for it...
+        let report = within("invalidate_device during a release", {
+            let registry = registry.clone();
+            move || registry.invalidate_device(GPU0, "xid 79")
+        });
+        assert_eq!((report.mechanisms, report.contexts), (1, 1));
+        // ...and termination is refused while it runs, every time it is asked.
+        for _ in 0..3 {
+            assert_eq!(not_quiescent(registry.confirm_context_terminated(&context)), (1, 0));
+        }
+        assert!(registry.wait_terminated(&context, Duration::from_millis(20)).is_err());
+        assert_eq!(ledger.forget_calls.load(Ordering::SeqCst), 0, "forget_lost ran under a release in flight");
+        go_tx.send(()).unwrap();
+        // The release that was admitted before the loss completes.
+        let summary = worker.join().unwrap().expect("an admitted release completes");
+        assert_eq!(summary, ReleaseSummary::Complete { unmapped_bytes: PAGE });
+    });
+
+    let report = registry.wait_terminated(&context, Duration::from_secs(10)).unwrap();
+    ledger.terminated.store(true, Ordering::SeqCst);
+    // Only the block that was never released is handed to forget_lost, once.
+    assert_eq!(report.lost_allocations, 1);
+    assert_eq!(*ledger.forgotten.lock().unwrap(), vec![kept_address]);
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 1);
+    assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
+    assert_eq!(ledger.live(), 0);
+    // The kept handle is stale now, and dropping or releasing it calls nothing.
+    let rejected = binding.release(kept).unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::StaleAllocation), "{}", rejected.reason);
+    drop(rejected);
+    assert_eq!(ledger.late_callbacks.load(Ordering::SeqCst), 0);
+    assert_eq!(registry.snapshot(&mechanism).unwrap().state, MechanismState::Terminated);
+}
+
+#[test]
+fn a_commit_blocked_on_another_thread_holds_termination_until_it_returns() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, _) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    let virt = binding.virtual_backing().unwrap();
+    let block = binding.allocate(request(2 * PAGE)).unwrap();
+    let (go_tx, go_rx) = mpsc::channel();
+    *ledger.commit_gate.lock().unwrap() = Some(go_rx);
+
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| virt.commit(&block, ByteRange::new(0, PAGE)));
+        while ledger.commits_entered.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        registry.invalidate_device(GPU0, "lost during a commit");
+        assert_eq!(not_quiescent(registry.confirm_context_terminated(&context)), (1, 0));
+        assert_eq!(ledger.forget_calls.load(Ordering::SeqCst), 0);
+        go_tx.send(()).unwrap();
+        assert_eq!(worker.join().unwrap().unwrap(), PAGE);
+    });
+    // After loss the capability refuses without calling.
+    let commits = ledger.commits_entered.load(Ordering::SeqCst);
+    assert!(matches!(virt.commit(&block, ByteRange::new(0, PAGE)), Err(BoundCapabilityError::Handle(_))));
+    assert_eq!(ledger.commits_entered.load(Ordering::SeqCst), commits, "a capability ran on a lost device");
+    let report = registry.wait_terminated(&context, Duration::from_secs(10)).unwrap();
+    assert_eq!(report.lost_allocations, 1);
+    drop(block);
+    assert_eq!(ledger.live(), 0);
+}
+
+#[test]
+fn a_release_callback_that_terminates_its_own_context_is_refused_as_not_quiescent() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, _) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    let released = binding.allocate(request(PAGE)).unwrap();
+    let kept = binding.allocate(request(PAGE)).unwrap();
+    let kept_address = kept.address().get();
+
+    let inside: Arc<Mutex<Vec<String>>> = Arc::default();
+    let seen = inside.clone();
+    let reentrant = registry.clone();
+    *ledger.on_release.lock().unwrap() = Some(Arc::new(move |_| {
+        reentrant.invalidate_device(GPU0, "lost from inside a release");
+        let answer = reentrant.confirm_context_terminated(&context);
+        seen.lock().unwrap().push(format!("{answer:?}"));
+    }));
+    let summary = within("a release that terminates its own context", {
+        let binding = binding.clone();
+        move || binding.release(released).map_err(|r| r.reason.to_string())
+    })
+    .unwrap();
+    assert_eq!(summary, ReleaseSummary::Complete { unmapped_bytes: PAGE });
+    let inside = inside.lock().unwrap().clone();
+    assert_eq!(inside.len(), 1);
+    assert!(inside[0].contains("ContextNotQuiescent"), "termination inside a release: {}", inside[0]);
+    *ledger.on_release.lock().unwrap() = None;
+
+    let report = registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!(report.lost_allocations, 1);
+    assert_eq!(*ledger.forgotten.lock().unwrap(), vec![kept_address]);
+    assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
+    drop(kept);
+    assert_eq!(ledger.live(), 0);
+}
+
+#[test]
+fn an_allocate_that_allocates_and_releases_through_its_own_binding_keeps_exact_books() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, mechanism) = register(&registry, &ledger, DropPolicy::Release);
+    let binding = registry.bind(GPU0).unwrap();
+    let cell: Arc<Mutex<Option<MemoryBinding>>> = Arc::new(Mutex::new(Some(binding.clone())));
+    let nested: Arc<Mutex<Vec<BoundAllocation>>> = Arc::default();
+    let depth = Arc::new(AtomicUsize::new(0));
+    {
+        let (cell, nested, depth, registry) = (cell.clone(), nested.clone(), depth.clone(), registry.clone());
+        *ledger.on_allocate.lock().unwrap() = Some(Arc::new(move |_| {
+            if depth.fetch_add(1, Ordering::SeqCst) == 0 {
+                let binding = cell.lock().unwrap().clone().unwrap();
+                // A nested allocate and release on the same thread and pin...
+                let inner = binding.allocate(request(PAGE)).unwrap();
+                binding.release(inner).unwrap();
+                // ...and one kept past the outer call.
+                nested.lock().unwrap().push(binding.allocate(request(PAGE)).unwrap());
+                // The outer allocation is in flight: removal and termination must see it.
+                let in_flight = registry.snapshot(&mechanism).unwrap().in_flight;
+                assert!(in_flight >= 1, "the outer allocate is not counted in flight ({in_flight})");
+                assert!(registry.remove(&mechanism).is_err());
+            }
+            depth.fetch_sub(1, Ordering::SeqCst);
+        }));
+    }
+    let outer = within("a re-entrant allocate", {
+        let binding = binding.clone();
+        move || binding.allocate(request(3 * PAGE)).map_err(|e| e.to_string())
+    })
+    .unwrap();
+    *ledger.on_allocate.lock().unwrap() = None;
+    cell.lock().unwrap().take();
+    let snapshot = registry.snapshot(&mechanism).unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.in_flight), (2, 0));
+    assert_eq!(snapshot.live_bytes, 4 * PAGE);
+    let inner = nested.lock().unwrap().pop().unwrap();
+    assert_ne!(inner.identity(), outer.identity());
+    binding.release(inner).unwrap();
+    binding.release(outer).unwrap();
+    assert_eq!(ledger.live(), 0);
+    assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
+    registry.invalidate_device(GPU0, "done");
+    let report = registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!(report.lost_allocations, 0);
+}
+
+#[test]
+fn forget_lost_that_re_enters_termination_removal_and_snapshots_does_not_deadlock() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, mechanism) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    let block = binding.allocate(request(PAGE)).unwrap();
+    let answers: Arc<Mutex<Vec<String>>> = Arc::default();
+    {
+        let (registry, answers) = (registry.clone(), answers.clone());
+        *ledger.on_forget.lock().unwrap() = Some(Arc::new(move || {
+            let again = registry.confirm_context_terminated(&context);
+            let snapshots = registry.snapshots();
+            let removed = registry.remove(&mechanism);
+            answers.lock().unwrap().push(format!("{again:?} | {} | {removed:?}", snapshots.mechanisms.len()));
+        }));
+    }
+    registry.invalidate_device(GPU0, "lost");
+    let report = within("termination with a re-entrant forget_lost", {
+        let registry = registry.clone();
+        move || registry.confirm_context_terminated(&context).map_err(|e| e.to_string())
+    })
+    .unwrap();
+    assert_eq!(report.lost_allocations, 1);
+    let answers = answers.lock().unwrap().clone();
+    assert_eq!(answers.len(), 1);
+    assert!(answers[0].contains("already_terminated: true"), "{}", answers[0]);
+    assert_eq!(ledger.forget_calls.load(Ordering::SeqCst), 1, "forget_lost was called again from inside itself");
+    assert_eq!(ledger.live(), 0);
+    drop(block);
+    drop(binding);
+    // Whatever the nested remove said, a second one leaves the registry consistent.
+    let _ = registry.remove(&mechanism);
+    assert!(registry.snapshot(&mechanism).is_err());
+}
+
+#[test]
+fn device_loss_racing_releases_on_other_threads_accounts_for_every_block_exactly_once() {
+    for round in 0..40 {
+        let registry = BindingRegistry::new();
+        let ledger = Ledger::new();
+        let policy = if round % 2 == 0 { DropPolicy::Release } else { DropPolicy::Quarantine };
+        let (context, mechanism) = register(&registry, &ledger, policy);
+        let binding = registry.bind(GPU0).unwrap();
+        const N: usize = 64;
+        let blocks: Vec<BoundAllocation> = (0..N).map(|_| binding.allocate(request(PAGE)).unwrap()).collect();
+        let (first, second): (Vec<_>, Vec<_>) = blocks.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        let tally = |outcomes: Vec<Result<ReleaseSummary, HandleError>>| {
+            let mut done = 0;
+            for outcome in outcomes {
+                match outcome {
+                    Ok(ReleaseSummary::Complete { .. }) => done += 1,
+                    Ok(other) => panic!("unexpected summary {other:?}"),
+                    Err(HandleError::DeviceLost { device, .. }) => assert_eq!(device, GPU0),
+                    Err(other) => panic!("a release racing loss got {other}"),
+                }
+            }
+            done
+        };
+        let completed = std::thread::scope(|s| {
+            let workers: Vec<_> = [first, second]
+                .into_iter()
+                .map(|half| {
+                    let binding = &binding;
+                    s.spawn(move || {
+                        half.into_iter()
+                            .map(|(_, block)| match binding.release(block) {
+                                Ok(summary) => Ok(summary),
+                                Err(rejected) => {
+                                    let (handle, reason) = rejected.into_parts();
+                                    // Handed back as it was: still valid, still refused.
+                                    assert!(handle.is_valid() || matches!(reason, HandleError::DeviceLost { .. }));
+                                    drop(handle);
+                                    Err(reason)
+                                }
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            std::thread::yield_now();
+            registry.invalidate_device(GPU0, "racing loss");
+            workers.into_iter().map(|w| tally(w.join().unwrap())).sum::<usize>()
+        });
+        let report = registry.wait_terminated(&context, Duration::from_secs(10)).unwrap();
+        ledger.terminated.store(true, Ordering::SeqCst);
+        assert_eq!(ledger.released.load(Ordering::SeqCst), completed, "round {round}");
+        assert_eq!(report.lost_allocations, N - completed, "round {round}");
+        assert_eq!(ledger.forgotten.lock().unwrap().len(), N - completed, "round {round}");
+        assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0, "round {round}: a block went out twice");
+        assert_eq!(ledger.live(), 0, "round {round}");
+        let snapshot = registry.snapshot(&mechanism).unwrap();
+        assert_eq!((snapshot.live_allocations, snapshot.in_flight), (0, 0), "round {round}");
+        drop(binding);
+        assert_eq!(ledger.late_callbacks.load(Ordering::SeqCst), 0);
+    }
+}
+
+#[test]
+fn a_binding_of_a_retired_mechanism_after_a_switch_refuses_new_work_and_releases_through_its_own_allocator() {
+    let registry = BindingRegistry::new();
+    let first = Ledger::new();
+    let second = Ledger::new();
+    let (_, m1) = register(&registry, &first, DropPolicy::Release);
+    let (_, m2) = register(&registry, &second, DropPolicy::Release);
+    let old = registry.bind(GPU0).unwrap();
+    assert_eq!(old.identity().mechanism(), m1);
+    let old_block = old.allocate(request(PAGE)).unwrap();
+    let old_kept = old.allocate(request(PAGE)).unwrap();
+    let old_virt = old.virtual_backing().unwrap();
+
+    registry.retire(&m1).unwrap();
+    // A retired mechanism cannot be selected again.
+    assert!(matches!(registry.select(&m1), Err(RegistryError::InvalidState { .. })));
+    registry.select(&m2).unwrap();
+    let new = registry.bind(GPU0).unwrap();
+    assert_eq!(new.identity().mechanism(), m2);
+    assert!(matches!(registry.bind_registered(&m1), Err(BindError::Inactive { .. })));
+
+    let allocations = first.next.load(Ordering::SeqCst);
+    let refused = old.allocate(request(PAGE)).unwrap_err();
+    assert!(matches!(refused, AllocateError::Inactive { state: MechanismState::Retired, .. }), "{refused}");
+    let text = refused.to_string();
+    assert!(text.contains(&m1.to_string()) && text.contains("retired"), "{text}");
+    assert_eq!(first.next.load(Ordering::SeqCst), allocations, "a retired mechanism's allocator was called");
+
+    // The new binding does not take the old mechanism's handle, and hands it back.
+    let rejected = new.release(old_block).unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::BindingMismatch { .. }), "{}", rejected.reason);
+    assert_eq!(second.released.load(Ordering::SeqCst) + first.released.load(Ordering::SeqCst), 0);
+    let old_block = rejected.handle;
+    assert!(old_block.is_valid());
+    // Existing work on the retired mechanism still runs, through the first allocator.
+    // (commit is new work: refused; decommit is not.)
+    let commits = first.commits_entered.load(Ordering::SeqCst);
+    assert!(old_virt.commit(&old_kept, ByteRange::new(0, PAGE)).is_err());
+    assert_eq!(first.commits_entered.load(Ordering::SeqCst), commits);
+    assert_eq!(old_virt.decommit(&old_kept, ByteRange::new(0, PAGE)).unwrap(), PAGE);
+    old.release(old_block).unwrap();
+    drop(old_kept); // drop policy Release: through `first`
+    assert_eq!(first.released.load(Ordering::SeqCst), 2);
+    assert_eq!(first.live(), 0);
+    assert_eq!(second.released.load(Ordering::SeqCst), 0);
+    // And the new binding serves from the second allocator only.
+    let block = new.allocate(request(PAGE)).unwrap();
+    new.release(block).unwrap();
+    assert_eq!((second.released.load(Ordering::SeqCst), first.released.load(Ordering::SeqCst)), (1, 2));
+    drop(old_virt);
+    drop(old);
+    registry.remove(&m1).unwrap();
+}
+
+#[test]
+fn a_handle_refused_for_a_lost_device_comes_back_unchanged_and_releases_nothing_after_termination() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, _) = register(&registry, &ledger, DropPolicy::Release);
+    let binding = registry.bind(GPU0).unwrap();
+    let mut place = Some(binding.allocate(request(PAGE)).unwrap());
+    let identity = place.as_ref().unwrap().identity();
+    registry.invalidate_device(GPU0, "lost");
+    for _ in 0..2 {
+        let error = binding.release_from(&mut place).unwrap_err();
+        assert!(matches!(error, HandleError::DeviceLost { .. }), "{error}");
+        let text = error.to_string();
+        assert!(text.contains("lost") && text.contains("confirm the context terminated"), "{text}");
+        assert_eq!(place.as_ref().unwrap().identity(), identity);
+    }
+    let block = place.take().unwrap();
+    let rejected = binding.release(block).unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::DeviceLost { .. }));
+    let block = rejected.handle;
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 0);
+    registry.confirm_context_terminated(&context).unwrap();
+    ledger.terminated.store(true, Ordering::SeqCst);
+    let rejected = binding.release(block).unwrap_err();
+    assert!(matches!(rejected.reason, HandleError::StaleAllocation), "{}", rejected.reason);
+    drop(rejected);
+    assert_eq!(ledger.late_callbacks.load(Ordering::SeqCst), 0);
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 0);
+    assert_eq!(ledger.forgotten.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn a_retry_whose_release_loses_the_device_makes_no_further_callback_and_keeps_the_rest_for_forget_lost() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, mechanism) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    for _ in 0..3 {
+        drop(binding.allocate(request(PAGE)).unwrap()); // quarantined by the drop policy
+    }
+    assert_eq!(registry.snapshot(&mechanism).unwrap().quarantined.len(), 3);
+    let losses = Arc::new(AtomicUsize::new(0));
+    {
+        let (registry, losses) = (registry.clone(), losses.clone());
+        *ledger.on_release.lock().unwrap() = Some(Arc::new(move |_| {
+            // The first retried release learns the device is gone (an Xid, a reset).
+            if losses.fetch_add(1, Ordering::SeqCst) == 0 {
+                registry.invalidate_device(GPU0, "lost during a retry");
+            }
+        }));
+    }
+    let report = within("a retry that loses the device", {
+        let registry = registry.clone();
+        move || registry.retry_quarantined(&mechanism).map_err(|e| e.to_string())
+    })
+    .unwrap();
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 1, "the retry kept calling release on a lost device");
+    assert_eq!((report.released, report.still_quarantined), (1, 2));
+    assert_eq!(registry.snapshot(&mechanism).unwrap().quarantined.len(), 2);
+    // The two left are the allocator's to forget at termination, once.
+    let report = registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!(report.discharged_quarantine, 2);
+    assert_eq!(ledger.forgotten.lock().unwrap().len(), 2);
+    assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
+    assert_eq!(ledger.live(), 0);
+}
