@@ -137,7 +137,8 @@ typedef struct MpRequest {
 typedef struct MpBlock {
   // Start address (non-zero).
   uint64_t address;
-  // Usable bytes: at least what was asked for.
+  // Usable bytes: at least what was asked for, all below 2^64 (`address + bytes`
+  // does not wrap around).
   uint64_t bytes;
   // Alignment of `address` (a power of two, at least what was asked for).
   uint64_t align;

@@ -171,7 +171,8 @@ pub struct MpRequest {
 pub struct MpBlock {
     /// Start address (non-zero).
     pub address: u64,
-    /// Usable bytes: at least what was asked for.
+    /// Usable bytes: at least what was asked for, all below 2^64 (`address + bytes`
+    /// does not wrap around).
     pub bytes: u64,
     /// Alignment of `address` (a power of two, at least what was asked for).
     pub align: u64,

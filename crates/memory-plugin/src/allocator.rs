@@ -264,8 +264,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 ///
 /// Every block it hands out is recorded on the host side, so a forged, foreign or
 /// already released block is refused (`NotOwned`) without calling the plugin. Every
-/// answer is checked: a block on another device, misaligned, too small or at address
-/// zero is handed back and the allocation fails; a block overlapping a live block of the
+/// answer is checked: a block on another device, misaligned, too small, at address
+/// zero or running past the end of the address space is handed back and the allocation fails; a block overlapping a live block of the
 /// instance is refused and kept as suspect, as is one answered with an unknown status;
 /// a release outcome about another block, of an unknown kind or with an unknown status
 /// is a quarantine of the whole block.
@@ -574,7 +574,23 @@ fn broken_rules(block: &MpBlock, asked: &MpRequest, device: MpDevice) -> Vec<Str
     if block.bytes < asked.bytes {
         broken.push(format!("its size {} bytes is less than the {} bytes asked", block.bytes, asked.bytes));
     }
+    if !ends_in_address_space(block) {
+        broken.push(format!(
+            "its {} bytes at {:#x} run past the end of the address space, wrapping around to 0x0..{:#x}",
+            block.bytes,
+            block.address,
+            block.address.wrapping_add(block.bytes)
+        ));
+    }
     broken
+}
+
+/// Whether a block's bytes lie below 2^64: its last byte has an address. A block that
+/// ran past the end would wrap around to address 0, and no range check (overlap with a
+/// live block, a capability's range) could see what it covers.
+#[inline(always)]
+fn ends_in_address_space(block: &MpBlock) -> bool {
+    block.bytes == 0 || block.address.checked_add(block.bytes - 1).is_some()
 }
 
 /// `allocate` answered `MP_OK` with a block that breaks a rule: handed back (or kept).
@@ -654,7 +670,8 @@ impl DeviceAllocator for PluginAllocator {
             && block.align.is_power_of_two()
             && block.bytes >= abi_request.bytes
             && block.align >= abi_request.align
-            && block.address.is_multiple_of(block.align);
+            && block.address.is_multiple_of(block.align)
+            && ends_in_address_space(&block);
         if !fits {
             return Err(unusable_block(shared, request, &abi_request, block));
         }

@@ -45,14 +45,14 @@
 //! its answers is. The host records every block it handed out (owner-local records: no
 //! read-modify-write to record, one compare-and-swap to take back, so of two racing
 //! releases exactly one reaches the plugin) and passes a plugin only blocks it issued;
-//! a block on another device, misaligned, too small or at address zero is handed back,
-//! with a message naming the rule it broke (asked against given); a block overlapping a
-//! live block of the instance (checked against an ordered map of the live ranges, by
-//! address region) is refused and kept as suspect; a release outcome about another
-//! block, of an unknown kind, or with an unknown status is a quarantine of the whole
-//! block; an unknown status on allocate keeps any block it returned as suspect (never
-//! freed); commit and unmap answers larger than the range are errors; a deferred-release
-//! ticket the host never issued is ignored.
+//! a block on another device, misaligned, too small, at address zero or running past
+//! the end of the address space is handed back, with a message naming the rule it broke
+//! (asked against given); a block overlapping a live block of the instance (checked
+//! against an ordered map of the live ranges, by address region) is refused and kept as
+//! suspect; a release outcome about another block, of an unknown kind, or with an
+//! unknown status is a quarantine of the whole block; an unknown status on allocate
+//! keeps any block it returned as suspect (never freed); commit and unmap answers larger
+//! than the range are errors; a deferred-release ticket the host never issued is ignored.
 //!
 //! # Correctness
 //! `unsafe` is confined to calling the plugin's slots, reading its table and loading

@@ -455,11 +455,13 @@ fn assert_c_readable(message: &str) {
 fn unusable_blocks_are_handed_back_and_the_message_says_which_rule_broke() {
     let (library, _) = load("unusable");
     // (fault, what the message must say: asked vs given)
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 5] = [
         ("alloc_wrong_device", &["it is on host:1, but this instance serves host:0"]),
         ("alloc_misaligned", &["is not a multiple of its alignment 64 (0x40): it is aligned to 1 only"]),
         ("alloc_short", &["its size 2048 bytes is less than the 4096 bytes asked", "it gave 2048 bytes"]),
         ("alloc_null", &["its address is 0x0", "at 0x0 on host:0"]),
+        // Bytes that run past 2^64: the block would wrap around to address 0.
+        ("alloc_wraps", &["run past the end of the address space", "wrapping around to 0x0..0x1000"]),
     ];
     for (fault, says) in cases {
         let allocator = instance(&library, &format!("fault={fault}")).unwrap();

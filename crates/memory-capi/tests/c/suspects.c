@@ -5,7 +5,8 @@
  * mc_plugin_unload answers MC_ERR_SUSPECT_BLOCKS with the count, and a suspect retry
  * (mc_plugin_retry_suspects for the library, mc_mechanism_retry_suspects for one
  * mechanism) hands the block back so the library unloads. Every program retries before
- * it exits, so valgrind sees nothing kept (issue 23, items 3 and 4). */
+ * it exits, so valgrind sees nothing kept (issue 23, items 3 and 4). A block that runs
+ * past the end of the address space is no suspect: it is handed straight back. */
 #include <stdint.h>
 
 #include "check.h"
@@ -129,6 +130,27 @@ static void an_overlapping_block_is_refused_and_kept_until_the_live_one_is_gone(
     OK(mc_plugin_unload(library));
 }
 
+/* A block whose bytes run past 2^64 (it would wrap around to address 0) breaks the
+ * ABI's rules: it goes straight back to the plugin's release, and nothing is allocated
+ * or kept as suspect. */
+static void a_block_running_past_the_address_space_is_handed_back(const char *path) {
+    McPluginLibrary *library = NULL;
+    McAllocation *block = NULL;
+    OK(mc_plugin_load(path, &library));
+    World w = world(library, "fault=alloc_wraps at=1");
+    EXPECT(mc_allocate(w.binding, 4096, 64, MP_ROLE_WORKSPACE, &block), MC_ERR_BACKEND);
+    SAYS("run past the end of the address space");
+    SAYS("handed back to the plugin's release and nothing was allocated");
+    TRUE(block == NULL);
+    McPluginTallies tallies = tally(library);
+    TRUE(tallies.host_allocations == 0 && tallies.host_suspect_blocks == 0 && tallies.plugin.allocations == 0);
+    /* The next answer is honest. */
+    OK(mc_allocate(w.binding, 4096, 64, MP_ROLE_WORKSPACE, &block));
+    OK(mc_release(w.binding, block, NULL));
+    teardown(&w, 1);
+    OK(mc_plugin_unload(library));
+}
+
 /* A mechanism's retry needs a plugin or vtable mechanism, and a device that is not lost. */
 static void a_mechanism_retry_refuses_built_ins_and_lost_devices(const char *path) {
     McPluginLibrary *library = NULL;
@@ -167,6 +189,7 @@ int main(int argc, char **argv) {
     an_overlapping_block_is_refused_and_kept_until_the_live_one_is_gone(argv[1], "fault=alloc_overlap at=2");
     an_overlapping_block_is_refused_and_kept_until_the_live_one_is_gone(argv[1], "fault=alloc_alias at=2");
     a_mechanism_retry_refuses_built_ins_and_lost_devices(argv[1]);
+    a_block_running_past_the_address_space_is_handed_back(argv[1]);
     printf("c suspects: %d checks passed (%d failure messages checked)\n", checks, messages_checked);
     return 0;
 }

@@ -205,6 +205,10 @@ static MpStatus plugin_allocate(void *instance, const MpRequest *request, MpBloc
         out->bytes = request->bytes / 2;
     } else if (faulted(self, "alloc_null", call)) {
         out->address = 0;
+    } else if (faulted(self, "alloc_wraps", call)) {
+        /* Its bytes run past the end of the address space: [address, address + bytes)
+         * wraps around to [0, request->bytes). */
+        out->bytes = (0 - out->address) + request->bytes;
     } else if (faulted(self, "alloc_unknown_status", call)) {
         return self->unknown_status;
     } else if (call != 0) {
