@@ -710,12 +710,29 @@ impl<B: Books> Governed<B> {
         let books = tenant.device_books();
         let limit = books.limit();
         let over = |trimmed| Some(tenant.footprint_after(trimmed)).filter(|f| f.device_reserved > limit);
-        let Some(footprint) = over(None) else { return Ok(governed) };
-        let trimmed = books.caches.trim_largest_first(footprint.device_reserved - limit);
-        tenant.record_event(TimelineEventKind::Trim, role, trimmed.bytes);
-        let Some(footprint) = over(Some(trimmed.bytes)) else { return Ok(governed) };
-        let reclaimed = tenant.reclaim_for_ladder(role, footprint.device_reserved - limit);
-        let Some(footprint) = over(Some(trimmed.bytes)) else { return Ok(governed) };
+        // The block is recorded and charged, but nobody holds it yet: should a cache's
+        // figures or trim, or a holder, panic on the ladder, it goes back before the
+        // panic goes on (else its charge would stay for good).
+        let ladder = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let footprint = over(None)?;
+            let trimmed = books.caches.trim_largest_first(footprint.device_reserved - limit);
+            tenant.record_event(TimelineEventKind::Trim, role, trimmed.bytes);
+            let footprint = over(Some(trimmed.bytes))?;
+            let reclaimed = tenant.reclaim_for_ladder(role, footprint.device_reserved - limit);
+            Some((over(Some(trimmed.bytes))?, reclaimed))
+        }));
+        let (footprint, reclaimed) = match ladder {
+            Ok(Some(over)) => over,
+            Ok(None) => return Ok(governed),
+            Err(panic) => {
+                let outcome = self.release(governed);
+                if !outcome.is_complete() {
+                    tracing::warn!(allocator = %self.forward.name, outcome = %outcome.summary(),
+                        "a block whose growth check panicked could not be given back");
+                }
+                std::panic::resume_unwind(panic)
+            }
+        };
         // The block goes back, and with a trim what its cache grew by for it.
         let outcome = self.release(governed);
         if !outcome.is_complete() {
@@ -739,9 +756,21 @@ impl<B: Books> Governed<B> {
         actual: u64,
     ) -> Result<RawAllocation, GovernedAllocError> {
         if actual > asked {
-            if let Err(refusal) = self.books.grow(role, asked, actual - asked) {
-                self.give_back_unrecorded(block, role, asked);
-                return Err(GovernedAllocError::Refused(refusal));
+            // The growth may run the policy and its holders: should one panic, the
+            // block (recorded nowhere yet) and its charge go back before the panic
+            // goes on.
+            let grown =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.books.grow(role, asked, actual - asked)));
+            match grown {
+                Ok(Ok(())) => {}
+                Ok(Err(refusal)) => {
+                    self.give_back_unrecorded(block, role, asked);
+                    return Err(GovernedAllocError::Refused(refusal));
+                }
+                Err(panic) => {
+                    self.give_back_unrecorded(block, role, asked);
+                    std::panic::resume_unwind(panic)
+                }
             }
         } else {
             self.books.refund(role, asked - actual, false);

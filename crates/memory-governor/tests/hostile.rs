@@ -766,3 +766,40 @@ fn a_capability_the_inner_allocator_lost_is_reported_unsupported() {
     assert!(governed.release(block).is_complete());
     assert_eq!(account.used(), 0);
 }
+
+struct PanickingHolder;
+
+impl ReclaimHolder for PanickingHolder {
+    fn name(&self) -> &str {
+        "panicking"
+    }
+
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        1
+    }
+
+    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
+        panic!("holder exploded while an oversized block was charged")
+    }
+}
+
+#[test]
+fn a_holder_panicking_while_an_oversized_block_is_charged_gives_the_block_and_its_charge_back() {
+    let (governor, account) = one_account(DEV, 2000, u64::MAX, 0);
+    governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+    governor.register_holder(DEV, 0, Arc::new(PanickingHolder));
+    let liar = Liar::new();
+    let governed = GovernedAllocator::new(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, account.clone()).unwrap();
+    liar.hand_out_next(4096);
+    // The 1000 bytes asked fit; the 3096 more the block really is do not, and the
+    // policy's holder panics while the block is out.
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        governed.try_allocate(&request(1000, MemoryRole::KvCache)).map(drop)
+    }));
+    assert!(outcome.is_err(), "the holder's panic propagates");
+    assert_eq!(liar.releases(), 1, "the block did not go back to the inner allocator");
+    assert!(liar.live.lock().unwrap().is_empty());
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.totals.live), (0, 0), "the asked bytes stayed charged");
+    assert_eq!(account.used(), 0);
+}

@@ -1,0 +1,420 @@
+//! Adversarial scenarios for the books that the other suites do not drive: a quota
+//! lowered below what is charged while another thread caches credit, a lease dropped
+//! while a governed allocation is inside its inner allocator, reclaim holders that
+//! re-enter the registry (release governed blocks, allocate through the same binding)
+//! or panic or lie, the overdraft under concurrency and below its limit, and a device
+//! limit lowered below what device-lost blocks hold.
+
+mod common;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use common::*;
+use memory_governor::*;
+use memory_testkit::{Callback, HostHeap, RecordingAllocator};
+
+const DEV: DeviceKey = DeviceKey::host(11);
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+
+fn request(bytes: u64, role: MemoryRole) -> AllocationRequest {
+    AllocationRequest::new(bytes as usize, 64).unwrap().with_role(role)
+}
+
+fn exhausted(error: &AdmissionError) -> &Exhaustion {
+    match error {
+        AdmissionError::Exhausted(exhaustion) => exhaustion,
+        other => panic!("expected Exhausted, got {other:?}"),
+    }
+}
+
+/// Runs `f` on a thread; a deadlock fails the test instead of hanging it.
+fn within<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("{what} did not finish within 30 s (deadlock?)"),
+    }
+}
+
+/// A registry with one governed allocator over `inner` for a fresh tenant.
+struct Governed {
+    registry: BindingRegistry,
+    governor: Governor,
+    account: Account,
+    authority: AuthorityIdentity,
+    context: ProviderContextIdentity,
+    binding: MemoryBinding,
+}
+
+fn governed(inner: Arc<dyn DeviceAllocator>, limit: u64, quota: u64, chunk: u64) -> Governed {
+    let registry = BindingRegistry::new();
+    let context = registry.register_provider_context(DEV, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(DEV, Arc::new("tenant")).unwrap();
+    let governor = governor(chunk);
+    governor.set_device_limit(DEV, limit).unwrap();
+    let account =
+        governor.open_account(AccountConfig::new(DEV, authority).with_quota(quota).with_label("tenant")).unwrap();
+    let allocator = governor.govern(inner, authority).unwrap();
+    registry.register_allocator(&context, &authority, Arc::new(allocator)).unwrap();
+    let binding = registry.bind(DEV).unwrap();
+    Governed { registry, governor, account, authority, context, binding }
+}
+
+fn assert_books_zero(governor: &Governor, account: &Account) {
+    governor.return_idle_credit();
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.used, snapshot.cached_credit), (0, 0, 0), "account books");
+    assert_eq!(snapshot.totals.live, 0);
+    assert_eq!(snapshot.overdraft.current, 0);
+    let device = governor.snapshot().device(DEV).unwrap().clone();
+    assert_eq!((device.current, device.used), (0, 0), "device books");
+}
+
+#[test]
+fn a_quota_lowered_below_the_charges_while_another_thread_caches_credit_refuses_until_usage_falls() {
+    let (governor, account) = one_account(DEV, 64 * MIB, 16 * MIB, MIB);
+    let authority = account.authority();
+    let (to_worker, from_main) = mpsc::channel::<&'static str>();
+    let (to_main, from_worker) = mpsc::channel::<Result<u64, String>>();
+    let worker = {
+        let account = account.clone();
+        std::thread::spawn(move || {
+            // A charge that leaves this thread holding credit drawn under the old quota.
+            let mut lease = Some(account.lease_owned(MemoryRole::KvCache, 4 * MIB + 100).unwrap());
+            to_main.send(Ok(0)).unwrap();
+            while let Ok(step) = from_main.recv() {
+                let answer = match step {
+                    "one" => account.lease(MemoryRole::KvCache, 1).map(|l| l.bytes()).map_err(|e| e.to_string()),
+                    "drop" => Ok(lease.take().map_or(0, |l| l.bytes())),
+                    "fill" => account
+                        .lease(MemoryRole::KvCache, 3 * MIB - 2 * MIB)
+                        .map(|l| l.bytes())
+                        .map_err(|e| e.to_string()),
+                    _ => break,
+                };
+                to_main.send(answer).unwrap();
+            }
+        })
+    };
+    from_worker.recv().unwrap().unwrap();
+    let weights = account.lease(MemoryRole::Weights, 2 * MIB).unwrap();
+    assert!(account.snapshot().cached_credit > 0, "the setup should leave credit cached");
+
+    // Charged: 6 MiB + 100. The quota goes to 3 MiB: nothing is revoked.
+    governor.set_quota(authority, 3 * MIB).unwrap();
+    let snapshot = account.snapshot();
+    assert_eq!(snapshot.current, 6 * MIB + 100);
+    assert_eq!(snapshot.cached_credit, 0, "credit cached under the old quota was not pulled back");
+    assert_eq!(snapshot.used, 6 * MIB + 100);
+
+    // Every new admission is refused, on either thread, with what was asked and found.
+    to_worker.send("one").unwrap();
+    let refused = from_worker.recv().unwrap().unwrap_err();
+    assert!(refused.contains("authority quota"), "{refused}");
+    let error = account.lease(MemoryRole::Activations, 1).unwrap_err();
+    let exhaustion = exhausted(&error);
+    assert_eq!((exhaustion.requested, exhaustion.limit, exhaustion.used), (1, 3 * MIB, 6 * MIB + 100));
+    assert_eq!(exhaustion.scope, LimitScope::Authority);
+    let text = error.to_string();
+    assert!(text.contains("authority quota") && text.contains(&(3 * MIB).to_string()), "{text}");
+    assert_eq!(account.snapshot().current, 6 * MIB + 100, "a refused admission changed the books");
+
+    // The worker's lease goes: 2 MiB stay charged, 1 MiB fits again, and not a byte more.
+    to_worker.send("drop").unwrap();
+    assert_eq!(from_worker.recv().unwrap().unwrap(), 4 * MIB + 100);
+    assert_eq!(account.snapshot().current, 2 * MIB);
+    let one = account.lease(MemoryRole::Activations, MIB).unwrap();
+    assert!(account.lease(MemoryRole::Activations, 1).is_err());
+    to_worker.send("fill").unwrap();
+    assert!(from_worker.recv().unwrap().is_err(), "the worker admitted past the lowered quota");
+    assert!(account.used() <= 3 * MIB, "used {} above the quota", account.used());
+    drop(one);
+    to_worker.send("fill").unwrap();
+    assert_eq!(from_worker.recv().unwrap().unwrap(), MIB);
+    drop(weights);
+    to_worker.send("stop").unwrap();
+    worker.join().unwrap();
+    assert_books_zero(&governor, &account);
+}
+
+#[test]
+fn a_lease_dropped_while_a_governed_allocation_is_inside_its_inner_allocator_keeps_exact_books() {
+    let inner = Arc::new(RecordingAllocator::new(HostHeap::on_device(DEV)));
+    let g = governed(inner.clone(), 64 * MIB, MIB, 0);
+    let held = g.account.lease_owned(MemoryRole::Workspace, 768 * KIB).unwrap();
+    let gate = inner.gate(Callback::Allocate);
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| g.binding.allocate(request(256 * KIB, MemoryRole::KvCache)));
+        gate.wait_until_blocked(1);
+        // The allocation is charged before its inner call: nothing else can take it.
+        assert_eq!(g.account.snapshot().current, MIB);
+        assert!(g.account.lease(MemoryRole::Weights, 1).is_err(), "admitted into bytes charged to an allocation");
+        // The lease ends on another thread while the allocation is still inside.
+        let other = std::thread::spawn(move || drop(held));
+        other.join().unwrap();
+        assert_eq!(g.account.snapshot().current, 256 * KIB);
+        gate.open();
+        let block = worker.join().unwrap().unwrap();
+        assert_eq!(g.account.snapshot().role(MemoryRole::KvCache).current, 256 * KIB);
+        let rest = g.account.lease(MemoryRole::Workspace, 768 * KIB).unwrap();
+        assert!(g.account.lease(MemoryRole::Workspace, 1).is_err());
+        drop(rest);
+        g.binding.release(block).unwrap();
+    });
+    drop(gate);
+    assert_books_zero(&g.governor, &g.account);
+}
+
+/// A holder that frees by releasing governed blocks through the registry, and may
+/// allocate through the same binding from inside its reclaim.
+struct BlockHolder {
+    binding: MemoryBinding,
+    blocks: Mutex<Vec<BoundAllocation>>,
+    allocate_inside: bool,
+    nested: Mutex<Vec<Result<(), String>>>,
+    asked: AtomicUsize,
+}
+
+impl ReclaimHolder for BlockHolder {
+    fn name(&self) -> &str {
+        "block holder"
+    }
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        self.blocks.lock().unwrap().iter().map(|b| b.bytes() as u64).sum()
+    }
+    fn reclaim(&self, request: &ReclaimRequest) -> u64 {
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        if self.allocate_inside {
+            // More than is missing: it does not fit as things stand.
+            let nested = self.binding.allocate(self::request(request.bytes + 1, MemoryRole::KvCache));
+            self.nested.lock().unwrap().push(match nested {
+                Ok(block) => {
+                    self.blocks.lock().unwrap().push(block);
+                    Ok(())
+                }
+                Err(error) => Err(error.to_string()),
+            });
+        }
+        let blocks: Vec<_> = self.blocks.lock().unwrap().drain(..).collect();
+        let mut freed = 0;
+        for block in blocks {
+            let bytes = block.bytes() as u64;
+            self.binding.release(block).unwrap();
+            freed += bytes;
+        }
+        freed
+    }
+}
+
+#[test]
+fn a_holder_that_releases_governed_blocks_through_the_registry_makes_room_and_the_books_balance() {
+    for allocate_inside in [false, true] {
+        let g = governed(Arc::new(HostHeap::on_device(DEV)), 64 * MIB, MIB, 0);
+        g.governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+        let cached = g.binding.allocate(request(768 * KIB, MemoryRole::KvCache)).unwrap();
+        let holder = Arc::new(BlockHolder {
+            binding: g.binding.clone(),
+            blocks: Mutex::new(vec![cached]),
+            allocate_inside,
+            nested: Mutex::new(Vec::new()),
+            asked: AtomicUsize::new(0),
+        });
+        let id = g.governor.register_holder(DEV, 0, holder.clone() as Arc<dyn ReclaimHolder>);
+        let block = within("a reclaim that re-enters the registry", {
+            let binding = g.binding.clone();
+            move || binding.allocate(request(512 * KIB, MemoryRole::Activations)).map_err(|e| e.to_string())
+        })
+        .expect("the holder's release makes room");
+        assert_eq!(holder.asked.load(Ordering::SeqCst), 1, "reclaim recursed or was not asked");
+        if allocate_inside {
+            let nested = holder.nested.lock().unwrap().clone();
+            assert_eq!(nested.len(), 1);
+            let error = nested[0].as_ref().unwrap_err();
+            assert!(error.contains("already inside a reclaim"), "{error}");
+        }
+        let snapshot = g.account.snapshot();
+        assert_eq!(snapshot.current, 512 * KIB);
+        assert_eq!(snapshot.role(MemoryRole::KvCache).current, 0);
+        assert!(snapshot.used <= MIB);
+        g.binding.release(block).unwrap();
+        g.governor.unregister_holder(id);
+        drop(holder);
+        assert_books_zero(&g.governor, &g.account);
+        assert_eq!(g.registry.snapshots().mechanisms[0].live_allocations, 0);
+    }
+}
+
+struct Panicking;
+impl ReclaimHolder for Panicking {
+    fn name(&self) -> &str {
+        "panicking holder"
+    }
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        1
+    }
+    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
+        panic!("holder exploded inside reclaim")
+    }
+}
+
+#[test]
+fn a_holder_that_panics_leaves_nothing_charged_and_the_thread_reclaims_again() {
+    let g = governed(Arc::new(HostHeap::on_device(DEV)), 64 * MIB, MIB, 0);
+    g.governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+    let held = g.account.lease_owned(MemoryRole::Weights, 900 * KIB).unwrap();
+    let id = g.governor.register_holder(DEV, 0, Arc::new(Panicking));
+    let before = g.account.snapshot().current;
+    assert!(catch_unwind(AssertUnwindSafe(|| g.account.lease(MemoryRole::KvCache, 512 * KIB).map(drop))).is_err());
+    assert!(
+        catch_unwind(AssertUnwindSafe(|| g.binding.allocate(request(512 * KIB, MemoryRole::KvCache)).map(drop)))
+            .is_err()
+    );
+    assert_eq!(g.account.snapshot().current, before, "a panicking holder left a charge behind");
+    assert_eq!(g.registry.snapshots().mechanisms[0].in_flight, 0);
+    g.governor.unregister_holder(id);
+    // The same thread is not left "inside a reclaim": the next shortfall asks holders.
+    let leases = vec![held];
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    g.governor.register_holder(DEV, 0, LeaseHolder::new("leases", leases, u64::MAX, asked.clone()));
+    let lease = g.account.lease(MemoryRole::KvCache, 512 * KIB).expect("reclaim works again after a panic");
+    assert_eq!(asked.lock().unwrap().len(), 1);
+    drop(lease);
+    assert_books_zero(&g.governor, &g.account);
+}
+
+struct Liar(AtomicUsize);
+impl ReclaimHolder for Liar {
+    fn name(&self) -> &str {
+        "liar"
+    }
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        u64::MAX
+    }
+    fn reclaim(&self, request: &ReclaimRequest) -> u64 {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        request.bytes.saturating_mul(4) // freed nothing
+    }
+}
+
+#[test]
+fn a_holder_that_claims_to_free_what_it_did_not_cannot_push_the_books_past_a_limit() {
+    let g = governed(Arc::new(HostHeap::on_device(DEV)), 2 * MIB, MIB, 0);
+    g.governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+    let liar = Arc::new(Liar(AtomicUsize::new(0)));
+    g.governor.register_holder(DEV, 0, liar.clone() as Arc<dyn ReclaimHolder>);
+    let held = g.account.lease(MemoryRole::Weights, 768 * KIB).unwrap();
+    let error = g.account.lease(MemoryRole::KvCache, 512 * KIB).unwrap_err();
+    let exhaustion = exhausted(&error);
+    // Asked for what was missing (256 KiB), it claimed four times that.
+    assert_eq!(exhaustion.reclaimed, Some(4 * 256 * KIB));
+    assert_eq!(liar.0.load(Ordering::SeqCst), 1, "asked again after its answer");
+    let refused = g.binding.allocate(request(512 * KIB, MemoryRole::KvCache)).unwrap_err();
+    assert!(refused.to_string().contains("authority quota"), "{refused}");
+    let snapshot = g.account.snapshot();
+    assert_eq!(snapshot.current, 768 * KIB);
+    assert!(snapshot.used <= MIB);
+    assert_eq!(snapshot.totals.failures, 2);
+    drop(held);
+    assert_books_zero(&g.governor, &g.account);
+}
+
+#[test]
+fn concurrent_overdraft_draws_never_pass_the_limit_and_stay_out_of_the_quota() {
+    let (governor, account) = one_account(DEV, 4 * MIB, 2 * MIB, 64 * KIB);
+    governor.set_overdraft_limit(DEV, MIB);
+    let held = Arc::new(AtomicU64::new(0));
+    let over = Arc::new(AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        for seed in 0..4u64 {
+            let (account, held, over) = (account.clone(), held.clone(), over.clone());
+            s.spawn(move || {
+                let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                let mut draws = Vec::new();
+                let mut leases = Vec::new();
+                for _ in 0..2000 {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let bytes = 1 + state % (96 * KIB);
+                    match state % 4 {
+                        0 | 1 => {
+                            if let Ok(draw) = account.draw_overdraft(bytes) {
+                                // Counted after admission, uncounted before release: never
+                                // above the real figure.
+                                if held.fetch_add(bytes, Ordering::SeqCst) + bytes > MIB {
+                                    over.fetch_add(1, Ordering::SeqCst);
+                                }
+                                draws.push(draw);
+                            }
+                        }
+                        2 => {
+                            if let Ok(lease) = account.lease_owned(MemoryRole::Activations, bytes) {
+                                leases.push(lease);
+                            }
+                        }
+                        _ => {
+                            if let Some(draw) = draws.pop() {
+                                held.fetch_sub(draw.bytes(), Ordering::SeqCst);
+                                drop(draw);
+                            }
+                            leases.pop();
+                        }
+                    }
+                    assert!(account.used() <= 2 * MIB, "quota passed: {}", account.used());
+                }
+                for draw in draws {
+                    held.fetch_sub(draw.bytes(), Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    assert_eq!(over.load(Ordering::SeqCst), 0, "the overdraft passed its limit");
+    let snapshot = governor.snapshot();
+    let device = snapshot.device(DEV).unwrap();
+    assert!(device.overdraft.peak <= MIB, "overdraft peak {}", device.overdraft.peak);
+    assert_eq!(device.overdraft.current, 0);
+    // A full overdraft takes nothing from the quota.
+    let draw = account.draw_overdraft(MIB).unwrap();
+    let lease = account.lease(MemoryRole::Weights, 2 * MIB).expect("the overdraft is not charged to the quota");
+    assert!(account.draw_overdraft(1).is_err());
+    // Lowering the overdraft limit takes nothing back and refuses until it falls below.
+    governor.set_overdraft_limit(DEV, 256 * KIB);
+    assert_eq!(governor.snapshot().device(DEV).unwrap().overdraft.current, MIB);
+    assert!(account.draw_overdraft(1).is_err());
+    drop(draw);
+    let small = account.draw_overdraft(256 * KIB).unwrap();
+    assert!(account.draw_overdraft(1).is_err());
+    drop(small);
+    drop(lease);
+    assert_books_zero(&governor, &account);
+}
+
+#[test]
+fn a_device_limit_lowered_below_lost_blocks_is_refunded_to_zero_at_termination() {
+    let g = governed(Arc::new(HostHeap::on_device(DEV)), 8 * MIB, 8 * MIB, 256 * KIB);
+    let blocks: Vec<_> = (0..6).map(|_| g.binding.allocate(request(MIB, MemoryRole::KvCache)).unwrap()).collect();
+    g.governor.set_device_limit(DEV, 2 * MIB).unwrap();
+    g.governor.set_quota(g.authority, MIB).unwrap();
+    assert!(g.binding.allocate(request(1, MemoryRole::KvCache)).is_err());
+    g.registry.invalidate_device(DEV, "lost");
+    // Lost bytes stay charged until termination is confirmed, whatever the limits.
+    assert_eq!(g.account.snapshot().current, 6 * MIB);
+    let report = g.registry.confirm_context_terminated(&g.context).unwrap();
+    assert_eq!(report.lost_allocations, 6);
+    let snapshot = g.account.snapshot();
+    assert_eq!((snapshot.totals.lost_allocations, snapshot.totals.lost_bytes), (6, 6 * MIB));
+    drop(blocks);
+    assert_books_zero(&g.governor, &g.account);
+    // A new lease under the lowered quota fits exactly.
+    let lease = g.account.lease(MemoryRole::Weights, MIB).unwrap();
+    assert!(g.account.lease(MemoryRole::Weights, 1).is_err());
+    drop(lease);
+}
