@@ -139,11 +139,12 @@ pub struct McReleaseReport {
 pub struct McAllocationInfo {
     /// Start address.
     pub address: u64,
-    /// The bytes asked for. For `MC_CPU_SYSTEM`, `MC_CPU_POOLED`, `MC_CUDA_EAGER`,
-    /// `MC_CUDA_POOL` and most plugins all of them are usable at once; for a
-    /// virtual-backing or shared-mapping mechanism (`MC_CPU_VIRTUAL`, `MC_CPU_SHARED`,
-    /// `MC_CUDA_VMM`) they are reserved address space, usable only where committed or
-    /// mapped (docs/C-ABI.md §6).
+    /// The bytes asked for with the built-in kinds; with a plugin or vtable the bytes
+    /// its block reports (at least those asked for; what a governed mechanism charges).
+    /// For `MC_CPU_SYSTEM`, `MC_CPU_POOLED`, `MC_CUDA_EAGER`, `MC_CUDA_POOL` and most
+    /// plugins all of them are usable at once; for a virtual-backing or shared-mapping
+    /// mechanism (`MC_CPU_VIRTUAL`, `MC_CPU_SHARED`, `MC_CUDA_VMM`) they are reserved
+    /// address space, usable only where committed or mapped (docs/C-ABI.md §6).
     pub bytes: u64,
     /// Alignment of the address.
     pub align: u64,

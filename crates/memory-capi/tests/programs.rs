@@ -6,6 +6,8 @@
 //! checks before any effect, destroy rules, queue capacity, reclaim holders, messages in
 //! C terms), and suspect plugin blocks (`tests/c/suspects.c`: an unknown status or an
 //! overlap keeps the block, the instance and the library until a suspect retry), and
+//! threads (`tests/c/threads.c`: blocks handed between pthreads, racing releases, a
+//! binding destroyed under load, a device lost with handles live on threads), and
 //! recording (`tests/c/record.c`: two tenants' governed mechanisms recorded to a trace,
 //! which the tests here read with memory-trace's reader, compare with what the program
 //! did, and replay). Every program also runs under valgrind, which must report no error and no
@@ -225,6 +227,35 @@ fn every_allocator_kind_has_no_memory_errors_or_leaks_under_valgrind() {
     valgrind_with(&build(Language::C("c11"), "tests/c/kinds.c", "kinds-c"), &kind_args());
 }
 
+/// The kinds `tests/c/threads.c` runs: every CPU kind, a thread-safe C vtable and the
+/// example plugin.
+fn thread_kinds() -> Vec<String> {
+    ["system", "pooled", "virtual", "shared", "vtable"]
+        .iter()
+        .map(|kind| (*kind).to_owned())
+        .chain(std::iter::once(format!("plugin:{}", example_plugin().display())))
+        .collect()
+}
+
+#[test]
+fn blocks_handed_between_c_threads_raced_and_held_through_destroy_and_loss_answer_typed_statuses() {
+    let program = build(Language::C("c11"), "tests/c/threads.c", "threads-c");
+    let kinds = thread_kinds();
+    let args: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    let stdout = run_with(&program, &args);
+    for kind in &kinds {
+        assert!(stdout.contains(&format!("c threads {kind}:")), "{kind} did not run:\n{stdout}");
+    }
+    assert!(stdout.contains("c threads:") && stdout.contains("checks passed"), "{stdout}");
+}
+
+#[test]
+fn the_c_threads_program_has_no_memory_errors_or_leaks_under_valgrind() {
+    let kinds = thread_kinds();
+    let args: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    valgrind_with(&build(Language::C("c11"), "tests/c/threads.c", "threads-c"), &args);
+}
+
 #[test]
 fn the_c_contract_holds_arguments_destroy_rules_queues_holders_and_messages_in_c_terms() {
     let program = build(Language::C("c11"), "tests/c/contract.c", "contract-c");
@@ -283,6 +314,9 @@ fn the_c_and_cpp_programs_are_clean_under_address_and_undefined_behaviour_saniti
     sanitized(&build(Language::C("c11"), "tests/c/contract.c", "contract-c-asan"), &[]);
     sanitized(&build(Language::C("c11"), "tests/c/suspects.c", "suspects-c-asan"), &plugin_arg());
     sanitized(&build(Language::C("c11"), "tests/c/smoke.c", "smoke-c-asan"), &[]);
+    let kinds = thread_kinds();
+    let thread_args: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    sanitized(&build(Language::C("c11"), "tests/c/threads.c", "threads-c-asan"), &thread_args);
     let trace = recording_path("record-asan.mtrace");
     sanitized(&build(Language::C("c11"), "tests/c/record.c", "record-c-asan"), &[trace.to_str().unwrap()]);
     check_recording(&read(&trace), &Workload::parse(WORKLOAD_SHAPE), Exact::CountsOnly);
