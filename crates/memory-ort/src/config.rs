@@ -124,8 +124,10 @@ impl OrtAllocatorConfig {
     /// each new set of input shapes (on by default). ONNX Runtime allocates every buffer
     /// of a new shape separately on its first run, then one planned block per run: a
     /// caching allocator would keep the first run's buffers for good, and nothing asks for
-    /// them again. Trimming releases only wholly free cached memory, so outputs still held
-    /// are untouched.
+    /// them again. A first run that fails (refused, stopped) trims too, and leaves the
+    /// shape new: ONNX Runtime plans from a run that completes, so the next run of it
+    /// allocates each buffer on its own again. Trimming releases only wholly free cached
+    /// memory, so outputs still held are untouched.
     ///
     /// Measured with `cargo xtask bench --ort` (peak RSS against ONNX Runtime's arena,
     /// governed pool, without / with): PP-OCRv4 recognition over a width sweep 1.64x /

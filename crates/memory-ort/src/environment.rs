@@ -480,6 +480,15 @@ impl SeenShapes {
         }
         self.0.insert(key)
     }
+
+    /// The first run of new shape `key` (`None`: not a new shape) is over: a failed one
+    /// (refused, stopped) is not the run ONNX Runtime plans the shape's memory from, so
+    /// the next run of it allocates each buffer on its own again and must trim again.
+    fn ran(&mut self, key: Option<u64>, succeeded: bool) {
+        if let (Some(key), false) = (key, succeeded) {
+            self.0.remove(&key);
+        }
+    }
 }
 
 impl std::fmt::Debug for GovernedSession {
@@ -572,7 +581,9 @@ impl GovernedSession {
         let result = self.session.run_with_options(inputs, &self.run_options);
         let refusal = phase.end();
         trim_after(&self.core, self.serial, new_shape);
-        finish(refusal, result)
+        let finished = finish(refusal, result);
+        self.shapes.ran(new_shape, finished.is_ok());
+        finished
     }
 
     /// Runs the session with the caller's run options (a run tag, a log level, an
@@ -596,14 +607,18 @@ impl GovernedSession {
         let result = self.session.run_with_options(inputs, options);
         let refusal = phase.end();
         trim_after(&self.core, self.serial, new_shape);
-        finish(refusal, result)
+        let finished = finish(refusal, result);
+        self.shapes.ran(new_shape, finished.is_ok());
+        finished
     }
 
-    /// Whether `inputs` are of shapes this session has not run yet (when the allocator
-    /// trims after new shapes).
-    fn new_shape<const N: usize>(&mut self, inputs: &SessionInputs<'_, '_, N>) -> bool {
-        self.allocator.config().trims_new_shapes()
-            && SeenShapes::key(inputs).is_some_and(|key| self.shapes.first_run(key))
+    /// The key of `inputs` when they are of shapes this session has not run yet (and the
+    /// allocator trims after new shapes).
+    fn new_shape<const N: usize>(&mut self, inputs: &SessionInputs<'_, '_, N>) -> Option<u64> {
+        if !self.allocator.config().trims_new_shapes() {
+            return None;
+        }
+        SeenShapes::key(inputs).filter(|&key| self.shapes.first_run(key))
     }
 
     /// An I/O binding for this session: bind inputs and outputs ahead of the run
@@ -677,8 +692,8 @@ impl GovernedSession {
 
 /// After the first run of new shapes: returns what the allocator caches of the buffers
 /// ONNX Runtime will not ask for again.
-fn trim_after(core: &Core, serial: u64, new_shape: bool) {
-    if new_shape {
+fn trim_after(core: &Core, serial: u64, new_shape: Option<u64>) {
+    if new_shape.is_some() {
         let returned = crate::heap::own_work(|| core.blocks.trim());
         tracing::debug!(serial, returned, "first run of new input shapes: allocator cache trimmed");
     }

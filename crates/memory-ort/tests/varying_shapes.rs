@@ -176,3 +176,34 @@ fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its
         cached[1]
     );
 }
+
+/// A first run of a shape that the governor refused is not the run ONNX Runtime plans
+/// that shape's memory from: the next good run of it allocates each buffer on its own
+/// again, so that run still trims the pool (it used to count as a shape seen before,
+/// and the pool kept its buffers for good).
+#[test]
+fn a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trims() {
+    let name = "a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trims";
+    let Some((env, assets)) = common::ort(name) else { return };
+    let pool = std::sync::Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::for_caches(
+        memory_governor::DeviceKey::HOST,
+    )));
+    let inner: std::sync::Arc<dyn memory_governor::DeviceAllocator> = pool.clone();
+    let tenant = Tenant::new("refused-shape", 512 * MIB, Backing::Custom(inner));
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_rec).unwrap();
+    let weights = tenant.charged_total();
+    let width = 480;
+    tenant.governor.set_quota(tenant.authority, weights + 64 * 1024).unwrap();
+    let err = recognize_text(&mut session, ocr_lines(3, 1, width), 1, width).unwrap_err();
+    assert!(matches!(err, memory_ort::OrtAdapterError::Refused { .. }), "{err}");
+    tenant.governor.set_quota(tenant.authority, 512 * MIB).unwrap();
+    let before = pool.pool_stats();
+    recognize_text(&mut session, ocr_lines(3, 1, width), 1, width).unwrap();
+    let after = pool.pool_stats();
+    assert!(after.trims > before.trims, "the first good run of the shape trims the pool: {before:?} -> {after:?}");
+    // And that one run only: the shape is known now.
+    recognize_text(&mut session, ocr_lines(4, 1, width), 1, width).unwrap();
+    assert_eq!(pool.pool_stats().trims, after.trims, "a repeated shape does not trim");
+    assert_books_hold_only_the_weights(&tenant, &allocator, weights, "after the runs");
+}
