@@ -127,7 +127,10 @@ impl OrtAllocatorConfig {
     /// them again. A first run that fails (refused, stopped) trims too, and leaves the
     /// shape new: ONNX Runtime plans from a run that completes, so the next run of it
     /// allocates each buffer on its own again. Trimming releases only wholly free cached
-    /// memory, so outputs still held are untouched.
+    /// memory, so outputs still held are untouched. Runs on an I/O binding do not trim
+    /// (the bound inputs' shapes cannot be read back), and the trim is the allocator's,
+    /// so with sessions sharing one it also returns what another cached between its runs
+    /// (its next run takes its planned block from the source again).
     ///
     /// Measured with `cargo xtask bench --ort` (peak RSS against ONNX Runtime's arena,
     /// governed pool, without / with): PP-OCRv4 recognition over a width sweep 1.64x /

@@ -634,7 +634,11 @@ impl GovernedSession {
     /// Runs the session on an I/O binding, with the session's own run options. After a
     /// refused run the binding's outputs are cleared (ONNX Runtime would otherwise keep
     /// the stopped run's output buffers, overdraft or sink memory, and write the next
-    /// run's outputs into them): bind them again before the next run.
+    /// run's outputs into them): bind them again before the next run. A run on a
+    /// binding does not trim after new input shapes (see
+    /// [`OrtAllocatorConfig::trim_on_new_shapes`](crate::OrtAllocatorConfig::trim_on_new_shapes)):
+    /// the bound inputs' shapes cannot be read back. After the first run of a new shape,
+    /// trim the allocator yourself (`session.allocator().binding().allocator().trim()`).
     ///
     /// # Errors
     /// As [`GovernedSession::run`].
