@@ -376,16 +376,14 @@ fn enqueue(
         recognise(&core.issuer, parts.generation),
     );
     let queued = Arc::new(QueuedRelease { core: Arc::clone(core), claim: AtomicU8::new(QUEUED) });
-    let withdrawn = WithdrawOnDrop(Arc::clone(&queued));
-    let completion_pin = Arc::clone(pin);
-    let completion_parts = *parts;
+    let withdrawn = WithdrawOnDrop { queued: Arc::clone(&queued), pin: Arc::clone(pin), slot, parts: *parts };
     let completion = Box::new(move |outcome: ReleaseOutcome| {
         // The registry may have disowned this release (its queue refused with another
         // one): then the books were settled already.
-        if !withdrawn.0.claimed_by_completion() {
+        if !withdrawn.queued.claimed_by_completion() {
             return;
         }
-        let pin = &*completion_pin;
+        let (pin, completion_parts) = (&*withdrawn.pin, withdrawn.parts);
         let Some(record) = pin.record(slot) else { return };
         let lost =
             matches!(&outcome, ReleaseOutcome::Failed(f) if matches!(f.error(), ReleaseError::DeviceLost { .. }));
@@ -402,7 +400,16 @@ fn enqueue(
     let releaser: Arc<dyn DeviceAllocator> = Arc::clone(&queued) as Arc<dyn DeviceAllocator>;
     let prepared = PreparedRelease::new(identity, releaser, parts.raw(core.device), completion);
     let refusal = match queue.enqueue(prepared) {
-        Ok(()) => return Ok(()),
+        Ok(()) => {
+            // Accepted: a withdrawal from now on is booked where the completion drops
+            // uncalled. One the queue made during the call itself is booked here.
+            if queued.claim.compare_exchange(QUEUED, ACCEPTED, Ordering::SeqCst, Ordering::SeqCst).is_err()
+                && queued.claim.load(Ordering::SeqCst) == WITHDRAWN
+            {
+                withdrawn_unbooked(pin, slot, parts);
+            }
+            return Ok(());
+        }
         Err(refusal) => refusal,
     };
     // A refusal must hand back the very release offered. Withdrawing whatever came back
@@ -444,6 +451,20 @@ fn refused_with_another_release(
     }
 }
 
+/// A release the queue withdrew (`cancel`) after it had accepted it: nobody will hand
+/// the block back, so it is kept as abandoned and the record freed (termination hands
+/// it to `forget_lost`), and the in-flight count ends.
+#[cold]
+fn withdrawn_unbooked(pin: &MechanismPin, slot: u32, parts: &BlockInTransit) {
+    tracing::error!(
+        mechanism = %pin.core.identity,
+        "deferred-release queue withdrew a release it had accepted; the block counts as abandoned by the queue"
+    );
+    if let Some(record) = pin.record(slot) {
+        quarantine_in_transit(pin, slot, record, parts, ReleaseError::Abandoned);
+    }
+}
+
 /// Claim states of a queued release: the first of its completion, its withdrawal and
 /// its disowning by the registry settles the books.
 const QUEUED: u8 = 0;
@@ -456,6 +477,9 @@ const WITHDRAWN: u8 = 3;
 /// Its queue refused with another release: the registry booked it as lost by the
 /// queue; running it later makes no allocator call.
 const DISOWNED: u8 = 4;
+/// The queue accepted it (its `enqueue` returned `Ok`) and nothing else claimed it yet:
+/// as `QUEUED`, except that a withdrawal now is booked by the withdrawal itself.
+const ACCEPTED: u8 = 5;
 
 /// The allocator a queued release runs through: it claims the release (so a release
 /// the registry disowned makes no allocator call) and re-checks the lifecycle when the
@@ -470,18 +494,38 @@ impl QueuedRelease {
     /// Whether the completion settles the books: it was run (the allocator claimed it)
     /// or it claims it now (dropped unrun).
     fn claimed_by_completion(&self) -> bool {
-        self.claim.load(Ordering::SeqCst) == RUNNING
-            || self.claim.compare_exchange(QUEUED, COMPLETED, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        self.claim.load(Ordering::SeqCst) == RUNNING || self.claim_from_queued(COMPLETED)
+    }
+
+    /// Moves the claim from `QUEUED` or `ACCEPTED` to `to`; whether it did.
+    fn claim_from_queued(&self, to: u8) -> bool {
+        [QUEUED, ACCEPTED]
+            .into_iter()
+            .any(|from| self.claim.compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst).is_ok())
     }
 }
 
-/// Held by a queued release's completion: dropped uncalled (the release was withdrawn),
-/// it marks the claim so the refusal's receiver knows the completion will never run.
-struct WithdrawOnDrop(Arc<QueuedRelease>);
+/// Held by a queued release's completion, with what the completion books: dropped
+/// uncalled (the release was withdrawn), it marks the claim so the refusal's receiver
+/// knows the completion will never run; withdrawn after the queue accepted it, it books
+/// the block as abandoned itself.
+struct WithdrawOnDrop {
+    queued: Arc<QueuedRelease>,
+    pin: Arc<MechanismPin>,
+    slot: u32,
+    parts: BlockInTransit,
+}
 
 impl Drop for WithdrawOnDrop {
     fn drop(&mut self) {
-        let _ = self.0.claim.compare_exchange(QUEUED, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
+        let claim = &self.queued.claim;
+        if claim.compare_exchange(QUEUED, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            // Offered and not yet accepted: `enqueue` books it (refusal or acceptance).
+            return;
+        }
+        if claim.compare_exchange(ACCEPTED, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            withdrawn_unbooked(&self.pin, self.slot, &self.parts);
+        }
     }
 }
 
@@ -500,7 +544,7 @@ impl DeviceAllocator for QueuedRelease {
         })
     }
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
-        if self.claim.compare_exchange(QUEUED, RUNNING, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+        if !self.claim_from_queued(RUNNING) {
             // Disowned: the block is quarantined already; the completion ignores this.
             return ReleaseOutcome::failed(allocation, ReleaseError::Abandoned);
         }

@@ -569,3 +569,92 @@ fn a_retry_whose_release_loses_the_device_makes_no_further_callback_and_keeps_th
     assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
     assert_eq!(ledger.live(), 0);
 }
+
+/// A queue that accepts every release and keeps it, for the test to run, drop or
+/// withdraw later.
+struct KeepingQueue(Mutex<Vec<memory_api::PreparedRelease>>);
+
+impl memory_api::DeferredReleaseQueue for KeepingQueue {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn enqueue(&self, release: memory_api::PreparedRelease) -> Result<(), memory_api::QueueRefusal> {
+        self.0.lock().unwrap().push(release);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_queue_that_withdraws_an_accepted_release_cannot_hold_termination_or_lose_the_block() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, mechanism) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    let queue = KeepingQueue(Mutex::new(Vec::new()));
+    let block = binding.allocate(request(PAGE)).unwrap();
+    let address = block.address().get();
+    binding.release_deferred(block, &queue).unwrap();
+    assert_eq!(registry.snapshot(&mechanism).unwrap().in_flight, 1);
+    // The queue withdraws what it accepted (and keeps the raw block to itself).
+    let withdrawn = queue.0.lock().unwrap().pop().unwrap().cancel();
+    assert_eq!(withdrawn.address().get(), address);
+    // The registry's books settle: nothing in flight, the block kept as abandoned.
+    let snapshot = registry.snapshot(&mechanism).unwrap();
+    assert_eq!(snapshot.in_flight, 0, "a withdrawn release stays in flight for good");
+    assert_eq!(snapshot.quarantined.len(), 1, "the withdrawn block is in neither live nor quarantine");
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 0);
+    registry.invalidate_device(GPU0, "lost");
+    let report = registry.wait_terminated(&context, Duration::from_secs(5)).expect("termination is not held for good");
+    assert_eq!(report.discharged_quarantine, 1);
+    assert_eq!(*ledger.forgotten.lock().unwrap(), vec![address]);
+    assert_eq!(ledger.live(), 0);
+}
+
+/// A queue that keeps the first release it is offered and refuses every later one,
+/// handing back (withdrawn) the one it kept instead of the one offered.
+struct SwappingQueue(Mutex<Option<memory_api::PreparedRelease>>);
+
+impl memory_api::DeferredReleaseQueue for SwappingQueue {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn enqueue(&self, release: memory_api::PreparedRelease) -> Result<(), memory_api::QueueRefusal> {
+        let mut kept = self.0.lock().unwrap();
+        match kept.take() {
+            None => {
+                *kept = Some(release);
+                Ok(())
+            }
+            Some(earlier) => {
+                // The offered one is dropped unrun; the earlier, accepted one comes back.
+                drop(release);
+                Err(memory_api::QueueRefusal {
+                    release: earlier,
+                    reason: memory_api::QueueRefusalReason::Full { capacity: 1 },
+                })
+            }
+        }
+    }
+}
+
+#[test]
+fn a_queue_refusing_with_a_release_it_accepted_earlier_settles_both_exactly_once() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let (context, mechanism) = register(&registry, &ledger, DropPolicy::Quarantine);
+    let binding = registry.bind(GPU0).unwrap();
+    let queue = SwappingQueue(Mutex::new(None));
+    binding.release_deferred(binding.allocate(request(PAGE)).unwrap(), &queue).unwrap();
+    // Refused with the first: the registry counts the offered one as lost by the queue.
+    binding.release_deferred(binding.allocate(request(PAGE)).unwrap(), &queue).unwrap();
+    let snapshot = registry.snapshot(&mechanism).unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.in_flight), (0, 0), "a release stayed in transit");
+    assert_eq!(snapshot.quarantined.len(), 2);
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 0);
+    registry.invalidate_device(GPU0, "lost");
+    let report = registry.wait_terminated(&context, Duration::from_secs(5)).unwrap();
+    assert_eq!(report.discharged_quarantine, 2);
+    assert_eq!(ledger.forgotten.lock().unwrap().len(), 2);
+    assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
+    assert_eq!(ledger.live(), 0);
+}
