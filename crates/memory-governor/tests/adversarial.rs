@@ -418,3 +418,114 @@ fn a_device_limit_lowered_below_lost_blocks_is_refunded_to_zero_at_termination()
     assert!(g.account.lease(MemoryRole::Weights, 1).is_err());
     drop(lease);
 }
+
+#[test]
+fn hostile_sizes_are_typed_errors_that_change_nothing_never_panics() {
+    let (governor, account) = one_account(DEV, 4 * MIB, 2 * MIB, 64 * KIB);
+    let held = account.lease(MemoryRole::Weights, MIB).unwrap();
+    for bytes in [u64::MAX, MAX_CHARGE + 1, u64::MAX / 2] {
+        let error = catch_unwind(AssertUnwindSafe(|| account.lease(MemoryRole::KvCache, bytes).map(drop)))
+            .unwrap_or_else(|_| panic!("lease({bytes}) panicked"))
+            .unwrap_err();
+        assert!(error.to_string().contains(&bytes.to_string()), "{error}");
+        assert!(catch_unwind(AssertUnwindSafe(|| account.draw_overdraft(bytes).map(drop).is_err())).unwrap());
+    }
+    let mut lease = account.lease(MemoryRole::KvCache, 100).unwrap();
+    for extra in [u64::MAX, u64::MAX - 99, MAX_CHARGE] {
+        let grown = catch_unwind(AssertUnwindSafe(|| lease.grow(extra))).unwrap_or_else(|_| panic!("grow panicked"));
+        assert!(grown.is_err(), "grow({extra}) was admitted");
+        assert_eq!(lease.bytes(), 100);
+    }
+    let shrunk = lease.shrink(u64::MAX).unwrap_err();
+    assert!(shrunk.to_string().contains("100"), "{shrunk}");
+    assert!(catch_unwind(AssertUnwindSafe(|| lease.resize(u64::MAX))).unwrap().is_err());
+    assert_eq!(lease.bytes(), 100);
+    assert_eq!(account.snapshot().current, MIB + 100);
+    // Extreme limits are accepted or refused with a type, and the books still hold.
+    for limit in [u64::MAX, 0, MAX_CHARGE, 1] {
+        let _ = catch_unwind(AssertUnwindSafe(|| governor.set_device_limit(DEV, limit)))
+            .unwrap_or_else(|_| panic!("set_device_limit({limit}) panicked"));
+        let _ = catch_unwind(AssertUnwindSafe(|| governor.set_quota(account.authority(), limit)))
+            .unwrap_or_else(|_| panic!("set_quota({limit}) panicked"));
+        let _ = governor.set_overdraft_limit(DEV, limit);
+        assert_eq!(account.snapshot().current, MIB + 100);
+    }
+    governor.set_device_limit(DEV, 4 * MIB).unwrap();
+    governor.set_quota(account.authority(), 2 * MIB).unwrap();
+    let rest = account.lease(MemoryRole::Activations, MIB - 100).unwrap();
+    assert!(account.lease(MemoryRole::Activations, 1).is_err());
+    drop((rest, lease, held));
+    assert_books_zero(&governor, &account);
+}
+
+#[test]
+fn a_reserve_removed_while_its_role_holds_charges_inside_it_balances_to_zero() {
+    let (governor, account) = one_account(DEV, 4 * MIB, u64::MAX, 64 * KIB);
+    let policy = GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, 2 * MIB);
+    governor.set_policy(DEV, Arc::new(policy)).unwrap();
+    let weights = account.lease(MemoryRole::Weights, MIB).unwrap();
+    let kv = account.lease(MemoryRole::KvCache, 2 * MIB).unwrap();
+    // The reserve keeps the last 2 MiB for weights: KV is full.
+    assert!(account.lease(MemoryRole::KvCache, 1).is_err());
+    governor.set_policy(DEV, Arc::new(HardLimit)).unwrap();
+    // Without the reserve the free MiB is anyone's, exactly.
+    let more = account.lease(MemoryRole::KvCache, MIB).unwrap();
+    assert!(account.lease(MemoryRole::KvCache, 1).is_err());
+    assert!(account.lease(MemoryRole::Weights, 1).is_err());
+    drop(more);
+    // And back: the reserve fits what is charged again.
+    let policy = GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, 2 * MIB);
+    governor.set_policy(DEV, Arc::new(policy)).unwrap();
+    assert!(account.lease(MemoryRole::KvCache, 1).is_err());
+    let w2 = account.lease(MemoryRole::Weights, MIB).unwrap();
+    assert!(account.lease(MemoryRole::Weights, 1).is_err());
+    drop((w2, kv, weights));
+    governor.set_policy(DEV, Arc::new(HardLimit)).unwrap();
+    assert_books_zero(&governor, &account);
+}
+
+fn copy(block: &RawAllocation) -> RawAllocation {
+    RawAllocation::new(block.address(), block.bytes(), block.align(), block.device(), block.provider_tag())
+}
+
+#[test]
+fn a_release_racing_forget_lost_of_the_same_block_refunds_it_exactly_once() {
+    let (governor, account) = one_account(DEV, 64 * MIB, 64 * MIB, 64 * KIB);
+    let inner = Arc::new(RecordingAllocator::new(HostHeap::on_device(DEV)));
+    let governed = governor.govern(inner.clone() as Arc<dyn DeviceAllocator>, account.authority()).unwrap();
+    let rounds = 300;
+    for round in 0..rounds {
+        let block = governed.allocate(&request(4096, MemoryRole::KvCache)).unwrap();
+        let duplicate = copy(&block);
+        let released = std::thread::scope(|s| {
+            let release = s.spawn(|| governed.release(block).is_complete());
+            // Twice in one call, racing the release on another thread.
+            let forget = s.spawn(|| governed.forget_lost(vec![copy(&duplicate), copy(&duplicate)]));
+            forget.join().unwrap();
+            release.join().unwrap()
+        });
+        let snapshot = account.snapshot();
+        // Every charge is closed once (a lost block counts as closed, and as lost).
+        let settled = snapshot.totals.releases;
+        assert_eq!(
+            settled,
+            round + 1,
+            "round {round}: refunded {} times (released {released}: {:?}; inner releases {}, forgotten {}; used {})",
+            settled - round,
+            snapshot.totals,
+            inner.calls(Callback::Release),
+            inner.forgotten_blocks(),
+            account.used()
+        );
+        assert_eq!(snapshot.current, 0, "round {round}");
+        assert_eq!(governed.live_blocks(), 0, "round {round}");
+        assert_eq!(
+            inner.calls(Callback::Release) + inner.forgotten_blocks(),
+            round + 1,
+            "round {round}: the inner allocator heard of the block twice (released {released})"
+        );
+    }
+    let calls = inner.calls(Callback::Release) + inner.forgotten_blocks();
+    assert_eq!(calls, rounds, "the inner allocator heard of a block twice");
+    assert_books_zero(&governor, &account);
+}
