@@ -241,19 +241,63 @@ fn thread_kinds() -> Vec<String> {
 fn blocks_handed_between_c_threads_raced_and_held_through_destroy_and_loss_answer_typed_statuses() {
     let program = build(Language::C("c11"), "tests/c/threads.c", "threads-c");
     let kinds = thread_kinds();
-    let args: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    let trace = recording_path("threads.mtrace");
+    let record = format!("record:{}", trace.display());
+    let args: Vec<&str> = kinds.iter().map(String::as_str).chain([record.as_str()]).collect();
     let stdout = run_with(&program, &args);
     for kind in &kinds {
         assert!(stdout.contains(&format!("c threads {kind}:")), "{kind} did not run:\n{stdout}");
     }
     assert!(stdout.contains("c threads:") && stdout.contains("checks passed"), "{stdout}");
+    check_raced_recording(&read(&trace), &stdout);
 }
 
 #[test]
 fn the_c_threads_program_has_no_memory_errors_or_leaks_under_valgrind() {
     let kinds = thread_kinds();
-    let args: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    let trace = recording_path("threads-valgrind.mtrace");
+    let record = format!("record:{}", trace.display());
+    let args: Vec<&str> = kinds.iter().map(String::as_str).chain([record.as_str()]).collect();
     valgrind_with(&build(Language::C("c11"), "tests/c/threads.c", "threads-c"), &args);
+    let trace = read(&trace);
+    assert_eq!(trace.end.map(|end| end.events), Some(trace.events.len() as u64));
+}
+
+/// The recording `tests/c/threads.c` finished, then destroyed, while three threads
+/// allocated through it and a fourth marked: the file is whole and holds what the summary
+/// says, every mark that answered `MC_OK` (and no other), and every block it releases
+/// was allocated in it; the threads' caller tags are their own.
+fn check_raced_recording(trace: &Trace, stdout: &str) {
+    let line = stdout.lines().find(|line| line.starts_with("c threads record: marks")).expect("the program recorded");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let figure = |name: &str| -> u64 {
+        let at = words.iter().position(|word| *word == name).unwrap_or_else(|| panic!("no {name} in {line}"));
+        words[at + 1].parse().unwrap_or_else(|_| panic!("{name} in {line} is no number"))
+    };
+    let end = trace.end.expect("the finish wrote the end record");
+    assert_eq!(end.events, trace.events.len() as u64, "{line}");
+    assert_eq!(end.events, figure("events"), "the summary's events are the file's: {line}");
+    let mut allocated = std::collections::HashSet::new();
+    let mut marks = 0;
+    for event in &trace.events {
+        match &event.what {
+            What::Mark { kind, label, .. } => {
+                assert_eq!((*kind, label.as_str()), (MarkKind::Note, "m"));
+                marks += 1;
+            }
+            What::Allocate(block) => {
+                assert!((100..103).contains(&block.caller), "an allocation tagged {}", block.caller);
+                assert!(allocated.insert((event.tenant, block.id)), "block {} allocated twice", block.id);
+            }
+            What::Release { block, outcome, .. } => {
+                assert_eq!(*outcome, ReleaseKind::Complete);
+                assert!(allocated.contains(&(event.tenant, block.id)), "block {} released, never allocated", block.id);
+            }
+            other => panic!("the raced recording holds no {other:?}"),
+        }
+    }
+    assert_eq!(marks, figure("marks"), "every mark that answered MC_OK is in the file, and only those: {line}");
+    assert!(allocated.len() > 100, "{line}");
 }
 
 #[test]
@@ -315,7 +359,8 @@ fn the_c_and_cpp_programs_are_clean_under_address_and_undefined_behaviour_saniti
     sanitized(&build(Language::C("c11"), "tests/c/suspects.c", "suspects-c-asan"), &plugin_arg());
     sanitized(&build(Language::C("c11"), "tests/c/smoke.c", "smoke-c-asan"), &[]);
     let kinds = thread_kinds();
-    let thread_args: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    let record = format!("record:{}", recording_path("threads-asan.mtrace").display());
+    let thread_args: Vec<&str> = kinds.iter().map(String::as_str).chain([record.as_str()]).collect();
     sanitized(&build(Language::C("c11"), "tests/c/threads.c", "threads-c-asan"), &thread_args);
     let trace = recording_path("record-asan.mtrace");
     sanitized(&build(Language::C("c11"), "tests/c/record.c", "record-c-asan"), &[trace.to_str().unwrap()]);

@@ -15,7 +15,8 @@
  *     forgotten blocks in forget_lost): every release is MC_ERR_DEVICE_LOST and leaves
  *     the handle valid; after mc_confirm_terminated the handles are dropped;
  * then everything is torn down: the account is back at zero, the user destructors ran
- * once, a plugin unloads. Run plainly, under valgrind and under the sanitizers by
+ * once, a plugin unloads. record:TRACE records a pool to TRACE and finishes, then
+ * destroys, the recording while threads allocate through it and mark. Run plainly, under valgrind and under the sanitizers by
  * tests/programs.rs. PHASES=hrdl (the default) picks the parts, for debugging one. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <pthread.h>
@@ -345,6 +346,106 @@ static void device_lost_with_live_handles(void) {
     TRUE(pthread_barrier_destroy(&lost_step) == 0);
 }
 
+/* ---- a recording finished, then destroyed, while threads allocate and mark ---- */
+
+#define RECORDERS_THREADS 3
+static struct {
+    McBinding *binding;
+    McRecorder *recorder;
+    atomic_int stop;
+    atomic_int pairs;
+    atomic_int marks_ok, marks_refused;
+} rec;
+
+static void *record_pairs(void *argument) {
+    int worker = (int)(intptr_t)argument;
+    T_OK(mc_trace_set_caller_tag(100 + (uint64_t)worker));
+    while (!atomic_load(&rec.stop)) {
+        McAllocation *allocation = NULL;
+        T_OK(mc_allocate(rec.binding, 4096 << (worker % 3), 64, MP_ROLE_ACTIVATIONS, &allocation));
+        T_OK(mc_release(rec.binding, allocation, NULL));
+        atomic_fetch_add(&rec.pairs, 1);
+    }
+    return NULL;
+}
+
+static void *record_marks(void *argument) {
+    (void)argument;
+    while (!atomic_load(&rec.stop)) {
+        McStatus status = mc_recorder_mark(rec.recorder, HOST, MC_MARK_NOTE, "m");
+        atomic_fetch_add(&thread_checks, 1);
+        if (status == MC_OK) {
+            atomic_fetch_add(&rec.marks_ok, 1);
+        } else if (status == MC_ERR_STATE || status == MC_ERR_STALE_HANDLE) {
+            /* finished (or destroyed): refused, never lost */
+            atomic_fetch_add(&rec.marks_refused, 1);
+        } else {
+            thread_fail(__FILE__, __LINE__, "mc_recorder_mark", status, "MC_OK, finished or stale");
+        }
+        sched_yield();
+    }
+    return NULL;
+}
+
+static void wait_pairs(int more) {
+    int until = atomic_load(&rec.pairs) + more;
+    while (atomic_load(&rec.pairs) < until) sched_yield();
+}
+
+/* Threads allocate through a recorded pool and mark while the main thread finishes the
+ * recording, then destroys the recorder and the recording governor handle: every call
+ * answers MC_OK (a mark after the finish MC_ERR_STATE or stale); the file is whole, holds
+ * every mark that answered MC_OK, and tests/programs.rs reads it back. */
+static void record_while_threads_run(const char *path) {
+    int before = checks, thread_before = atomic_load(&thread_checks);
+    McRegistry *registry = NULL;
+    McGovernor *governor = NULL, *recorded = NULL;
+    McContext *context = NULL;
+    McAuthority *tenant = NULL;
+    McMechanism *pool = NULL;
+    McRecordingSummary summary;
+    memset(&rec, 0, sizeof rec);
+    OK(mc_registry_create(&registry));
+    OK(mc_governor_create(&governor));
+    OK(mc_context_register(registry, HOST, NULL, NULL, &context));
+    OK(mc_authority_register(registry, HOST, NULL, NULL, &tenant));
+    OK(mc_governor_set_device_limit(governor, HOST, 64u << 20));
+    OK(mc_governor_open_account(governor, tenant, 32u << 20, "threads"));
+    OK(mc_recorder_create(path, &rec.recorder));
+    OK(mc_recorder_trace_governor(rec.recorder, governor, &recorded));
+    OK(mc_register_cpu_allocator(registry, recorded, context, tenant, MC_CPU_POOLED, &pool));
+    OK(mc_bind(registry, HOST, &rec.binding));
+    OK(mc_recorder_mark(rec.recorder, HOST, MC_MARK_NOTE, "m"));
+    atomic_fetch_add(&rec.marks_ok, 1);
+
+    pthread_t threads[RECORDERS_THREADS + 1];
+    for (int i = 0; i < RECORDERS_THREADS; i++)
+        TRUE(pthread_create(&threads[i], NULL, record_pairs, (void *)(intptr_t)i) == 0);
+    TRUE(pthread_create(&threads[RECORDERS_THREADS], NULL, record_marks, NULL) == 0);
+    wait_pairs(300);
+    OK(mc_recorder_finish(rec.recorder, &summary));
+    EXPECT(mc_recorder_finish(rec.recorder, NULL), MC_ERR_STATE);
+    wait_pairs(100); /* the pool keeps working, unrecorded */
+    OK(mc_recorder_destroy(rec.recorder));
+    OK(mc_governor_destroy(recorded));
+    wait_pairs(100);
+    atomic_store(&rec.stop, 1);
+    for (int i = 0; i <= RECORDERS_THREADS; i++) TRUE(pthread_join(threads[i], NULL) == 0);
+
+    OK(mc_binding_destroy(rec.binding));
+    OK(mc_mechanism_retire(registry, pool));
+    OK(mc_mechanism_remove(registry, pool));
+    OK(mc_context_remove(registry, context));
+    OK(mc_authority_remove(registry, tenant));
+    OK(mc_registry_destroy(registry));
+    OK(mc_governor_destroy(governor));
+    printf("c threads record: marks %d refused %d events %llu dropped %llu pairs %d\n", atomic_load(&rec.marks_ok),
+           atomic_load(&rec.marks_refused), (unsigned long long)summary.events, (unsigned long long)summary.dropped,
+           atomic_load(&rec.pairs));
+    printf("c threads record:%s: %d checks passed (%d on worker threads)\n", path, checks - before,
+           atomic_load(&thread_checks) - thread_before);
+}
+
 /* ---- one kind ---- */
 
 static McStatus register_kind(MpAllocator *table) {
@@ -457,10 +558,16 @@ static void run_kind(const char *kind) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s system|pooled|virtual|shared|vtable|plugin:PATH...\n", argv[0]);
+        fprintf(stderr, "usage: %s system|pooled|virtual|shared|vtable|plugin:PATH|record:TRACE...\n", argv[0]);
         return 2;
     }
-    for (int i = 1; i < argc; i++) run_kind(argv[i]);
+    for (int i = 1; i < argc; i++) {
+        if (strncmp(argv[i], "record:", 7) == 0) {
+            record_while_threads_run(argv[i] + 7);
+        } else {
+            run_kind(argv[i]);
+        }
+    }
     printf("c threads: %d checks passed (%d on worker threads, %d failure messages checked)\n", checks,
            atomic_load(&thread_checks), messages_checked);
     return 0;
