@@ -529,3 +529,106 @@ fn a_release_racing_forget_lost_of_the_same_block_refunds_it_exactly_once() {
     assert_eq!(calls, rounds, "the inner allocator heard of a block twice");
     assert_books_zero(&governor, &account);
 }
+
+#[test]
+fn reserves_installed_and_removed_while_threads_charge_their_role_balance_to_zero() {
+    let (governor, account) = one_account(DEV, 8 * MIB, u64::MAX, 64 * KIB);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let refused_policies = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for seed in 0..3u64 {
+            let (account, stop) = (account.clone(), stop.clone());
+            s.spawn(move || {
+                let mut state = (seed + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let mut leases = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let role = if state % 3 == 0 { MemoryRole::KvCache } else { MemoryRole::Weights };
+                    if state % 5 < 3 {
+                        if let Ok(lease) = account.lease_owned(role, 1 + state % (300 * KIB)) {
+                            leases.push(lease);
+                        }
+                    } else if !leases.is_empty() {
+                        let at = (state as usize / 7) % leases.len();
+                        let mut lease: OwnedLease = leases.swap_remove(at);
+                        if state % 2 == 0 {
+                            let _ = lease.grow(state % (64 * KIB));
+                            leases.push(lease);
+                        }
+                    }
+                }
+            });
+        }
+        for round in 0..3000 {
+            let result = if round % 2 == 0 {
+                let reserve = (1 + round as u64 % 4) * MIB;
+                let policy = GuaranteedReserve::new(Arc::new(HardLimit)).with_reserve(MemoryRole::Weights, reserve);
+                governor.set_policy(DEV, Arc::new(policy)).map(drop)
+            } else {
+                governor.set_policy(DEV, Arc::new(HardLimit)).map(drop)
+            };
+            if result.is_err() {
+                refused_policies.fetch_add(1, Ordering::Relaxed);
+            }
+            let device = governor.snapshot().device(DEV).unwrap().clone();
+            assert!(device.used <= 8 * MIB, "round {round}: device used {} over its limit", device.used);
+            std::thread::yield_now();
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    governor.set_policy(DEV, Arc::new(HardLimit)).unwrap();
+    assert_books_zero(&governor, &account);
+    // The whole device is anyone's again, exactly.
+    let all = account.lease(MemoryRole::KvCache, 8 * MIB).unwrap();
+    assert!(account.lease(MemoryRole::Weights, 1).is_err());
+    drop(all);
+}
+
+#[test]
+fn governed_blocks_released_on_other_threads_racing_device_loss_are_refunded_exactly_once() {
+    for round in 0..20 {
+        let g = governed(Arc::new(HostHeap::on_device(DEV)), 64 * MIB, 32 * MIB, 64 * KIB);
+        let blocks: Vec<BoundAllocation> =
+            (0..48).map(|i| g.binding.allocate(request(4096 * (1 + i % 3), MemoryRole::KvCache)).unwrap()).collect();
+        let total: u64 = blocks.iter().map(|b| b.bytes() as u64).sum();
+        let (even, odd): (Vec<_>, Vec<_>) = blocks.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        let released = std::thread::scope(|s| {
+            let workers: Vec<_> = [even, odd]
+                .into_iter()
+                .map(|half| {
+                    let binding = &g.binding;
+                    s.spawn(move || {
+                        let mut bytes = 0u64;
+                        for (_, block) in half {
+                            let size = block.bytes() as u64;
+                            match binding.release(block) {
+                                Ok(ReleaseSummary::Complete { .. }) => bytes += size,
+                                Ok(other) => panic!("unexpected {other:?}"),
+                                Err(rejected) => {
+                                    assert!(
+                                        matches!(rejected.reason, HandleError::DeviceLost { .. }),
+                                        "{}",
+                                        rejected.reason
+                                    )
+                                }
+                            }
+                        }
+                        bytes
+                    })
+                })
+                .collect();
+            g.registry.invalidate_device(DEV, "racing loss");
+            workers.into_iter().map(|w| w.join().unwrap()).sum::<u64>()
+        });
+        // What was not released stays charged until termination, then is refunded once.
+        assert_eq!(g.account.snapshot().current, total - released, "round {round}");
+        let report = g.registry.wait_terminated(&g.context, Duration::from_secs(10)).unwrap();
+        assert_eq!(report.lost_bytes as u64, total - released, "round {round}");
+        let snapshot = g.account.snapshot();
+        assert_eq!(snapshot.totals.lost_bytes, total - released, "round {round}");
+        assert_eq!(snapshot.totals.releases, 48, "round {round}: a charge closed twice or never");
+        assert_books_zero(&g.governor, &g.account);
+    }
+}
