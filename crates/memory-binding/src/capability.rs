@@ -57,9 +57,10 @@ impl MemoryBinding {
     /// The reserve/commit capability of this binding's allocator.
     ///
     /// # Errors
-    /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
+    /// [`BoundCapabilityError::Unsupported`] when the allocator has none;
+    /// [`BoundCapabilityError::Handle`] when its device was lost (nothing is asked).
     pub fn virtual_backing(&self) -> Result<BoundVirtualBacking, BoundCapabilityError> {
-        if self.core().virtual_backing().is_none() {
+        if !self.capability_query(|| self.core().virtual_backing().is_some())? {
             return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: VIRTUAL });
         }
         Ok(BoundVirtualBacking { binding: self.clone() })
@@ -68,12 +69,24 @@ impl MemoryBinding {
     /// The shared-mapping capability of this binding's allocator.
     ///
     /// # Errors
-    /// [`BoundCapabilityError::Unsupported`] when the allocator has none.
+    /// [`BoundCapabilityError::Unsupported`] when the allocator has none;
+    /// [`BoundCapabilityError::Handle`] when its device was lost (nothing is asked).
     pub fn shared_mapping(&self) -> Result<BoundSharedMapping, BoundCapabilityError> {
-        if self.core().shared_mapping().is_none() {
+        if !self.capability_query(|| self.core().shared_mapping().is_some())? {
             return Err(BoundCapabilityError::Unsupported { mechanism: self.core().identity, capability: SHARED });
         }
         Ok(BoundSharedMapping { binding: self.clone() })
+    }
+
+    /// Runs a capability query (discovery, granularity) inside the lifecycle, counted in
+    /// flight like any callback: on a lost or terminated mechanism nothing is asked.
+    fn capability_query<R>(&self, query: impl FnOnce() -> R) -> Result<R, HandleError> {
+        let core = self.core();
+        let _in_flight = core
+            .lifecycle
+            .begin(&self.local_pin().in_flight, Admit::ActiveOrRetired)
+            .map_err(|state| refusal_for(core, state))?;
+        Ok(query())
     }
 
     /// Runs `call` inside the lifecycle after every check passed.
@@ -120,9 +133,10 @@ impl BoundVirtualBacking {
         binding.core().virtual_backing()
     }
 
-    /// Commit granularity in bytes.
+    /// Commit granularity in bytes; 0 when the capability is gone or the device was
+    /// lost (then nothing is asked).
     pub fn granularity(&self) -> usize {
-        Self::capability(&self.binding).map_or(0, |c| c.granularity())
+        self.binding.capability_query(|| Self::capability(&self.binding).map_or(0, |c| c.granularity())).unwrap_or(0)
     }
 
     /// Commits `range` of `allocation`; returns the bytes newly committed.
@@ -196,9 +210,10 @@ impl BoundSharedMapping {
         binding.core().shared_mapping()
     }
 
-    /// Mapping granularity in bytes.
+    /// Mapping granularity in bytes; 0 when the capability is gone or the device was
+    /// lost (then nothing is asked).
     pub fn granularity(&self) -> usize {
-        Self::capability(&self.binding).map_or(0, |c| c.granularity())
+        self.binding.capability_query(|| Self::capability(&self.binding).map_or(0, |c| c.granularity())).unwrap_or(0)
     }
 
     /// Creates a physical backing of `bytes` bytes on this binding's device.
@@ -208,7 +223,7 @@ impl BoundSharedMapping {
     /// capability's own error.
     pub fn create_backing(&self, bytes: usize) -> Result<SharedBacking, BoundCapabilityError> {
         let core = self.binding.core();
-        ByteRange::new(0, bytes).check_aligned(self.granularity())?;
+        // The lifecycle first: on a lost device not even the granularity is asked.
         let _in_flight = core.lifecycle.begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly).map_err(
             |state| match state {
                 MechanismState::DeviceLost => HandleError::DeviceLost {
@@ -219,6 +234,8 @@ impl BoundSharedMapping {
                 state => HandleError::Inactive { mechanism: core.identity, state },
             },
         )?;
+        let granularity = Self::capability(&self.binding).map_or(0, |c| c.granularity());
+        ByteRange::new(0, bytes).check_aligned(granularity)?;
         let capability = Self::capability(&self.binding)
             .ok_or(BoundCapabilityError::Unsupported { mechanism: core.identity, capability: SHARED })?;
         Ok(capability.create_backing(bytes)?)
@@ -249,7 +266,14 @@ impl BoundSharedMapping {
         }
         let source = ByteRange::new(placement.backing_offset, placement.target.len());
         source.check_within(backing.bytes())?;
-        let mechanism = self.binding.core().identity;
+        // The lifecycle before the granularity is asked (the call below checks it again,
+        // nested): on a lost device nothing is asked.
+        let core = self.binding.core();
+        let _in_flight = core
+            .lifecycle
+            .begin(&self.binding.local_pin().in_flight, Admit::ActiveOnly)
+            .map_err(|state| refusal_for(core, state))?;
+        let mechanism = core.identity;
         let granularity = Self::capability(&self.binding)
             .map(|c| c.granularity())
             .ok_or(BoundCapabilityError::Unsupported { mechanism, capability: SHARED })?;

@@ -5,6 +5,8 @@
 //! context is confirmed, device loss racing releases on other threads, and bindings
 //! of a retired mechanism after the selection moved on.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -657,4 +659,41 @@ fn a_queue_refusing_with_a_release_it_accepted_earlier_settles_both_exactly_once
     assert_eq!(ledger.forgotten.lock().unwrap().len(), 2);
     assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0);
     assert_eq!(ledger.live(), 0);
+}
+
+#[test]
+fn after_device_loss_no_capability_query_or_call_reaches_the_allocator() {
+    type Rec = memory_testkit::RecordingAllocator<common::Caps>;
+    let registry = BindingRegistry::new();
+    let allocator: Arc<Rec> = Arc::new(memory_testkit::RecordingAllocator::new(common::Caps::new(GPU0)));
+    let (context, _, _) = common::register(&registry, allocator.clone());
+    let binding = registry.bind(GPU0).unwrap();
+    let virt = binding.virtual_backing().unwrap();
+    let shared = binding.shared_mapping().unwrap();
+    let backing = shared.create_backing(PAGE).unwrap();
+    let block = binding.allocate(request(PAGE)).unwrap();
+    assert_eq!((virt.granularity(), shared.granularity()), (PAGE, PAGE));
+    registry.invalidate_device(GPU0, "Xid 79");
+    for phase in ["after device loss", "after termination"] {
+        if phase == "after termination" {
+            registry.confirm_context_terminated(&context).unwrap();
+        }
+        let before = allocator.counts();
+        // Discovery and granularity are callbacks too: none may run on a lost device.
+        let found = binding.virtual_backing().map(drop);
+        assert!(matches!(found, Err(BoundCapabilityError::Handle(_))), "{phase}: virtual_backing gave {found:?}");
+        let found = binding.shared_mapping().map(drop);
+        assert!(matches!(found, Err(BoundCapabilityError::Handle(_))), "{phase}: shared_mapping gave {found:?}");
+        assert_eq!((virt.granularity(), shared.granularity()), (0, 0), "{phase}");
+        assert!(matches!(shared.create_backing(PAGE), Err(BoundCapabilityError::Handle(_))), "{phase}");
+        let placement = memory_api::SharedPlacement { target: ByteRange::new(0, PAGE), backing_offset: 0 };
+        let mapped = shared.map(&backing, &block, placement, memory_api::MappingAccess::ReadWrite);
+        assert!(matches!(mapped, Err(BoundCapabilityError::Handle(_))), "{phase}: map gave {mapped:?}");
+        assert!(virt.commit(&block, ByteRange::new(0, PAGE)).is_err());
+        assert!(virt.decommit(&block, ByteRange::new(0, PAGE)).is_err());
+        assert!(virt.committed_bytes(&block).is_err());
+        assert!(shared.unmap(&block, ByteRange::new(0, PAGE)).is_err());
+        assert_eq!(allocator.counts(), before, "{phase}: a callback reached the allocator of a lost device");
+    }
+    drop(block);
 }
