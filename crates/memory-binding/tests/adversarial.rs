@@ -697,3 +697,88 @@ fn after_device_loss_no_capability_query_or_call_reaches_the_allocator() {
     }
     drop(block);
 }
+
+#[test]
+fn a_thread_whose_bind_cache_holds_the_old_selection_binds_the_new_one_after_every_switch() {
+    let registry = BindingRegistry::new();
+    let ledgers: Vec<_> = (0..3).map(|_| Ledger::new()).collect();
+    let mechanisms: Vec<_> = ledgers.iter().map(|l| register(&registry, l, DropPolicy::Release).1).collect();
+    let (ask_tx, ask_rx) = mpsc::channel::<()>();
+    let (answer_tx, answer_rx) = mpsc::channel::<Result<memory_api::MechanismIdentity, String>>();
+    let worker = {
+        let registry = registry.clone();
+        std::thread::spawn(move || {
+            while ask_rx.recv().is_ok() {
+                // Twice: the second bind is served from this thread's cache.
+                let first = registry.bind(GPU0).map(|b| b.identity().mechanism());
+                let second = registry.bind(GPU0).map(|b| b.identity().mechanism());
+                let answer = match (first, second) {
+                    (Ok(a), Ok(b)) if a == b => Ok(a),
+                    (a, b) => Err(format!("{a:?} then {b:?}")),
+                };
+                answer_tx.send(answer).unwrap();
+            }
+        })
+    };
+    let mut ask = || {
+        ask_tx.send(()).unwrap();
+        answer_rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    };
+    for round in 0..30 {
+        let chosen = mechanisms[round % 2];
+        registry.select(&chosen).unwrap();
+        assert_eq!(ask(), Ok(chosen), "round {round}: a cached bind served the old selection");
+    }
+    // Retiring the selected mechanism: the cached thread gets no binding at all.
+    let selected = registry.selected(GPU0).unwrap();
+    registry.retire(&selected).unwrap();
+    let refused = ask().unwrap_err();
+    assert!(refused.contains("NoSelection"), "{refused}");
+    registry.select(&mechanisms[2]).unwrap();
+    assert_eq!(ask(), Ok(mechanisms[2]));
+    // And after loss nothing is served from any cache.
+    registry.invalidate_device(GPU0, "lost");
+    assert!(ask().is_err());
+    drop(ask_tx);
+    worker.join().unwrap();
+}
+
+#[test]
+fn an_allocate_that_retires_its_mechanism_and_switches_the_selection_still_hands_out_a_releasable_block() {
+    let registry = BindingRegistry::new();
+    let first = Ledger::new();
+    let second = Ledger::new();
+    let (_, m1) = register(&registry, &first, DropPolicy::Release);
+    let (_, m2) = register(&registry, &second, DropPolicy::Release);
+    let binding = registry.bind(GPU0).unwrap();
+    let inside: Arc<Mutex<Vec<String>>> = Arc::default();
+    {
+        let (registry, inside) = (registry.clone(), inside.clone());
+        *first.on_allocate.lock().unwrap() = Some(Arc::new(move |_| {
+            registry.retire(&m1).unwrap();
+            registry.select(&m2).unwrap();
+            // The allocation is in flight: the retired mechanism cannot be removed under it.
+            inside.lock().unwrap().push(format!("{:?}", registry.remove(&m1)));
+        }));
+    }
+    let block = within("an allocate that retires its own mechanism", {
+        let binding = binding.clone();
+        move || binding.allocate(request(PAGE)).map_err(|e| e.to_string())
+    })
+    .expect("an allocation admitted before the retirement completes");
+    *first.on_allocate.lock().unwrap() = None;
+    let inside = inside.lock().unwrap().clone();
+    assert!(inside[0].contains("NotQuiescent") || inside[0].contains("Err"), "remove under an allocate: {}", inside[0]);
+    assert!(registry.snapshot(&m1).is_ok(), "the mechanism was removed under an allocation in flight");
+    // New work is refused, the block releases through its own allocator, and only then
+    // does the mechanism go.
+    assert!(matches!(binding.allocate(request(PAGE)), Err(AllocateError::Inactive { .. })));
+    assert!(registry.remove(&m1).is_err(), "removed with a live allocation");
+    assert_eq!(registry.bind(GPU0).unwrap().identity().mechanism(), m2);
+    binding.release(block).unwrap();
+    assert_eq!(first.released.load(Ordering::SeqCst), 1);
+    assert_eq!(second.released.load(Ordering::SeqCst), 0);
+    assert_eq!(first.live(), 0);
+    drop(binding);
+    registry.remove(&m1).unwrap();
+}
