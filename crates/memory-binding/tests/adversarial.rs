@@ -720,7 +720,7 @@ fn a_thread_whose_bind_cache_holds_the_old_selection_binds_the_new_one_after_eve
             }
         })
     };
-    let mut ask = || {
+    let ask = || {
         ask_tx.send(()).unwrap();
         answer_rx.recv_timeout(Duration::from_secs(10)).unwrap()
     };
