@@ -263,6 +263,18 @@ impl BindingRegistry {
         // passed, so a refused registration makes no callback beyond `device()`.
         let device = allocator.device();
         self.admit_registration(context, authority, device)?;
+        // Drop-time releases wait on the queue's device: one of another device would
+        // free this device's blocks after the wrong work.
+        if let Some(DropPolicy::Defer(queue)) = &options.drop_policy
+            && queue.device() != device
+        {
+            return Err(RegistryError::DeviceMismatch {
+                what: "drop policy's deferred-release queue",
+                against: "allocator",
+                expected: device,
+                found: queue.device(),
+            });
+        }
         let name = allocator.name().to_owned();
         if !trusted_composite && let Some(capability) = split_capability(&*allocator) {
             return Err(RegistryError::SplitComposite { allocator: name, capability });

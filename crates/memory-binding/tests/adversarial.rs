@@ -782,3 +782,45 @@ fn an_allocate_that_retires_its_mechanism_and_switches_the_selection_still_hands
     drop(binding);
     registry.remove(&m1).unwrap();
 }
+
+/// A queue on a device of its choosing that runs each release at once.
+struct QueueOn(DeviceKey, AtomicUsize);
+
+impl memory_api::DeferredReleaseQueue for QueueOn {
+    fn device(&self) -> DeviceKey {
+        self.0
+    }
+    fn enqueue(&self, release: memory_api::PreparedRelease) -> Result<(), memory_api::QueueRefusal> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        release.execute();
+        Ok(())
+    }
+}
+
+#[test]
+fn a_drop_policy_deferring_to_a_queue_of_another_device_is_refused_at_registration() {
+    let registry = BindingRegistry::new();
+    let ledger = Ledger::new();
+    let other = DeviceKey::device(1);
+    let queue = Arc::new(QueueOn(other, AtomicUsize::new(0)));
+    let context = registry.register_provider_context(GPU0, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new("authority")).unwrap();
+    let options = MechanismOptions::default().with_drop_policy(DropPolicy::Defer(queue.clone()));
+    let allocator: Arc<dyn DeviceAllocator> = ledger.clone();
+    let refused = registry.register_allocator_with(&context, &authority, allocator.clone(), options).unwrap_err();
+    assert!(
+        matches!(refused, RegistryError::DeviceMismatch { expected, found, .. } if expected == GPU0 && found == other),
+        "{refused:?}"
+    );
+    let text = refused.to_string();
+    assert!(text.contains(&GPU0.to_string()) && text.contains(&other.to_string()) && text.contains("queue"), "{text}");
+    assert!(registry.snapshots().mechanisms.is_empty());
+    // A queue of the mechanism's own device is taken, and a drop defers to it.
+    let own = Arc::new(QueueOn(GPU0, AtomicUsize::new(0)));
+    let options = MechanismOptions::default().with_drop_policy(DropPolicy::Defer(own.clone()));
+    registry.register_allocator_with(&context, &authority, allocator, options).unwrap();
+    let binding = registry.bind(GPU0).unwrap();
+    drop(binding.allocate(request(PAGE)).unwrap());
+    assert_eq!((own.1.load(Ordering::SeqCst), queue.1.load(Ordering::SeqCst)), (1, 0));
+    assert_eq!(ledger.released.load(Ordering::SeqCst), 1);
+}
