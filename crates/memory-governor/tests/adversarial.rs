@@ -632,3 +632,39 @@ fn governed_blocks_released_on_other_threads_racing_device_loss_are_refunded_exa
         assert_books_zero(&g.governor, &g.account);
     }
 }
+
+/// Claims one device and hands out blocks of another.
+struct OtherDevice(HostHeap, AtomicUsize);
+
+impl DeviceAllocator for OtherDevice {
+    fn device(&self) -> DeviceKey {
+        DEV
+    }
+    fn name(&self) -> &str {
+        "other-device"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        self.0.allocate(request)
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.release(allocation)
+    }
+}
+
+#[test]
+fn a_block_of_another_device_is_refused_by_the_registry_and_its_charge_refunded_exactly() {
+    let inner = Arc::new(OtherDevice(HostHeap::on_device(DeviceKey::host(12)), AtomicUsize::new(0)));
+    let g = governed(inner.clone(), 64 * MIB, MIB, 64 * KIB);
+    for _ in 0..3 {
+        let error = g.binding.allocate(request(64 * KIB, MemoryRole::KvCache)).unwrap_err();
+        let text = error.to_string();
+        assert!(text.contains(&DeviceKey::host(12).to_string()), "{text}");
+        assert_eq!(g.account.snapshot().current, 0, "the refused block stayed charged");
+    }
+    assert_eq!(inner.1.load(Ordering::SeqCst), 3, "each refused block went back once");
+    assert_eq!(inner.0.stats().unwrap().live_allocations, 0);
+    let lease = g.account.lease(MemoryRole::Weights, MIB).unwrap();
+    drop(lease);
+    assert_books_zero(&g.governor, &g.account);
+}
