@@ -668,3 +668,68 @@ fn a_block_of_another_device_is_refused_by_the_registry_and_its_charge_refunded_
     drop(lease);
     assert_books_zero(&g.governor, &g.account);
 }
+
+#[test]
+fn a_device_limit_lowered_below_the_charges_pulls_back_every_accounts_credit_on_every_thread() {
+    let governor = governor(MIB);
+    governor.set_device_limit(DEV, 64 * MIB).unwrap();
+    let accounts: Vec<Account> = (0..2)
+        .map(|i| governor.open_account(AccountConfig::new(DEV, authority()).with_label(format!("t{i}"))).unwrap())
+        .collect();
+    let (to_main, from_workers) = mpsc::channel::<()>();
+    let mut steps = Vec::new();
+    let mut workers = Vec::new();
+    for account in &accounts {
+        for _ in 0..2 {
+            let (step_tx, step_rx) = mpsc::channel::<&'static str>();
+            let (account, to_main) = (account.clone(), to_main.clone());
+            let (answer_tx, answer_rx) = mpsc::channel::<bool>();
+            workers.push(std::thread::spawn(move || {
+                let lease = account.lease_owned(MemoryRole::KvCache, 1500 * KIB).unwrap();
+                to_main.send(()).unwrap();
+                while let Ok(step) = step_rx.recv() {
+                    match step {
+                        "one" => answer_tx.send(account.lease(MemoryRole::KvCache, 1).is_ok()).unwrap(),
+                        _ => break,
+                    }
+                }
+                drop(lease);
+            }));
+            steps.push((step_tx, answer_rx));
+        }
+    }
+    for _ in 0..4 {
+        from_workers.recv().unwrap();
+    }
+    let before = governor.snapshot().device(DEV).unwrap().clone();
+    assert!(before.cached_credit > 0, "the setup should leave credit cached");
+    assert_eq!(before.current, 6000 * KIB);
+    governor.set_device_limit(DEV, 4 * MIB).unwrap();
+    let after = governor.snapshot().device(DEV).unwrap().clone();
+    assert_eq!(after.cached_credit, 0, "credit cached under the old limit survived the lowering");
+    assert_eq!((after.current, after.used), (6000 * KIB, 6000 * KIB));
+    for (step, answer) in &steps {
+        step.send("one").unwrap();
+        assert!(!answer.recv().unwrap(), "a thread admitted past the lowered device limit");
+    }
+    for (step, _) in &steps {
+        step.send("stop").unwrap();
+    }
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    for account in &accounts {
+        assert_books_zero_for(&governor, account);
+    }
+    let full = accounts[0].lease(MemoryRole::Weights, 4 * MIB).unwrap();
+    assert!(accounts[1].lease(MemoryRole::Weights, 1).is_err());
+    drop(full);
+}
+
+fn assert_books_zero_for(governor: &Governor, account: &Account) {
+    governor.return_idle_credit();
+    let snapshot = account.snapshot();
+    assert_eq!((snapshot.current, snapshot.used, snapshot.cached_credit), (0, 0, 0));
+    let device = governor.snapshot().device(DEV).unwrap().clone();
+    assert_eq!((device.current, device.used), (0, 0));
+}
