@@ -824,3 +824,31 @@ fn a_drop_policy_deferring_to_a_queue_of_another_device_is_refused_at_registrati
     assert_eq!((own.1.load(Ordering::SeqCst), queue.1.load(Ordering::SeqCst)), (1, 0));
     assert_eq!(ledger.released.load(Ordering::SeqCst), 1);
 }
+
+#[test]
+fn a_release_callback_that_drops_the_last_binding_and_the_registry_completes_and_lets_go_once() {
+    let ledger = Ledger::new();
+    let block = {
+        let registry = BindingRegistry::new();
+        register(&registry, &ledger, DropPolicy::Release);
+        let binding = registry.bind(GPU0).unwrap();
+        let block = binding.allocate(request(PAGE)).unwrap();
+        let kept: Arc<Mutex<Option<(BindingRegistry, MemoryBinding)>>> =
+            Arc::new(Mutex::new(Some((registry, binding))));
+        let inside = kept.clone();
+        *ledger.on_release.lock().unwrap() = Some(Arc::new(move |_| {
+            // The last registry and binding go while the release is inside the allocator.
+            drop(inside.lock().unwrap().take());
+        }));
+        (block, kept)
+    };
+    let (block, kept) = block;
+    let summary =
+        within("a release that drops the registry", move || block.release().map_err(|r| r.reason.to_string()));
+    assert_eq!(summary.unwrap(), ReleaseSummary::Complete { unmapped_bytes: PAGE });
+    assert!(kept.lock().unwrap().is_none());
+    *ledger.on_release.lock().unwrap() = None;
+    assert_eq!(ledger.live(), 0);
+    // Nothing else holds the allocator: the registry, its mechanism and the handle let go.
+    assert_eq!(Arc::strong_count(&ledger), 1, "the allocator is still held after everything was dropped");
+}
