@@ -733,3 +733,55 @@ fn assert_books_zero_for(governor: &Governor, account: &Account) {
     let device = governor.snapshot().device(DEV).unwrap().clone();
     assert_eq!((device.current, device.used), (0, 0));
 }
+
+/// A holder that frees a lease, then lowers the quota below what is left charged.
+struct Lowering {
+    governor: Governor,
+    authority: AuthorityIdentity,
+    lease: Mutex<Option<OwnedLease>>,
+}
+
+impl ReclaimHolder for Lowering {
+    fn name(&self) -> &str {
+        "lowering"
+    }
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        self.lease.lock().unwrap().as_ref().map_or(0, |l| l.bytes())
+    }
+    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
+        let freed = self.lease.lock().unwrap().take().map_or(0, |l| l.bytes());
+        self.governor.set_quota(self.authority, 256 * KIB).unwrap();
+        self.governor.set_device_limit(DEV, 8 * MIB).unwrap();
+        self.governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+        freed
+    }
+}
+
+#[test]
+fn a_holder_that_lowers_the_quota_below_the_charges_while_reclaiming_is_obeyed_without_deadlock() {
+    let (governor, account) = one_account(DEV, 64 * MIB, MIB, 64 * KIB);
+    governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
+    let kept = account.lease(MemoryRole::Weights, 512 * KIB).unwrap();
+    let holder = Arc::new(Lowering {
+        governor: governor.clone(),
+        authority: account.authority(),
+        lease: Mutex::new(Some(account.lease_owned(MemoryRole::KvCache, 512 * KIB).unwrap())),
+    });
+    governor.register_holder(DEV, 0, holder);
+    let outcome = within("a holder that lowers the quota", {
+        let account = account.clone();
+        move || account.lease_owned(MemoryRole::Activations, 256 * KIB).map(|l| l.bytes()).map_err(|e| e.to_string())
+    });
+    // The holder freed 512 KiB, but the quota it left (256 KiB) is below the 512 KiB
+    // still charged: the retry is refused, and says so.
+    let refused = outcome.unwrap_err();
+    assert!(refused.contains("authority quota") && refused.contains(&(256 * KIB).to_string()), "{refused}");
+    let snapshot = account.snapshot();
+    assert_eq!(snapshot.current, 512 * KIB);
+    assert_eq!(snapshot.quota, Some(256 * KIB));
+    drop(kept);
+    let fits = account.lease(MemoryRole::Activations, 256 * KIB).unwrap();
+    assert!(account.lease(MemoryRole::Activations, 1).is_err());
+    drop(fits);
+    assert_books_zero(&governor, &account);
+}
