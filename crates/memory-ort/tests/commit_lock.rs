@@ -1,7 +1,7 @@
 //! The commit lock and the application's own locks: a session dropped under a lock that
 //! a reclaim holder takes, while a commit on another thread waits in that holder. (A
-//! test binary of its own: while a commit is stalled, releases on other threads are
-//! deferred until it is done, which other tests' books would see.)
+//! test binary of its own, whose tests take turns: while a commit is stalled, releases
+//! on other threads are deferred until it is done, which other tests' books would see.)
 
 mod common;
 
@@ -12,6 +12,10 @@ use std::time::Duration;
 use common::{Backing, Tenant, tiny_model};
 use memory_governor::{DeviceKey, ReclaimHolder, ReclaimRequest, ReclaimThenFail};
 use memory_ort::{GovernedOrtAllocator, GovernedSession, OrtAllocatorConfig};
+
+/// While a commit is stalled, releases on other threads are deferred, which the other
+/// test's books would see: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn allocator_with(
     env: &memory_ort::OrtEnvironment,
@@ -54,6 +58,7 @@ impl ReclaimHolder for EvictUnderLock {
 /// commit gets its room from the cache.
 #[test]
 fn a_session_dropped_under_a_lock_a_reclaim_holder_takes_does_not_deadlock_a_commit() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some((env, _)) = common::ort("a_session_dropped_under_a_lock_a_reclaim_holder_takes") else { return };
     let tenant = Arc::new(Tenant::new("cached", 1 << 30, Backing::Pooled));
     let allocator = allocator_with(env, &tenant, OrtAllocatorConfig::default().charge_runtime_memory(false));
@@ -103,5 +108,104 @@ fn a_session_dropped_under_a_lock_a_reclaim_holder_takes_does_not_deadlock_a_com
     drop(second);
     drop(allocator);
     assert_eq!(tenant.charged_total(), 0);
+    assert_eq!(tenant.registry_live(), (0, 0));
+}
+
+/// A cache of idle sessions that evicts under its own lock, asked for room by a run on
+/// one thread and by a commit on another: the run's call holds the cache's lock while
+/// the commit's waits for it.
+struct SharedCache {
+    idle: Mutex<Vec<GovernedSession>>,
+    run_inside: AtomicBool,
+    commit_asked: AtomicBool,
+}
+
+impl ReclaimHolder for SharedCache {
+    fn name(&self) -> &str {
+        "cached sessions"
+    }
+
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        1 << 20
+    }
+
+    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
+        let from_run = std::thread::current().name() == Some("run");
+        if !from_run {
+            self.commit_asked.store(true, Ordering::SeqCst);
+        }
+        let mut idle = self.idle.lock().unwrap();
+        if from_run && !self.run_inside.swap(true, Ordering::SeqCst) {
+            // The first call of the run: wait (holding the lock) until the commit asks too.
+            let start = std::time::Instant::now();
+            while !self.commit_asked.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let count = idle.len() as u64;
+        idle.clear();
+        count * 1024
+    }
+}
+
+/// No application lock at all: a run and a commit, both short of room on one device,
+/// ask the same cache-like holder. The run's call evicts a session under the holder's
+/// lock while the commit (holding the commit lock) waits for that lock: the eviction's
+/// release used to wait for the commit lock for good. Both now return (refused: the
+/// eviction is released once the commit is done), and nothing stays booked.
+#[test]
+fn a_run_and_a_commit_asking_one_cache_for_room_at_once_do_not_deadlock() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some((env, _)) = common::ort("a_run_and_a_commit_asking_one_cache_for_room_at_once") else { return };
+    let tenant = Arc::new(Tenant::new("contended", 1 << 30, Backing::Pooled));
+    let allocator = allocator_with(env, &tenant, OrtAllocatorConfig::default().charge_runtime_memory(false));
+    let model = tiny_model::bytes();
+    let builder = || env.session_builder().unwrap().with_intra_threads(1).unwrap();
+    let mut running = env.commit_from_memory(&allocator, builder(), &model).unwrap();
+    let cached = env.commit_from_memory(&allocator, builder(), &model).unwrap();
+    let held = tenant.charged_total();
+    tenant.governor.set_device_limit(tenant.device, held + 8192).unwrap();
+    tenant.governor.set_policy(tenant.device, Arc::new(ReclaimThenFail)).unwrap();
+    let cache = Arc::new(SharedCache {
+        idle: Mutex::new(vec![cached]),
+        run_inside: AtomicBool::new(false),
+        commit_asked: AtomicBool::new(false),
+    });
+    tenant.governor.register_holder(tenant.device, 0, cache.clone());
+
+    let (ran, wait_ran) = mpsc::channel();
+    let run = std::thread::Builder::new()
+        .name("run".to_owned())
+        .spawn(move || {
+            let batch = 4096;
+            let input = ort::value::Tensor::from_array(([batch, tiny_model::FEATURES], vec![0.5f32; batch * 64]));
+            let result = running.run(ort::inputs![input.unwrap()]).map(drop).map_err(|err| err.to_string());
+            let _ = ran.send(result);
+            running
+        })
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !cache.run_inside.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(cache.run_inside.load(Ordering::SeqCst), "the run asked the cache for room");
+    let (committed, wait_committed) = mpsc::channel();
+    let (env2, allocator2) = (env.clone(), allocator.clone());
+    std::thread::Builder::new()
+        .name("commit".to_owned())
+        .spawn(move || {
+            let second = env2.commit_from_memory(&allocator2, env2.session_builder().unwrap(), &model);
+            let _ = committed.send(second);
+        })
+        .unwrap();
+    let ran = wait_ran.recv_timeout(Duration::from_secs(60)).expect("the run returned: no deadlock");
+    let second = wait_committed.recv_timeout(Duration::from_secs(60)).expect("the commit returned: no deadlock");
+    let running = run.join().unwrap();
+    assert!(ran.as_ref().is_err_and(|err| err.contains("refused")), "the run was short of room: {ran:?}");
+    assert!(cache.idle.lock().unwrap().is_empty(), "the cached session was evicted");
+    drop(second);
+    drop(running);
+    drop(allocator);
+    assert_eq!(tenant.charged_total(), 0, "the evicted session was released after the commit");
     assert_eq!(tenant.registry_live(), (0, 0));
 }
