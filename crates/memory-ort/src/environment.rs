@@ -59,7 +59,7 @@ const RELEASE_POLL: Duration = Duration::from_millis(5);
 /// How long a commit's allocation must have been in progress for a release to stop
 /// waiting for the commit: far longer than an allocation takes, unless the governor is
 /// calling a reclaim holder that waits (for a lock the releasing thread may hold).
-const COMMIT_STALLED: Duration = Duration::from_millis(50);
+const COMMIT_STALLED: Duration = Duration::from_millis(200);
 
 fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)

@@ -107,7 +107,7 @@
 //!   committing one) releases it at once, and what that frees counts as the adapter's
 //!   own work, once (own work nests there: only the outermost measures;
 //!   `tests/refusal_answers.rs`, `heap.rs`). A session dropped on another thread waits
-//!   for a commit in progress, except one stalled in an allocation for 50 ms or more (a
+//!   for a commit in progress, except one stalled in an allocation for 200 ms or more (a
 //!   reclaim holder that waits, perhaps for a lock the dropping thread holds, as a cache
 //!   that evicts under its own lock does): that drop returns at once, and the session is
 //!   released under the lock as soon as the commit is done, so its memory does not make
