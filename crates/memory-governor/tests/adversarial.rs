@@ -34,10 +34,14 @@ fn exhausted(error: &AdmissionError) -> &Exhaustion {
 /// Runs `f` on a thread; a deadlock fails the test instead of hanging it.
 fn within<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
     let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
+    let worker = std::thread::spawn(move || {
         let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
     });
-    match rx.recv_timeout(Duration::from_secs(30)) {
+    let answer = rx.recv_timeout(Duration::from_secs(30));
+    if answer.is_ok() {
+        worker.join().unwrap();
+    }
+    match answer {
         Ok(Ok(value)) => value,
         Ok(Err(panic)) => std::panic::resume_unwind(panic),
         Err(_) => panic!("{what} did not finish within 30 s (deadlock?)"),
