@@ -145,3 +145,46 @@ fn a_block_of_the_handles_own_table_holds_termination_until_it_is_freed() {
     assert_eq!(report.lost_allocations, 1);
     assert_eq!(tenant.charged_total(), 0);
 }
+
+/// An output and an I/O binding both keep ONNX Runtime's session (so its table) past
+/// the governed session's drop; after a device loss, termination waits for the last of
+/// them, since either can still call `Free`.
+#[test]
+fn termination_waits_for_an_output_and_an_io_binding_that_outlive_their_session() {
+    let name = "termination_waits_for_an_output_and_an_io_binding_that_outlive_their_session";
+    let Some((env, _)) = common::ort(name) else { return };
+    let tenant = Tenant::new("outliving", 64 << 20, Backing::Pooled);
+    let allocator = tenant.allocator(env);
+    let mut session = env.commit_from_memory(&allocator, env.session_builder().unwrap(), &tiny_model::bytes()).unwrap();
+    let output = run_tiny(&mut session, 8);
+    let mut binding = session.create_binding().unwrap();
+    let input = Tensor::from_array(([4usize, tiny_model::FEATURES], vec![0.5f32; 4 * tiny_model::FEATURES])).unwrap();
+    binding.bind_input("X", &input).unwrap();
+    let cpu = ort::memory::MemoryInfo::new(
+        ort::memory::AllocationDevice::CPU,
+        0,
+        ort::memory::AllocatorType::Device,
+        ort::memory::MemoryType::Default,
+    )
+    .unwrap();
+    binding.bind_output_to_device("Y", &cpu).unwrap();
+    drop(session.run_binding(&mut binding).unwrap());
+    drop(session);
+    tenant.registry.invalidate_device(tenant.device, "lost while an output and a binding live on");
+    let not_quiescent = |what: &str| {
+        let not_yet = tenant.registry.confirm_context_terminated(&tenant.context).unwrap_err();
+        assert!(
+            matches!(not_yet, memory_governor::RegistryError::ContextNotQuiescent { holds: 1, .. }),
+            "{what} can still free: {not_yet}"
+        );
+    };
+    not_quiescent("the output and the binding");
+    assert_eq!(output.try_extract_tensor::<f32>().unwrap().1.len(), 8 * tiny_model::FEATURES);
+    drop(output);
+    not_quiescent("the binding");
+    drop(binding);
+    assert!(allocator.stats().frees_after_loss > 0, "{:?}", allocator.stats());
+    let report = tenant.registry.confirm_context_terminated(&tenant.context).unwrap();
+    assert!(report.lost_allocations > 0, "{report:?}");
+    assert_eq!(tenant.charged_total(), 0);
+}
