@@ -714,11 +714,12 @@ impl BindingRegistry {
                     let ceiling = entry.allocation.bytes().saturating_sub(q.residual_bytes());
                     entry.unmapped_bytes = (entry.unmapped_bytes + q.unmapped_bytes()).min(ceiling);
                     entry.residual_bytes = q.residual_bytes();
-                    (entry.allocation, entry.error) = q.into_parts();
+                    // The registry's copy stays (an answer's tag is not believed).
+                    entry.error = q.into_parts().1;
                     still.push(entry);
                 }
                 ReleaseOutcome::Failed(f) if f.allocation().same_block(&entry.allocation) => {
-                    (entry.allocation, entry.error) = f.into_parts();
+                    entry.error = f.into_parts().1;
                     still.push(entry);
                 }
                 // An answer about another block: keep ours, wholly owned.

@@ -258,8 +258,10 @@ fn settle(
         ReleaseOutcome::Quarantined(q) => {
             let (unmapped, residual) = (q.unmapped_bytes(), q.residual_bytes());
             let (raw, error) = q.into_parts();
+            // The registry keeps its own copy of the block: an answer's tag is not
+            // believed over the one the allocator gave at allocation.
             let entry = if raw.same_block(&expected) {
-                parts.quarantined(core, raw, unmapped, residual, error)
+                parts.quarantined(core, expected, unmapped, residual, error)
             } else {
                 mismatched(core, parts, expected, unmapped, residual)
             };

@@ -858,3 +858,77 @@ fn a_release_callback_that_drops_the_last_binding_and_the_registry_completes_and
     // Nothing else holds the allocator: the registry, its mechanism and the handle let go.
     assert_eq!(Arc::strong_count(&ledger), 1, "the allocator is still held after everything was dropped");
 }
+
+/// Quarantines every release with the same block under another tag, and records the
+/// tags it is handed back.
+struct TagForger {
+    next: AtomicU64,
+    seen: Mutex<Vec<(&'static str, u64)>>,
+    honest: AtomicBool,
+}
+
+impl DeviceAllocator for TagForger {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn name(&self) -> &str {
+        "tag-forger"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let address = self.next.fetch_add(1 << 20, Ordering::SeqCst);
+        Ok(RawAllocation::new(DeviceAddress::new(address).unwrap(), request.bytes(), request.align(), GPU0, 42))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        self.seen.lock().unwrap().push(("release", allocation.provider_tag()));
+        if self.honest.load(Ordering::SeqCst) {
+            return ReleaseOutcome::complete(allocation.bytes());
+        }
+        let forged = RawAllocation::new(
+            allocation.address(),
+            allocation.bytes(),
+            allocation.align(),
+            allocation.device(),
+            allocation.provider_tag() ^ 0xdead,
+        );
+        let bytes = forged.bytes();
+        ReleaseOutcome::quarantined(forged, 0, bytes, memory_api::ReleaseError::Abandoned)
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        self.seen.lock().unwrap().extend(lost.iter().map(|b| ("forget", b.provider_tag())));
+    }
+}
+
+#[test]
+fn a_quarantine_answered_under_another_tag_keeps_the_tag_the_allocator_first_gave() {
+    let registry = BindingRegistry::new();
+    let forger =
+        Arc::new(TagForger { next: AtomicU64::new(1 << 32), seen: Mutex::default(), honest: AtomicBool::new(false) });
+    let context = registry.register_provider_context(GPU0, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new("authority")).unwrap();
+    let mechanism = registry.register_allocator(&context, &authority, forger.clone()).unwrap();
+    let binding = registry.bind(GPU0).unwrap();
+    let first = binding.allocate(request(PAGE)).unwrap();
+    let second = binding.allocate(request(PAGE)).unwrap();
+    assert!(matches!(binding.release(first).unwrap(), ReleaseSummary::Quarantined { .. }));
+    assert!(matches!(binding.release(second).unwrap(), ReleaseSummary::Quarantined { .. }));
+    // A retry quarantines again under yet another tag; the next one completes.
+    registry.retry_quarantined(&mechanism).unwrap();
+    forger.honest.store(true, Ordering::SeqCst);
+    let report = registry.retry_quarantined(&mechanism).unwrap();
+    assert_eq!(report.released, 2);
+    let seen = forger.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 6);
+    assert!(seen.iter().all(|&(_, tag)| tag == 42), "the registry handed back a tag it did not record: {seen:?}");
+    drop(binding);
+    // And termination hands forget_lost the recorded tag too.
+    let binding = registry.bind(GPU0).unwrap();
+    forger.honest.store(false, Ordering::SeqCst);
+    assert!(matches!(
+        binding.release(binding.allocate(request(PAGE)).unwrap()).unwrap(),
+        ReleaseSummary::Quarantined { .. }
+    ));
+    registry.invalidate_device(GPU0, "lost");
+    registry.confirm_context_terminated(&context).unwrap();
+    let seen = forger.seen.lock().unwrap().clone();
+    assert_eq!(seen.last(), Some(&("forget", 42)), "{seen:?}");
+}
