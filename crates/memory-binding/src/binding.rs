@@ -571,10 +571,12 @@ fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
     }
     // What was handed over, in case the allocator panics with it.
     let handed = RawAllocation::new(raw.address(), raw.bytes(), raw.align(), raw.device(), raw.provider_tag());
-    let kept = match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
+    // A refusal or quarantine keeps the registry's own copy of the block: the answer's
+    // block (perhaps another one, or another tag) is not believed.
+    let error = match catch_unwind(AssertUnwindSafe(|| core.allocator.release(raw))) {
         Ok(ReleaseOutcome::Complete(_)) => return,
-        Ok(ReleaseOutcome::Failed(failed)) => failed.into_parts(),
-        Ok(ReleaseOutcome::Quarantined(quarantine)) => quarantine.into_parts(),
+        Ok(ReleaseOutcome::Failed(failed)) => failed.into_parts().1,
+        Ok(ReleaseOutcome::Quarantined(quarantine)) => quarantine.into_parts().1,
         Err(panic) => {
             tracing::error!(mechanism = %core.identity, block = ?handed, "{what}: the allocator panicked taking it back; it is kept as live");
             core.keep_unrecorded(handed);
@@ -582,9 +584,8 @@ fn give_back(core: &MechanismCore, raw: RawAllocation, what: &'static str) {
             return;
         }
     };
-    let (block, error) = kept;
-    tracing::error!(mechanism = %core.identity, %error, block = ?block, "{what} could not be given back; it is kept as live");
-    core.keep_unrecorded(block);
+    tracing::error!(mechanism = %core.identity, %error, block = ?handed, "{what} could not be given back; it is kept as live");
+    core.keep_unrecorded(handed);
 }
 
 /// The block of an allocator's answer that `allocate` already matched as `Ok` (it

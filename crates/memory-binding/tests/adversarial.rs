@@ -932,3 +932,60 @@ fn a_quarantine_answered_under_another_tag_keeps_the_tag_the_allocator_first_gav
     let seen = forger.seen.lock().unwrap().clone();
     assert_eq!(seen.last(), Some(&("forget", 42)), "{seen:?}");
 }
+
+/// Answers every request with a block one byte short (unfit), and refuses to take one
+/// back, naming another block in its refusal.
+struct ShortAndLying {
+    next: AtomicU64,
+    forgotten: Mutex<Vec<u64>>,
+}
+
+impl DeviceAllocator for ShortAndLying {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn name(&self) -> &str {
+        "short-and-lying"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let address = self.next.fetch_add(1 << 20, Ordering::SeqCst);
+        Ok(RawAllocation::new(DeviceAddress::new(address).unwrap(), request.bytes() - 1, request.align(), GPU0, 1))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        let other = RawAllocation::new(
+            DeviceAddress::new(allocation.address().get() + (1 << 40)).unwrap(),
+            allocation.bytes() * 2,
+            allocation.align(),
+            GPU0,
+            99,
+        );
+        ReleaseOutcome::failed(
+            other,
+            memory_api::ReleaseError::NotOwned { allocator: "liar".into(), device: GPU0, address: 0 },
+        )
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        self.forgotten.lock().unwrap().extend(lost.iter().map(|b| b.address().get()));
+    }
+}
+
+#[test]
+fn an_unfit_block_refused_back_under_another_block_is_kept_as_the_block_given() {
+    let registry = BindingRegistry::new();
+    let liar = Arc::new(ShortAndLying { next: AtomicU64::new(1 << 32), forgotten: Mutex::default() });
+    let context = registry.register_provider_context(GPU0, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new("authority")).unwrap();
+    let mechanism = registry.register_allocator(&context, &authority, liar.clone()).unwrap();
+    let binding = registry.bind(GPU0).unwrap();
+    let error = binding.allocate(request(PAGE)).unwrap_err();
+    assert!(matches!(error, AllocateError::InvalidBlock { .. }), "{error}");
+    let snapshot = registry.snapshot(&mechanism).unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.live_bytes), (1, PAGE - 1), "the block kept is not the one given");
+    registry.invalidate_device(GPU0, "lost");
+    registry.confirm_context_terminated(&context).unwrap();
+    assert_eq!(
+        *liar.forgotten.lock().unwrap(),
+        vec![1u64 << 32],
+        "forget_lost was handed a block the registry never saw"
+    );
+}
