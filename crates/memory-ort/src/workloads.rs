@@ -92,8 +92,20 @@ impl VadStream {
     /// Runs one chunk, returns the speech probability, and carries the state forward.
     ///
     /// # Errors
-    /// The session's error (the stream is unchanged then).
+    /// The session's error, or [`OrtAdapterError::Runtime`] for a chunk shorter than
+    /// [`VAD_CONTEXT`] samples (the next chunk's context) or a model whose state output
+    /// is not the stream's size; the stream is unchanged then.
     pub fn step(&mut self, session: &mut impl Infer, chunk: &[f32]) -> Result<f32, OrtAdapterError> {
+        if chunk.len() < VAD_CONTEXT {
+            return Err(OrtAdapterError::Runtime {
+                action: "build an input tensor",
+                message: format!(
+                    "a VAD chunk of {} samples is shorter than the {VAD_CONTEXT} samples of context the next chunk \
+                     needs; pass chunks of {VAD_CHUNK} samples (at {SAMPLE_RATE} Hz)",
+                    chunk.len()
+                ),
+            });
+        }
         let mut input = Vec::with_capacity(VAD_CONTEXT + chunk.len());
         input.extend_from_slice(&self.context);
         input.extend_from_slice(chunk);
@@ -104,7 +116,17 @@ impl VadStream {
         let (_, probability) = outputs["output"].try_extract_tensor::<f32>().map_err(output_error)?;
         let probability = probability.first().copied().unwrap_or(0.0);
         let (_, state) = outputs["stateN"].try_extract_tensor::<f32>().map_err(output_error)?;
-        self.state.copy_from_slice(&state[..VAD_STATE]);
+        let Some(state) = state.get(..VAD_STATE) else {
+            return Err(OrtAdapterError::Runtime {
+                action: "read an output tensor",
+                message: format!(
+                    "the model's `stateN` holds {} values where a Silero VAD stream carries {VAD_STATE}; \
+                     use a Silero VAD v5 export",
+                    state.len()
+                ),
+            });
+        };
+        self.state.copy_from_slice(state);
         self.context.copy_from_slice(&chunk[chunk.len() - VAD_CONTEXT..]);
         Ok(probability)
     }
@@ -267,5 +289,28 @@ mod tests {
         let plane = 3 * OCR_LINE_HEIGHT * 80;
         assert_ne!(lines[..plane], lines[plane..], "each line of a batch differs");
         assert_ne!(ocr_lines(6, 1, 80), lines[..plane]);
+    }
+
+    /// Counts its calls and fails each: no session needed (the refusal comes before any
+    /// tensor, so ONNX Runtime need not be loaded either).
+    struct Unreachable(usize);
+
+    impl Infer for Unreachable {
+        fn infer<'s>(&'s mut self, _inputs: NamedInputs<'_>) -> Result<SessionOutputs<'s>, OrtAdapterError> {
+            self.0 += 1;
+            Err(OrtAdapterError::Runtime { action: "run", message: "no model here".to_owned() })
+        }
+    }
+
+    #[test]
+    fn a_vad_chunk_shorter_than_the_context_is_refused_before_the_model_runs() {
+        let mut stream = VadStream::new(1);
+        let mut session = Unreachable(0);
+        let Err(OrtAdapterError::Runtime { message, .. }) = stream.step(&mut session, &[0.5; VAD_CONTEXT - 1]) else {
+            panic!("a short chunk must be refused");
+        };
+        assert!(message.contains("63 samples") && message.contains("512 samples"), "{message}");
+        assert_eq!(session.0, 0, "refused before the model runs");
+        assert_eq!(stream.context, vec![0.0; VAD_CONTEXT], "the stream is unchanged");
     }
 }
