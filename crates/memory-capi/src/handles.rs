@@ -53,9 +53,10 @@
 //!
 //! Free cells go to an intrusive per-thread list (a link in each free cell; no shared
 //! write on the hot path); a thread's list goes to the table's orphans when the thread
-//! ends, and a thread whose list is empty adopts an orphaned one.
+//! ends (from [`crate::exit`], also for a thread that freed cells from its pthread key
+//! destructors), and a thread whose list is empty adopts an orphaned one.
 
-use std::cell::{Cell, RefCell, UnsafeCell};
+use std::cell::{Cell, UnsafeCell};
 use std::marker::PhantomData;
 use std::mem::{ManuallyDrop, MaybeUninit};
 
@@ -118,8 +119,8 @@ pub(crate) enum Scheme {
 ///
 /// No destructor, so its thread-local is a plain load away (a thread-local with a
 /// destructor is checked and registered on each access). The first time a thread puts
-/// a cell on it, the table joins the thread's [`ExitHook`], which hands the list to the
-/// table's orphans when the thread exits.
+/// a cell on it, the table joins the thread's [`HOOKED`] tables, whose lists go to their
+/// tables' orphans when the thread exits ([`crate::exit`]).
 pub(crate) struct FreeList {
     head: Cell<u32>,
     hooked: Cell<bool>,
@@ -137,19 +138,27 @@ trait HandOver {
     fn hand_over(&self);
 }
 
-/// The tables whose free lists this thread holds; hands them over when it exits.
-struct ExitHook(RefCell<Vec<&'static dyn HandOver>>);
-
-impl Drop for ExitHook {
-    fn drop(&mut self) {
-        for table in self.0.take() {
-            table.hand_over();
-        }
-    }
-}
+/// The most tables one thread holds free lists of at once (the C API has 12).
+const MAX_HOOKED: usize = 32;
 
 thread_local! {
-    static EXIT_HOOK: ExitHook = const { ExitHook(RefCell::new(Vec::new())) };
+    /// The tables whose free lists this thread holds, handed over when it exits. No
+    /// destructor: the hand-over runs from [`crate::exit`], possibly after the thread's
+    /// thread-local destructors, when this must still be readable.
+    static HOOKED: [Cell<Option<&'static dyn HandOver>>; MAX_HOOKED] =
+        const { [const { Cell::new(None) }; MAX_HOOKED] };
+}
+
+/// Hands this thread's free list of every table it joined to the tables' orphans (the
+/// thread is exiting).
+pub(crate) fn hand_over_all() {
+    let _ = HOOKED.try_with(|hooked| {
+        for table in hooked {
+            if let Some(table) = table.take() {
+                table.hand_over();
+            }
+        }
+    });
 }
 
 struct Entry<T> {
@@ -349,14 +358,23 @@ impl<T: Send + Sync + 'static> Slots<T> {
         }
     }
 
-    /// Joins this thread's exit hook, so that `list` is handed over when the thread
-    /// exits; `false` if the thread is exiting already (keep no cell on `list` then).
+    /// Joins this thread's hooked tables, so that `list` is handed over when the thread
+    /// exits; `false` if the thread has exited already (keep no cell on `list` then).
     #[cold]
     #[inline(never)]
     fn hook(&'static self, list: &FreeList) -> bool {
-        let hooked = EXIT_HOOK.try_with(|hook| hook.0.borrow_mut().push(self)).is_ok();
-        list.hooked.set(hooked);
-        hooked
+        let joined = crate::exit::arm()
+            && HOOKED
+                .try_with(|hooked| match hooked.iter().find(|table| table.get().is_none()) {
+                    Some(free) => {
+                        free.set(Some(self as &'static dyn HandOver));
+                        true
+                    }
+                    None => false,
+                })
+                .unwrap_or(false);
+        list.hooked.set(joined);
+        joined
     }
 
     #[inline]

@@ -129,20 +129,16 @@ pub(crate) fn protects(handle: u64) -> bool {
 }
 
 thread_local! {
-    /// This thread's slot, once it has one.
+    /// This thread's slot, once it has one (handed back by [`release_current`] when the
+    /// thread exits, through [`crate::exit`]).
     static CURRENT: Cell<Option<&'static Hazard>> = const { Cell::new(None) };
-    /// Hands the slot back when the thread exits.
-    static OWNER: Owner = const { Owner };
 }
 
-struct Owner;
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        if let Ok(Some(hazard)) = CURRENT.try_with(Cell::take) {
-            // No borrow is in progress: borrows end within the call that made them.
-            hazard.owned.store(false, Ordering::Release);
-        }
+/// Hands this thread's slot back (the thread is exiting).
+pub(crate) fn release_current() {
+    if let Ok(Some(hazard)) = CURRENT.try_with(Cell::take) {
+        // No borrow is in progress: borrows end within the call that made them.
+        hazard.owned.store(false, Ordering::Release);
     }
 }
 
@@ -159,8 +155,10 @@ pub(crate) fn current() -> Option<&'static Hazard> {
 #[cold]
 #[inline(never)]
 fn acquire() -> Option<&'static Hazard> {
-    // Touching the owner registers its destructor; it fails once the thread is exiting.
-    OWNER.try_with(|_| ()).ok()?;
+    // The slot is handed back when the thread exits; none once it has.
+    if !crate::exit::arm() {
+        return None;
+    }
     let hazard = HAZARDS.register();
     match CURRENT.try_with(|current| current.set(Some(hazard))) {
         Ok(()) => Some(hazard),

@@ -74,6 +74,7 @@
 //! ```
 
 mod api;
+mod exit;
 mod handles;
 mod hazard;
 mod status;

@@ -1,7 +1,7 @@
 //! Status codes, the thread-local message, and the guard every entry point runs in
 //! (no panic crosses the boundary).
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::ffi::{CString, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -187,8 +187,23 @@ impl From<PluginError> for Failure {
 }
 
 thread_local! {
-    static MESSAGE: RefCell<CString> = RefCell::new(CString::default());
+    /// The last failure's message (`CString::into_raw`, null for none). A raw pointer, so
+    /// no destructor: a call made while the thread exits, after its thread-local
+    /// destructors ran (from a C runtime's pthread key destructor), still finds it, and
+    /// it is freed by [`forget_message`] when the thread exits ([`crate::exit`]).
+    static MESSAGE: Cell<*mut c_char> = const { Cell::new(std::ptr::null_mut()) };
     static FAILED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Frees this thread's message (the thread is exiting).
+pub(crate) fn forget_message() {
+    let _ = FAILED.try_with(|failed| failed.set(false));
+    let old = MESSAGE.try_with(|message| message.replace(std::ptr::null_mut())).unwrap_or(std::ptr::null_mut());
+    if !old.is_null() {
+        // SAFETY: a non-null MESSAGE came from `CString::into_raw` in `remember` and was
+        // just taken out of the cell, so this is its only owner.
+        drop(unsafe { CString::from_raw(old) });
+    }
 }
 
 /// Advice in the messages of the Rust crates below that names a Rust item, and what a C
@@ -274,9 +289,16 @@ pub(crate) fn in_c_terms(message: &str) -> String {
 fn remember(function: &str, failure: &Failure) {
     let message = in_c_terms(&failure.message);
     let text = format!("{function}: {}: {message}", status_name(failure.status)).replace('\0', " ");
-    let text = CString::new(text).unwrap_or_default();
-    let _ = MESSAGE.try_with(|message| *message.borrow_mut() = text);
+    let text = CString::new(text).unwrap_or_default().into_raw();
+    let old = MESSAGE.try_with(|message| message.replace(text)).unwrap_or(text);
+    if !old.is_null() {
+        // SAFETY: `old` came from `CString::into_raw` (the cell's previous message, now
+        // out of the cell, or `text` itself if the cell is unreachable): its only owner.
+        drop(unsafe { CString::from_raw(old) });
+    }
     let _ = FAILED.try_with(|failed| failed.set(true));
+    // The message is freed when the thread exits (again if this call came after that).
+    crate::exit::keep_message();
 }
 
 /// Runs one entry point: catches panics, maps the outcome to a status and leaves the
@@ -321,7 +343,10 @@ pub(crate) fn last_message() -> *const c_char {
     if !FAILED.try_with(Cell::get).unwrap_or(false) {
         return EMPTY.as_ptr();
     }
-    MESSAGE.try_with(|message| message.borrow().as_ptr()).unwrap_or(EMPTY.as_ptr())
+    match MESSAGE.try_with(Cell::get) {
+        Ok(message) if !message.is_null() => message,
+        _ => EMPTY.as_ptr(),
+    }
 }
 
 #[cfg(test)]

@@ -16,8 +16,9 @@
  *     the handle valid; after mc_confirm_terminated the handles are dropped;
  * then everything is torn down: the account is back at zero, the user destructors ran
  * once, a plugin unloads. record:TRACE records a pool to TRACE and finishes, then
- * destroys, the recording while threads allocate through it and mark. Run plainly, under valgrind and under the sanitizers by
- * tests/programs.rs. PHASES=hrdl (the default) picks the parts, for debugging one. */
+ * destroys, the recording while threads allocate through it and mark. Run plainly,
+ * under valgrind and under the sanitizers by tests/programs.rs. PHASES=hrdl (the
+ * default) picks the parts, for debugging one. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -459,12 +460,16 @@ static McStatus register_kind(MpAllocator *table) {
                          : strcmp(kind, "pooled") == 0 ? MC_CPU_POOLED
                          : world.is_virtual            ? MC_CPU_VIRTUAL
                                                        : MC_CPU_SHARED;
-    if (world.is_vtable) return mc_register_vtable(world.registry, world.governor, world.context, world.tenant, table, &world.mechanism);
+    if (world.is_vtable) {
+        return mc_register_vtable(world.registry, world.governor, world.context, world.tenant, table,
+                                  &world.mechanism);
+    }
     if (strcmp(kind, "system") != 0 && strcmp(kind, "pooled") != 0 && !world.is_virtual && !world.is_shared) {
         fprintf(stderr, "unknown kind %s; use system, pooled, virtual, shared, vtable or plugin:PATH\n", kind);
         exit(2);
     }
-    return mc_register_cpu_allocator(world.registry, world.governor, world.context, world.tenant, cpu, &world.mechanism);
+    return mc_register_cpu_allocator(world.registry, world.governor, world.context, world.tenant, cpu,
+                                     &world.mechanism);
 }
 
 /* The bytes charged to the tenant's account right now, from a snapshot; -1 when not found. */
