@@ -989,3 +989,57 @@ fn an_unfit_block_refused_back_under_another_block_is_kept_as_the_block_given() 
         "forget_lost was handed a block the registry never saw"
     );
 }
+
+#[test]
+fn a_queue_that_runs_drops_or_withdraws_accepted_releases_on_another_thread_settles_each_block_once() {
+    for round in 0..if cfg!(miri) { 1 } else { 20 } {
+        let registry = BindingRegistry::new();
+        let ledger = Ledger::new();
+        let (context, mechanism) = register(&registry, &ledger, DropPolicy::Quarantine);
+        let binding = registry.bind(GPU0).unwrap();
+        let queue = Arc::new(KeepingQueue(Mutex::new(Vec::new())));
+        const N: usize = 60;
+        let blocks: Vec<_> = (0..N).map(|_| binding.allocate(request(PAGE)).unwrap()).collect();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let runner = s.spawn(|| {
+                let mut done = 0usize;
+                loop {
+                    let next = queue.0.lock().unwrap().pop();
+                    let Some(release) = next else {
+                        if stop.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        std::thread::yield_now();
+                        continue;
+                    };
+                    match done % 3 {
+                        0 => drop(release.execute()),
+                        1 => drop(release),          // dropped unrun: abandoned
+                        _ => drop(release.cancel()), // withdrawn after it was accepted
+                    }
+                    done += 1;
+                }
+            });
+            for (i, block) in blocks.into_iter().enumerate() {
+                if i == N / 2 {
+                    registry.invalidate_device(GPU0, "lost mid-queue");
+                }
+                if let Err(rejected) = binding.release_deferred(block, &*queue) {
+                    assert!(matches!(rejected.reason, HandleError::DeviceLost { .. }), "{}", rejected.reason);
+                }
+            }
+            stop.store(true, Ordering::SeqCst);
+            runner.join().unwrap();
+        });
+        // Everything queued settled: nothing stays in flight, termination goes through.
+        registry.wait_terminated(&context, Duration::from_secs(10)).expect("a queued release stayed in flight");
+        let snapshot = registry.snapshot(&mechanism).unwrap();
+        assert_eq!((snapshot.live_allocations, snapshot.in_flight), (0, 0), "round {round}");
+        let released = ledger.released.load(Ordering::SeqCst);
+        let forgotten = ledger.forgotten.lock().unwrap().len();
+        assert_eq!(ledger.unknown_releases.load(Ordering::SeqCst), 0, "round {round}: a block was settled twice");
+        assert_eq!(released + forgotten, N, "round {round}");
+        assert_eq!(ledger.live(), 0, "round {round}: a block reached neither release nor forget_lost");
+    }
+}
