@@ -266,7 +266,8 @@ impl MechanismCore {
     /// Unrecorded blocks and their bytes.
     pub(crate) fn unrecorded(&self) -> (usize, usize) {
         let blocks = lock(&self.unrecorded);
-        (blocks.len(), blocks.iter().map(RawAllocation::bytes).sum())
+        // Sizes are the allocator's word: saturate rather than overflow.
+        (blocks.len(), blocks.iter().map(RawAllocation::bytes).fold(0, usize::saturating_add))
     }
 
     /// Calls `f` on every quarantined block (snapshots, lookups).
@@ -676,7 +677,8 @@ impl MechanismPin {
                 let again = record.state.load(Ordering::Relaxed);
                 if again & !IN_TRANSIT == state {
                     census.live += 1;
-                    census.live_bytes += bytes;
+                    // Sizes are the allocator's word: saturate rather than overflow.
+                    census.live_bytes = census.live_bytes.saturating_add(bytes);
                     break;
                 }
                 state = again;

@@ -630,7 +630,9 @@ impl BindingRegistry {
             let mut lost: Vec<RawAllocation> = mechanism.pins().flat_map(|pin| pin.collect_lost()).collect();
             lost.extend(mechanism.core.take_unrecorded());
             report.lost_allocations += lost.len();
-            report.lost_bytes += lost.iter().map(RawAllocation::bytes).sum::<usize>();
+            // Sizes are the allocator's word: saturate rather than overflow.
+            let bytes = lost.iter().map(RawAllocation::bytes).fold(0, usize::saturating_add);
+            report.lost_bytes = report.lost_bytes.saturating_add(bytes);
             let quarantine = mechanism.core.take_quarantine();
             report.discharged_quarantine += quarantine.len();
             lost.extend(quarantine.into_iter().map(|q| q.allocation));
@@ -712,7 +714,7 @@ impl BindingRegistry {
                 ReleaseOutcome::Quarantined(q) if q.allocation().same_block(&entry.allocation) => {
                     // Never more unmapped than the block minus what it still holds.
                     let ceiling = entry.allocation.bytes().saturating_sub(q.residual_bytes());
-                    entry.unmapped_bytes = (entry.unmapped_bytes + q.unmapped_bytes()).min(ceiling);
+                    entry.unmapped_bytes = entry.unmapped_bytes.saturating_add(q.unmapped_bytes()).min(ceiling);
                     entry.residual_bytes = q.residual_bytes();
                     // The registry's copy stays (an answer's tag is not believed).
                     entry.error = q.into_parts().1;

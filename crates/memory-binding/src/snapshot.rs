@@ -114,7 +114,7 @@ pub struct MechanismSnapshot {
 impl MechanismSnapshot {
     /// Bytes still owned by quarantined blocks.
     pub fn quarantined_bytes(&self) -> usize {
-        self.quarantined.iter().map(|q| q.residual_bytes).sum()
+        self.quarantined.iter().map(|q| q.residual_bytes).fold(0, usize::saturating_add)
     }
 }
 

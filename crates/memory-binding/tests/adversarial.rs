@@ -1043,3 +1043,52 @@ fn a_queue_that_runs_drops_or_withdraws_accepted_releases_on_another_thread_sett
         assert_eq!(ledger.live(), 0, "round {round}: a block reached neither release nor forget_lost");
     }
 }
+
+/// Answers every request with a block of half the address space (at least the size
+/// asked, so it fits), and forgets what it is handed.
+struct Enormous(AtomicU64, Mutex<Vec<usize>>);
+
+impl DeviceAllocator for Enormous {
+    fn device(&self) -> DeviceKey {
+        GPU0
+    }
+    fn name(&self) -> &str {
+        "enormous"
+    }
+    fn allocate(&self, request: &AllocationRequest) -> Result<RawAllocation, AllocError> {
+        let address = self.0.fetch_add(1 << 20, Ordering::SeqCst);
+        let bytes = usize::MAX / 2 + PAGE;
+        Ok(RawAllocation::new(DeviceAddress::new(address).unwrap(), bytes, request.align(), GPU0, 0))
+    }
+    fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {
+        ReleaseOutcome::complete(allocation.bytes())
+    }
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        self.1.lock().unwrap().extend(lost.iter().map(RawAllocation::bytes));
+    }
+}
+
+#[test]
+fn block_sizes_that_sum_past_the_address_space_saturate_the_figures_instead_of_panicking() {
+    let registry = BindingRegistry::new();
+    let enormous = Arc::new(Enormous(AtomicU64::new(1 << 32), Mutex::default()));
+    let context = registry.register_provider_context(GPU0, Arc::new("context")).unwrap();
+    let authority = registry.register_authority(GPU0, Arc::new("authority")).unwrap();
+    let options = MechanismOptions::default().with_drop_policy(DropPolicy::Quarantine);
+    let mechanism = registry.register_allocator_with(&context, &authority, enormous.clone(), options).unwrap();
+    let binding = registry.bind(GPU0).unwrap();
+    let blocks: Vec<_> = (0..3).map(|_| binding.allocate(request(PAGE)).unwrap()).collect();
+    let snapshot = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| registry.snapshot(&mechanism)))
+        .expect("a snapshot panicked on the sizes an allocator reported")
+        .unwrap();
+    assert_eq!((snapshot.live_allocations, snapshot.live_bytes), (3, usize::MAX));
+    assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| registry.snapshots())).is_ok());
+    registry.invalidate_device(GPU0, "lost");
+    let report =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| registry.confirm_context_terminated(&context)))
+            .expect("termination panicked on the sizes an allocator reported")
+            .unwrap();
+    assert_eq!((report.lost_allocations, report.lost_bytes), (3, usize::MAX));
+    assert_eq!(enormous.1.lock().unwrap().len(), 3, "forget_lost was not handed every lost block");
+    drop(blocks);
+}
