@@ -31,7 +31,9 @@
 //! ([`HostTally`]) and the plugin's own tally ([`PluginTally`]) is empty; otherwise it
 //! returns [`UnloadRefused`] with both tallies and the library, still loaded. Dropping a
 //! [`PluginLibrary`] gives up only that handle: the code is unmapped when the last pin
-//! goes, and never while the plugin's tally says it still holds something.
+//! goes, and never while the plugin's tally says it still holds something (the tally is
+//! the library's, over every load of it: while another load of the same library lives,
+//! a dropped load closes its own reference, and that load keeps the code mapped).
 //!
 //! A block the host keeps as *suspect* (below) keeps its instance: the plugin may still
 //! own it, so the instance is not destroyed, nor its library unmapped, until a suspect

@@ -6,6 +6,7 @@
     reason = "loom models only the block records (src/records.rs, all from memory-sync); the locks and counters here keep the loader's own bookkeeping outside every model"
 )]
 
+use std::collections::BTreeMap;
 use std::ffi::{CString, c_char, c_void};
 use std::fmt;
 use std::mem::ManuallyDrop;
@@ -70,6 +71,9 @@ pub struct PluginLibrary {
 
 pub(crate) struct LoadedLibrary {
     path: String,
+    /// Which mapping this load is (the entry point's address: loads of one library share
+    /// one mapping, which the dynamic loader counts), for [`LOADS`].
+    mapping: usize,
     /// NUL-terminated copy of `path`: the `host_data` of every instance's log lines.
     log_label: CString,
     entry: MpEntryFn,
@@ -79,6 +83,16 @@ pub(crate) struct LoadedLibrary {
     tally: Option<MpTallyFn>,
     instances: Mutex<Vec<Weak<Instance>>>,
     library: ManuallyDrop<libloading::Library>,
+}
+
+/// How many live loads each mapping has ([`LoadedLibrary::mapping`]). The plugin's tally
+/// is the library's, over every load of it in the process: a load dropped while another
+/// lives closes its own reference whatever the tally says (the other load keeps the code
+/// mapped); only the last one keeps the mapping when the plugin still holds something.
+static LOADS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+fn loads() -> MutexGuard<'static, BTreeMap<usize, usize>> {
+    LOADS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl LoadedLibrary {
@@ -103,9 +117,24 @@ impl LoadedLibrary {
 
 impl Drop for LoadedLibrary {
     fn drop(&mut self) {
+        let other_loads = {
+            let mut loads = loads();
+            let left = loads.get_mut(&self.mapping).map_or(0, |count| {
+                *count = count.saturating_sub(1);
+                *count
+            });
+            if left == 0 {
+                loads.remove(&self.mapping);
+            }
+            left
+        };
         // Nothing of ours uses the library any more. If the plugin disagrees (threads
-        // or objects it still owns), keep it mapped rather than pull code from under it.
-        if let Some(tally) = self.plugin_tally().filter(|tally| !tally.is_empty()) {
+        // or objects it still owns), keep it mapped rather than pull code from under it,
+        // unless another load of it lives: that one keeps the code mapped (the dynamic
+        // loader counts the loads), and what the plugin holds may well be its.
+        if other_loads == 0
+            && let Some(tally) = self.plugin_tally().filter(|tally| !tally.is_empty())
+        {
             tracing::warn!(plugin = %self.path, %tally, "plugin still holds objects; its library stays mapped");
             // Its instances may still log with our label as `host_data`: keep it too.
             std::mem::forget(std::mem::take(&mut self.log_label));
@@ -178,10 +207,13 @@ impl PluginLibrary {
         // SAFETY: as above, for the optional tally.
         let tally = unsafe { library.get::<MpTallyFn>(MP_TALLY_SYMBOL.as_bytes()) }.ok().map(|symbol| *symbol);
         let log_label = CString::new(path.replace('\0', "?")).unwrap_or_default();
+        let mapping = entry as usize;
+        *loads().entry(mapping).or_insert(0) += 1;
         tracing::info!(plugin = %path, tally = tally.is_some(), "plugin library loaded");
         Ok(PluginLibrary {
             shared: Arc::new(LoadedLibrary {
                 path,
+                mapping,
                 log_label,
                 entry,
                 entry_lock: Mutex::new(()),

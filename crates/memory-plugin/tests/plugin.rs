@@ -422,6 +422,30 @@ fn dropping_the_library_handle_keeps_the_code_mapped_until_the_last_pin_goes() {
     assert!(!is_mapped(&path));
 }
 
+/// One library loaded twice (two handles, one mapping: the dynamic loader counts the
+/// loads): a handle dropped while an instance made through the other lives must not keep
+/// the library mapped for good. The plugin's tally (library-wide) still shows that
+/// instance, but it is the other load's, and that load keeps the code mapped.
+#[test]
+fn a_library_loaded_twice_unmaps_once_both_handles_and_their_instances_are_gone() {
+    let (first, path) = load("twice");
+    // SAFETY: the example plugin is built from this crate's own C source.
+    let second = unsafe { PluginLibrary::load(&path) }.expect("the same library loads again");
+    let allocator = instance(&first, "").unwrap();
+    // The second handle made nothing: its unload is refused only by the plugin's
+    // library-wide tally, which counts the first load's instance.
+    let refused = second.unload().unwrap_err();
+    assert!(refused.host.is_empty(), "{}", refused.host);
+    assert_eq!(refused.plugin.unwrap().instances, 1);
+    drop(refused);
+    let block = allocator.allocate(&request(256)).unwrap();
+    assert!(allocator.release(block).is_complete());
+    drop(allocator);
+    assert!(is_mapped(&path), "the first handle still holds it");
+    first.unload().unwrap();
+    assert!(!is_mapped(&path), "both loads are gone: the library is unmapped");
+}
+
 #[test]
 fn the_plugins_own_tally_refuses_unload_when_the_host_holds_nothing() {
     let (library, path) = load("plugin-side");
