@@ -55,7 +55,12 @@ pub(crate) unsafe fn negotiate(
     origin: InstanceOrigin,
 ) -> Result<Negotiated, PluginError> {
     if table.is_null() || !table.is_aligned() {
-        return Err(PluginError::BadTable { plugin: label.to_owned(), found: format!("{table:p}") });
+        let found = if table.is_null() {
+            "a null table".to_owned()
+        } else {
+            format!("{table:p}, which is not aligned to the {} bytes an MpAllocator needs,", align_of::<MpAllocator>())
+        };
+        return Err(PluginError::BadTable { plugin: label.to_owned(), found });
     }
     // SAFETY: non-null and aligned (checked); the caller guarantees a readable header.
     let header: MpHeader = unsafe { table.cast::<MpHeader>().read() };

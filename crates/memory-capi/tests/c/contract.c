@@ -475,6 +475,14 @@ static void every_refusal_speaks_c(void) {
     MpHeader wrong_major = {(uint32_t)sizeof(MpAllocator), MP_ABI_MAJOR + 1, 0};
     table.header = wrong_major;
     EXPECT(mc_register_vtable(registry, NULL, context, tenant, &table, &refused), MC_ERR_PLUGIN);
+    /* A table at a misaligned address (inside a packed buffer) is refused, and the
+     * message says why. */
+    _Alignas(8) unsigned char packed[sizeof(MpAllocator) + 8];
+    memset(packed, 0, sizeof packed);
+    EXPECT(mc_register_vtable(registry, NULL, context, tenant, (const MpAllocator *)(void *)(packed + 4), &refused),
+           MC_ERR_PLUGIN);
+    SAYS("is not aligned to the 8 bytes an MpAllocator needs");
+    TRUE(refused == NULL);
     /* Misaligned out-pointers are refused before anything happens. */
     _Alignas(8) unsigned char bytes[16];
     EXPECT(mc_allocation_info(block, (McAllocationInfo *)(void *)(bytes + 1)), MC_ERR_INVALID_ARGUMENT);
