@@ -149,7 +149,8 @@ typedef struct McPluginTallies {
   uint64_t host_suspect_blocks;
   // Other pins of the library.
   uint64_t host_other_pins;
-  // 1 if the plugin exports a tally (then `plugin` holds it).
+  // 1 if the plugin exports a tally (then `plugin` holds it; `plugin.instances` is
+  // `UINT64_MAX`, the rest 0, when its `mp_plugin_tally` failed: treated as busy).
   uint32_t plugin_reported;
   // Zero.
   uint32_t reserved;

@@ -253,7 +253,8 @@ pub struct McPluginTallies {
     pub host_suspect_blocks: u64,
     /// Other pins of the library.
     pub host_other_pins: u64,
-    /// 1 if the plugin exports a tally (then `plugin` holds it).
+    /// 1 if the plugin exports a tally (then `plugin` holds it; `plugin.instances` is
+    /// `UINT64_MAX`, the rest 0, when its `mp_plugin_tally` failed: treated as busy).
     pub plugin_reported: u32,
     /// Zero.
     pub reserved: u32,

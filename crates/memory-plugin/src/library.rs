@@ -109,7 +109,7 @@ impl LoadedLibrary {
         if status != MP_OK {
             tracing::warn!(plugin = %self.path, status = %StatusCode(status), "mp_plugin_tally failed; treating the plugin as busy");
             // An answer we cannot read is not "nothing held".
-            return Some(PluginTally { instances: u64::MAX, ..PluginTally::default() });
+            return Some(PluginTally::UNREADABLE);
         }
         Some(out.into())
     }

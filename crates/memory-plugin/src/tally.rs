@@ -88,9 +88,20 @@ pub struct PluginTally {
 }
 
 impl PluginTally {
+    /// What the host reads when `mp_plugin_tally` fails: not empty (a tally it cannot
+    /// read is not "nothing held", so the unload is refused), `u64::MAX` instances.
+    pub const UNREADABLE: PluginTally =
+        PluginTally { instances: u64::MAX, allocations: 0, bytes: 0, backings: 0, deferred: 0 };
+
     /// Whether the plugin holds nothing.
     pub fn is_empty(&self) -> bool {
         *self == PluginTally::default()
+    }
+
+    /// Whether this is no answer of the plugin's but [`PluginTally::UNREADABLE`]: its
+    /// `mp_plugin_tally` failed.
+    pub fn is_unreadable(&self) -> bool {
+        *self == PluginTally::UNREADABLE
     }
 }
 
@@ -108,6 +119,12 @@ impl From<MpTally> for PluginTally {
 
 impl fmt::Display for PluginTally {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_unreadable() {
+            return f.write_str(
+                "no readable tally (mp_plugin_tally failed, so the plugin is treated as still holding something; the \
+                 library stays loaded until its tally answers)",
+            );
+        }
         write!(
             f,
             "{} instance(s), {} allocation(s) of {} bytes, {} backing(s), {} deferred release(s)",

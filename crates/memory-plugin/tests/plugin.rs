@@ -446,6 +446,27 @@ fn a_library_loaded_twice_unmaps_once_both_handles_and_their_instances_are_gone(
     assert!(!is_mapped(&path), "both loads are gone: the library is unmapped");
 }
 
+/// A plugin whose `mp_plugin_tally` fails cannot say it holds nothing: the unload is
+/// refused, and the message says the tally failed instead of counting
+/// 18446744073709551615 instances.
+#[test]
+fn a_tally_that_fails_refuses_the_unload_and_the_message_says_so() {
+    let (library, path) = load("tally-fails");
+    drop(instance(&library, "tally_fails=1").unwrap());
+    let tally = library.plugin_tally().expect("the library exports a tally");
+    assert!(!tally.is_empty(), "an unreadable tally is not an empty one");
+    let refused = library.unload().unwrap_err();
+    let message = refused.to_string();
+    assert!(message.contains("mp_plugin_tally failed"), "{message}");
+    assert!(!message.contains("18446744073709551615"), "{message}");
+    assert_c_readable(&message);
+    // Readable again: it unloads.
+    let library = refused.library;
+    drop(instance(&library, "tally_fails=0").unwrap());
+    library.unload().unwrap();
+    assert!(!is_mapped(&path));
+}
+
 #[test]
 fn the_plugins_own_tally_refuses_unload_when_the_host_holds_nothing() {
     let (library, path) = load("plugin-side");

@@ -642,8 +642,15 @@ static void plugin_destroy(void *instance) {
     free(self);
 }
 
+/* tally_fails=1 (in any instance's configuration) makes mp_plugin_tally fail until an
+ * instance is configured with tally_fails=0: the library-wide tally cannot be read. */
+static atomic_int tally_fails;
+
 #ifndef EXAMPLE_NO_TALLY
 MpStatus mp_plugin_tally(MpTally *out) {
+    if (atomic_load(&tally_fails)) {
+        return MP_ERR_BACKEND;
+    }
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&instances_lock);
     out->instances = live_instances;
@@ -726,6 +733,9 @@ MpStatus mp_plugin_entry(const MpHost *host, const MpAllocator **out) {
     self->fault_at = (unsigned)config_number(config, "at", 1);
     self->unknown_status = (MpStatus)config_number(config, "status", 77);
     self->keep = (int)config_number(config, "keep", 0);
+    if (config_number(config, "tally_fails", 2) != 2) {
+        atomic_store(&tally_fails, (int)config_number(config, "tally_fails", 0));
+    }
     if (!config_value(config, "fault", self->fault, sizeof self->fault)) {
         self->fault[0] = '\0';
     }
