@@ -132,8 +132,9 @@ pub enum Policy {
     Release,
     /// Quarantine the whole block, call nothing.
     Quarantine,
-    /// Hand the release to the queue of device index `usize` (a queue of another
-    /// device, or a full one, refuses: the block is quarantined as abandoned).
+    /// Hand the release to the queue of device index `usize` (registration refuses a
+    /// queue of another device; a full one refuses: the block is quarantined as
+    /// abandoned).
     Defer(usize),
 }
 
@@ -598,6 +599,11 @@ impl Model {
         if device != context.device {
             return Out::Registry(Reg::DeviceMismatch("allocator"));
         }
+        if let Some(Policy::Defer(queue)) = policy
+            && self.devices[queue] != device
+        {
+            return Out::Registry(Reg::DeviceMismatch("drop policy's deferred-release queue"));
+        }
         self.mechanisms.push(Mechanism {
             context: c,
             authority: a,
@@ -843,7 +849,8 @@ impl Model {
             }
             Policy::Quarantine => self.quarantine_whole(allocation, Reason::Abandoned),
             Policy::Defer(queue) => {
-                if self.devices[queue] != m.device || self.queues[queue].len() >= self.queue_capacity {
+                // Registration refused a queue of another device: only a full one refuses.
+                if self.queues[queue].len() >= self.queue_capacity {
                     self.quarantine_whole(allocation, Reason::Abandoned);
                 } else {
                     self.queues[queue].push(allocation);

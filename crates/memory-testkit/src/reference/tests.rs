@@ -58,7 +58,7 @@ fn releases_and_quarantine_keep_the_books_balanced() {
 }
 
 #[test]
-fn a_drop_deferred_to_another_device_or_a_full_queue_is_abandoned() {
+fn a_drop_deferred_to_a_full_queue_is_abandoned_and_a_queue_of_another_device_is_refused() {
     let mut model = one_mechanism(GPU, Some(Policy::Defer(1)));
     model.allocate(0, 64);
     model.allocate(0, 64);
@@ -66,12 +66,16 @@ fn a_drop_deferred_to_another_device_or_a_full_queue_is_abandoned() {
     model.drop_handle(1);
     assert_eq!(model.allocations[0].place, Place::Queued(1));
     assert!(matches!(model.allocations[1].place, Place::Quarantined { reason: Reason::Abandoned, .. }), "full");
-    let mut other = one_mechanism(GPU, Some(Policy::Defer(0)));
-    other.allocate(0, 64);
-    other.drop_handle(0);
-    assert!(matches!(other.allocations[0].place, Place::Quarantined { reason: Reason::Abandoned, .. }));
     model.check_conservation();
-    other.check_conservation();
+    // A queue of the host for a GPU mechanism: refused at registration, nothing made.
+    let mut other = Model::new(&[HOST, GPU], 1);
+    other.register_context(GPU);
+    other.register_authority(GPU);
+    assert_eq!(
+        other.register_allocator(Ref::Ours(0), Ref::Ours(0), GPU, Some(Policy::Defer(0))),
+        Out::Registry(Reg::DeviceMismatch("drop policy's deferred-release queue"))
+    );
+    assert!(other.mechanisms.is_empty());
 }
 
 #[test]
