@@ -141,7 +141,8 @@ fn a_member_under_pressure_gets_what_another_holds_idle() {
 
 #[test]
 fn a_slot_with_a_live_pid_but_another_start_time_is_refunded_and_the_true_one_is_not() {
-    let books = NodeBooks::open(fresh_config("reuse")).unwrap();
+    // No periodic scan (see the mid-grant test): only the refund_dead below refunds.
+    let books = NodeBooks::open(fresh_config("reuse").with_refund_interval(Duration::from_secs(3600))).unwrap();
     let path = books.path().to_owned();
     let _cleanup = Cleanup(path.clone());
     books.set_device_limit(GPU, 16 * MIB).unwrap();
@@ -172,7 +173,11 @@ fn a_slot_with_a_live_pid_but_another_start_time_is_refunded_and_the_true_one_is
 
 #[test]
 fn a_process_dead_mid_grant_leaves_snapshots_inconsistent_until_it_is_refunded() {
-    let books = NodeBooks::open(fresh_config("midgrant")).unwrap();
+    // No periodic scan: the member's timer would refund the forged slot on its own
+    // (every 50 ms in the tests' config), and on a loaded machine it did so before the
+    // first snapshot. Only the refusal below may refund it.
+    let config = fresh_config("midgrant").with_refund_interval(Duration::from_secs(3600));
+    let books = NodeBooks::open(config).unwrap();
     let path = books.path().to_owned();
     let _cleanup = Cleanup(path.clone());
     books.set_device_limit(GPU, 16 * MIB).unwrap();
