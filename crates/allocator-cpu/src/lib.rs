@@ -86,6 +86,7 @@
 // handed out, in memory-sync's record table) and `stats` (the counters both keep);
 // `table` holds the slabs of the segments and the per-thread shards the address-space
 // allocators validate a release against.
+mod lost;
 mod pooled;
 mod queue;
 mod system;

@@ -158,6 +158,11 @@ impl DeviceAllocator for SharedHostAllocator {
     fn stats(&self) -> Option<AllocatorStats> {
         Some(self.table.stats())
     }
+
+    /// Host memory: released here, as nothing else ever frees it (see `lost.rs`).
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        crate::lost::release_lost(self, lost);
+    }
 }
 
 impl SharedMapping for SharedHostAllocator {

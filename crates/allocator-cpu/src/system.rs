@@ -258,6 +258,11 @@ impl DeviceAllocator for SystemAllocator {
         ReleaseOutcome::complete(bytes)
     }
 
+    /// Host memory: released here, as nothing else ever frees it (see `lost.rs`).
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        crate::lost::release_lost(self, lost);
+    }
+
     fn stats(&self) -> Option<AllocatorStats> {
         let mut stats = AllocatorStats::default();
         let sum = |into: &mut u64, counter: &AtomicU64| *into = into.wrapping_add(counter.load(Ordering::Relaxed));

@@ -144,6 +144,11 @@ impl DeviceAllocator for VirtualHostAllocator {
     fn stats(&self) -> Option<AllocatorStats> {
         Some(self.table.stats())
     }
+
+    /// Host memory: released here, as nothing else ever frees it (see `lost.rs`).
+    fn forget_lost(&self, lost: Vec<RawAllocation>) {
+        crate::lost::release_lost(self, lost);
+    }
 }
 
 impl VirtualBacking for VirtualHostAllocator {

@@ -225,9 +225,12 @@ pub trait DeviceAllocator: Send + Sync {
     }
 
     /// Hands back blocks that were lost with their device, once the registry has
-    /// confirmed their provider context terminated. The memory is already gone with
-    /// the context: the allocator must not free it, only drop its own books (a
-    /// governed allocator refunds the charge here). The default just drops them.
+    /// confirmed their provider context terminated (no callback in flight, every
+    /// handle refused). On a real device the memory is already gone with the context:
+    /// the allocator must not free it through the device, only drop its own books (a
+    /// governed allocator refunds the charge here). An allocator of host memory (a
+    /// host-backed simulated device) releases the blocks here instead, as nothing else
+    /// ever frees them. The default just drops them.
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
         drop(lost);
     }

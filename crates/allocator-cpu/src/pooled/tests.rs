@@ -1057,7 +1057,8 @@ mod model {
             prop_assert_eq!(pool.held_bytes(), pool.inner().live());
             let recorder = faulty.inner();
             let left = recorder.inner().stats().unwrap().live_allocations;
-            prop_assert_eq!(left, recorder.forgotten_blocks(), "inner blocks left: {}", left);
+            // The lost ones too: host memory, released by the system allocator's forget_lost.
+            prop_assert_eq!(left, 0, "inner blocks left ({} forgotten)", recorder.forgotten_blocks());
         }
     }
 }
