@@ -11,9 +11,9 @@
  *   - destroyed under load: threads allocate and release through one binding while the
  *     main thread destroys it; every call is MC_OK or stale, and the blocks each thread
  *     still holds are released by their handles alone;
- *   - device loss with live handles on threads (the vtable and the plugin, which free
- *     forgotten blocks in forget_lost): every release is MC_ERR_DEVICE_LOST and leaves
- *     the handle valid; after mc_confirm_terminated the handles are dropped;
+ *   - device loss with live handles on threads (every kind: each frees the lost blocks
+ *     in forget_lost): every release is MC_ERR_DEVICE_LOST and leaves the handle valid;
+ *     after mc_confirm_terminated the handles are dropped;
  * then everything is torn down: the account is back at zero, the user destructors ran
  * once, a plugin unloads. record:TRACE records a pool to TRACE and finishes, then
  * destroys, the recording while threads allocate through it and mark. Run plainly,
@@ -533,10 +533,10 @@ static void run_kind(const char *kind) {
     if (strchr(phases, 'd')) destroyed_under_load();
     TRUE(account_used() == 0);
     OK(mc_queue_destroy(world.queue));
-    /* A lost device's blocks are only forgotten (their memory went with the context):
-     * the built-in CPU allocators' host memory is never freed then, which valgrind would
-     * rightly report. The vtable and the plugin free theirs in forget_lost. */
-    int lose = strchr(phases, 'l') != NULL && (world.is_vtable || world.is_plugin);
+    /* A lost device's blocks are handed to forget_lost at termination: the built-in CPU
+     * allocators release their host memory there, the vtable and the plugin free theirs
+     * (valgrind checks that nothing is left). */
+    int lose = strchr(phases, 'l') != NULL;
     if (lose) device_lost_with_live_handles();
 
     /* Teardown in order; the user destructors run exactly once. */
