@@ -256,25 +256,12 @@ fn a_holder_that_releases_governed_blocks_through_the_registry_makes_room_and_th
     }
 }
 
-struct Panicking;
-impl ReclaimHolder for Panicking {
-    fn name(&self) -> &str {
-        "panicking holder"
-    }
-    fn reclaimable(&self, _device: DeviceKey) -> u64 {
-        1
-    }
-    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
-        panic!("holder exploded inside reclaim")
-    }
-}
-
 #[test]
 fn a_holder_that_panics_leaves_nothing_charged_and_the_thread_reclaims_again() {
     let g = governed(Arc::new(HostHeap::on_device(DEV)), 64 * MIB, MIB, 0);
     g.governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
     let held = g.account.lease_owned(MemoryRole::Weights, 900 * KIB).unwrap();
-    let id = g.governor.register_holder(DEV, 0, Arc::new(Panicking));
+    let id = g.governor.register_holder(DEV, 0, Arc::new(PanickingHolder("holder exploded inside reclaim")));
     let before = g.account.snapshot().current;
     assert!(catch_unwind(AssertUnwindSafe(|| g.account.lease(MemoryRole::KvCache, 512 * KIB).map(drop))).is_err());
     assert!(

@@ -408,29 +408,12 @@ fn a_governed_pool_over_a_cache_backing_books_its_cache_and_trims_it_on_the_ladd
     assert!(governed.release(big).is_complete());
 }
 
-/// A holder that panics inside its reclaim.
-struct PanickingHolder;
-
-impl ReclaimHolder for PanickingHolder {
-    fn name(&self) -> &str {
-        "panicking"
-    }
-
-    fn reclaimable(&self, _device: DeviceKey) -> u64 {
-        1
-    }
-
-    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
-        panic!("holder exploded on the ladder")
-    }
-}
-
 #[test]
 fn a_holder_panicking_on_the_growth_checks_ladder_leaves_no_block_or_charge_behind() {
     let (t, direct, held) = cache_beside_direct(300 * KIB);
     let first = t.governed.allocate(&request(100 * KIB)).unwrap();
     t.cache.pinned.store(true, Ordering::Relaxed);
-    t.governor.register_holder(DEV, 0, Arc::new(PanickingHolder));
+    t.governor.register_holder(DEV, 0, Arc::new(PanickingHolder("holder exploded on the ladder")));
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.governed.allocate(&request(100 * KIB))));
     assert!(outcome.is_err(), "the holder's panic propagates");
     let d = device(&t.governor);

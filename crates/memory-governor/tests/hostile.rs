@@ -767,27 +767,11 @@ fn a_capability_the_inner_allocator_lost_is_reported_unsupported() {
     assert_eq!(account.used(), 0);
 }
 
-struct PanickingHolder;
-
-impl ReclaimHolder for PanickingHolder {
-    fn name(&self) -> &str {
-        "panicking"
-    }
-
-    fn reclaimable(&self, _device: DeviceKey) -> u64 {
-        1
-    }
-
-    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
-        panic!("holder exploded while an oversized block was charged")
-    }
-}
-
 #[test]
 fn a_holder_panicking_while_an_oversized_block_is_charged_gives_the_block_and_its_charge_back() {
     let (governor, account) = one_account(DEV, 2000, u64::MAX, 0);
     governor.set_policy(DEV, Arc::new(ReclaimThenFail)).unwrap();
-    governor.register_holder(DEV, 0, Arc::new(PanickingHolder));
+    governor.register_holder(DEV, 0, Arc::new(PanickingHolder("holder exploded while an oversized block was charged")));
     let liar = Liar::new();
     let governed = GovernedAllocator::new(Arc::clone(&liar) as Arc<dyn DeviceAllocator>, account.clone()).unwrap();
     liar.hand_out_next(4096);

@@ -74,3 +74,21 @@ impl ReclaimHolder for LeaseHolder {
         freed
     }
 }
+
+/// A reclaim holder that panics inside its reclaim, with this message (it says which
+/// test's path it exploded on); it reports one reclaimable byte so it is asked.
+pub struct PanickingHolder(pub &'static str);
+
+impl ReclaimHolder for PanickingHolder {
+    fn name(&self) -> &str {
+        "panicking"
+    }
+
+    fn reclaimable(&self, _device: DeviceKey) -> u64 {
+        1
+    }
+
+    fn reclaim(&self, _request: &ReclaimRequest) -> u64 {
+        panic!("{}", self.0)
+    }
+}
