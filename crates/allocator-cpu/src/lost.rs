@@ -75,7 +75,6 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn the_address_space_allocators_release_lost_reservations() {
-        use memory_api::VirtualBacking;
         let arena = crate::VirtualHostAllocator::new();
         let reservation = arena.allocate(&AllocationRequest::new(1 << 20, 4096).unwrap()).unwrap();
         let backing = arena.virtual_backing().expect("virtual");
