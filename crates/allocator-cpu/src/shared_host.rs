@@ -189,7 +189,7 @@ impl SharedMapping for SharedHostAllocator {
         let target = placement.target;
         let (start, end) = self.table.pages(allocation, target)?;
         let source = ByteRange::new(placement.backing_offset, target.len());
-        source.check_within(resource.bytes)?;
+        source.check_within_backing(resource.bytes)?;
         source.check_aligned(self.table.page)?;
         if start == end {
             return Ok(());

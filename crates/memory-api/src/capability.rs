@@ -59,6 +59,19 @@ impl ByteRange {
         }
     }
 
+    /// Checks that the range, the source of a mapping, lies inside a shared backing of
+    /// `backing_bytes`.
+    ///
+    /// # Errors
+    /// [`CapabilityError::BackingOutOfBounds`] otherwise (overflow included).
+    #[inline]
+    pub fn check_within_backing(&self, backing_bytes: usize) -> Result<(), CapabilityError> {
+        match self.checked_end() {
+            Some(end) if end <= backing_bytes => Ok(()),
+            _ => Err(CapabilityError::BackingOutOfBounds { offset: self.offset, len: self.len, backing_bytes }),
+        }
+    }
+
     /// Checks that offset and length are multiples of `granularity`.
     ///
     /// # Errors
@@ -225,6 +238,15 @@ mod tests {
             Err(CapabilityError::OutOfBounds { .. })
         ));
         assert!(ByteRange::new(8192, 4096).check_aligned(4096).is_ok());
+        assert_eq!(ByteRange::new(4096, 4096).check_within_backing(8192), Ok(()));
+        assert_eq!(
+            ByteRange::new(4096, 8192).check_within_backing(8192),
+            Err(CapabilityError::BackingOutOfBounds { offset: 4096, len: 8192, backing_bytes: 8192 })
+        );
+        assert!(matches!(
+            ByteRange::new(usize::MAX, 2).check_within_backing(usize::MAX),
+            Err(CapabilityError::BackingOutOfBounds { .. })
+        ));
         assert!(matches!(ByteRange::new(100, 4096).check_aligned(4096), Err(CapabilityError::Misaligned { .. })));
         assert!(matches!(ByteRange::new(0, 100).check_aligned(4096), Err(CapabilityError::Misaligned { .. })));
         assert!(ByteRange::new(0, 0).check_aligned(0).is_err());

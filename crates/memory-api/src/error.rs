@@ -200,6 +200,19 @@ pub enum CapabilityError {
         /// Size of the allocation.
         allocation_bytes: usize,
     },
+    /// A mapping's source range does not lie inside its shared backing.
+    #[error(
+        "backing range at offset {offset} of {len} bytes lies outside the {backing_bytes}-byte shared backing; \
+         keep backing_offset + len within the backing (or create a larger one)"
+    )]
+    BackingOutOfBounds {
+        /// Start of the range in the backing (the placement's `backing_offset`).
+        offset: usize,
+        /// Length of the range (the placement's target length).
+        len: usize,
+        /// Size of the backing.
+        backing_bytes: usize,
+    },
     /// The range is not aligned to the capability's granularity.
     #[error(
         "range at offset {offset} of {len} bytes is not aligned to the {granularity}-byte granularity; \
@@ -326,6 +339,9 @@ mod tests {
     fn capability_messages_name_range_and_limit() {
         let text = CapabilityError::OutOfBounds { offset: 4096, len: 8192, allocation_bytes: 8192 }.to_string();
         assert!(text.contains("offset 4096") && text.contains("8192-byte allocation"), "{text}");
+        let text = CapabilityError::BackingOutOfBounds { offset: 8192, len: 8192, backing_bytes: 12288 }.to_string();
+        assert!(text.contains("offset 8192") && text.contains("12288-byte shared backing"), "{text}");
+        assert!(text.contains("backing_offset + len"), "says what to change: {text}");
         let text = CapabilityError::Misaligned { offset: 1, len: 2, granularity: 4096 }.to_string();
         assert!(text.contains("4096-byte granularity") && text.contains("round"), "{text}");
     }

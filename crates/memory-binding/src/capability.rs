@@ -265,7 +265,7 @@ impl BoundSharedMapping {
             .into());
         }
         let source = ByteRange::new(placement.backing_offset, placement.target.len());
-        source.check_within(backing.bytes())?;
+        source.check_within_backing(backing.bytes())?;
         // The lifecycle before the granularity is asked (the call below checks it again,
         // nested): on a lost device nothing is asked.
         let core = self.binding.core();

@@ -142,9 +142,19 @@ fn capability_ranges_are_checked_before_the_capability_runs() {
     let backing = shared.create_backing(2 * PAGE).unwrap();
     let beyond_backing = SharedPlacement { target: ByteRange::new(0, 2 * PAGE), backing_offset: PAGE };
     let err = shared.map(&backing, &block, beyond_backing, MappingAccess::ReadWrite).unwrap_err();
-    assert!(matches!(err, BoundCapabilityError::Capability(CapabilityError::OutOfBounds { .. })));
+    assert!(
+        matches!(
+            err,
+            BoundCapabilityError::Capability(CapabilityError::BackingOutOfBounds { offset: PAGE, len, backing_bytes })
+                if len == 2 * PAGE && backing_bytes == 2 * PAGE
+        ),
+        "the backing's range, named as the backing's: {err}"
+    );
     let beyond_block = SharedPlacement { target: ByteRange::new(3 * PAGE, 2 * PAGE), backing_offset: 0 };
-    assert!(shared.map(&backing, &block, beyond_block, MappingAccess::ReadWrite).is_err());
+    let err = shared.map(&backing, &block, beyond_block, MappingAccess::ReadWrite).unwrap_err();
+    assert!(
+        matches!(err, BoundCapabilityError::Capability(CapabilityError::OutOfBounds { offset, .. }) if offset == 3 * PAGE)
+    );
     assert!(shared.create_backing(100).is_err());
     assert_eq!(caps.maps.load(Ordering::SeqCst), 0);
     let ok = SharedPlacement { target: ByteRange::new(2 * PAGE, 2 * PAGE), backing_offset: 0 };

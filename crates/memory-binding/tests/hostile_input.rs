@@ -979,7 +979,7 @@ fn hostile_capability_ranges_are_refused_before_the_capability_runs() {
             }
             // `map` checks the backing side (offset 0, same length, 8 pages) first.
             let source = ByteRange::new(0, range.len());
-            match source.check_within(8 * PAGE).and_then(|()| source.check_aligned(PAGE)) {
+            match source.check_within_backing(8 * PAGE).and_then(|()| source.check_aligned(PAGE)) {
                 Err(source_error) if *name == "map" => assert_eq!(error, source_error, "{name}, {what}"),
                 _ => assert!(expected(&error), "{name}, {what}: {error}"),
             }
@@ -992,9 +992,10 @@ fn hostile_capability_ranges_are_refused_before_the_capability_runs() {
     let elsewhere = Caller::new(registry.with_memory(rec(GPU1)).unwrap());
     let foreign_backing = elsewhere.shared.create_backing(PAGE).unwrap();
     let page = ByteRange::new(0, PAGE);
+    let out_of_backing = |e: &CapabilityError| matches!(e, CapabilityError::BackingOutOfBounds { .. });
     let placements: [(&str, &memory_api::SharedBacking, usize, CapabilityCheck<'_>); 4] = [
-        ("backing offset usize::MAX", &backing, usize::MAX, &out),
-        ("placement past the backing's end", &backing, PAGE, &out),
+        ("backing offset usize::MAX", &backing, usize::MAX, &out_of_backing),
+        ("placement past the backing's end", &backing, PAGE, &out_of_backing),
         ("misaligned backing offset", &two_pages, 100, &misaligned),
         ("a backing of another device", &foreign_backing, 0, &|e| matches!(e, CapabilityError::ForeignBacking { .. })),
     ];

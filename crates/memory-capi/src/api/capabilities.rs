@@ -41,7 +41,9 @@ fn capability_failure(
         BoundCapabilityError::Unsupported { .. } => MC_ERR_UNSUPPORTED,
         BoundCapabilityError::Handle(handle) => return Failure::from(handle),
         BoundCapabilityError::Capability(capability) => match capability {
-            CapabilityError::OutOfBounds { .. } | CapabilityError::Misaligned { .. } => MC_ERR_INVALID_ARGUMENT,
+            CapabilityError::OutOfBounds { .. }
+            | CapabilityError::BackingOutOfBounds { .. }
+            | CapabilityError::Misaligned { .. } => MC_ERR_INVALID_ARGUMENT,
             CapabilityError::NotOwned { .. } | CapabilityError::ForeignBacking { .. } => MC_ERR_FOREIGN,
             CapabilityError::AlreadyMapped { .. } => MC_ERR_STATE,
             CapabilityError::OutOfMemory { .. } => MC_ERR_OUT_OF_MEMORY,

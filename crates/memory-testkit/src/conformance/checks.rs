@@ -170,6 +170,10 @@ fn is_out_of_bounds(e: &CapabilityError) -> bool {
     matches!(e, CapabilityError::OutOfBounds { .. })
 }
 
+fn is_backing_out_of_bounds(e: &CapabilityError) -> bool {
+    matches!(e, CapabilityError::BackingOutOfBounds { .. })
+}
+
 fn is_misaligned(e: &CapabilityError) -> bool {
     matches!(e, CapabilityError::Misaligned { .. })
 }
@@ -683,8 +687,8 @@ pub fn shared_placement_validation(suite: &Suite<'_>) -> Checked {
     let rw = MappingAccess::ReadWrite;
     let mut cases: Vec<(ByteRange, usize, &str, Matcher)> = vec![
         (ByteRange::new(3 * g, 2 * g), 0, "OutOfBounds", is_out_of_bounds),
-        (ByteRange::new(0, 2 * g), g, "OutOfBounds", is_out_of_bounds),
-        (ByteRange::new(0, g), 0usize.wrapping_sub(g), "OutOfBounds", is_out_of_bounds),
+        (ByteRange::new(0, 2 * g), g, "BackingOutOfBounds", is_backing_out_of_bounds),
+        (ByteRange::new(0, g), 0usize.wrapping_sub(g), "BackingOutOfBounds", is_backing_out_of_bounds),
     ];
     if g > 1 {
         cases.push((ByteRange::new(g / 2, g), 0, "Misaligned", is_misaligned));
