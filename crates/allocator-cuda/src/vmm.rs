@@ -721,7 +721,7 @@ impl SharedMapping for CudaVmmAllocator {
             });
         }
         let target = placement.target;
-        ByteRange::new(placement.backing_offset, target.len()).check_within(backing.bytes())?;
+        ByteRange::new(placement.backing_offset, target.len()).check_within_backing(backing.bytes())?;
         ByteRange::new(placement.backing_offset, target.len()).check_aligned(self.granularity)?;
         let shared = self.checked(allocation, target)?;
         let mut record = lock(&shared);

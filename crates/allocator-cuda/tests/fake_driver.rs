@@ -703,7 +703,7 @@ mod vmm {
             let rw = MappingAccess::ReadWrite;
             let place = |offset, len, backing_offset| SharedPlacement { target: ByteRange::new(offset, len), backing_offset };
             assert!(matches!(vmm.map(&backing, &block, place(3 * G, 2 * G, 0), rw), Err(CapabilityError::OutOfBounds { .. })));
-            assert!(matches!(vmm.map(&backing, &block, place(0, 2 * G, G), rw), Err(CapabilityError::OutOfBounds { .. })));
+            assert!(matches!(vmm.map(&backing, &block, place(0, 2 * G, G), rw), Err(CapabilityError::BackingOutOfBounds { .. })));
             assert!(matches!(vmm.map(&backing, &block, place(0, G, G / 2), rw), Err(CapabilityError::Misaligned { .. })));
             let foreign = SharedBacking::new(DeviceKey::device(0), Arc::new(ForeignResource));
             assert!(matches!(vmm.map(&foreign, &block, place(0, G, 0), rw), Err(CapabilityError::ForeignBacking { .. })));

@@ -211,7 +211,7 @@ impl SharedMapping for Instance {
         target.check_within(allocation.bytes())?;
         target.check_aligned(granularity)?;
         let source = ByteRange::new(placement.backing_offset, target.len());
-        source.check_within(resource.bytes)?;
+        source.check_within_backing(resource.bytes)?;
         source.check_aligned(granularity)?;
         let map = self.table.map.ok_or(CapabilityError::Unsupported { allocator: self.name.clone(), what: "map" })?;
         let access = match access {
