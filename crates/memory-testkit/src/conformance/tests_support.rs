@@ -310,7 +310,7 @@ impl SharedMapping for PageReserve {
         self.with_reservation(allocation, |r| {
             let target = placement.target;
             target.check_within(r.bytes)?;
-            ByteRange::new(placement.backing_offset, target.len()).check_within(backing.bytes())?;
+            ByteRange::new(placement.backing_offset, target.len()).check_within_backing(backing.bytes())?;
             target.check_aligned(PAGE)?;
             ByteRange::new(placement.backing_offset, target.len()).check_aligned(PAGE)?;
             let taken = pages(target).any(|page| r.pages.contains_key(&page));
