@@ -21,6 +21,7 @@ use memory_binding::{
     AllocateError, BindError, BindingRegistry, BoundAllocation, BoundCapabilityError, DropPolicy, HandleError,
     MechanismOptions, MechanismState, MemoryBinding, RegistryError,
 };
+use memory_testkit::within;
 
 const GPU0: DeviceKey = DeviceKey::device(0);
 const PAGE: usize = 4096;
@@ -158,24 +159,6 @@ fn register(
     let allocator: Arc<dyn DeviceAllocator> = ledger.clone();
     let mechanism = registry.register_allocator_with(&context, &authority, allocator, options).unwrap();
     (context, mechanism)
-}
-
-/// Runs `f` on a thread and fails the test (rather than hanging it) when it does not
-/// finish in time: a deadlock is a defect, named here.
-fn within<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = mpsc::channel();
-    let worker = std::thread::spawn(move || {
-        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    let answer = rx.recv_timeout(Duration::from_secs(30));
-    if answer.is_ok() {
-        worker.join().unwrap();
-    }
-    match answer {
-        Ok(Ok(value)) => value,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what} did not finish within 30 s (deadlock?)"),
-    }
 }
 
 fn not_quiescent(result: Result<memory_binding::TerminationReport, RegistryError>) -> (usize, usize) {

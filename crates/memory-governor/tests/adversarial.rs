@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::*;
 use memory_governor::*;
-use memory_testkit::{Callback, HostHeap, RecordingAllocator};
+use memory_testkit::{Callback, HostHeap, RecordingAllocator, within};
 
 const DEV: DeviceKey = DeviceKey::host(11);
 const KIB: u64 = 1024;
@@ -28,23 +28,6 @@ fn exhausted(error: &AdmissionError) -> &Exhaustion {
     match error {
         AdmissionError::Exhausted(exhaustion) => exhaustion,
         other => panic!("expected Exhausted, got {other:?}"),
-    }
-}
-
-/// Runs `f` on a thread; a deadlock fails the test instead of hanging it.
-fn within<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = mpsc::channel();
-    let worker = std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    let answer = rx.recv_timeout(Duration::from_secs(30));
-    if answer.is_ok() {
-        worker.join().unwrap();
-    }
-    match answer {
-        Ok(Ok(value)) => value,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what} did not finish within 30 s (deadlock?)"),
     }
 }
 

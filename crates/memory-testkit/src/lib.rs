@@ -54,6 +54,7 @@
 mod access;
 mod callback;
 pub mod conformance;
+mod deadline;
 mod faulty;
 mod gate;
 mod heap;
@@ -65,6 +66,7 @@ mod tap;
 // The public interface.
 pub use access::{AccessError, MemoryAccess};
 pub use callback::Callback;
+pub use deadline::{DEADLINE, within};
 pub use faulty::{FaultyAllocator, INJECTED_BACKEND, is_injected};
 pub use gate::CallbackGate;
 pub use heap::{HostHeap, HostHeapAccess};
