@@ -842,6 +842,11 @@ fn trace(args: &[String]) -> Result<(), String> {
     println!("# let through by the governor) and those that reached the system below it: count, and those of >= 1 MiB");
     println!("# in MiB; the pool's segments after the run (count, MiB, of which cached MiB); resident and peak MiB");
     let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
+    println!(
+        "committed: rss {:.1} hwm {:.1}",
+        proc_status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0,
+        proc_status_kib("VmHWM:").unwrap_or(0) as f64 / 1024.0,
+    );
     let lengths = |handles: &Handles| {
         let len = |log: &Option<Log>| log.as_ref().map_or(0, |log| log.lock().map_or(0, |l| l.len()));
         (len(&handles.above), len(&handles.below))
