@@ -331,6 +331,11 @@ impl ThreadCache {
     /// share (a release racing the owner's may pass it by this block).
     #[cold]
     fn push_remote(&self, class: usize, number: u32, cell: &Cell) -> bool {
+        // A class with no remote stack (none the pool keeps) is not cached: the caller
+        // passes the block through instead of counting bytes no list holds.
+        if class >= self.remote.len() {
+            return false;
+        }
         let bytes = cell.bytes();
         let before = self.remote_bytes.fetch_add(bytes, Ordering::Relaxed);
         if !self.fits(bytes, before) {

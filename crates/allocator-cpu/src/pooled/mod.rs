@@ -248,7 +248,10 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         if bytes <= self.config.max_class_bytes {
             let (index, size) = class_of(bytes);
             let class_align = class_align(size);
-            if align <= class_align
+            // With `max_class_bytes` 0 there is no class at all, yet a zero-byte request
+            // is "up to" it: it is served uncached, as its class has no lists.
+            if index < self.classes
+                && align <= class_align
                 && let Ok(inner) = AllocationRequest::new(size, class_align)
             {
                 return (Key::Class(index), inner.with_role(request.role()));

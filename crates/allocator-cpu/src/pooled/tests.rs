@@ -1062,3 +1062,25 @@ mod model {
         }
     }
 }
+
+#[test]
+fn with_no_size_classes_a_zero_byte_block_released_on_another_thread_goes_back_to_the_inner_allocator() {
+    // max_class_bytes 0: no size class is kept, yet a zero-byte request is "up to" it.
+    // Its block was pushed onto a remote stack that does not exist: the release said
+    // Complete, the inner block was never freed, and its bytes stayed counted as cached.
+    let config = PoolConfig { max_cached_bytes: 1 << 20, max_class_bytes: 0, shards: 1 };
+    let pool = PooledAllocator::with_config(Counted::new(SystemAllocator::new()), config);
+    let block = pool.allocate(&request(0, 1)).unwrap();
+    let here = pool.allocate(&request(0, 1)).unwrap();
+    assert_ne!(block.address(), here.address(), "two live zero-byte blocks are distinct");
+    std::thread::scope(|s| {
+        s.spawn(|| assert!(pool.release(block).is_complete()));
+    });
+    assert!(pool.release(here).is_complete());
+    pool.trim();
+    let stats = pool.pool_stats();
+    assert_eq!((stats.cached_bytes, stats.cached_blocks, stats.live_blocks), (0, 0, 0), "{stats:?}");
+    assert_eq!(pool.inner().live(), 0, "every inner block went back");
+    assert_eq!(pool.held_bytes(), 0, "the pool holds no inner block");
+    pool.assert_consistent();
+}
