@@ -729,7 +729,13 @@ impl NodeBooks {
 /// The identity a slot records.
 pub(crate) fn identity_of(shared: &Shared, slot: usize) -> Identity {
     let entry = &shared.slots[slot];
+    // The pidfs inode names the owner only if this claim wrote it (a process of an older
+    // build of this layout writes none, and would leave a former owner's).
+    let generation = generation_of(entry.state.load(SeqCst));
+    let inode = entry.pidfd_inode.load(SeqCst);
+    let pidfd_inode = if generation != 0 && entry.pidfd_generation.load(SeqCst) == generation { inode } else { 0 };
     Identity {
+        pidfd_inode,
         pid: entry.pid.load(SeqCst),
         start_time: entry.start_time.load(SeqCst),
         boot: [entry.boot[0].load(SeqCst), entry.boot[1].load(SeqCst)],
@@ -745,6 +751,8 @@ pub(crate) fn refund_slot(shared: &Shared, slot: usize, expected: u64) -> Option
     for word in entry.device_allocated.iter().chain(&entry.device_reserved).chain(&entry.tenant_allocated) {
         word.store(0, SeqCst);
     }
+    entry.pidfd_inode.store(0, SeqCst);
+    entry.pidfd_generation.store(0, SeqCst);
     Some(held)
 }
 

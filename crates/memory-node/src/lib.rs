@@ -5,7 +5,8 @@
 //! - **Node books** ([`NodeBooks`]): a file in a directory the operator chooses
 //!   (`/dev/shm` by default, created with mode 0600 unless configured), mapped by every
 //!   process that opens it: per device a node limit, per tenant of a device a node quota,
-//!   and per process a slot (pid, process start time, boot id, pid namespace) with what
+//!   and per process a slot (pid, process start time, pidfs inode, boot id, pid
+//!   namespace) with what
 //!   that process was granted, allocated and holds. A versioned layout with a checked
 //!   header ([`format`](mod@format)); a file of another version, a truncated or corrupt one, or one
 //!   this user may not open is refused with an [`OpenError`] that says which.
@@ -20,8 +21,10 @@
 //! - **Crash refund**: a process's grants are the words of its slot, and nothing else
 //!   holds a copy, so a survivor that finds the slot's process gone (its pid has no
 //!   process, or a process that started at another time: a reused pid never inherits a
-//!   slot) zeroes the slot and frees it. Members look on every refusal and on their timer
-//!   (every [`NodeConfig::with_refund_interval`], 100 ms by default): a dead process's
+//!   slot, even one reused within the clock tick start times count in, where the kernel
+//!   has pidfs: the process's pidfs inode tells it apart) zeroes the slot and frees it.
+//!   Members look on every refusal and on their timer (every
+//!   [`NodeConfig::with_refund_interval`], 100 ms by default): a dead process's
 //!   memory is back within [`NodeConfig::refund_bound`] while any member runs.
 //!
 //! The rules, the trust model (every process that can open the file is a trusted peer;

@@ -1,11 +1,14 @@
 //! Who a process is, and whether the process a slot names still runs.
 //!
 //! A slot names its owner by pid, the process's start time (field 22 of
-//! `/proc/PID/stat`: clock ticks after boot), the boot id and the pid namespace. A pid the
-//! kernel reuses for a new process has another start time, so it never inherits a slot;
-//! a slot from before a reboot has another boot id. A process is declared dead only on
-//! evidence: `kill(pid, 0)` says no such process, or the process with that pid started
-//! at another time, or the slot is from another boot. A slow or stopped process is alive,
+//! `/proc/PID/stat`: clock ticks after boot), its pidfs inode where the kernel has pidfs
+//! (Linux 6.9 on: the inode of a pidfd, which no other process of the boot shares), the
+//! boot id and the pid namespace. A pid the kernel reuses for a new process names another
+//! pidfs inode, and has another start time unless it was reused within one clock tick
+//! (10 ms; the inode tells those apart too), so it never inherits a slot; a slot from
+//! before a reboot has another boot id. A process is declared dead only on evidence:
+//! `kill(pid, 0)` says no such process, or the process with that pid is another one (its
+//! pidfs inode or its start time differs), or the slot is from another boot. A slow or stopped process is alive,
 //! and so is one whose `/proc` entry this user cannot read or see (`hidepid`).
 //! A slot of another pid namespace cannot be judged from here (its pid means something
 //! else) and is left to a peer of its own namespace.
@@ -23,6 +26,8 @@ pub(crate) struct Identity {
     pub(crate) start_time: u64,
     pub(crate) boot: [u64; 2],
     pub(crate) pid_ns: u64,
+    /// The process's pidfs inode; 0 when unknown (no pidfs, or a slot that records none).
+    pub(crate) pidfd_inode: u64,
 }
 
 /// What a survivor concludes about a slot's owner.
@@ -41,7 +46,8 @@ pub(crate) enum Verdict {
 pub(crate) enum DeathReason {
     /// No process has the pid.
     NoProcess,
-    /// A process with the pid started at another time: the pid was reused.
+    /// A process with the pid started at another time, or has another pidfs inode: the
+    /// pid was reused.
     PidReused,
     /// The slot was written before this boot.
     OtherBoot,
@@ -53,7 +59,9 @@ impl DeathReason {
     pub(crate) fn name(self) -> &'static str {
         match self {
             DeathReason::NoProcess => "no process has its pid",
-            DeathReason::PidReused => "its pid now names a process started at another time",
+            DeathReason::PidReused => {
+                "its pid now names another process (one started at another time, or with another pidfs inode)"
+            }
             DeathReason::OtherBoot => "it ran before the node rebooted",
             DeathReason::Exited => "it has exited (its parent has not reaped it yet)",
         }
@@ -66,7 +74,8 @@ impl Identity {
         let pid = u64::from(rustix::process::getpid().as_raw_nonzero().get().unsigned_abs());
         let start_time =
             stat_of(pid)?.ok_or_else(|| std::io::Error::other("/proc/self/stat has no start time"))?.start_time;
-        Ok(Identity { pid, start_time, boot: boot_id()?, pid_ns: pid_namespace()? })
+        let pidfd_inode = pidfs_inode(pid).ok().flatten().unwrap_or(0);
+        Ok(Identity { pid, start_time, boot: boot_id()?, pid_ns: pid_namespace()?, pidfd_inode })
     }
 
     /// Whether the process this identity names still runs, judged by `me`.
@@ -80,6 +89,14 @@ impl Identity {
         let Some(pid) = i32::try_from(self.pid).ok().and_then(Pid::from_raw) else {
             return Verdict::Dead(DeathReason::NoProcess);
         };
+        // The pidfs inode names one process of this boot: another one is another process
+        // (a pid reused, even within the clock tick that start times count in).
+        if self.pidfd_inode != 0
+            && let Ok(Some(inode)) = pidfs_inode(self.pid)
+            && inode != self.pidfd_inode
+        {
+            return Verdict::Dead(DeathReason::PidReused);
+        }
         // EPERM: it exists, under another user. Any other answer: not evidence.
         let exists = || !matches!(test_kill_process(pid), Err(Errno::SRCH));
         judge(self.start_time, exists, || stat_of(self.pid), || threads(self.pid))
@@ -111,6 +128,34 @@ fn judge(
         }
         // The same process, or its stat is unreadable or hidden (hidepid): alive.
         _ => Verdict::Alive,
+    }
+}
+
+/// The pidfs inode of the process `pid`: `Ok(None)` when the kernel has no pidfs (a pidfd
+/// is then an anonymous inode every pidfd shares) or the pidfd cannot be had for a reason
+/// other than there being no such process (`Err(ESRCH)`).
+pub(crate) fn pidfs_inode(pid: u64) -> Result<Option<u64>, Errno> {
+    #[cfg(target_os = "linux")]
+    {
+        /// `PID_FS_MAGIC` (`include/uapi/linux/magic.h`).
+        const PID_FS_MAGIC: u64 = 0x5049_4446;
+        let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) else { return Ok(None) };
+        let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+            Ok(pidfd) => pidfd,
+            Err(Errno::SRCH) => return Err(Errno::SRCH),
+            Err(_) => return Ok(None),
+        };
+        let on_pidfs = rustix::fs::fstatfs(&pidfd).is_ok_and(|fs| fs.f_type as u64 == PID_FS_MAGIC);
+        if !on_pidfs {
+            return Ok(None);
+        }
+        #[allow(clippy::unnecessary_cast, reason = "`st_ino`'s type differs between targets")]
+        Ok(rustix::fs::fstat(&pidfd).ok().map(|stat| stat.st_ino as u64).filter(|&inode| inode != 0))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = pid;
+        Ok(None)
     }
 }
 
@@ -200,5 +245,13 @@ mod tests {
         assert_eq!(other_boot.verdict(&me), Verdict::Dead(DeathReason::OtherBoot));
         let foreign = Identity { pid_ns: me.pid_ns ^ 1, ..me };
         assert_eq!(foreign.verdict(&me), Verdict::Foreign);
+        // Same pid and start time (a pid reused within one clock tick), another process's
+        // pidfs inode: another process. Where the kernel has no pidfs there is no inode.
+        if me.pidfd_inode != 0 {
+            let same_tick = Identity { pidfd_inode: me.pidfd_inode + 1, ..me };
+            assert_eq!(same_tick.verdict(&me), Verdict::Dead(DeathReason::PidReused));
+        }
+        let unknown = Identity { pidfd_inode: 0, ..me };
+        assert_eq!(unknown.verdict(&me), Verdict::Alive);
     }
 }

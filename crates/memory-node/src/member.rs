@@ -247,6 +247,9 @@ impl NodeBooks {
                 entry.pid_ns.store(me.pid_ns, SeqCst);
                 entry.uid.store(uid, SeqCst);
                 entry.joined_secs.store(now, SeqCst);
+                // The generation this claim is writing (the state word says CLAIMING with it).
+                entry.pidfd_inode.store(me.pidfd_inode, SeqCst);
+                entry.pidfd_generation.store(protocol::generation_of(entry.state.load(SeqCst)), SeqCst);
             })
         })?;
         let (slot, generation) = claimed

@@ -172,6 +172,52 @@ fn a_slot_with_a_live_pid_but_another_start_time_is_refunded_and_the_true_one_is
 }
 
 #[test]
+fn a_pid_reused_within_the_start_times_clock_tick_is_told_apart_by_its_pidfs_inode() {
+    // A start time counts clock ticks (10 ms): a pid reused within one tick has the
+    // dead owner's start time. (The real-process test of pid reuse met this on a loaded
+    // machine: the old slot, naming the newcomer's pid and start time, was taken for alive.)
+    let books = NodeBooks::open(fresh_config("sametick").with_refund_interval(Duration::from_secs(3600))).unwrap();
+    let path = books.path().to_owned();
+    let _cleanup = Cleanup(path.clone());
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let me = a.member.slot();
+    let inode = read_word(&path, format::slot_offset(me, format::SLOT_PIDFD_INODE));
+    if inode == 0 {
+        println!("skipped: this kernel has no pidfs (Linux 6.9 on), so slots record no pidfs inode");
+        return;
+    }
+    assert_eq!(read_word(&path, format::slot_offset(me, format::SLOT_PIDFD_GENERATION)), 1, "the claim's generation");
+    let pid = u64::from(std::process::id());
+    let start = read_word(&path, format::slot_offset(me, format::SLOT_START_TIME));
+    // Slot 30: our pid and start time, another process's inode (the dead owner's).
+    // Slot 31: our pid, start time and inode: this very process, alive. Slot 32: an
+    // inode written for an older claim of the slot (generation 0, not 1): no evidence,
+    // judged by the start time (alive).
+    for (slot, written, generation) in [(30, inode + 1, 1), (31, inode, 1), (32, inode + 1, 0)] {
+        forge_slot(&path, me, slot, pid, start, 2 * MIB, 0);
+        write_word(&path, format::slot_offset(slot, format::SLOT_PIDFD_INODE), written);
+        write_word(&path, format::slot_offset(slot, format::SLOT_PIDFD_GENERATION), generation);
+    }
+    let refunds = books.refund_dead().unwrap();
+    assert_eq!(refunds.len(), 1, "only the other process's slot is dead: {refunds:?}");
+    assert_eq!((refunds[0].slot, refunds[0].bytes), (30, 2 * MIB));
+    assert!(refunds[0].reason.contains("another time"), "{}", refunds[0].reason);
+    let snapshot = books.snapshot();
+    for slot in [me, 31, 32] {
+        assert!(snapshot.slots.iter().any(|s| s.slot == slot && s.alive), "slot {slot}: {}", snapshot.to_json());
+    }
+    // A refunded slot keeps no inode for its next owner.
+    assert_eq!(read_word(&path, format::slot_offset(30, format::SLOT_PIDFD_INODE)), 0);
+    for slot in [31, 32] {
+        write_word(&path, format::slot_offset(slot, format::SLOT_DEVICE_GRANT), 0);
+        write_word(&path, format::slot_offset(slot, format::SLOT_STATE), 1 << 8);
+    }
+    drop(a);
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
+}
+
+#[test]
 fn a_process_dead_mid_grant_leaves_snapshots_inconsistent_until_it_is_refunded() {
     // No periodic scan: the member's timer would refund the forged slot on its own
     // (every 50 ms in the tests' config), and on a loaded machine it did so before the
