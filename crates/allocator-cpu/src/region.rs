@@ -10,7 +10,7 @@ use memory_api::{
 };
 
 use crate::sys;
-use crate::table::{Shards, Slab, tag, untag};
+use crate::table::{Shards, Slab, TAGGED_SLOTS, tag, tag_generation, untag};
 
 /// One reservation: `[base, base + len)`, page-aligned, of which the caller asked for
 /// `bytes`. The mutable state sits behind the region's own lock, so capability calls on
@@ -20,6 +20,9 @@ pub(crate) struct Region<S> {
     pub(crate) len: usize,
     pub(crate) bytes: usize,
     pub(crate) align: usize,
+    /// Its generation in its shard (the part a tag carries): a stale tag naming the
+    /// same slot names another generation.
+    generation: u64,
     state: Mutex<RegionState<S>>,
 }
 
@@ -44,11 +47,20 @@ struct Shard<S> {
     reserved_bytes: u64,
     allocations_total: u64,
     failures_total: u64,
+    /// Reservations recorded in this shard, ever: the generation of the next is one more.
+    generations: u64,
 }
 
 impl<S> Default for Shard<S> {
     fn default() -> Shard<S> {
-        Shard { regions: Slab::default(), live_bytes: 0, reserved_bytes: 0, allocations_total: 0, failures_total: 0 }
+        Shard {
+            regions: Slab::default(),
+            live_bytes: 0,
+            reserved_bytes: 0,
+            allocations_total: 0,
+            failures_total: 0,
+            generations: 0,
+        }
     }
 }
 
@@ -96,16 +108,34 @@ impl<S> RegionTable<S> {
                 return fail(AllocError::Backend { device: self.device, source });
             }
         };
-        let region = Region { base, len, bytes, align, state: Mutex::new(RegionState { alive: true, inner }) };
         let Some(mut shard) = self.shards.lock(home) else { unreachable!("the local shard exists") };
-        let slot = shard.regions.insert(Arc::new(region));
+        shard.generations += 1;
+        let generation = tag_generation(shard.generations);
+        let state = Mutex::new(RegionState { alive: true, inner });
+        let slot = shard.regions.insert(Arc::new(Region { base, len, bytes, align, generation, state }));
+        if slot >= TAGGED_SLOTS {
+            shard.regions.remove(slot);
+            shard.failures_total += 1;
+            drop(shard);
+            // SAFETY: `[base, base + len)` is the reservation made just above, never
+            // handed out (its record was just removed), so nothing refers to it.
+            if unsafe { sys::unmap(base, len) }.is_err() {
+                tracing::warn!(len, allocator = self.name, "an unrecorded reservation could not be unmapped");
+            }
+            let detail = format!(
+                "this thread's shard holds {TAGGED_SLOTS} reservations of this allocator, the most a provider tag \
+                 names; the {bytes}-byte request was refused: release some reservations first"
+            );
+            let source = BackendError { backend: "os", operation: "reserve", code: 0, detail };
+            return Err(AllocError::Backend { device: self.device, source });
+        }
         shard.live_bytes += bytes as u64;
         shard.reserved_bytes += len as u64;
         shard.allocations_total += 1;
         drop(shard);
         let address = DeviceAddress::new(base as u64).expect("mmap never returns null");
         tracing::trace!(bytes, len, %address, allocator = self.name, "reserved");
-        Ok(RawAllocation::new(address, bytes, align, self.device, tag(home, slot)))
+        Ok(RawAllocation::new(address, bytes, align, self.device, tag(home, slot, generation)))
     }
 
     /// The live region behind `allocation`, if it is exactly one of ours.
@@ -113,10 +143,11 @@ impl<S> RegionTable<S> {
         if allocation.device() != self.device {
             return None;
         }
-        let (index, slot) = untag(allocation.provider_tag());
+        let (index, slot, generation) = untag(allocation.provider_tag());
         let shard = self.shards.lock(index)?;
         let region = shard.regions.get(slot)?;
-        let matches = region.base as u64 == allocation.address().get()
+        let matches = region.generation == generation
+            && region.base as u64 == allocation.address().get()
             && region.bytes == allocation.bytes()
             && region.align == allocation.align();
         matches.then(|| Arc::clone(region))
@@ -185,7 +216,7 @@ impl<S> RegionTable<S> {
 
     /// Drops the record of a region whose address space is gone.
     fn forget(&self, allocation: &RawAllocation, region: &Region<S>) {
-        let (index, slot) = untag(allocation.provider_tag());
+        let (index, slot, _) = untag(allocation.provider_tag());
         if let Some(mut shard) = self.shards.lock(index) {
             shard.regions.remove(slot);
             shard.live_bytes -= region.bytes as u64;
@@ -237,5 +268,55 @@ impl<S> Drop for RegionTable<S> {
         if live > 0 {
             tracing::warn!(live, allocator = self.name, "allocator dropped with live reservations; leaking them");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use memory_api::{AllocationRequest, ByteRange, DeviceAllocator, RawAllocation, ReleaseError, ReleaseOutcome};
+
+    use crate::{SharedHostAllocator, VirtualHostAllocator};
+
+    fn copy(block: &RawAllocation) -> RawAllocation {
+        RawAllocation::new(block.address(), block.bytes(), block.align(), block.device(), block.provider_tag())
+    }
+
+    /// A stale copy of a released reservation, presented once a new reservation of the
+    /// same size took its address (the kernel hands a freed range out again at once) and
+    /// its slot, is refused and leaves the new reservation live.
+    fn a_stale_copy_is_refused_when_its_address_and_slot_are_reused(allocator: &dyn DeviceAllocator) {
+        let name = allocator.name();
+        let request = AllocationRequest::new(1 << 20, 4096).unwrap();
+        let first = allocator.allocate(&request).unwrap();
+        let stale = copy(&first);
+        assert!(allocator.release(first).is_complete());
+        // The same address again (at once on Linux; a few tries elsewhere).
+        let mut others = Vec::new();
+        let reused = loop {
+            let block = allocator.allocate(&request).unwrap();
+            if block.address() == stale.address() || others.len() == 8 {
+                break block;
+            }
+            others.push(block);
+        };
+        let ReleaseOutcome::Failed(failed) = allocator.release(stale) else {
+            panic!("{name}: a stale copy of a released reservation released the live one at its address")
+        };
+        assert!(matches!(failed.error(), ReleaseError::NotOwned { .. }), "{name}: {}", failed.error());
+        let live = allocator.stats().unwrap().live_allocations;
+        assert_eq!(live, 1 + others.len() as u64, "{name}: the reused reservation is still live");
+        if let Some(vb) = allocator.virtual_backing() {
+            assert_eq!(vb.commit(&reused, ByteRange::new(0, 4096)), Ok(4096), "{name}: and still usable");
+        }
+        for block in others.into_iter().chain([reused]) {
+            assert!(allocator.release(block).is_complete(), "{name}");
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "mmap system calls, which Miri does not support")]
+    fn a_stale_copy_of_a_released_reservation_never_releases_its_successor() {
+        a_stale_copy_is_refused_when_its_address_and_slot_are_reused(&VirtualHostAllocator::new());
+        a_stale_copy_is_refused_when_its_address_and_slot_are_reused(&SharedHostAllocator::new());
     }
 }

@@ -5,9 +5,13 @@
 //! segments' one lock).
 //!
 //! A reservation's `provider_tag` names its record: the shard in the top 16 bits, the
-//! slot below. A thread inserts into its own shard (by `memory_sync`'s thread index), so
-//! threads that allocate and release their own reservations never share a lock or a
-//! written cache line; one released on another thread locks its home shard.
+//! record's generation in the next 24 and its slot in the low 24. A thread inserts into
+//! its own shard (by `memory_sync`'s thread index), so threads that allocate and release
+//! their own reservations never share a lock or a written cache line; one released on
+//! another thread locks its home shard. The generation (counted per shard) tells a
+//! released reservation from a later one in its reused slot: the kernel hands a freed
+//! range out again at once, so without it a stale copy of a released block names a live
+//! reservation exactly (same address, size, alignment and slot).
 
 #[cfg(unix)]
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -17,19 +21,35 @@ use crossbeam_utils::CachePadded;
 #[cfg(unix)]
 use memory_sync::per_thread::thread_index;
 
+/// Bits of the slot, and of the generation above it.
 #[cfg(unix)]
-const SLOT_BITS: u32 = 48;
+const SLOT_BITS: u32 = 24;
+/// Where the shard index starts.
+#[cfg(unix)]
+const SHARD_SHIFT: u32 = 2 * SLOT_BITS;
+/// Slots a tag can name per shard.
+#[cfg(unix)]
+pub(crate) const TAGGED_SLOTS: usize = 1 << SLOT_BITS;
+#[cfg(unix)]
+const LOW_MASK: u64 = (1 << SLOT_BITS) - 1;
 
-/// Encodes a shard index and slot into a provider tag.
+/// The part of `generation` a tag carries.
 #[cfg(unix)]
-pub(crate) fn tag(shard: usize, slot: usize) -> u64 {
-    ((shard as u64) << SLOT_BITS) | slot as u64
+pub(crate) fn tag_generation(generation: u64) -> u64 {
+    generation & LOW_MASK
 }
 
-/// Decodes a provider tag into shard index and slot.
+/// Encodes a shard index, slot (below [`TAGGED_SLOTS`]) and generation into a provider
+/// tag.
 #[cfg(unix)]
-pub(crate) fn untag(tag: u64) -> (usize, usize) {
-    ((tag >> SLOT_BITS) as usize, (tag & ((1 << SLOT_BITS) - 1)) as usize)
+pub(crate) fn tag(shard: usize, slot: usize, generation: u64) -> u64 {
+    ((shard as u64) << SHARD_SHIFT) | (tag_generation(generation) << SLOT_BITS) | (slot as u64 & LOW_MASK)
+}
+
+/// Decodes a provider tag into shard index, slot and (tagged) generation.
+#[cfg(unix)]
+pub(crate) fn untag(tag: u64) -> (usize, usize, u64) {
+    ((tag >> SHARD_SHIFT) as usize, (tag & LOW_MASK) as usize, (tag >> SLOT_BITS) & LOW_MASK)
 }
 
 enum Entry<T> {
@@ -153,8 +173,10 @@ mod tests {
     #[test]
     #[cfg(unix)]
     fn tags_round_trip() {
-        assert_eq!(untag(tag(5, 123_456)), (5, 123_456));
-        assert_eq!(untag(tag(65_535, (1 << 48) - 1)), (65_535, (1 << 48) - 1));
+        assert_eq!(untag(tag(5, 123_456, 7)), (5, 123_456, 7));
+        let last = TAGGED_SLOTS - 1;
+        assert_eq!(untag(tag(65_535, last, u64::MAX)), (65_535, last, tag_generation(u64::MAX)));
+        assert_eq!(untag(tag(1, 2, 1 << 24)), (1, 2, 0), "generations wrap within their bits");
     }
 
     #[test]
