@@ -67,6 +67,20 @@ pub enum OpenError {
         /// The file's mode bits (`0` when they could not be read).
         mode: u32,
     },
+    /// The file system of the books has no room for them: the books would be mapped with
+    /// pages that cannot be backed, which a process touching them takes as `SIGBUS`.
+    #[error(
+        "there is no room for the node books at {path} ({needed} bytes) on its file system: free space in {} \
+         (a tmpfs such as /dev/shm is bounded by its size= mount option) or give the books another directory \
+         (NodeConfig::with_directory)",
+        path.parent().map_or_else(|| path.display().to_string(), |dir| dir.display().to_string())
+    )]
+    NoSpace {
+        /// The file.
+        path: PathBuf,
+        /// The bytes the books need.
+        needed: u64,
+    },
     /// Another I/O error ("open", "map", "create", ...).
     #[error(transparent)]
     Io(#[from] BooksIoError),

@@ -84,6 +84,10 @@ impl Mapping {
             // The mode asked for, whatever the umask.
             file.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(io(&temporary, "set the mode of"))?;
             file.set_len(LAYOUT_SIZE as u64).map_err(io(&temporary, "size"))?;
+            // Pages the file system cannot back would be mapped all the same (tmpfs and
+            // most file systems make a sized file sparse) and fault with `SIGBUS` when
+            // first written: here at the header, for a peer at the slot it claims.
+            reserve(&file, path)?;
             let mapping = Mapping::map(&temporary, file)?;
             let header = &mapping.shared().header;
             let [_, version, size, devices, tenants, slots] = format::header_words();
@@ -159,6 +163,9 @@ impl Mapping {
         if size > LAYOUT_SIZE as u64 {
             return Err(corrupt(format!("it is {size} bytes, longer than its layout ({LAYOUT_SIZE})")));
         }
+        // A file made sparse (by an older build, or copied) gets its pages backed now,
+        // or is refused, rather than a `SIGBUS` at the first slot past the space left.
+        reserve(&file, path)?;
         let mapping = Mapping::map(path, file)?;
         let shared = mapping.shared();
         let hwm = shared.header.slots_hwm.load(SeqCst);
@@ -239,6 +246,29 @@ impl Drop for Mapping {
         // SAFETY: `ptr` and `LAYOUT_SIZE` are exactly what `mmap` returned and was asked
         // for; no reference into the mapping outlives `self` (`shared` borrows `self`).
         let _ = unsafe { munmap(self.ptr.as_ptr().cast(), LAYOUT_SIZE) };
+    }
+}
+
+/// Backs every page of the books `file` (whose name is `path`) with space of its file
+/// system: [`OpenError::NoSpace`] when there is not enough. A file system that cannot
+/// reserve space ahead (`EOPNOTSUPP`) is left as it is.
+fn reserve(file: &File, path: &Path) -> Result<(), OpenError> {
+    #[cfg(target_os = "linux")]
+    loop {
+        match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, LAYOUT_SIZE as u64) {
+            Ok(()) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::NOSPC | rustix::io::Errno::DQUOT) => {
+                return Err(OpenError::NoSpace { path: path.to_owned(), needed: LAYOUT_SIZE as u64 });
+            }
+            Err(rustix::io::Errno::OPNOTSUPP) => return Ok(()),
+            Err(errno) => return Err(io(path, "reserve space for")(errno.into())),
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, path);
+        Ok(())
     }
 }
 

@@ -146,3 +146,115 @@ fn joiner_role() {
         Ok(_) => panic!("uid {} opened another user's 0600 books", rustix::process::getuid().as_raw()),
     }
 }
+
+/// A tmpfs of `size` bytes mounted at a fresh directory, unmounted and removed when
+/// dropped; `None` (the test is skipped) where this process may not mount one.
+struct SmallTmpfs(PathBuf);
+
+impl SmallTmpfs {
+    fn mount(tag: &str, size: &str) -> Option<SmallTmpfs> {
+        if !rustix::process::getuid().is_root() {
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("memory-node-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .output()
+            .is_ok_and(|output| output.status.success());
+        if !mounted {
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        Some(SmallTmpfs(dir))
+    }
+
+    /// Writes a file until the file system is full.
+    fn fill(&self) {
+        use std::io::Write;
+        let mut filler = std::fs::File::create(self.0.join("filler")).unwrap();
+        while filler.write_all(&[1u8; 4096]).is_ok() {}
+    }
+}
+
+impl Drop for SmallTmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Opens the books named by the environment in a child process (a fault there would
+/// otherwise kill the test binary); what it printed.
+fn open_in_a_child(dir: &Path, name: &str) -> String {
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "opener_role", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "open")
+        .env("MEMORY_NODE_BOOKS", name)
+        .env("MEMORY_NODE_DIR", dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "the opener failed ({:?}, a SIGBUS is signal 7): {stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn books_on_a_full_file_system_are_refused_as_no_space_not_a_sigbus() {
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    // A sized file is sparse on tmpfs: its pages were mapped unbacked, and the first
+    // write to one (the header, here) killed the opener with SIGBUS.
+    let Some(tmpfs) = SmallTmpfs::mount("full", "64k") else {
+        println!("skipped: not root, or no tmpfs could be mounted");
+        return;
+    };
+    tmpfs.fill();
+    let stdout = open_in_a_child(&tmpfs.0, "books");
+    assert!(stdout.contains("refused as expected: there is no room for the node books"), "{stdout}");
+    assert!(stdout.contains(&format!("({LAYOUT_SIZE} bytes)")) && stdout.contains("with_directory"), "{stdout}");
+    // Nothing is left behind: no books, no temporary file.
+    let left: Vec<_> = std::fs::read_dir(&tmpfs.0).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+    assert_eq!(left, [std::ffi::OsString::from("filler")], "{left:?}");
+    // A sparse books file (written by a build that did not reserve its pages) on a file
+    // system with no room for its pages is refused too, before a peer faults on a slot.
+    drop(tmpfs);
+    let Some(tmpfs) = SmallTmpfs::mount("sparse", "64k") else { return };
+    let (config, _cleanup) = good_file("sparse");
+    let whole = std::fs::read(config.path()).unwrap();
+    let sparse = OpenOptions::new().write(true).create_new(true).open(tmpfs.0.join("books")).unwrap();
+    sparse.set_len(LAYOUT_SIZE as u64).unwrap();
+    sparse.write_all_at(&whole[..format::HEADER_SIZE], 0).unwrap();
+    drop(sparse);
+    let stdout = open_in_a_child(&tmpfs.0, "books");
+    assert!(stdout.contains("refused as expected: there is no room for the node books"), "{stdout}");
+}
+
+/// The opener's side of the file-system tests (runs only as their child).
+#[test]
+fn opener_role() {
+    if std::env::var(ROLE).as_deref() != Ok("open") {
+        return;
+    }
+    match NodeBooks::open(common::config_from_env()) {
+        Err(error @ OpenError::NoSpace { .. }) => println!("refused as expected: {error}"),
+        Err(error) => panic!("refused for the wrong reason: {error:?}"),
+        Ok(books) => {
+            // Touch every slot, as peers claiming them would.
+            let path = books.path().to_owned();
+            drop(books);
+            let file = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+            for slot in 0..format::MAX_SLOTS {
+                file.write_all_at(&0u64.to_ne_bytes(), format::slot_offset(slot, format::SLOT_SEQ) as u64).unwrap();
+            }
+            panic!("opened books that have no room: {path:?}");
+        }
+    }
+}
