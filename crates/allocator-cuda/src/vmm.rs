@@ -60,9 +60,15 @@ pub struct CudaVmmAllocator {
     counters: Counters,
     mapped_bytes: AtomicU64,
     reserved_bytes: AtomicU64,
+    /// The provider tag of the last reservation made: each gets the next, so a stale
+    /// copy of a released block is told from a later reservation at its address (the
+    /// driver hands freed address space out again).
+    last_tag: AtomicU64,
 }
 
 struct Reservation {
+    /// Its provider tag, which a block presented must carry.
+    tag: u64,
     base: u64,
     size: usize,
     align: usize,
@@ -131,6 +137,7 @@ impl CudaVmmAllocator {
             counters: Counters::default(),
             mapped_bytes: AtomicU64::new(0),
             reserved_bytes: AtomicU64::new(0),
+            last_tag: AtomicU64::new(0),
         })
     }
 
@@ -156,7 +163,10 @@ impl CudaVmmAllocator {
         }
         self.live.with(allocation.address().get(), Arc::clone).filter(|record| {
             let record = lock(record);
-            !record.released && record.size == allocation.bytes() && record.align == allocation.align()
+            !record.released
+                && record.tag == allocation.provider_tag()
+                && record.size == allocation.bytes()
+                && record.align == allocation.align()
         })
     }
 
@@ -473,12 +483,13 @@ impl DeviceAllocator for CudaVmmAllocator {
                 },
             });
         };
-        let record = Reservation { base, size, align, granules: BTreeMap::new(), released: false };
+        let tag = self.last_tag.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        let record = Reservation { tag, base, size, align, granules: BTreeMap::new(), released: false };
         self.live.insert(base, Arc::new(Mutex::new(record)));
         self.counters.allocated(0);
         self.reserved_bytes.fetch_add(size as u64, Ordering::Relaxed);
         tracing::trace!(device = %key, address = base, size, "reserved a VMM range");
-        Ok(RawAllocation::new(address, size, align, key, 0))
+        Ok(RawAllocation::new(address, size, align, key, tag))
     }
 
     fn release(&self, allocation: RawAllocation) -> ReleaseOutcome {

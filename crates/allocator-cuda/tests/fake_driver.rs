@@ -867,6 +867,26 @@ mod vmm {
     }
 
     fake_test! {
+        fn a_stale_copy_never_releases_the_reservation_that_reused_its_address() {
+            // The driver hands a freed range of address space out again (the fake at
+            // once): a copy of a released block then has the address, size and
+            // alignment of a live one, and must still be refused.
+            let (_device, vmm) = setup();
+            let first = vmm.allocate(&request(G, G)).unwrap();
+            let stale = RawAllocation::new(first.address(), first.bytes(), first.align(), first.device(), first.provider_tag());
+            complete(vmm.release(first));
+            let reused = vmm.allocate(&request(G, G)).unwrap();
+            assert_eq!(reused.address(), stale.address(), "the fake reuses the freed range");
+            assert!(matches!(vmm.commit(&stale, ByteRange::new(0, G)), Err(CapabilityError::NotOwned { .. })));
+            assert!(matches!(failed(vmm.release(stale)).1, ReleaseError::NotOwned { .. }));
+            assert_eq!(vmm.committed_bytes(&reused), Ok(0), "the reused reservation is untouched");
+            assert_eq!(vmm.commit(&reused, ByteRange::new(0, G)), Ok(G));
+            assert_eq!(vmm.stats().unwrap().live_allocations, 1);
+            assert_eq!(complete(vmm.release(reused)), G);
+        }
+    }
+
+    fake_test! {
         env ["FAKE_CUDA_NO_VMM" = "1"]
         fn a_device_without_vmm_is_a_typed_unsupported_error() {
             let device = CudaDevice::open(0).unwrap();
