@@ -40,6 +40,18 @@ pub(crate) mod record {
     pub(crate) const MARK: u32 = 4;
     /// The end of a finished recording, with its counts.
     pub(crate) const END: u32 = 5;
+
+    /// A record kind's name in messages.
+    pub(crate) fn name(kind: u32) -> &'static str {
+        match kind {
+            EVENTS => "events",
+            TENANT => "tenant",
+            THREAD => "thread",
+            MARK => "mark",
+            END => "end",
+            _ => "unknown",
+        }
+    }
 }
 
 /// Event kinds (byte 1 of word 1).
@@ -261,6 +273,11 @@ impl<'a> Cursor<'a> {
 
     pub(crate) fn u64(&mut self) -> Result<u64, String> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap_or_default()))
+    }
+
+    /// Bytes not read yet.
+    pub(crate) fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
     }
 
     pub(crate) fn skip(&mut self, n: usize) -> Result<(), String> {

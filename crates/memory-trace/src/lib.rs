@@ -107,7 +107,11 @@
 //!   and traced allocations against finish on real threads, 200 and 50 times.
 //! - The reader checks every record's CRC-32 and every event's size before decoding, so
 //!   a damaged file cannot be misread past the damage; tests truncate and corrupt files at
-//!   every record boundary.
+//!   every record boundary. A record's header (its kind) is not under the checksum, so in
+//!   a file of a version the reader knows whole (its own minor or older) a record or event
+//!   kind it does not know, bytes past a record's fields, and an end record whose counts
+//!   are not what was read are damage too: a flipped bit in a kind cannot drop records
+//!   from a trace that reads as clean (a test flips every bit of every record's kind).
 //!
 //! # Quickstart
 //! ```

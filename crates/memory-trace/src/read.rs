@@ -4,7 +4,7 @@ use std::fmt;
 use std::io::{self, Read};
 
 use crate::event::{Event, MarkKind, Tenant, What};
-use crate::format::{self, Cursor, MAGIC, MAJOR, MAX_PAYLOAD, RECORD_HEADER_BYTES, record};
+use crate::format::{self, Cursor, MAGIC, MAJOR, MAX_PAYLOAD, MINOR, RECORD_HEADER_BYTES, record};
 
 /// A trace as read.
 #[derive(Clone, Debug, PartialEq)]
@@ -25,7 +25,8 @@ pub struct Trace {
     /// Where the file is damaged, if it is: everything before was read.
     pub damage: Option<Damage>,
     /// Records and events of kinds this version does not know (a newer minor version's),
-    /// skipped.
+    /// skipped. In a file of this reader's minor version or older there are none: such a
+    /// kind there is damage (a damaged record header), see [`Trace::damage`].
     pub skipped: u64,
 }
 
@@ -232,6 +233,9 @@ fn read_with(mut input: impl Read, sink: Option<&mut dyn FnMut(Event)>) -> Resul
         record: 0,
         sink,
         count: 0,
+        // `<=`, not `==`: once MINOR grows, older minors are known whole too.
+        #[allow(clippy::absurd_extreme_comparisons, reason = "MINOR is 0 for now; the comparison is for later minors")]
+        exact: minor <= MINOR,
     };
     reader.records(input)?;
     let mut trace = reader.trace;
@@ -248,6 +252,14 @@ struct Reader<'s> {
     sink: Option<&'s mut dyn FnMut(Event)>,
     /// Events read.
     count: u64,
+    /// The file's minor version is one this reader knows whole (this one or older), so
+    /// it holds nothing this reader does not know: a record or event kind it lacks, bytes
+    /// past a record's fields, or counts in the end record other than those read are
+    /// damage, not a newer version's additions. (A record's header is not under its
+    /// checksum: one flipped bit in its kind turns an events record into an unknown kind,
+    /// a thread record or the end record, which a lenient reader would skip or misread
+    /// without a word.)
+    exact: bool,
 }
 
 impl Reader<'_> {
@@ -345,9 +357,48 @@ impl Reader<'_> {
                 self.event(Event::new(ts_ns, thread, device, tenant, None, What::Mark { kind, value, label }));
             }
             record::END => {
-                self.trace.end = Some(End { events: cursor.u64()?, records: cursor.u64()?, dropped: cursor.u64()? });
+                let end = End { events: cursor.u64()?, records: cursor.u64()?, dropped: cursor.u64()? };
+                self.check_end(&end)?;
+                self.trace.end = Some(end);
             }
-            _ => self.trace.skipped += 1,
+            _ if self.exact => {
+                let (major, minor) = self.trace.version;
+                return Err(format!(
+                    "a record of kind {kind}, which format version {major}.{minor} (the file's) does not have: the \
+                     record's header is damaged (its kind is not covered by the checksum)"
+                ));
+            }
+            _ => {
+                self.trace.skipped += 1;
+                return Ok(());
+            }
+        }
+        if self.exact && cursor.remaining() > 0 && kind != record::EVENTS {
+            return Err(format!(
+                "a {} record of {} bytes has {} bytes past its fields, which format version {}.{} does not have: \
+                 the record's header is damaged (its kind is not covered by the checksum)",
+                record::name(kind),
+                payload.len(),
+                cursor.remaining(),
+                self.trace.version.0,
+                self.trace.version.1
+            ));
+        }
+        Ok(())
+    }
+
+    /// The end record's counts against what was read: the recording's records, this one
+    /// included, and (for a version this reader knows whole) its events.
+    fn check_end(&self, end: &End) -> Result<(), String> {
+        let records = self.record + 1;
+        let events_differ = self.exact && end.events != self.count;
+        if end.records != records || events_differ {
+            return Err(format!(
+                "the end record says the recording wrote {} events in {} records, but {} events in {records} records \
+                 were read: a record before it was lost or misread (a damaged record header), or this is not an end \
+                 record",
+                end.events, end.records, self.count
+            ));
         }
         Ok(())
     }
@@ -372,6 +423,14 @@ impl Reader<'_> {
             }
             match Event::decode(&words[at..at + size])? {
                 Some(event) => self.event(event),
+                None if self.exact => {
+                    let (major, minor) = self.trace.version;
+                    return Err(format!(
+                        "an event at word {at} of the record has kind {}, which format version {major}.{minor} (the \
+                         file's) does not have",
+                        format::split_word1(words[at + 1]).kind
+                    ));
+                }
                 None => self.trace.skipped += 1,
             }
             at += size;

@@ -168,8 +168,16 @@ fn a_newer_minor_versions_header_bytes_records_and_event_kinds_are_skipped() {
     payload.extend(unknown.iter().flat_map(|word| word.to_le_bytes()));
     payload.extend_from_slice(&events_payload[first_size..]);
     newer.extend(record(1, &payload));
-    for (_, kind, payload) in records_of.iter().filter(|(_, kind, _)| *kind != 1) {
-        newer.extend(record(*kind, payload));
+    let kept: Vec<_> = records_of.iter().filter(|(_, kind, _)| *kind != 1).collect();
+    for (_, kind, payload) in &kept {
+        let mut payload = payload.to_vec();
+        if *kind == 5 {
+            // The newer writer's end record counts every record it wrote, the one of a
+            // kind this reader does not know included.
+            let records = 2 + kept.len() as u64;
+            payload[8..16].copy_from_slice(&records.to_le_bytes());
+        }
+        newer.extend(record(*kind, &payload));
     }
     let trace = read(&newer);
     assert_eq!(trace.version, (1, 7));
@@ -232,6 +240,38 @@ fn a_corrupt_record_stops_the_reader_there_with_a_checksum_error() {
     corrupt[at + 4..at + 8].copy_from_slice(&u32::MAX.to_le_bytes());
     let damage = read(&corrupt).damage.unwrap();
     assert!(matches!(damage.kind, DamageKind::Malformed(_)) && damage.offset == at as u64, "{damage}");
+}
+
+/// A record's header is not under its checksum: a flipped bit in its kind made an
+/// events record an unknown kind (skipped), a thread record (its payload ignored past a
+/// name) or the end record (everything after it unread, its counts garbage), and a
+/// tenant record a thread, each read back as a clean, finished trace with records
+/// missing. A 1.0 file holds nothing a 1.0 reader does not know, so each is damage.
+#[test]
+fn a_flipped_bit_in_a_records_kind_is_damage_never_a_clean_trace_with_records_missing() {
+    let bytes = synthetic_bytes();
+    let whole = read(&bytes);
+    assert!(whole.damage.is_none() && whole.end.is_some());
+    for (index, (at, kind, _)) in records(&bytes).into_iter().enumerate() {
+        for bit in 0..32 {
+            let mut flipped = bytes.clone();
+            flipped[at + bit / 8] ^= 1 << (bit % 8);
+            let trace = read(&flipped);
+            let damage = trace.damage.clone().unwrap_or_else(|| {
+                panic!("record {index} (kind {kind}) at byte {at}, kind bit {bit} flipped: read as undamaged")
+            });
+            assert!(damage.offset >= at as u64, "the damage is at or after the flipped record: {damage}");
+            assert!(damage.to_string().contains("corrupt at byte"), "{damage}");
+            assert_eq!(damage.events_before, trace.events.len() as u64);
+            assert!(trace.end.is_none(), "an end record that does not match what was read is not kept: {damage}");
+        }
+    }
+    // Events (1) read as the end record (5): the counts it claims are not what was read.
+    let (at, _, _) = records(&bytes).into_iter().find(|(_, kind, _)| *kind == 1).unwrap();
+    let mut flipped = bytes.clone();
+    flipped[at] ^= 4;
+    let damage = read(&flipped).damage.unwrap();
+    assert!(matches!(&damage.kind, DamageKind::Malformed(what) if what.contains("the end record says")), "{damage}");
 }
 
 #[test]
