@@ -400,8 +400,21 @@ impl NodeBooks {
         move |source| BooksIoError::new(&self.inner.path, operation, source).into()
     }
 
+    /// [`NodeError::Forked`] when this process is not the one that opened the books (a
+    /// fork of it: the `flock` and the slots it inherited are its parent's).
+    pub(crate) fn check_not_forked(&self) -> Result<(), NodeError> {
+        let pid = u64::from(std::process::id());
+        if pid == self.inner.me.pid {
+            return Ok(());
+        }
+        Err(NodeError::Forked { path: self.inner.path.clone(), opened_by: self.inner.me.pid, pid })
+    }
+
     /// Runs `f` holding the books' lock (the process's mutex, then `flock`).
     pub(crate) fn with_lock<R>(&self, f: impl FnOnce(&Shared) -> R) -> Result<R, NodeError> {
+        // A fork shares the parent's open file, and so the parent's `flock`: taking it
+        // here would not exclude the parent.
+        self.check_not_forked()?;
         let _process = lock(&self.inner.lock);
         let _file = self.inner.map.lock().map_err(self.io("lock"))?;
         Ok(f(self.shared()))
@@ -534,7 +547,8 @@ impl NodeBooks {
     /// whenever the node refuses them a grant; call it to settle the books at once.
     ///
     /// # Errors
-    /// The lock's I/O error.
+    /// The lock's I/O error; [`NodeError::Forked`] in a fork of the process that opened
+    /// the books.
     pub fn refund_dead(&self) -> Result<Vec<Refund>, NodeError> {
         self.with_lock(|shared| self.refund_locked(shared))
     }
@@ -546,6 +560,7 @@ impl NodeBooks {
         // The process's side of the lock within the same wait: another thread of this
         // process may be waiting for the file's lock (a join, a leave, `refund_dead`)
         // for as long as a peer keeps it.
+        self.check_not_forked()?;
         let deadline = std::time::Instant::now() + wait;
         let _process = loop {
             match self.inner.lock.try_lock() {

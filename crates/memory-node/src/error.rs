@@ -177,6 +177,24 @@ pub enum NodeError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The books (or the member) were opened by another process, of which this one is a
+    /// fork: it shares that process's slot and its hold on the books' lock (`flock` is
+    /// per open file, which a fork shares), so it may neither lock the books nor draw,
+    /// give back or free grants through them.
+    #[error(
+        "the node books at {} were opened by process {opened_by}, and this is process {pid}, a fork of it: a \
+         forked process shares its parent's slot and lock, so it may not use them; open the books again in this \
+         process (NodeBooks::open) and join them with a governor of its own",
+        path.display()
+    )]
+    Forked {
+        /// The file.
+        path: PathBuf,
+        /// The process that opened the books.
+        opened_by: u64,
+        /// This process.
+        pid: u64,
+    },
     /// An I/O error on the books (the lock, the timer thread).
     #[error(transparent)]
     Io(#[from] BooksIoError),

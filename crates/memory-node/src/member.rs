@@ -186,6 +186,11 @@ pub(crate) struct MemberInner {
 /// `HardLimit` policies and zero limits there. Otherwise the inner policies come back,
 /// the grants keep covering what the governor uses, and the slot stays until the
 /// process exits, when a survivor refunds it.
+///
+/// A fork of the process inherits a copy of the member, but the slot, its grants and
+/// the timer stay the parent's: in the fork, the copy draws, gives back and publishes
+/// nothing, and dropping it touches nothing ([`NodeError::Forked`] from the calls that
+/// would). A forked process that should be governed opens the books again and joins.
 pub struct Member {
     inner: Arc<MemberInner>,
     timer: Option<std::thread::JoinHandle<()>>,
@@ -230,8 +235,9 @@ impl NodeBooks {
     /// devices ([`Member::govern_device`]) and tenants ([`Member::bind_tenant`]).
     ///
     /// # Errors
-    /// [`NodeError::SlotsFull`] when every slot is held by a live process; the lock's or
-    /// the timer thread's I/O error.
+    /// [`NodeError::SlotsFull`] when every slot is held by a live process;
+    /// [`NodeError::Forked`] in a fork of the process that opened the books (open them
+    /// again there); the lock's or the timer thread's I/O error.
     pub fn join(&self, governor: &Governor) -> Result<Member, NodeError> {
         let _ = self.refund_dead()?;
         let me = self.inner.me;
@@ -303,9 +309,11 @@ impl Member {
     ///
     /// # Errors
     /// [`NodeError::AlreadyGoverned`]; [`NodeError::GrantRefused`] when the node cannot
-    /// grant what the governor already holds; a governor or entry error.
+    /// grant what the governor already holds; [`NodeError::Forked`] in a fork of the
+    /// member's process; a governor or entry error.
     pub fn govern_device(&self, device: DeviceKey, inner: Arc<dyn AdmissionPolicy>) -> Result<(), NodeError> {
         let member = &self.inner;
+        member.books.check_not_forked()?;
         if lock(&member.devices).iter().any(|grant| grant.key == device) {
             return Err(NodeError::AlreadyGoverned { device });
         }
@@ -370,9 +378,11 @@ impl Member {
     /// # Errors
     /// [`NodeError::NotGoverned`] when the account's device is not governed here;
     /// [`NodeError::AlreadyBound`] when the account is bound already;
-    /// [`NodeError::GrantRefused`]; an unknown authority, a name error.
+    /// [`NodeError::GrantRefused`]; [`NodeError::Forked`] in a fork of the member's
+    /// process; an unknown authority, a name error.
     pub fn bind_tenant(&self, authority: AuthorityIdentity, tenant: &str) -> Result<(), NodeError> {
         let member = &self.inner;
+        member.books.check_not_forked()?;
         if let Some(bound) = member.tenant(authority) {
             return Err(NodeError::AlreadyBound { authority, tenant: bound.name.clone() });
         }
@@ -463,6 +473,15 @@ impl Member {
             return LeaveReport { given_back: 0, still_held: 0, slot_freed: false };
         };
         let member = &self.inner;
+        if member.books.check_not_forked().is_err() {
+            // A fork's copy of its parent's member: the timer is a thread of the parent
+            // (joining it here would wait forever) and the slot and grants are the
+            // parent's, which goes on using them. Leave both alone.
+            std::mem::forget(timer);
+            tracing::warn!(path = %member.books.path().display(), slot = member.slot,
+                "a forked process dropped its parent's node member: the parent's slot is left alone");
+            return LeaveReport { given_back: 0, still_held: 0, slot_freed: false };
+        }
         *lock(&member.stop) = true;
         member.wake.notify_all();
         let _ = timer.join();
@@ -533,6 +552,11 @@ impl MemberInner {
     /// local limit. Returns the bytes drawn (0: the node had none, even after refunding
     /// dead slots and waiting `pressure_wait` for other members' surplus).
     fn grow(&self, target: Target<'_>, missing: u64) -> u64 {
+        if self.books.check_not_forked().is_err() {
+            // The slot is the parent's: a fork draws nothing into it (its grants would
+            // stay there, unknown to the parent, and be refunded with the parent).
+            return 0;
+        }
         let missing = missing.max(1);
         let want = missing.max(self.config().grant_chunk);
         let shared = self.shared();
@@ -619,6 +643,10 @@ impl MemberInner {
     /// Gives surplus back: down to what is used plus the margin (none under pressure,
     /// or when leaving). Returns the bytes given back.
     fn give_back_surplus(&self, leaving: bool) -> u64 {
+        if self.books.check_not_forked().is_err() {
+            // The slot's words are the parent's grants, not this fork's to lower.
+            return 0;
+        }
         let config = self.config();
         let (margin, tick) = (config.margin, config.tick);
         let shared = self.shared();
@@ -701,6 +729,9 @@ impl MemberInner {
 
     /// Writes allocated and reserved per device and allocated per tenant into the slot.
     fn publish(&self, snapshot: &GovernorSnapshot) {
+        if self.books.check_not_forked().is_err() {
+            return;
+        }
         let entry = &self.shared().slots[self.slot];
         for device in lock(&self.devices).iter() {
             let (allocated, reserved) = snapshot.device(device.key).map_or((0, 0), |d| (d.allocated, d.reserved));

@@ -541,6 +541,7 @@ fn child_role() {
     match std::env::var(ROLE).as_deref() {
         Ok("hammer") => hammer(),
         Ok("stall") => stall(),
+        Ok("forker") => forker(),
         Ok("newcomer") => newcomer(),
         _ => {}
     }
@@ -696,4 +697,80 @@ fn stall() {
             std::thread::sleep(Duration::from_secs(1));
         }
     });
+}
+
+#[test]
+fn a_fork_of_a_member_leaves_its_parents_slot_alone() {
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let (books, config, _cleanup) = setup("fork", 32 * MIB, 32 * MIB);
+    let mut child = spawn(&config, "forker", 0);
+    // A fork that waits forever (joining its parent's timer thread) shows as a forker
+    // that never ends.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the forker hung: its fork waited forever, dropping its copy of the member");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let result = result_of(child);
+    assert_eq!(result["ok"], true, "{result}");
+    println!("a fork of a member: {result}");
+    assert_settled(&books);
+}
+
+/// Joins, holds 2 MiB, then forks (`pre_exec` runs in the fork): the fork may not join
+/// with the books it inherited, draws nothing into the parent's slot when it allocates
+/// past the local grant, and dropping its copy of the member (as its exit would) leaves
+/// the parent's slot as it was.
+fn forker() {
+    use std::os::unix::process::CommandExt;
+    // A timer that sleeps through the test: no give-back moves the slot's words, and no
+    // lock of the member is held when the process forks.
+    let config = config_from_env().with_tick(Duration::from_secs(3600)).with_refund_interval(Duration::from_secs(3600));
+    let books = NodeBooks::open_existing(config).unwrap();
+    let engine = engine(&books, GPU, &TENANTS, || system(GPU));
+    let held = allocate(&engine.tenants[0], 2 * MIB).unwrap();
+    let pid = std::process::id();
+    let before = slot_grants(&books.snapshot(), pid);
+    let mut inherited = Some(engine);
+    let mut command = Command::new("true");
+    // SAFETY: the closure runs in the fork, before exec; this process's other thread
+    // (the member's timer) sleeps on its condition variable, holding no lock.
+    unsafe {
+        command.pre_exec(move || {
+            let Some(engine) = inherited.take() else { return Ok(()) };
+            // Distinct errnos say, in the parent, which expectation failed.
+            match engine.member.books().join(&engine.governor) {
+                Err(memory_node::NodeError::Forked { .. }) => {}
+                _ => return Err(std::io::Error::from_raw_os_error(71)), // EPROTO
+            }
+            if allocate(&engine.tenants[0], 8 * MIB).is_some() {
+                return Err(std::io::Error::from_raw_os_error(74)); // EBADMSG
+            }
+            drop(engine);
+            Ok(())
+        });
+    }
+    let status = command.spawn().and_then(|mut fork| fork.wait());
+    let after = slot_grants(&books.snapshot(), pid);
+    let slot = books.snapshot().slot_of(u64::from(pid)).cloned();
+    let ok = matches!(&status, Ok(status) if status.success()) && before == after && slot.is_some();
+    println!(
+        "RESULT {}",
+        serde_json::json!({
+            "ok": ok,
+            "fork": format!("{status:?}"),
+            "before": before,
+            "after": after,
+            "slot": slot.map(|slot| slot.state),
+        })
+    );
+    drop(held);
+    drop(command);
 }
