@@ -570,6 +570,9 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
             ReleaseOutcome::Quarantined(quarantine) => {
                 let (block, error, unmapped, residual) = capped(quarantine, &allocation);
                 cell.hold(&block);
+                // Part of the block may be gone: the caller's retry goes to the inner
+                // allocator again, never into a class list (whatever room it has then).
+                cell.class.store(NO_CLASS, Ordering::Relaxed);
                 taken.restore();
                 own.counters.undo_release(allocation.bytes());
                 ReleaseOutcome::quarantined(allocation, unmapped, residual, error)

@@ -168,7 +168,8 @@ enum Key {
 ///   state), so a foreign, forged or repeated release is refused and handed back.
 /// - An inner release that fails or quarantines the caller's own block leaves it live,
 ///   so the caller can retry through the pool; a quarantine is reported with its byte
-///   counts capped to the caller's block. A cached block or free segment the inner
+///   counts capped to the caller's block, and the block is never cached afterwards
+///   (part of it may be gone): the retry goes to the inner allocator again. A cached block or free segment the inner
 ///   allocator refuses stays cached; one it quarantines is held for the next trim.
 ///
 /// Capabilities of the inner allocator are not forwarded: a cached block is not tied

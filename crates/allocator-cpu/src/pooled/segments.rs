@@ -85,15 +85,30 @@ struct Segment {
     /// The allocation clock when it last became wholly free (least recently idle goes
     /// first).
     idle_since: u64,
-    /// Some piece was given up with the device: nothing in it is reused or freed.
-    lost: bool,
+    /// Whether it may be reused (given up with the device, or damaged by a quarantined
+    /// release, it is not).
+    standing: Standing,
     /// The inner allocator quarantined it on release; the next trim retries.
     quarantined: bool,
 }
 
+/// Whether a segment may be reused.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Standing {
+    /// Cached and reused as usual.
+    Sound,
+    /// Some piece was given up with the device (`forget_lost`): nothing in it is reused
+    /// or freed.
+    Lost,
+    /// The inner allocator quarantined its release for a caller (part of it may be gone
+    /// already): its one piece is live again for the caller's retry, which goes to the
+    /// inner allocator, never into the cache.
+    Damaged,
+}
+
 impl Segment {
     fn is_idle(&self) -> bool {
-        self.live == 0 && !self.lost && !self.quarantined && self.block.is_some()
+        self.live == 0 && self.standing == Standing::Sound && !self.quarantined && self.block.is_some()
     }
 }
 
@@ -151,7 +166,7 @@ impl Segments {
             head: usize::MAX,
             live: 1,
             idle_since: 0,
-            lost: false,
+            standing: Standing::Sound,
             quarantined: false,
         });
         let state = PieceState::Live { bytes: request.bytes(), align: request.align() };
@@ -325,7 +340,7 @@ impl Segments {
     fn lose(&mut self, slot: usize) -> Option<RawAllocation> {
         let segment = self.pieces.get(slot)?.segment;
         self.piece_mut(slot).state = PieceState::Lost;
-        if self.segments.get(segment).is_some_and(|entry| !entry.lost) {
+        if self.segments.get(segment).is_some_and(|entry| entry.standing != Standing::Lost) {
             // Its free pieces leave the cache for good.
             for piece in self.pieces_of(segment) {
                 let Piece { state, size, .. } = *self.pieces.get(piece)?;
@@ -335,7 +350,7 @@ impl Segments {
             }
         }
         let entry = self.segments.get_mut(segment)?;
-        entry.lost = true;
+        entry.standing = Standing::Lost;
         entry.live -= 1;
         if entry.live > 0 {
             return None;
@@ -374,7 +389,8 @@ impl Segments {
                 let free = piece.state == PieceState::Free;
                 assert!(!(free && previous_free), "two free pieces neighbour in segment {index}");
                 live += usize::from(matches!(piece.state, PieceState::Live { .. } | PieceState::Releasing));
-                let reusable = free && !segment.lost && !segment.quarantined && segment.block.is_some();
+                let reusable =
+                    free && segment.standing == Standing::Sound && !segment.quarantined && segment.block.is_some();
                 assert_eq!(self.free.contains(&(piece.size, slot)), reusable, "free index at piece {slot}");
                 if reusable {
                     cached += piece.size;
@@ -566,13 +582,10 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         large.counters.live_bytes -= allocation.bytes() as u64;
         large.counters.live_blocks -= 1;
         let Piece { segment, size, prev, next, .. } = *large.pieces.get(slot).expect("validated above");
-        if large.segments.get(segment).is_some_and(|entry| entry.lost) {
-            // Another piece went with the device: nothing in the segment is reused or freed.
-            let forgotten = large.lose(slot);
-            drop(guard);
-            taken.free();
-            self.inner.forget_lost(forgotten.into_iter().collect());
-            return ReleaseOutcome::complete(0);
+        if let Some(entry) = large.segments.get(segment)
+            && entry.standing != Standing::Sound
+        {
+            return self.release_unsound_piece(guard, taken, (slot, segment), allocation);
         }
         let whole = prev.is_none() && next.is_none();
         let mut evictions = if whole {
@@ -590,6 +603,32 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
         drop(guard);
         taken.free();
         self.finish_evictions(evictions);
+        ReleaseOutcome::complete(0)
+    }
+
+    /// Releases a piece of a segment that is not reused: one given up with the device
+    /// (the piece is given up too, and the segment forgotten once no piece of it is
+    /// live), or one whose release for the caller the inner allocator quarantined (the
+    /// caller's retry goes to the inner allocator again, whatever room the cache has).
+    #[cold]
+    fn release_unsound_piece(
+        &self,
+        mut guard: MutexGuard<'_, Segments>,
+        taken: TakenRecord<'_, LiveCells>,
+        (slot, segment): (usize, usize),
+        allocation: RawAllocation,
+    ) -> ReleaseOutcome {
+        let large: &mut Segments = &mut guard;
+        if large.segments.get(segment).is_some_and(|entry| entry.standing == Standing::Damaged) {
+            // A damaged segment is a single piece, the caller's (it was whole when passed
+            // through): back to the inner allocator, counted live again if it refuses.
+            return self.pass_piece_through(guard, taken, (slot, segment), allocation, Vec::new());
+        }
+        // Another piece went with the device: nothing in the segment is reused or freed.
+        let forgotten = large.lose(slot);
+        drop(guard);
+        taken.free();
+        self.inner.forget_lost(forgotten.into_iter().collect());
         ReleaseOutcome::complete(0)
     }
 
@@ -628,9 +667,13 @@ impl<A: DeviceAllocator> PooledAllocator<A> {
                 (block, Ok((error, unmapped, residual)))
             }
         };
-        // Live again: the caller may retry.
+        // Live again: the caller may retry. After a quarantine part of the block may be
+        // gone, so the retry goes to the inner allocator again, never into the cache.
         if let Some(entry) = large.segments.get_mut(segment) {
             entry.block = Some(block);
+            if result.is_ok() {
+                entry.standing = Standing::Damaged;
+            }
         }
         large.piece_mut(slot).state = PieceState::Live { bytes: allocation.bytes(), align: allocation.align() };
         large.counters.live_bytes += allocation.bytes() as u64;

@@ -1084,3 +1084,57 @@ fn with_no_size_classes_a_zero_byte_block_released_on_another_thread_goes_back_t
     assert_eq!(pool.held_bytes(), 0, "the pool holds no inner block");
     pool.assert_consistent();
 }
+
+#[test]
+fn a_class_block_whose_inner_release_was_quarantined_is_never_cached_again() {
+    // One share of 4 KiB: a second 4 KiB block passes through, and the inner allocator
+    // quarantines it (part of it is gone). Once the cache has room again, the caller's
+    // retry must still go to the inner allocator: cached, the damaged block would be
+    // handed to the next request.
+    let pool = PooledAllocator::with_config(FaultyAllocator::new(SystemAllocator::new()), one_shard(4 * KIB));
+    let (a, b) = (pool.allocate(&request(4 * KIB, 8)).unwrap(), pool.allocate(&request(4 * KIB, 8)).unwrap());
+    let damaged = b.address();
+    assert!(pool.release(a).is_complete(), "cached");
+    pool.inner().quarantine_nth_release(1, 2 * KIB, 2 * KIB);
+    let ReleaseOutcome::Quarantined(quarantine) = pool.release(b) else { panic!("the inner release is quarantined") };
+    let (b, _) = quarantine.into_parts();
+    assert_eq!(pool.trim(), 4 * KIB, "the cache is empty again");
+    let ReleaseOutcome::Complete(done) = pool.release(b) else { panic!("the retry completes") };
+    assert_eq!(done.unmapped_bytes(), 4 * KIB, "the retry went to the inner allocator");
+    assert_eq!(pool.inner().inner().stats().unwrap().live_allocations, 0, "the damaged block is gone");
+    let stats = pool.pool_stats();
+    assert_eq!((stats.cached_bytes, stats.live_blocks), (0, 0), "{stats:?}");
+    let next = pool.allocate(&request(4 * KIB, 8)).unwrap();
+    assert_eq!(pool.pool_stats().hits, 0, "served fresh, not from the damaged block (at {damaged})");
+    assert!(pool.release(next).is_complete());
+    pool.assert_consistent();
+}
+
+#[test]
+fn a_segment_whose_inner_release_was_quarantined_is_never_cached_again() {
+    // A 1 MiB segment passes through (a partly used segment's free half fills the cap)
+    // and the inner allocator quarantines it. Once the cap has room, the caller's retry
+    // must still go to the inner allocator, not into the free index.
+    let config = PoolConfig { max_cached_bytes: MIB, max_class_bytes: 64 * KIB, shards: 1 };
+    let pool = PooledAllocator::with_config(FaultyAllocator::new(SystemAllocator::new()), config);
+    let whole = pool.allocate(&request(512 * KIB, 8)).unwrap();
+    assert!(pool.release(whole).is_complete());
+    let half = pool.allocate(&request(256 * KIB, 8)).unwrap();
+    let big = pool.allocate(&request(MIB, 8)).unwrap();
+    let damaged = big.address();
+    pool.inner().quarantine_nth_release(1, 512 * KIB, 512 * KIB);
+    let ReleaseOutcome::Quarantined(quarantine) = pool.release(big) else { panic!("passed through, quarantined") };
+    let (big, _) = quarantine.into_parts();
+    assert!(pool.release(half).is_complete());
+    assert_eq!(pool.trim(), 512 * KIB, "the free segment went back: the cap has room");
+    let ReleaseOutcome::Complete(done) = pool.release(big) else { panic!("the retry completes") };
+    assert_eq!(done.unmapped_bytes(), MIB, "the retry went to the inner allocator");
+    assert_eq!(pool.inner().inner().stats().unwrap().live_allocations, 0, "the damaged segment is gone");
+    let stats = pool.pool_stats();
+    assert_eq!((stats.cached_bytes, stats.segments, stats.live_blocks), (0, 0, 0), "{stats:?}");
+    let hits = pool.pool_stats().hits;
+    let next = pool.allocate(&request(MIB, 8)).unwrap();
+    assert_eq!(pool.pool_stats().hits, hits, "served fresh, not from the damaged segment (at {damaged})");
+    assert!(pool.release(next).is_complete());
+    pool.assert_consistent();
+}
