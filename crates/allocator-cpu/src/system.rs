@@ -342,6 +342,11 @@ mod os_pages {
         unreachable!("large blocks come from the OS only on unix")
     }
 
+    /// Never called: no block comes from the OS here.
+    ///
+    /// # Safety
+    /// None beyond the unix version's (a block [`map`] made, unused); as [`map`] never
+    /// makes one, there is nothing to uphold.
     pub(super) unsafe fn unmap(_address: u64, _bytes: usize) {
         unreachable!("large blocks come from the OS only on unix")
     }
