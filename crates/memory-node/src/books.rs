@@ -355,8 +355,10 @@ impl NodeBooks {
     /// default) if there are none.
     ///
     /// # Errors
-    /// [`OpenError`]: the file is of another version, truncated or corrupt, this user
-    /// may not open it, or another I/O error; each says what to do.
+    /// [`OpenError`]: the name is not a file name, the file is of another version,
+    /// truncated or corrupt, this user may not open it, its directory does not exist or
+    /// may not be written (to create it), its file system has no room for it, or another
+    /// I/O error; each says what to do.
     pub fn open(config: NodeConfig) -> Result<NodeBooks, OpenError> {
         NodeBooks::open_with(config, true)
     }
@@ -364,12 +366,27 @@ impl NodeBooks {
     /// Opens existing books only (never creates them).
     ///
     /// # Errors
-    /// As [`NodeBooks::open`], and [`OpenError::Io`] when there are none.
+    /// As [`NodeBooks::open`], and [`OpenError::Missing`] when there are none.
     pub fn open_existing(config: NodeConfig) -> Result<NodeBooks, OpenError> {
         NodeBooks::open_with(config, false)
     }
 
     fn open_with(config: NodeConfig, create: bool) -> Result<NodeBooks, OpenError> {
+        let name = &config.name;
+        let reason = if name.is_empty() {
+            Some("it is empty")
+        } else if name.contains('/') {
+            Some("it holds a '/' (it would name another directory)")
+        } else if name == "." || name == ".." {
+            Some("it names a directory")
+        } else if name.contains('\0') {
+            Some("it holds a NUL byte")
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(OpenError::Name { name: name.clone(), reason });
+        }
         let path = config.path();
         let me = Identity::current().map_err(|source| BooksIoError::new(&path, "identify this process for", source))?;
         let (map, created) = Mapping::open(&path, config.mode, create)?;

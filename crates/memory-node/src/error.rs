@@ -81,6 +81,49 @@ pub enum OpenError {
         /// The bytes the books need.
         needed: u64,
     },
+    /// The books could not be made in their directory: it does not exist, is on a
+    /// read-only file system, or this user may not write to it.
+    #[error(
+        "could not create the node books {name:?} in {} ({found}; this process runs as uid {uid}): {source}; \
+         create the directory or let this user write to it, choose another directory \
+         (NodeConfig::with_directory), or have a process that may write there create the books (NodeBooks::open) \
+         for this one to join",
+        directory.display()
+    )]
+    Directory {
+        /// The directory.
+        directory: PathBuf,
+        /// The books' file name.
+        name: String,
+        /// What was found there: "it does not exist", "owner uid 0, mode 0755", ...
+        found: String,
+        /// The calling process's uid.
+        uid: u32,
+        /// The error of creating the file.
+        #[source]
+        source: std::io::Error,
+    },
+    /// [`NodeBooks::open_existing`](crate::NodeBooks::open_existing) found no books.
+    #[error(
+        "there are no node books at {}: NodeBooks::open_existing never creates them; open them with \
+         NodeBooks::open (which does), or check the books' name and directory (NodeConfig)",
+        path.display()
+    )]
+    Missing {
+        /// The file looked for.
+        path: PathBuf,
+    },
+    /// The books' name is not a plain file name.
+    #[error(
+        "the node books name {name:?} is not usable: {reason}; give NodeConfig::new a plain file name (and the \
+         directory to NodeConfig::with_directory)"
+    )]
+    Name {
+        /// The name.
+        name: String,
+        /// Why not.
+        reason: &'static str,
+    },
     /// Another I/O error ("open", "map", "create", ...).
     #[error(transparent)]
     Io(#[from] BooksIoError),

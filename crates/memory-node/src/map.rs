@@ -61,6 +61,13 @@ impl Mapping {
                     }
                     // Another process created it first: join that one.
                 }
+                Err(error) if error.kind() == ErrorKind::NotFound => {
+                    return Err(OpenError::Missing { path: path.to_owned() });
+                }
+                Err(error) if error.kind() == ErrorKind::NotADirectory => {
+                    let name = path.file_name().map_or_else(String::new, |name| name.to_string_lossy().into_owned());
+                    return Err(directory_error(path, name, error));
+                }
                 Err(error) if error.kind() == ErrorKind::PermissionDenied => return Err(permission(path)),
                 Err(error) => return Err(io(path, "open")(error)),
             }
@@ -74,12 +81,13 @@ impl Mapping {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let name = path.file_name().map_or_else(|| "books".into(), |name| name.to_string_lossy().into_owned());
         let temporary = path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
-        let file = OpenOptions::new().read(true).write(true).create_new(true).mode(mode).open(&temporary).map_err(
-            |error| match error.kind() {
-                ErrorKind::PermissionDenied => permission(&temporary),
-                _ => io(&temporary, "create")(error),
-            },
-        )?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&temporary)
+            .map_err(|error| directory_error(path, name.clone(), error))?;
         let built = (|| {
             // The mode asked for, whatever the umask.
             file.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(io(&temporary, "set the mode of"))?;
@@ -270,6 +278,26 @@ fn reserve(file: &File, path: &Path) -> Result<(), OpenError> {
         let _ = (file, path);
         Ok(())
     }
+}
+
+/// The error of creating a file in the directory of the books at `path`: the directory's
+/// problem (missing, read-only, not writable) with what was found there, or else an
+/// I/O error naming the books.
+fn directory_error(path: &Path, name: String, error: std::io::Error) -> OpenError {
+    let directory = path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+    let found = match error.kind() {
+        ErrorKind::NotFound | ErrorKind::NotADirectory => match std::fs::metadata(&directory) {
+            Ok(metadata) if !metadata.is_dir() => "it is not a directory".to_owned(),
+            _ => "it does not exist".to_owned(),
+        },
+        ErrorKind::ReadOnlyFilesystem => "it is on a read-only file system".to_owned(),
+        ErrorKind::PermissionDenied => match std::fs::metadata(&directory) {
+            Ok(metadata) => format!("owner uid {}, mode {:04o}", metadata.uid(), metadata.mode() & 0o7777),
+            Err(_) => "it cannot be read".to_owned(),
+        },
+        _ => return io(path, "create")(error),
+    };
+    OpenError::Directory { directory, name, found, uid: rustix::process::getuid().as_raw(), source: error }
 }
 
 /// The permission error for `path`, with its owner and mode when they can be read.

@@ -152,14 +152,14 @@ fn joiner_role() {
 struct SmallTmpfs(PathBuf);
 
 impl SmallTmpfs {
-    fn mount(tag: &str, size: &str) -> Option<SmallTmpfs> {
+    fn mount(tag: &str, options: &str) -> Option<SmallTmpfs> {
         if !rustix::process::getuid().is_root() {
             return None;
         }
         let dir = std::env::temp_dir().join(format!("memory-node-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).ok()?;
         let mounted = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
             .arg(&dir)
             .output()
             .is_ok_and(|output| output.status.success());
@@ -212,7 +212,7 @@ fn books_on_a_full_file_system_are_refused_as_no_space_not_a_sigbus() {
     }
     // A sized file is sparse on tmpfs: its pages were mapped unbacked, and the first
     // write to one (the header, here) killed the opener with SIGBUS.
-    let Some(tmpfs) = SmallTmpfs::mount("full", "64k") else {
+    let Some(tmpfs) = SmallTmpfs::mount("full", "size=64k") else {
         println!("skipped: not root, or no tmpfs could be mounted");
         return;
     };
@@ -226,7 +226,7 @@ fn books_on_a_full_file_system_are_refused_as_no_space_not_a_sigbus() {
     // A sparse books file (written by a build that did not reserve its pages) on a file
     // system with no room for its pages is refused too, before a peer faults on a slot.
     drop(tmpfs);
-    let Some(tmpfs) = SmallTmpfs::mount("sparse", "64k") else { return };
+    let Some(tmpfs) = SmallTmpfs::mount("sparse", "size=64k") else { return };
     let (config, _cleanup) = good_file("sparse");
     let whole = std::fs::read(config.path()).unwrap();
     let sparse = OpenOptions::new().write(true).create_new(true).open(tmpfs.0.join("books")).unwrap();
@@ -256,5 +256,66 @@ fn opener_role() {
             }
             panic!("opened books that have no room: {path:?}");
         }
+    }
+}
+
+#[test]
+fn a_books_directory_that_is_missing_or_read_only_and_a_bad_name_are_refused_naming_them() {
+    // The directory's problems were reported on the temporary file (".NAME.PID.NANOS.tmp")
+    // as an I/O error, or as a permission problem of that file "owner uid 4294967295,
+    // mode 0000" with advice about the books' mode.
+    let missing = std::env::temp_dir().join(format!("memory-node-no-such-dir-{}", std::process::id()));
+    let error = NodeBooks::open(fresh_config("nodir").with_directory(&missing)).unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(&error, OpenError::Directory { directory, found, .. }
+            if *directory == missing && found == "it does not exist"),
+        "{error:?}"
+    );
+    assert!(!message.contains(".tmp") && message.contains("with_directory"), "{message}");
+    assert!(!missing.exists(), "nothing was made");
+    // A "directory" that is a file.
+    let file = fresh_config("plain-file");
+    std::fs::write(file.path(), b"not a directory").unwrap();
+    let _cleanup = Cleanup(file.path());
+    let error = NodeBooks::open(fresh_config("in-a-file").with_directory(file.path())).unwrap_err();
+    assert!(
+        matches!(&error, OpenError::Directory { directory, found, .. }
+            if *directory == file.path() && found == "it is not a directory"),
+        "{error:?}"
+    );
+    // open_existing where there are none: says so, and what opens them.
+    let config = fresh_config("none");
+    let error = NodeBooks::open_existing(config.clone()).unwrap_err();
+    assert!(matches!(&error, OpenError::Missing { path } if *path == config.path()), "{error:?}");
+    assert!(error.to_string().contains("NodeBooks::open "), "{error}");
+    assert!(!config.path().exists());
+    // Names that are not file names.
+    for name in ["", "a/b", "..", "/etc/passwd"] {
+        let error = NodeBooks::open(NodeConfig::new(name).with_directory(common::books_dir())).unwrap_err();
+        assert!(matches!(&error, OpenError::Name { name: found, .. } if found == name), "{name:?}: {error:?}");
+        assert!(error.to_string().contains("plain file name"), "{error}");
+    }
+    // A directory this process may not write: read-only (a read-only tmpfs, as root, who
+    // may write any directory's entries otherwise), or a mode-0555 directory.
+    let readonly = if rustix::process::getuid().is_root() {
+        SmallTmpfs::mount("readonly", "ro,size=64k").map(|tmpfs| (tmpfs, "it is on a read-only file system".to_owned()))
+    } else {
+        None
+    };
+    if let Some((tmpfs, expected)) = readonly {
+        let error = NodeBooks::open(fresh_config("ro").with_directory(&tmpfs.0)).unwrap_err();
+        assert!(
+            matches!(&error, OpenError::Directory { directory, found, .. } if *directory == tmpfs.0 && *found == expected),
+            "{error:?}"
+        );
+        assert!(!error.to_string().contains(".tmp"), "{error}");
+    } else if !rustix::process::getuid().is_root() {
+        let dir = std::env::temp_dir().join(format!("memory-node-ro-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let error = NodeBooks::open(fresh_config("ro").with_directory(&dir)).unwrap_err();
+        let _ = std::fs::remove_dir(&dir);
+        assert!(matches!(&error, OpenError::Directory { found, .. } if found.contains("mode 0555")), "{error:?}");
     }
 }
