@@ -21,15 +21,21 @@
 //!   quarantined release keeps it (the recording still held it); a failed one does nothing;
 //! - a recorded refusal or failure is asked for again: if this configuration admits it,
 //!   it is counted (`recorded_refusals_admitted`) and released at once (the workload
-//!   never had it).
+//!   never had it);
+//! - an event the recording's own books cannot pair (a release or lost block of a block
+//!   the trace never allocated or had already released, an allocation of a block the
+//!   trace still held: events missing from a damaged or merged recording) is reported
+//!   ([`DeviceReport::unpaired`], and a warning in [`table`]); the release is skipped, and
+//!   before such an allocation the replay gives back the block it held under that
+//!   identity, so nothing it allocated is left behind.
 //!
 //! After every event the replay reads the stack's cache figures
 //! (`AllocatorStats::cached_bytes`, `largest_free_bytes`), so `reserved` (allocated +
 //! idle in caches) and the fragmentation (`1 - largest free / cached`) are known at
 //! every step, and at the peak.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 use std::fmt::{self, Write as _};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -43,7 +49,7 @@ use memory_governor::{
     Governor, GovernorConfig, IdentityIssuer, MemoryRole, RawAllocation,
 };
 
-use crate::event::{Event, ReleaseKind, What};
+use crate::event::{Block, Event, ReleaseKind, What};
 use crate::read::Trace;
 
 /// Which allocator stack a replay runs on.
@@ -183,6 +189,35 @@ pub struct ReplayRefusal {
     pub message: String,
 }
 
+/// An event the recording's own books cannot pair with another (see [`DeviceReport::unpaired`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Unpaired {
+    /// The event's index in the trace.
+    pub event: usize,
+    /// Its recorded time.
+    pub ts_ns: u64,
+    /// Its tenant.
+    pub tenant: u32,
+    /// The block's recorded identity (the governed tag).
+    pub id: u64,
+    /// The block's recorded address.
+    pub address: u64,
+    /// What does not pair.
+    pub kind: UnpairedKind,
+}
+
+/// What about an [`Unpaired`] event does not pair.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum UnpairedKind {
+    /// A release (complete or quarantined) or a lost block of a block the trace never
+    /// allocated, or had already released.
+    NotLive,
+    /// An allocation of a block (device, address, identity) the trace still held.
+    AlreadyLive,
+}
+
 /// A block live at the peak.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -273,6 +308,12 @@ pub struct DeviceReport {
     pub skipped_releases: u64,
     /// Blocks still live at the end of the trace (released by the replay).
     pub live_at_end: u64,
+    /// Events the recording's own books cannot pair, in order: releases and lost blocks
+    /// of blocks the trace never allocated or had already released, allocations of a
+    /// block it still held. A recording writes none (each block's allocation comes before
+    /// its release); they mean events are missing (a damaged file read past its damage
+    /// by other tools, or traces merged). The same for every configuration.
+    pub unpaired: Vec<Unpaired>,
     /// Allocation latency through the governor and the stack.
     pub allocate: Latency,
     /// Release latency.
@@ -402,6 +443,7 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
                 recorded_refusals_admitted: 0,
                 skipped_releases: 0,
                 live_at_end: 0,
+                unpaired: Vec::new(),
                 allocate: Latency::default(),
                 release: Latency::default(),
                 final_allocated: 0,
@@ -440,6 +482,9 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
     }
     let mut tenants: HashMap<u32, ReplayTenant> = HashMap::new();
     let mut live: HashMap<(DeviceKey, u64, u64), LiveBlock> = HashMap::new();
+    // The recording's own books: the blocks the trace holds after each event, whatever
+    // this replay admitted.
+    let mut recorded: HashSet<(DeviceKey, u64, u64)> = HashSet::new();
     let bucket_len = trace.events.len().div_ceil(config.timeline_points.max(1)).max(1);
     for (index, event) in trace.events.iter().enumerate() {
         let Some(at) = devices.iter().position(|device| *device == event.device) else { continue };
@@ -456,12 +501,22 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
         let stack = &stacks[at];
         match &event.what {
             What::Allocate(block) => {
+                let identity = (event.device, block.address, block.id);
+                if !recorded.insert(identity) {
+                    run.unpaired(index, event, block, UnpairedKind::AlreadyLive);
+                    // Its release is missing: give back what this replay held under the
+                    // identity, or it would stay charged (and allocated) to the end.
+                    if let Some(held) = live.remove(&identity) {
+                        let holder = tenants.get(&held.tenant).unwrap_or(tenant);
+                        run.release(&holder.governed, held);
+                    }
+                }
                 let role = event.role.unwrap_or(MemoryRole::Other);
                 match attempt(tenant, stack, run, role, block.requested, block.align) {
                     Attempt::Admitted(raw) => {
                         let series = run.series_index[&(event.tenant, role)];
                         run.add(series, raw.bytes() as u64, index);
-                        live.insert((event.device, block.address, block.id), LiveBlock { raw, tenant: key, series });
+                        live.insert(identity, LiveBlock { raw, tenant: key, series });
                     }
                     Attempt::Refused(message) => run.refused(index, event, role, block.requested, false, message),
                     Attempt::Failed => run.report.failures += 1,
@@ -475,7 +530,15 @@ pub fn replay(trace: &Trace, config: &ReplayConfig) -> ReplayReport {
                 let role = event.role.unwrap_or(MemoryRole::Other);
                 retry_recorded(tenant, stack, run, (index, event), role, *requested, *align);
             }
+            What::Release { block, outcome: ReleaseKind::Quarantined, .. }
+                if !recorded.contains(&(event.device, block.address, block.id)) =>
+            {
+                run.unpaired(index, event, block, UnpairedKind::NotLive);
+            }
             What::Release { block, outcome: ReleaseKind::Complete, .. } | What::Lost(block) => {
+                if !recorded.remove(&(event.device, block.address, block.id)) {
+                    run.unpaired(index, event, block, UnpairedKind::NotLive);
+                }
                 match live.remove(&(event.device, block.address, block.id)) {
                     Some(held) => {
                         let holder = tenants.get(&held.tenant).unwrap_or(tenant);
@@ -631,6 +694,17 @@ impl DeviceRun {
         }
     }
 
+    fn unpaired(&mut self, index: usize, event: &Event, block: &Block, kind: UnpairedKind) {
+        self.report.unpaired.push(Unpaired {
+            event: index,
+            ts_ns: event.ts_ns,
+            tenant: event.tenant,
+            id: block.id,
+            address: block.address,
+            kind,
+        });
+    }
+
     fn refused(
         &mut self,
         index: usize,
@@ -781,6 +855,38 @@ impl FromStr for ReplayConfig {
     }
 }
 
+/// The table's warning about `device`'s unpaired events (the same in every report).
+fn unpaired_warning(out: &mut String, trace: &Trace, device: &DeviceReport) {
+    for (kind, what, did) in [
+        (
+            UnpairedKind::NotLive,
+            "releases or loses blocks it never allocated or had already released",
+            "the replay skipped those releases",
+        ),
+        (
+            UnpairedKind::AlreadyLive,
+            "allocates blocks it still held",
+            "the replay gave back the block it held under each such identity before allocating it again",
+        ),
+    ] {
+        let mut of_kind = device.unpaired.iter().filter(|unpaired| unpaired.kind == kind);
+        let Some(first) = of_kind.next() else { continue };
+        let _ = writeln!(
+            out,
+            "warning: on {} the trace {what}: {} such event(s), the first #{} at {:.3} s ({}, id {:#x} at {:#x}); events are \
+             missing from the recording (a damaged file, or traces merged), and {did}; check the trace (memory-trace \
+             info) and record again",
+            device.device,
+            1 + of_kind.count(),
+            first.event,
+            first.ts_ns as f64 / 1e9,
+            trace.tenant_label(first.tenant),
+            first.id,
+            first.address
+        );
+    }
+}
+
 /// Bytes for people: `512 B`, `4.0 KiB`, `1.5 MiB`, `2.00 GiB`.
 pub fn bytes(value: u64) -> String {
     const KIB: f64 = 1024.0;
@@ -855,6 +961,9 @@ pub fn table(trace: &Trace, reports: &[ReplayReport]) -> String {
                 let _ = write!(out, "  {cell:>width$}");
             }
             out.push('\n');
+        }
+        if let Some(first) = reports.first() {
+            unpaired_warning(&mut out, trace, &first.devices[at]);
         }
         for report in reports {
             if let Some(refusal) = report.devices[at].refusals.first() {

@@ -184,3 +184,47 @@ fn the_checked_in_workload_was_recorded_by_the_recorder_with_a_ladder_refusal() 
     );
     assert_eq!(trace.end.map(|end| end.events), Some(trace.events.len() as u64));
 }
+
+/// A trace with events missing (a damaged file, traces merged): a block released twice,
+/// one released that was never allocated, one allocated again while the trace still held
+/// it. Each is reported with its event, and the table warns; the block allocated again is
+/// given back first, so the replay leaves nothing charged (it used to keep the first
+/// block charged, allocated and in host memory to the end, uncounted as live).
+#[test]
+fn events_the_recordings_books_cannot_pair_are_reported_and_leave_nothing_charged() {
+    use memory_trace::replay::UnpairedKind::{AlreadyLive, NotLive};
+    use memory_trace::{Block, Event, ReleaseKind, Tenant, TraceWriter, What};
+    let (a, b) = (Block::new(1, 0x10_0000, 4096, 256), Block::new(2, 0x20_0000, 4096, 256));
+    let allocate = |ts, block| Event::new(ts, 1, GPU, 1, Some(MemoryRole::KvCache), What::Allocate(block));
+    let release = |ts, block| {
+        Event::new(ts, 1, GPU, 1, None, What::Release { block, outcome: ReleaseKind::Complete, residual: 0 })
+    };
+    let mut writer = TraceWriter::new(Vec::new(), 0).unwrap();
+    writer.tenant(&Tenant::new(1, GPU, "chat")).unwrap();
+    for event in [allocate(1, a), allocate(2, a), release(3, a), release(4, a), release(5, b), allocate(6, b)] {
+        writer.event(&event).unwrap();
+    }
+    let trace = read_trace(&writer.finish().unwrap()[..]).unwrap();
+    for &kind in AllocatorKind::ALL {
+        let report = replay::replay(&trace, &ReplayConfig::new(kind));
+        let device = &report.devices[0];
+        let unpaired: Vec<_> = device.unpaired.iter().map(|unpaired| (unpaired.event, unpaired.kind)).collect();
+        assert_eq!(unpaired, [(1, AlreadyLive), (3, NotLive), (4, NotLive)], "{kind}");
+        assert_eq!((device.unpaired[0].id, device.unpaired[0].address), (1, 0x10_0000));
+        assert_eq!(device.final_allocated, 4096, "{kind}: only b, live at the end, is charged at the end");
+        assert_eq!(device.live_at_end, 1, "{kind}");
+        assert_eq!(device.peak_allocated, 4096, "{kind}: never both copies of a at once");
+        let text = table(&trace, std::slice::from_ref(&report));
+        assert!(
+            text.contains(
+                "releases or loses blocks it never allocated or had already released: 2 such event(s), the first #3"
+            ) && text.contains("allocates blocks it still held: 1 such event(s), the first #1")
+                && text.contains("record again"),
+            "{text}"
+        );
+    }
+    // A recorded trace pairs every event.
+    for &kind in AllocatorKind::ALL {
+        assert!(replay::replay(&synthetic(), &ReplayConfig::new(kind)).devices[0].unpaired.is_empty());
+    }
+}
