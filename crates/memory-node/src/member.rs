@@ -172,6 +172,11 @@ pub(crate) struct MemberInner {
     devices: Mutex<Vec<Arc<DeviceGrant>>>,
     tenants: Mutex<Vec<Arc<TenantGrant>>>,
     counters: Counters,
+    /// Held through [`Member::govern_device`] and [`Member::bind_tenant`], so that the
+    /// look for a device governed (an account bound) already and the record of a new one
+    /// are one step: threads racing between them each drew an initial grant and each
+    /// recorded the device or the account (counting its charges twice).
+    setup: Mutex<()>,
     /// Set when the member leaves, before its grants are given back: a shortfall still
     /// being served then draws nothing (its slot may be freed and claimed by another).
     left: AtomicBool,
@@ -269,6 +274,7 @@ impl NodeBooks {
             devices: Mutex::new(Vec::new()),
             tenants: Mutex::new(Vec::new()),
             counters: Counters::default(),
+            setup: Mutex::new(()),
             left: AtomicBool::new(false),
             stop: Mutex::new(false),
             wake: Condvar::new(),
@@ -314,6 +320,7 @@ impl Member {
     pub fn govern_device(&self, device: DeviceKey, inner: Arc<dyn AdmissionPolicy>) -> Result<(), NodeError> {
         let member = &self.inner;
         member.books.check_not_forked()?;
+        let _setup = lock(&member.setup);
         if lock(&member.devices).iter().any(|grant| grant.key == device) {
             return Err(NodeError::AlreadyGoverned { device });
         }
@@ -383,6 +390,7 @@ impl Member {
     pub fn bind_tenant(&self, authority: AuthorityIdentity, tenant: &str) -> Result<(), NodeError> {
         let member = &self.inner;
         member.books.check_not_forked()?;
+        let _setup = lock(&member.setup);
         if let Some(bound) = member.tenant(authority) {
             return Err(NodeError::AlreadyBound { authority, tenant: bound.name.clone() });
         }

@@ -476,3 +476,57 @@ fn lock_as_a_peer(books: &NodeBooks) -> std::fs::File {
     rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).unwrap();
     file
 }
+
+#[test]
+fn a_device_governed_and_an_account_bound_from_many_threads_at_once_are_so_once() {
+    // The AlreadyGoverned / AlreadyBound checks looked before the grant was recorded,
+    // so threads racing past the look each drew an initial grant and each recorded the
+    // device (two node policies, two holders) or the account (its charges counted twice
+    // against the tenant's node quota).
+    use memory_governor::{AccountConfig, Governor, HardLimit};
+    const THREADS: usize = 8;
+    let books = NodeBooks::open(fresh_config("setup-race")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 64 * MIB).unwrap();
+    for round in 0..30 {
+        let device = DeviceKey::host(41);
+        let governor = Governor::new();
+        let authority = memory_governor::BindingRegistry::new()
+            .register_authority(device, Arc::new(format!("tenant-{round}")))
+            .unwrap();
+        governor.open_account(AccountConfig::new(device, authority)).unwrap();
+        let member = books.join(&governor).unwrap();
+        let barrier = std::sync::Barrier::new(THREADS);
+        let (governed, bound) = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    scope.spawn(|| {
+                        barrier.wait();
+                        let governed = member.govern_device(device, Arc::new(HardLimit));
+                        let bound = member.bind_tenant(authority, "tenant-a");
+                        (governed, bound)
+                    })
+                })
+                .collect();
+            let results: Vec<_> = threads.into_iter().map(|thread| thread.join().unwrap()).collect();
+            let governed: Vec<_> = results.iter().map(|(governed, _)| governed).collect();
+            let bound: Vec<_> = results.iter().map(|(_, bound)| bound).collect();
+            (
+                governed.iter().filter(|result| result.is_ok()).count(),
+                bound
+                    .iter()
+                    .filter(|result| {
+                        assert!(
+                            matches!(result, Ok(()) | Err(NodeError::AlreadyBound { .. })),
+                            "round {round}: {result:?}"
+                        );
+                        result.is_ok()
+                    })
+                    .count(),
+            )
+        });
+        assert_eq!((governed, bound), (1, 1), "round {round}: governed {governed} times, bound {bound} times");
+        drop(member);
+    }
+    assert_eq!(books.snapshot().device(DeviceKey::host(41)).map_or(0, |d| d.granted), 0);
+}
