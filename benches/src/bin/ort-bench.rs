@@ -69,7 +69,9 @@
 //! - `governed-pool-pow2`: requests of 1 MiB and more rounded up to a power of two
 //!   before they reach the pool (charged as rounded), so one cached block serves
 //!   nearby shapes, as the arena's power-of-two extension does;
-//! - `governed-pool-cap16`: the pool's cache capped at 16 MiB.
+//! - `governed-pool-cap16`: the pool's cache capped at 16 MiB;
+//! - `governed-pool-keep-heap`: trims leave the C heap's free pages resident
+//!   (`OrtAllocatorConfig::return_free_heap_pages(false)`).
 //!
 //! Targets: (c) p50 <= 1.0x (a), and (c) peak RSS <= 0.9x (a) (goal 0.8x), on every
 //! model and sweep.
@@ -94,7 +96,7 @@ use memory_ort::{GovernedOrtAllocator, OrtAllocatorConfig, OrtAssets, OrtEnviron
 /// The configurations of a default run; the first is the baseline.
 const CONFIGS: [&str; 4] = ["arena", "no-arena", "governed-pool", "governed-system"];
 /// The configurations `--configs` also accepts.
-const EXTRA_CONFIGS: [&str; 8] = [
+const EXTRA_CONFIGS: [&str; 9] = [
     "arena-nopattern",
     "governed-pool-nopattern",
     "governed-pool-trim-shape",
@@ -103,6 +105,7 @@ const EXTRA_CONFIGS: [&str; 8] = [
     "governed-pool-trim-run",
     "governed-pool-pow2",
     "governed-pool-cap16",
+    "governed-pool-keep-heap",
 ];
 
 /// The fixed page size of `pp-ocrv4-det`.
@@ -627,7 +630,8 @@ fn build(name: &str, config: &str, logged: bool) -> Result<Bench, String> {
                     pool
                 }
             };
-            let allocator = governed_allocator(&env, &registry, &governor, tenant, account, inner)?;
+            let adapter = OrtAllocatorConfig::default().return_free_heap_pages(config != "governed-pool-keep-heap");
+            let allocator = governed_allocator(&env, &registry, &governor, tenant, account, inner, adapter)?;
             let builder = env
                 .session_builder()
                 .map_err(|e| e.to_string())?
@@ -693,12 +697,13 @@ fn governed_allocator(
     tenant: AuthorityIdentity,
     account: Account,
     inner: Arc<dyn DeviceAllocator>,
+    config: OrtAllocatorConfig,
 ) -> Result<GovernedOrtAllocator, String> {
     let context = registry.register_provider_context(DeviceKey::HOST, Arc::new("bench")).map_err(|e| e.to_string())?;
     let governed = governor.govern(inner, tenant).map_err(|e| e.to_string())?;
     let mechanism = registry.register_allocator(&context, &tenant, Arc::new(governed)).map_err(|e| e.to_string())?;
     let binding = registry.bind_registered(&mechanism).map_err(|e| e.to_string())?;
-    GovernedOrtAllocator::cpu(env, binding, Some(account), OrtAllocatorConfig::default()).map_err(|e| e.to_string())
+    GovernedOrtAllocator::cpu(env, binding, Some(account), config).map_err(|e| e.to_string())
 }
 
 fn child(args: &[String]) -> Result<(), String> {
@@ -754,7 +759,8 @@ fn child_multi(args: &[String]) -> Result<(), String> {
             let (registry, governor, tenant, account) = governed_tenant()?;
             let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(DeviceKey::HOST)));
             let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
-            let allocator = governed_allocator(&env, &registry, &governor, tenant, account, pool)?;
+            let allocator =
+                governed_allocator(&env, &registry, &governor, tenant, account, pool, OrtAllocatorConfig::default())?;
             let commit =
                 |path: &std::path::Path| env.commit_from_file(&allocator, builder()?, path).map_err(|e| e.to_string());
             let models = (0..sessions)

@@ -111,11 +111,20 @@ pub struct OrtAllocatorStats {
     /// [`OrtAllocatorConfig::charge_runtime_memory`](crate::OrtAllocatorConfig::charge_runtime_memory)).
     /// Not part of `in_use`: no block of the adapter holds it.
     pub runtime_held: u64,
+    /// Trims of the allocator's cache: after the first run of a new input shape, and
+    /// ONNX Runtime's `Shrink` (`NumTrims`).
+    pub trims: u64,
+    /// Bytes those trims returned to the cache's source (`TrimmedBytes`).
+    pub trimmed_bytes: u64,
+    /// Trims after which the C library handed free heap pages back to the operating
+    /// system (`NumHeapReturns`; see
+    /// [`OrtAllocatorConfig::return_free_heap_pages`](crate::OrtAllocatorConfig::return_free_heap_pages)).
+    pub heap_returns: u64,
 }
 
 impl OrtAllocatorStats {
     /// The figures as ONNX Runtime's `GetStats` key/value pairs.
-    pub fn key_values(&self) -> [(&'static str, u64); 16] {
+    pub fn key_values(&self) -> [(&'static str, u64); 19] {
         [
             ("Limit", self.limit),
             ("InUse", self.in_use),
@@ -133,6 +142,9 @@ impl OrtAllocatorStats {
             ("OverdraftInUse", self.overdraft_in_use),
             ("NumSinkBlocks", self.sink_blocks),
             ("RuntimeHeld", self.runtime_held),
+            ("NumTrims", self.trims),
+            ("TrimmedBytes", self.trimmed_bytes),
+            ("NumHeapReturns", self.heap_returns),
         ]
     }
 }
@@ -155,6 +167,9 @@ pub(crate) struct Counters {
     overdraft_in_use: AtomicU64,
     sink_blocks: AtomicU64,
     runtime_held: AtomicU64,
+    trims: AtomicU64,
+    trimmed_bytes: AtomicU64,
+    heap_returns: AtomicU64,
 }
 
 /// Raises a high-water mark to `value`: a plain load first, so the common case (no new
@@ -209,6 +224,9 @@ impl Counters {
             overdraft_in_use: load(&self.overdraft_in_use),
             sink_blocks: load(&self.sink_blocks),
             runtime_held: load(&self.runtime_held),
+            trims: load(&self.trims),
+            trimmed_bytes: load(&self.trimmed_bytes),
+            heap_returns: load(&self.heap_returns),
         }
     }
 }
@@ -552,9 +570,20 @@ impl GovernedBlocks {
         self.live.len()
     }
 
-    /// Returns cached memory of the binding's allocator to its source.
-    pub(crate) fn trim(&self) -> usize {
-        self.binding.allocator().trim()
+    /// Returns cached memory of the binding's allocator to its source, then (as
+    /// configured) the C heap's free pages to the operating system; the bytes the cache
+    /// returned.
+    /// Counted in the adapter's figures and the calling table's.
+    pub(crate) fn trim(&self, caller: &Counters) -> usize {
+        let trimmed = self.binding.allocator().trim();
+        both(&self.counters, caller, |counters| {
+            counters.trims.fetch_add(1, Ordering::Relaxed);
+            counters.trimmed_bytes.fetch_add(trimmed as u64, Ordering::Relaxed);
+        });
+        if self.config.returns_free_heap_pages() && crate::heap::return_free_pages() {
+            both(&self.counters, caller, |counters| _ = counters.heap_returns.fetch_add(1, Ordering::Relaxed));
+        }
+        trimmed
     }
 
     /// The quota `GetStats` reports as the limit.

@@ -698,7 +698,7 @@ impl GovernedSession {
 /// ONNX Runtime will not ask for again.
 fn trim_after(core: &Core, serial: u64, new_shape: Option<u64>) {
     if new_shape.is_some() {
-        let returned = crate::heap::own_work(|| core.blocks.trim());
+        let returned = crate::heap::own_work(|| core.blocks.trim(&core.caller.counters));
         tracing::debug!(serial, returned, "first run of new input shapes: allocator cache trimmed");
     }
 }

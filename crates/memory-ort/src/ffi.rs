@@ -425,7 +425,7 @@ unsafe extern "system" fn shrink(this: *mut OrtAllocator) -> OrtStatusPtr {
     }
     // SAFETY: as `alloc`.
     let core = unsafe { core(this) };
-    match catch_unwind(AssertUnwindSafe(|| own_work(|| core.blocks.trim()))) {
+    match catch_unwind(AssertUnwindSafe(|| own_work(|| core.blocks.trim(&core.caller.counters)))) {
         Ok(bytes) => {
             tracing::debug!(bytes, "ort allocator shrunk: cached memory returned");
             OrtStatusPtr(ptr::null_mut::<OrtStatus>())

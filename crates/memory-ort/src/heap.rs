@@ -22,6 +22,18 @@ pub(crate) fn in_use() -> Option<u64> {
     imp::in_use()
 }
 
+/// Hands the C heap's free pages back to the operating system (glibc's
+/// `malloc_trim(0)`: every arena's wholly free pages, not only the top of the heap);
+/// `true` when the C library gave some back. A no-op answering `false` where the C
+/// library has no such call.
+///
+/// Why: glibc keeps what is freed for later `malloc`s, resident. A trimmed cache whose
+/// blocks came from the heap, and ONNX Runtime's own planning buffers of a new shape,
+/// would otherwise stay in the process's footprint though nothing uses them.
+pub(crate) fn return_free_pages() -> bool {
+    imp::return_free_pages()
+}
+
 /// Measures in progress (commits are serialized, so at most one).
 static MEASURING: AtomicUsize = AtomicUsize::new(0);
 
@@ -109,8 +121,23 @@ mod imp {
     use std::sync::OnceLock;
 
     type Mallinfo2 = unsafe extern "C" fn() -> libc::mallinfo2;
+    type MallocTrim = unsafe extern "C" fn(libc::size_t) -> libc::c_int;
 
     static ENTRY: OnceLock<Option<Mallinfo2>> = OnceLock::new();
+    static TRIM: OnceLock<Option<MallocTrim>> = OnceLock::new();
+
+    pub(super) fn return_free_pages() -> bool {
+        let trim = *TRIM.get_or_init(|| {
+            // SAFETY: as in `entry`: a lookup in the objects already loaded.
+            let symbol: *mut c_void = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc_trim".as_ptr()) };
+            // SAFETY: glibc's `malloc_trim` is `int malloc_trim(size_t pad)` (malloc.h);
+            // the symbol lives as long as libc.
+            (!symbol.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, MallocTrim>(symbol) })
+        });
+        // SAFETY: `malloc_trim` takes each arena's own lock in turn and only returns
+        // pages of chunks that are free; it may be called from any thread at any time.
+        trim.is_some_and(|trim| unsafe { trim(0) } != 0)
+    }
 
     fn entry() -> Option<Mallinfo2> {
         *ENTRY.get_or_init(|| {
@@ -140,6 +167,10 @@ mod imp {
 mod imp {
     pub(super) fn in_use() -> Option<u64> {
         None
+    }
+
+    pub(super) fn return_free_pages() -> bool {
+        false
     }
 }
 
@@ -180,5 +211,47 @@ mod tests {
         assert!(held.saturating_sub(before) >= size as u64 / 2, "{before} -> {held}");
         drop(block);
         assert!(held.saturating_sub(in_use().unwrap()) >= size as u64 / 2);
+    }
+
+    /// Freed heap memory below the top stays resident until [`return_free_pages`]
+    /// hands it back: checked page by page with `mincore` on the freed blocks' own
+    /// addresses, so other tests' memory does not blur it.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn freed_heap_blocks_leave_the_process_once_the_free_pages_are_returned() {
+        const BLOCK: usize = 16 << 10;
+        // 32 MiB in blocks glibc serves from its heap (below its mmap threshold), then
+        // a fence after them, so they are not at the heap's top once freed.
+        let blocks: Vec<Vec<u8>> = (0..2048).map(|_| vec![1u8; BLOCK]).collect();
+        let fence = std::hint::black_box(vec![1u8; BLOCK]);
+        let pages: Vec<usize> = blocks.iter().map(|block| block.as_ptr() as usize).collect();
+        assert!(resident_share(&pages, BLOCK) > 0.9, "the blocks were touched");
+        drop(blocks);
+        let before = resident_share(&pages, BLOCK);
+        assert!(return_free_pages(), "glibc gave pages back");
+        let after = resident_share(&pages, BLOCK);
+        // Other threads of this binary may reuse a few of the freed blocks meanwhile.
+        assert!(after < 0.5 && after < before, "resident share of the freed blocks: {before:.2} -> {after:.2}");
+        drop(fence);
+    }
+
+    /// The share of the whole pages inside `[start, start + len)` for each start that
+    /// are resident.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn resident_share(starts: &[usize], len: usize) -> f64 {
+        let page = 4096;
+        let (mut resident, mut total) = (0usize, 0usize);
+        for &start in starts {
+            let first = start.div_ceil(page) * page;
+            let count = (start + len).saturating_sub(first) / page;
+            let mut vector = vec![0u8; count];
+            // SAFETY: `mincore` only reads the page tables of the given range (of this
+            // process's address space, mapped: the heap) into `vector`, one byte a page.
+            let answer = unsafe { libc::mincore(first as *mut libc::c_void, count * page, vector.as_mut_ptr()) };
+            assert_eq!(answer, 0, "mincore failed: {}", std::io::Error::last_os_error());
+            resident += vector.iter().filter(|&&byte| byte & 1 == 1).count();
+            total += count;
+        }
+        resident as f64 / total.max(1) as f64
     }
 }

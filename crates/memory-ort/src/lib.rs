@@ -126,6 +126,17 @@
 //!   allocator glibc does not see, the growth reads zero. The CUDA allocator does not
 //!   book it ([`OrtAllocatorConfig::cuda`]): the figure is host memory.
 //!
+//! # Shapes that vary
+//! ONNX Runtime allocates every buffer of a new input shape on its own in the shape's
+//! first run and one planned block per run after it, so a caching allocator would keep
+//! the first run's buffers for good. A session therefore trims its allocator after the
+//! first run of each new shape ([`OrtAllocatorConfig::trim_on_new_shapes`]), and each
+//! trim (also ONNX Runtime's `Shrink`) then hands the C heap's free pages back to the
+//! operating system ([`OrtAllocatorConfig::return_free_heap_pages`]; glibc keeps freed
+//! memory resident otherwise, the trimmed blocks and ONNX Runtime's own first-run
+//! buffers with it). Both are counted ([`OrtAllocatorStats::trims`],
+//! [`OrtAllocatorStats::heap_returns`]).
+//!
 //! # Correctness
 //! - **Lifetimes across the boundary.** ONNX Runtime never says when it stops calling
 //!   an allocator. The table lives in a reference-counted core held by every handle,
@@ -150,7 +161,7 @@
 //!   confirmed terminated, once no session holds it.
 //! - **Unsafe code** is confined to `ffi.rs` (the table, memory info, status
 //!   handling), `caller.rs` (setting a run's terminate flag), `sink.rs` (the fixed
-//!   mappings), `heap.rs` (looking up and calling glibc's `mallinfo2`), the two
+//!   mappings), `heap.rs` (looking up and calling glibc's `mallinfo2` and `malloc_trim`), the two
 //!   environment calls and a session's release under the commit lock; every block says
 //!   why it is sound.
 //!
