@@ -169,7 +169,7 @@ impl Drop for CallerTag {
 
 impl Shared {
     /// What a recording to `out` (its header written) shares, before its writer starts.
-    fn new(out: Box<dyn Write + Send>, ring_words: usize) -> Shared {
+    fn new(out: BufWriter<Counted>, ring_words: usize) -> Shared {
         let output = Output {
             out,
             error: None,
@@ -386,9 +386,12 @@ pub struct RecordingSummary {
 #[non_exhaustive]
 pub enum RecordError {
     /// Writing the trace failed; what was written before the error stays readable up to it.
-    #[error("writing the trace failed after {written} bytes: {source}; the file is readable up to there")]
+    #[error(
+        "writing the trace failed after {written} bytes reached it: {source}; the file is readable up to there, and \
+         what was recorded after that is not in it: make room (or fix the output) and record again"
+    )]
     Io {
-        /// Bytes written before the failure.
+        /// Bytes that reached the output before the failure (the header included).
         written: u64,
         /// The error.
         #[source]
@@ -464,9 +467,9 @@ impl Recorder {
         // Smaller than a drained ring's events record (half a ring, 128 KiB by default),
         // so those go to `out` without a copy through the buffer; the small cold records
         // are gathered.
-        let mut out = BufWriter::with_capacity(64 << 10, out);
+        let mut out = BufWriter::with_capacity(64 << 10, Counted::new(Box::new(out), 0));
         format::write_header(&mut out, origin_unix_ns)?;
-        let shared = Arc::new(Shared::new(Box::new(out), config.ring_words));
+        let shared = Arc::new(Shared::new(out, config.ring_words));
         let handle = {
             let shared = Arc::clone(&shared);
             let interval = config.flush_interval;
@@ -587,7 +590,7 @@ impl Drop for Recorder {
 /// It keeps draining after an I/O error (dropping what it cannot write) so that no
 /// recording thread waits on a dead file.
 pub(crate) struct Output {
-    out: Box<dyn Write + Send>,
+    out: BufWriter<Counted>,
     error: Option<io::Error>,
     summary: RecordingSummary,
     /// The end record is written: nothing more goes to the file.
@@ -608,7 +611,7 @@ impl Output {
                 self.summary.records += 1;
                 self.summary.bytes += (format::RECORD_HEADER_BYTES + payload.len()) as u64;
             }
-            Err(error) => self.error = Some(error),
+            Err(error) => self.failed(error),
         }
     }
 
@@ -616,8 +619,58 @@ impl Output {
         if self.error.is_none()
             && let Err(error) = self.out.flush()
         {
-            self.error = Some(error);
+            self.failed(error);
         }
+    }
+
+    /// The first write error: kept for [`Recorder::finish`], and logged now, since a long
+    /// run may not finish for hours (a full disk): from here on nothing reaches the file
+    /// and the rings are drained into nothing, so no recording thread waits on it.
+    #[cold]
+    fn failed(&mut self, error: io::Error) {
+        tracing::error!(
+            %error, written = self.out.get_ref().accepted,
+            "writing the trace failed; recording goes on, but nothing more reaches the file (Recorder::finish will \
+             say so)"
+        );
+        self.error = Some(error);
+    }
+
+    /// Closes the file now, not when the last traced allocator drops, and says how many
+    /// bytes it took. After a write error the bytes still buffered are dropped, not tried
+    /// again, so the count is what the file holds.
+    fn close(&mut self) -> u64 {
+        let closed = std::mem::replace(&mut self.out, BufWriter::new(Counted::new(Box::new(io::sink()), 0)));
+        let (counted, _unwritten) = closed.into_parts();
+        counted.accepted
+    }
+}
+
+/// The recording's output under its buffer, counting the bytes it took: what reached the
+/// file, which an I/O error reports (the bytes handed to the buffer can be up to its
+/// size more).
+pub(crate) struct Counted {
+    inner: Box<dyn Write + Send>,
+    /// Bytes `inner` accepted.
+    accepted: u64,
+}
+
+impl Counted {
+    /// `inner`, which already holds `accepted` bytes.
+    fn new(inner: Box<dyn Write + Send>, accepted: u64) -> Counted {
+        Counted { inner, accepted }
+    }
+}
+
+impl Write for Counted {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(bytes)?;
+        self.accepted += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
     }
 }
 
@@ -779,11 +832,10 @@ fn write_loop(shared: &Shared, interval: Duration) -> Result<RecordingSummary, R
     output.record(end.kind, &end.payload);
     output.flush();
     output.finished = true;
-    // Close the file now, not when the last traced allocator drops.
-    output.out = Box::new(io::sink());
+    let written = output.close();
     match output.error.take() {
         None => Ok(output.summary),
-        Some(source) => Err(RecordError::Io { written: output.summary.bytes, source }),
+        Some(source) => Err(RecordError::Io { written, source }),
     }
 }
 
@@ -813,7 +865,8 @@ mod tests {
         let bytes = Bytes::default();
         let mut out = bytes.clone();
         format::write_header(&mut out, 0).unwrap();
-        (bytes, Shared::new(Box::new(out), ring_words))
+        let out = BufWriter::new(Counted::new(Box::new(out), u64::from(format::HEADER_BYTES)));
+        (bytes, Shared::new(out, ring_words))
     }
 
     #[test]

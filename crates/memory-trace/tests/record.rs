@@ -423,3 +423,64 @@ fn ten_million_events_record_whole() {
     assert!(trace.damage.is_none());
     drop(s);
 }
+
+/// An output with room for `room` bytes, then `StorageFull` (a full disk; a write that
+/// does not fit takes what fits, as a file does).
+struct Full {
+    bytes: Arc<std::sync::Mutex<Vec<u8>>>,
+    room: usize,
+}
+
+impl std::io::Write for Full {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut bytes = self.bytes.lock().unwrap();
+        let fits = buf.len().min(self.room - bytes.len());
+        if fits == 0 && !buf.is_empty() {
+            return Err(std::io::Error::new(std::io::ErrorKind::StorageFull, "no space left on device"));
+        }
+        bytes.extend_from_slice(&buf[..fits]);
+        Ok(fits)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A disk that fills while recording: `finish` says how many bytes reached the file,
+/// exactly (it said how many were handed to the recorder's 64 KiB buffer, up to a buffer
+/// more than the file holds: 0 bytes on /dev/full read as "after 102 bytes ... readable up
+/// to there"), and the file reads up to there.
+#[test]
+fn a_full_disk_is_an_io_error_that_says_how_many_bytes_reached_the_file() {
+    for room in [0, 20, 1000, 100_000] {
+        let bytes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let full = Full { bytes: Arc::clone(&bytes), room };
+        let recorder = Recorder::to_writer(full, RecorderConfig::default().with_ring_words(64)).unwrap();
+        let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
+        for i in 0..5_000 {
+            let block = s.binding.allocate(request(64 + i % 512, MemoryRole::KvCache)).unwrap();
+            s.binding.release(block).unwrap();
+        }
+        let error = recorder.finish().unwrap_err();
+        let in_file = bytes.lock().unwrap().len() as u64;
+        assert_eq!(in_file, room as u64, "the disk filled");
+        let RecordError::Io { written, source } = &error else { panic!("{error:?}") };
+        assert_eq!(*written, in_file, "room {room}: the bytes that reached the file");
+        assert_eq!(source.kind(), std::io::ErrorKind::StorageFull);
+        let message = error.to_string();
+        assert!(
+            message.contains(&format!("after {in_file} bytes reached it")) && message.contains("record again"),
+            "{message}"
+        );
+        // Readable up to there: a file cut inside its header is not a trace yet.
+        match read_trace(&bytes.lock().unwrap()[..]) {
+            Ok(trace) => {
+                let damage = trace.damage.expect("a cut recording is damaged");
+                assert!(damage.offset <= in_file && trace.end.is_none(), "{damage}");
+            }
+            Err(error) => assert!(in_file < 32, "room {room}: {error}"),
+        }
+        drop(s);
+    }
+}
