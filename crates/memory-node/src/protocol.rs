@@ -10,7 +10,8 @@
 //! (a survivor zeroes it once the owner is dead). A grant is:
 //!
 //! 1. `seq += 1` (odd: the owner is changing its grants);
-//! 2. `own += want` (one read-modify-write, on the owner's own line);
+//! 2. `own += want` (one read-modify-write, on the owner's own line; `want` cut first to
+//!    what the word can hold below `u64::MAX`, so it never wraps);
 //! 3. read every slot's word (the slots below the high-water mark, read after step 2) and
 //!    sum them, own included;
 //! 4. if the sum is over the limit, take back the excess (`own -= excess`) when what is
@@ -114,6 +115,16 @@ pub(crate) fn try_grant<T: Table>(
     let at_least = at_least.min(want);
     let seq = table.seq(slot);
     let own = table.grant(slot, budget);
+    // The add never carries the own word past `u64::MAX`: wrapped, the word would hold
+    // less than was granted, and the sum (so every later grant's check) would count less
+    // than the slot holds. So `want` is cut to the room left in the word, and a grant
+    // whose `at_least` does not fit is refused before anything is written. Only the
+    // owner adds to its word, so the word read here is the one the add below adds to.
+    let room = u64::MAX - own.load(SeqCst);
+    if room < at_least {
+        return Err(limit.saturating_sub(granted(table, budget)));
+    }
+    let want = want.min(room);
     seq.fetch_add(1, SeqCst);
     own.fetch_add(want, SeqCst);
     // The store-buffering point: the add before any read of the other slots. `SeqCst`
@@ -221,4 +232,60 @@ fn zero<T: Table>(table: &T, slot: usize) -> u64 {
     let held = table.budgets().fold(0u64, |sum, budget| sum.saturating_add(table.grant(slot, budget).swap(0, SeqCst)));
     seq.fetch_add(1, SeqCst);
     held
+}
+
+#[cfg(all(test, not(memory_loom)))]
+mod tests {
+    use super::*;
+
+    /// Two slots and one budget, in plain atomics.
+    #[derive(Default)]
+    struct Two {
+        hwm: AtomicU64,
+        state: [AtomicU64; 2],
+        seq: [AtomicU64; 2],
+        grant: [AtomicU64; 2],
+    }
+
+    impl Table for Two {
+        fn hwm(&self) -> &AtomicU64 {
+            &self.hwm
+        }
+        fn slot_count(&self) -> usize {
+            2
+        }
+        fn state(&self, slot: usize) -> &AtomicU64 {
+            &self.state[slot]
+        }
+        fn seq(&self, slot: usize) -> &AtomicU64 {
+            &self.seq[slot]
+        }
+        fn grant(&self, slot: usize, _budget: Budget) -> &AtomicU64 {
+            &self.grant[slot]
+        }
+        fn budgets(&self) -> impl Iterator<Item = Budget> {
+            std::iter::once(Budget::Device(0))
+        }
+    }
+
+    #[test]
+    fn a_grant_that_would_wrap_its_slots_word_is_refused_and_writes_nothing() {
+        let table = Two::default();
+        table.hwm.store(2, SeqCst);
+        let budget = Budget::Device(0);
+        // A huge limit (no limit is u64::MAX): the sum saturates, the own word must not wrap.
+        let limit = u64::MAX - 4;
+        let first = u64::MAX / 2 + 8;
+        assert_eq!(try_grant(&table, 0, budget, limit, first, first), Ok(first));
+        // Wrapped, the word would read `2 * first - 2^64` = 14 bytes, within the limit: the
+        // second grant stood, and the two together (2^64 + 14 bytes) were counted as 14.
+        assert_eq!(try_grant(&table, 0, budget, limit, first, first), Err(limit - first));
+        assert_eq!(table.grant[0].load(SeqCst), first, "the slot's word holds the first grant only");
+        assert!(table.seq[0].load(SeqCst).is_multiple_of(2), "no grant is left in flight");
+        // A grant that may be less gets what fits (a huge grant chunk keeps working).
+        assert_eq!(try_grant(&table, 0, budget, limit, first, 1), Ok(limit - first));
+        assert_eq!(granted(&table, budget), limit);
+        assert_eq!(try_grant(&table, 0, budget, limit, u64::MAX, 1), Err(0), "the limit is reached");
+        assert_eq!(table.grant[0].load(SeqCst), limit);
+    }
 }
