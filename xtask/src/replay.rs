@@ -1,17 +1,34 @@
 //! `cargo xtask replay TRACE [...]`: memory-trace's replay, built in release (latencies
-//! of a debug build would say nothing) and run from the project root, so a relative
-//! TRACE or `--html` path means what it says.
+//! of a debug build would say nothing). It runs from the project root (as every xtask
+//! command does), so a relative TRACE or `--html` path is made absolute against the
+//! directory `cargo xtask` was called from first: it means what it says from anywhere in
+//! the tree (`crates/memory-trace$ cargo xtask replay traces/demo.mtrace`).
+
+use std::path::{Path, PathBuf};
 
 use crate::flags;
 use crate::step::Cmd;
 
-/// The command that replays as `flags` asks.
+/// The command that replays as `flags` asks, its relative paths taken from the current
+/// directory.
 pub(crate) fn replay_cmd(flags: &flags::Replay) -> Cmd {
+    // An unreadable current directory leaves relative paths as they are (the root's).
+    let cwd = std::env::current_dir().unwrap_or_default();
+    replay_cmd_from(flags, &cwd)
+}
+
+/// `path` as the caller meant it from `cwd`.
+fn from(cwd: &Path, path: &Path) -> PathBuf {
+    if path.is_absolute() { path.to_path_buf() } else { cwd.join(path) }
+}
+
+/// The command that replays as `flags` asks, called from `cwd`.
+fn replay_cmd_from(flags: &flags::Replay, cwd: &Path) -> Cmd {
     let mut args: Vec<String> =
         ["run", "--release", "-q", "-p", "memory-trace", "--bin", "memory-trace", "--", "replay"]
             .map(String::from)
             .to_vec();
-    args.push(flags.trace.display().to_string());
+    args.push(from(cwd, &flags.trace).display().to_string());
     if let Some(allocator) = flags.allocator {
         args.extend(["--allocator".to_owned(), allocator.name().to_owned()]);
     }
@@ -25,7 +42,7 @@ pub(crate) fn replay_cmd(flags: &flags::Replay) -> Cmd {
         args.push("--no-quotas".to_owned());
     }
     if let Some(html) = &flags.html {
-        args.extend(["--html".to_owned(), html.display().to_string()]);
+        args.extend(["--html".to_owned(), from(cwd, html).display().to_string()]);
     }
     Cmd::cargo(args)
 }
@@ -47,16 +64,48 @@ mod tests {
             no_quotas: true,
             html: Some(PathBuf::from("r.html")),
         };
-        let line = replay_cmd(&flags).to_string();
-        assert!(line.contains("run --release -q -p memory-trace --bin memory-trace -- replay t.mtrace"), "{line}");
+        let line = replay_cmd_from(&flags, Path::new("/w")).to_string();
+        assert!(line.contains("run --release -q -p memory-trace --bin memory-trace -- replay /w/t.mtrace"), "{line}");
         assert!(
             line.ends_with(
-                "--allocator system --device-limit 64MiB --compare pooled,virtual --no-quotas --html r.html"
+                "--allocator system --device-limit 64MiB --compare pooled,virtual --no-quotas --html /w/r.html"
             ),
             "{line}"
         );
         let bare =
             flags::Replay { allocator: None, device_limit: None, compare: None, no_quotas: false, html: None, ..flags };
-        assert!(replay_cmd(&bare).to_string().ends_with("replay t.mtrace"));
+        assert!(replay_cmd_from(&bare, Path::new("/w")).to_string().ends_with("replay /w/t.mtrace"));
+    }
+
+    /// The command runs from the project root: a relative path given from a directory
+    /// below it (`crates/memory-trace$ cargo xtask replay traces/demo.mtrace --html r.html`)
+    /// was passed on as it was, so the replay looked for the trace (and wrote the page)
+    /// under the root: "cannot open traces/demo.mtrace". Relative paths are now the
+    /// caller's; absolute ones stay.
+    #[test]
+    fn relative_paths_are_the_callers_from_wherever_it_calls() {
+        let flags = flags::Replay {
+            trace: PathBuf::from("traces/demo.mtrace"),
+            allocator: None,
+            device_limit: None,
+            compare: None,
+            no_quotas: false,
+            html: Some(PathBuf::from("out/r.html")),
+        };
+        let line = replay_cmd_from(&flags, Path::new("/repo/crates/memory-trace")).to_string();
+        assert!(
+            line.ends_with(
+                "replay /repo/crates/memory-trace/traces/demo.mtrace --html /repo/crates/memory-trace/out/r.html"
+            ),
+            "{line}"
+        );
+        let absolute =
+            flags::Replay { trace: PathBuf::from("/data/t.mtrace"), html: Some(PathBuf::from("/tmp/r.html")), ..flags };
+        let line = replay_cmd_from(&absolute, Path::new("/repo/crates/memory-trace")).to_string();
+        assert!(line.ends_with("replay /data/t.mtrace --html /tmp/r.html"), "{line}");
+        // The command the task builds takes the current directory.
+        let here = std::env::current_dir().unwrap().join("t.mtrace");
+        let line = replay_cmd(&flags::Replay { trace: PathBuf::from("t.mtrace"), html: None, ..absolute }).to_string();
+        assert!(line.ends_with(&format!("replay {}", here.display())), "{line}");
     }
 }
