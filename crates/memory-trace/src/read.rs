@@ -115,10 +115,7 @@ pub enum ReadError {
     #[error("reading the trace failed: {0}")]
     Io(#[from] io::Error),
     /// The file does not start like a trace.
-    #[error(
-        "not a memory trace: the file starts with {found:02x?}, a trace starts with \"MEMTRACE\" \
-         (record one with memory_trace::Recorder)"
-    )]
+    #[error("not a memory trace: {}", not_a_trace(found))]
     NotATrace {
         /// The first bytes found (up to eight).
         found: Vec<u8>,
@@ -139,13 +136,52 @@ pub enum ReadError {
         crate_version: &'static str,
     },
     /// The header is shorter than its own length field says, or than the fixed part.
-    #[error("the trace header is cut short ({found} of {needed} bytes)")]
+    #[error(
+        "the trace header is cut short ({found} of {needed} bytes): the file ends before its first record (a \
+         recording cut short as it started); record again"
+    )]
     ShortHeader {
         /// Bytes needed.
         needed: u64,
         /// Bytes found.
         found: u64,
     },
+    /// The header's length field is not one the file's version can have: a version's
+    /// header is 32 bytes, a newer minor's may be longer, never shorter.
+    #[error(
+        "the trace header says it is {length} bytes long, but a version {major}.{minor} header is {}: the header's \
+         length field (bytes 12-15) is damaged; {}",
+        if *exact { "32 bytes" } else { "at least 32 bytes" },
+        if *exact {
+            "the records of this version start at byte 32: set the field to 32 (20 00 00 00) to read them"
+        } else {
+            "read the file with the memory-trace that wrote it"
+        }
+    )]
+    HeaderLength {
+        /// What the length field says.
+        length: u32,
+        /// The file's major version.
+        major: u16,
+        /// The file's minor version.
+        minor: u16,
+        /// Whether the version is one this reader knows whole (its header is exactly 32
+        /// bytes).
+        exact: bool,
+    },
+}
+
+/// What a file that is not a trace starts with, for [`ReadError::NotATrace`].
+fn not_a_trace(found: &[u8]) -> String {
+    let hint = "a trace starts with \"MEMTRACE\" (record one with memory_trace::Recorder)";
+    if found.is_empty() {
+        format!(
+            "the file is empty, as a recording whose process ended before its first write (or whose disk was full) \
+             leaves it; record again ({hint})"
+        )
+    } else {
+        format!("the file starts with {found:02x?}, {hint}")
+    }
 }
 
 /// Reads up to `buf.len()` bytes; how many were read (short only at the end).
@@ -208,8 +244,15 @@ fn read_with(mut input: impl Read, sink: Option<&mut dyn FnMut(Event)>) -> Resul
         });
     }
     let header_bytes = u32::from_le_bytes([fixed[12], fixed[13], fixed[14], fixed[15]]);
-    if got < 32 || header_bytes < 32 {
-        return Err(ReadError::ShortHeader { needed: u64::from(header_bytes.max(32)), found: got as u64 });
+    // A version this reader knows whole has exactly its header; a newer minor's may be
+    // longer (skipped below), never shorter.
+    #[allow(clippy::absurd_extreme_comparisons, reason = "MINOR is 0 for now; the comparison is for later minors")]
+    let exact = minor <= MINOR;
+    if header_bytes < 32 || (exact && header_bytes != format::HEADER_BYTES) {
+        return Err(ReadError::HeaderLength { length: header_bytes, major, minor, exact });
+    }
+    if got < 32 {
+        return Err(ReadError::ShortHeader { needed: u64::from(header_bytes), found: got as u64 });
     }
     let origin_unix_ns = u64::from_le_bytes(fixed[16..24].try_into().unwrap_or_default());
     // A newer minor version may have a longer header: skip what this version does not know.
@@ -233,9 +276,7 @@ fn read_with(mut input: impl Read, sink: Option<&mut dyn FnMut(Event)>) -> Resul
         record: 0,
         sink,
         count: 0,
-        // `<=`, not `==`: once MINOR grows, older minors are known whole too.
-        #[allow(clippy::absurd_extreme_comparisons, reason = "MINOR is 0 for now; the comparison is for later minors")]
-        exact: minor <= MINOR,
+        exact,
     };
     reader.records(input)?;
     let mut trace = reader.trace;

@@ -141,6 +141,47 @@ fn a_file_that_is_not_a_trace_is_refused() {
     assert!(matches!(error, ReadError::ShortHeader { .. }), "{error:?}");
 }
 
+/// A damaged header length said "the trace header is cut short (32 of 32 bytes)" (below
+/// 32) or asked for a 2 GiB header (a high bit), and an empty file "starts with []": each
+/// now says what it found and what to do.
+#[test]
+fn a_damaged_header_length_or_an_empty_file_says_what_is_wrong_and_what_to_do() {
+    let bytes = synthetic_bytes();
+    let error = read_trace(&b""[..]).unwrap_err();
+    assert!(matches!(&error, ReadError::NotATrace { found } if found.is_empty()), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains("the file is empty") && message.contains("record again"), "{message}");
+    for length in [0u32, 16, 31, 33, 40, 0x8000_0020] {
+        let mut damaged = bytes.clone();
+        damaged[12..16].copy_from_slice(&length.to_le_bytes());
+        let error = read_trace(&damaged[..]).unwrap_err();
+        assert!(
+            matches!(error, ReadError::HeaderLength { length: found, major: 1, minor: 0, exact: true } if found == length),
+            "{length}: {error:?}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains(&format!("says it is {length} bytes long"))
+                && message.contains("a version 1.0 header is 32 bytes")
+                && message.contains("set the field to 32"),
+            "{message}"
+        );
+        // What it says to do reads the file.
+        damaged[12..16].copy_from_slice(&32u32.to_le_bytes());
+        assert_eq!(read(&damaged).events, read(&bytes).events);
+    }
+    // A newer minor's header may be longer, never shorter.
+    let mut newer = bytes.clone();
+    newer[10..12].copy_from_slice(&1u16.to_le_bytes());
+    newer[12..16].copy_from_slice(&16u32.to_le_bytes());
+    let error = read_trace(&newer[..]).unwrap_err();
+    assert!(matches!(error, ReadError::HeaderLength { length: 16, minor: 1, exact: false, .. }), "{error:?}");
+    assert!(error.to_string().contains("at least 32 bytes"), "{error}");
+    let error = read_trace(&bytes[..20]).unwrap_err();
+    assert!(matches!(error, ReadError::ShortHeader { needed: 32, found: 20 }), "{error:?}");
+    assert!(error.to_string().contains("record again"), "{error}");
+}
+
 #[test]
 fn a_newer_minor_versions_header_bytes_records_and_event_kinds_are_skipped() {
     let bytes = synthetic_bytes();
