@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::SeqCst;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use memory_governor::{DeviceKey, Tier};
 use serde::Serialize;
@@ -92,7 +92,7 @@ impl NodeConfig {
     /// How often a member's timer looks for dead processes' slots (default 100 ms): two
     /// looks are never more than this apart. A dead process's grants return within this
     /// plus one tick of its death ([`NodeConfig::refund_bound`]), or at once when another
-    /// member is refused.
+    /// member is refused. `Duration::MAX`: the timer never looks (refusals still do).
     #[must_use]
     pub fn with_refund_interval(mut self, interval: Duration) -> NodeConfig {
         self.refund_interval = interval.max(Duration::from_millis(1));
@@ -101,7 +101,7 @@ impl NodeConfig {
 
     /// How long a grant the node cannot give waits for other members to give surplus
     /// back before its admission is refused (default 20 ms: two ticks). Zero: refuse at
-    /// once (after looking for dead slots).
+    /// once (after looking for dead slots); `Duration::MAX`: wait as long as it takes.
     #[must_use]
     pub fn with_pressure_wait(mut self, wait: Duration) -> NodeConfig {
         self.pressure_wait = wait;
@@ -133,7 +133,8 @@ impl NodeConfig {
     /// tick) plus one tick (the most a refund waits for the books' lock), plus the
     /// time the timer's own work takes.
     pub fn refund_bound(&self) -> Duration {
-        self.refund_interval.max(self.tick) + self.tick
+        // `Duration::MAX` (and anything near it) means never: no overflow panic.
+        self.refund_interval.max(self.tick).saturating_add(self.tick)
     }
 
     /// Whether a member's timer looks for dead slots now, `since` its last look: when
@@ -141,7 +142,20 @@ impl NodeConfig {
     /// looks. (Looking only once `since` reached the interval put looks up to a tick
     /// further apart, past [`NodeConfig::refund_bound`].)
     pub(crate) fn scan_due(&self, since: Duration) -> bool {
-        since + self.tick > self.refund_interval
+        since.saturating_add(self.tick) > self.refund_interval
+    }
+}
+
+/// The instant `wait` from now, or the furthest the clock can name when that is past it
+/// (a wait of `Duration::MAX` means never, and `Instant + Duration` would panic).
+pub(crate) fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    let mut wait = wait;
+    loop {
+        if let Some(deadline) = now.checked_add(wait) {
+            return deadline;
+        }
+        wait /= 2;
     }
 }
 
@@ -578,7 +592,7 @@ impl NodeBooks {
         // process may be waiting for the file's lock (a join, a leave, `refund_dead`)
         // for as long as a peer keeps it.
         self.check_not_forked()?;
-        let deadline = std::time::Instant::now() + wait;
+        let deadline = deadline_after(wait);
         let _process = loop {
             match self.inner.lock.try_lock() {
                 Ok(guard) => break guard,

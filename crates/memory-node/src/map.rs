@@ -234,7 +234,7 @@ impl Mapping {
     /// Takes the books' lock if it is free within `wait` (polling every millisecond);
     /// `None` when another process kept it.
     pub(crate) fn lock_within(&self, wait: std::time::Duration) -> std::io::Result<Option<FileLock<'_>>> {
-        let deadline = std::time::Instant::now() + wait;
+        let deadline = crate::books::deadline_after(wait);
         loop {
             match flock(&self.file, FlockOperation::NonBlockingLockExclusive) {
                 Ok(()) => return Ok(Some(FileLock(&self.file))),

@@ -568,7 +568,7 @@ impl MemberInner {
         let missing = missing.max(1);
         let want = missing.max(self.config().grant_chunk);
         let shared = self.shared();
-        let deadline = Instant::now() + self.config().pressure_wait;
+        let deadline = crate::books::deadline_after(self.config().pressure_wait);
         let (mut scanned, mut pressured, mut tries) = (false, false, 0u32);
         loop {
             {

@@ -530,3 +530,39 @@ fn a_device_governed_and_an_account_bound_from_many_threads_at_once_are_so_once(
     }
     assert_eq!(books.snapshot().device(DeviceKey::host(41)).map_or(0, |d| d.granted), 0);
 }
+
+#[test]
+fn durations_too_long_to_add_to_the_clock_mean_never_and_panic_nowhere() {
+    // `Duration::MAX` for "never" (the tests use an hour for that): `Instant::now() +
+    // pressure_wait` panicked inside the admission that drew a grant, and
+    // `refund_bound` panicked with it.
+    let forever = Duration::MAX;
+    let config = fresh_config("forever");
+    assert_eq!(config.clone().with_refund_interval(forever).refund_bound(), forever);
+    assert_eq!(config.clone().with_tick(forever).refund_bound(), forever);
+    let books_a = NodeBooks::open(config.clone().with_margin(0)).unwrap();
+    let _cleanup = Cleanup(books_a.path().to_owned());
+    books_a.set_device_limit(GPU, 8 * MIB).unwrap();
+    let a = engine(&books_a, GPU, &["tenant-a"], || system(GPU));
+    let held = allocate(&a.tenants[0], 6 * MIB).unwrap();
+    // b waits for a grant as long as it takes, and its timer never looks for dead slots.
+    let books_b = NodeBooks::open(config.with_pressure_wait(forever).with_refund_interval(forever)).unwrap();
+    let b = engine(&books_b, GPU, &["tenant-a"], || system(GPU));
+    let small = allocate(&b.tenants[0], MIB / 2).expect("b's first grant fits at once");
+    // a frees its block a little later: b's admission waits meanwhile, then gets the grant.
+    let (done, result) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let block = allocate(&b.tenants[0], 4 * MIB);
+        let _ = done.send(block.is_some());
+        drop(block);
+        drop(small);
+        b
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    drop(held);
+    let granted = result.recv_timeout(Duration::from_secs(60)).expect("b's admission panicked or never ended");
+    assert!(granted, "b's wait ended without the grant a's give-back made room for");
+    drop(waiter.join().unwrap());
+    drop(a);
+    assert_eq!(books_a.snapshot().device(GPU).unwrap().granted, 0);
+}
