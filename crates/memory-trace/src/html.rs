@@ -28,8 +28,12 @@ const TEMPLATE: &str = include_str!("report.html");
 /// The page for `trace` and its replays (at least one).
 pub fn report(title: &str, trace: &Trace, reports: &[ReplayReport]) -> String {
     let data = data(title, trace, reports).to_string();
-    // The data sits in a <script> element: no `</` may close it early.
-    let data = data.replace("</", "<\\/");
+    // The data sits in a <script> element: no `</script` may close it early, and no
+    // `<!--` followed by `<script` may put the parser in the script's double-escaped
+    // state, where the element's own `</script>` no longer closes it and the page's
+    // script never runs. In JSON a `<` is only ever inside a string, where `\u003c`
+    // is the same character, so none is left.
+    let data = data.replace('<', "\\u003c");
     let (head, rest) = TEMPLATE.split_once("/*TITLE*/").unwrap_or((TEMPLATE, ""));
     let (middle, tail) = rest.split_once("/*DATA*/").unwrap_or((rest, ""));
     [head, &escape(title), middle, &data, tail].concat()

@@ -67,6 +67,23 @@ fn a_label_cannot_close_the_pages_scripts() {
     assert_eq!(embedded(&page)["tenants"][0], "</script><script>alert(1)</script>");
 }
 
+/// `<!--` then `<script` inside a script element puts the HTML parser in the script's
+/// double-escaped state: the element's own `</script>` no longer closes it, it swallows
+/// the page's script, and the page stays at "loading". Escaping only `</` left that
+/// open to a label such as a note "<!--<script>".
+#[test]
+fn a_label_cannot_put_the_data_script_in_its_double_escaped_state() {
+    let mut trace = synthetic();
+    trace.tenants[1].label = "<!--<script>".into();
+    let page = html::report("t", &trace, &[replay::replay(&trace, &ReplayConfig::new(AllocatorKind::System))]);
+    let start = page.find(r#"<script type="application/json" id="data">"#).unwrap();
+    let data = &page[start + r#"<script type="application/json" id="data">"#.len()..];
+    let data = &data[..data.find("</script>").unwrap()];
+    assert!(!data.contains('<'), "no tag opens inside the data: {}", &data[..data.len().min(200)]);
+    assert_eq!(embedded(&page)["tenants"][1], "<!--<script>", "the label is intact in the JSON");
+    assert_eq!(page.matches("<script").count(), 2, "the page's own two scripts only");
+}
+
 /// The browser to run, or why there is none (after saying so, unless one is required).
 fn browser(test: &str) -> Option<PathBuf> {
     let required = std::env::var_os("MEMORY_TRACE_BROWSER_REQUIRED").is_some_and(|value| value == "1");
