@@ -542,6 +542,7 @@ fn child_role() {
         Ok("hammer") => hammer(),
         Ok("stall") => stall(),
         Ok("forker") => forker(),
+        Ok("opener") => opener(),
         Ok("newcomer") => newcomer(),
         _ => {}
     }
@@ -773,4 +774,72 @@ fn forker() {
     );
     drop(held);
     drop(command);
+}
+
+#[test]
+fn processes_opening_absent_books_at_once_make_them_once_and_each_hold_a_slot() {
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    const OPENERS: usize = 8;
+    let config = fresh_config("at-once");
+    let _cleanup = Cleanup(config.path());
+    assert!(!config.path().exists());
+    let mut children: Vec<Child> = (0..OPENERS)
+        .map(|_| {
+            let mut command = command(&config, "opener", 0);
+            command.stdin(Stdio::piped());
+            command.spawn().unwrap()
+        })
+        .collect();
+    // Every opener waits for its line, so that they open (and create) together.
+    for child in &mut children {
+        use std::io::Write;
+        writeln!(child.stdin.as_mut().unwrap(), "go").unwrap();
+    }
+    let mut readers: Vec<_> = children.iter_mut().map(|child| BufReader::new(child.stdout.take().unwrap())).collect();
+    let results: Vec<serde_json::Value> = readers
+        .iter_mut()
+        .map(|reader| {
+            let line = reader
+                .lines()
+                .find_map(|line| line.unwrap().split_once("RESULT ").map(|(_, json)| json.to_owned()))
+                .expect("an opener ended without a result");
+            serde_json::from_str(&line).unwrap()
+        })
+        .collect();
+    let created = results.iter().filter(|result| result["created"] == true).count();
+    let mut slots: Vec<u64> = results.iter().map(|result| result["slot"].as_u64().unwrap()).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!(created, 1, "the books were made {created} times: {results:?}");
+    assert_eq!(slots.len(), OPENERS, "{results:?}");
+    let books = NodeBooks::open_existing(config.clone()).unwrap();
+    assert_eq!(books.snapshot().slots.len(), OPENERS, "{}", books.snapshot().to_json());
+    let left: Vec<_> = std::fs::read_dir(config.path().parent().unwrap())
+        .unwrap()
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.contains(config.path().file_name().unwrap().to_str().unwrap()) && name.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files were left: {left:?}");
+    // Each leaves (its stdin closes) and exits.
+    for (mut child, mut reader) in children.into_iter().zip(readers) {
+        drop(child.stdin.take());
+        std::io::copy(&mut reader, &mut std::io::sink()).unwrap();
+        assert!(child.wait().unwrap().success());
+    }
+    assert_settled(&books);
+}
+
+/// Waits for a line, opens the books (making them if there are none), joins, says what
+/// it found, and leaves when its stdin closes.
+fn opener() {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let books = NodeBooks::open(config_from_env()).unwrap();
+    let engine = engine(&books, GPU, &TENANTS, || system(GPU));
+    println!("RESULT {}", serde_json::json!({ "created": books.created(), "slot": engine.member.slot() }));
+    while std::io::stdin().read_line(&mut line).is_ok_and(|read| read > 0) {}
+    drop(engine);
 }
