@@ -56,7 +56,10 @@ impl NodeConfig {
     }
 
     /// The mode a new books file is created with (default `0o600`: the owner's
-    /// processes only). Every process that can open the file is a trusted peer.
+    /// processes only). Every process that can open the file is a trusted peer. With a
+    /// mode of no group or other bits, existing books another user owns are refused
+    /// ([`OpenError::ForeignOwner`](crate::OpenError::ForeignOwner)): in a directory every
+    /// user may write, another user could make them first.
     #[must_use]
     pub fn with_mode(mut self, mode: u32) -> NodeConfig {
         self.mode = mode & 0o7777;

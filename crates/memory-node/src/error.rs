@@ -81,6 +81,29 @@ pub enum OpenError {
         /// The bytes the books need.
         needed: u64,
     },
+    /// The file belongs to another user, and this process asked for books of its own
+    /// user only (a mode with no group or other bits, 0600 by default): in a directory
+    /// every user may write (`/dev/shm`), another user can make the books first and so
+    /// be a peer of every process that joins them.
+    #[error(
+        "the node books at {} belong to uid {owner} (mode {mode:04o}), and this process (uid {uid}) asked for \
+         books of its own user only (mode {asked:04o}): another user made them, and would be a trusted peer of \
+         every process that joins; have them removed and let this user make them, choose another name, or, to \
+         share books between users, give every process a mode that admits their group (NodeConfig::with_mode)",
+        path.display()
+    )]
+    ForeignOwner {
+        /// The file.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// Its mode bits.
+        mode: u32,
+        /// The calling process's uid.
+        uid: u32,
+        /// The mode this process's configuration asks for.
+        asked: u32,
+    },
     /// The books could not be made in their directory: it does not exist, is on a
     /// read-only file system, or this user may not write to it.
     #[error(

@@ -54,7 +54,7 @@ impl Mapping {
     pub(crate) fn open(path: &Path, mode: u32, create: bool) -> Result<(Mapping, bool), OpenError> {
         loop {
             match OpenOptions::new().read(true).write(true).open(path) {
-                Ok(file) => return Mapping::join(path, file).map(|mapping| (mapping, false)),
+                Ok(file) => return Mapping::join(path, file, mode).map(|mapping| (mapping, false)),
                 Err(error) if error.kind() == ErrorKind::NotFound && create => {
                     if let Some(mapping) = Mapping::create(path, mode)? {
                         return Ok((mapping, true));
@@ -118,9 +118,23 @@ impl Mapping {
         built
     }
 
-    /// Checks an existing file's header with plain reads, then maps it.
-    fn join(path: &Path, file: File) -> Result<Mapping, OpenError> {
-        let size = file.metadata().map_err(io(path, "stat"))?.len();
+    /// Checks an existing file's owner (against `mode`, the one asked for) and header
+    /// with plain reads, then maps it.
+    fn join(path: &Path, file: File, mode: u32) -> Result<Mapping, OpenError> {
+        let metadata = file.metadata().map_err(io(path, "stat"))?;
+        let uid = rustix::process::getuid().as_raw();
+        // Books of this user only (no group or other bits asked for) are this user's
+        // file: one another user made first is theirs, and they would be a peer.
+        if mode & 0o077 == 0 && metadata.uid() != uid {
+            return Err(OpenError::ForeignOwner {
+                path: path.to_owned(),
+                owner: metadata.uid(),
+                mode: metadata.mode() & 0o7777,
+                uid,
+                asked: mode,
+            });
+        }
+        let size = metadata.len();
         let mut header = [0u8; format::HEADER_SIZE];
         let readable = (size as usize).min(header.len());
         file.read_exact_at(&mut header[..readable], 0).map_err(io(path, "read"))?;

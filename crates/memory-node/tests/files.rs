@@ -319,3 +319,28 @@ fn a_books_directory_that_is_missing_or_read_only_and_a_bad_name_are_refused_nam
         assert!(matches!(&error, OpenError::Directory { found, .. } if found.contains("mode 0555")), "{error:?}");
     }
 }
+
+#[test]
+fn books_another_user_made_first_are_refused_to_a_process_that_asked_for_its_own() {
+    // /dev/shm is writable by every user: one who makes the books (a valid file, mode
+    // 0666) before the owner's processes start was joined by them, a trusted peer that
+    // can forge limits and grants, though they asked for books of their own (0600).
+    if !rustix::process::getuid().is_root() {
+        println!("skipped: not root, so no file of another user can be made");
+        return;
+    }
+    let (config, _cleanup) = good_file("squatted");
+    let path = config.path();
+    std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let error = refusal(&config);
+    assert!(
+        matches!(error, OpenError::ForeignOwner { owner: 65534, mode: 0o666, uid: 0, asked: 0o600, .. }),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    assert!(message.contains("uid 65534") && message.contains("with_mode"), "{message}");
+    // Books meant to be shared (a mode that admits a group) are joined as before.
+    let shared = NodeBooks::open(config.with_mode(0o660)).expect("books shared between users are joined");
+    assert!(!shared.created());
+}
