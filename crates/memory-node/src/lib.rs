@@ -6,12 +6,13 @@
 //!   (`/dev/shm` by default, created with mode 0600 unless configured), mapped by every
 //!   process that opens it: per device a node limit, per tenant of a device a node quota,
 //!   and per process a slot (pid, process start time, pidfs inode, boot id, pid
-//!   namespace) with what that process was granted, allocated and holds. A versioned layout with a checked
-//!   header ([`format`](mod@format)); a file of another version, a truncated or corrupt one, or one
-//!   this user may not open, one another user owns where this process asked for books
-//!   of its own user only (the default 0600), or one its file system has no room for (the pages of a
-//!   file are reserved before they are mapped: an unbacked page would fault with
-//!   `SIGBUS`), is refused with an [`OpenError`] that says which.
+//!   namespace) with what that process was granted, allocated and holds. A versioned
+//!   layout with a checked header ([`format`](mod@format)); a file of another version, a
+//!   truncated or corrupt one, one this user may not open, one another user owns where
+//!   this process asked for books of its own user only (the default 0600), or one its
+//!   file system has no room for (the pages of a file are reserved before they are
+//!   mapped: an unbacked page would fault with `SIGBUS`), is refused with an
+//!   [`OpenError`] that says which.
 //! - **Grants** ([`Member`], [`NodePolicy`]): each process's governor keeps its own
 //!   credit protocol untouched; its *local* device limit and tenant quotas are grants
 //!   drawn from the node books. When a local budget runs short, the device's
