@@ -177,6 +177,7 @@ impl Shared {
             finished: false,
             devices: Vec::new(),
             scratch: Scratch::default(),
+            max_record: format::MAX_PAYLOAD as usize,
         };
         Shared {
             clock: Clock::start(),
@@ -599,6 +600,8 @@ pub(crate) struct Output {
     /// it does not hold yet.
     devices: Vec<DeviceKey>,
     scratch: Scratch,
+    /// The largest events record written (the format's limit; smaller in tests).
+    max_record: usize,
 }
 
 impl Output {
@@ -612,6 +615,35 @@ impl Output {
                 self.summary.bytes += (format::RECORD_HEADER_BYTES + payload.len()) as u64;
             }
             Err(error) => self.failed(error),
+        }
+    }
+
+    /// `bytes` (whole file events, back to back) as events records of at most
+    /// `max_record` bytes each, cut between events: a drained ring expands to up to twice
+    /// its words (a compact release of 5 words is a file event of 10), so a ring of more
+    /// than 4M words (32 MiB; `RecorderConfig::ring_words` is the caller's) drains to
+    /// more than a record may hold, and one record of it failed the whole recording
+    /// ("trace record larger than 64 MiB").
+    fn events_records(&mut self, bytes: &[u8]) {
+        if bytes.len() <= self.max_record {
+            self.record(record::EVENTS, bytes);
+            return;
+        }
+        let mut start = 0;
+        while start < bytes.len() {
+            let mut end = start;
+            while end < bytes.len() {
+                // The low byte of an event's second word is its size in words (at least
+                // its header's 3 in the events the recorder writes).
+                let size = usize::from(bytes[end + 8]).max(format::words::HEADER) * 8;
+                if end > start && end + size - start > self.max_record {
+                    break;
+                }
+                end += size;
+            }
+            let end = end.min(bytes.len());
+            self.record(record::EVENTS, &bytes[start..end]);
+            start = end;
         }
     }
 
@@ -800,7 +832,7 @@ impl Shared {
         output.summary.events += self.drain_events(local, &mut output.devices, &mut scratch);
         let wrote = !scratch.bytes.is_empty();
         if wrote {
-            output.record(record::EVENTS, &scratch.bytes);
+            output.events_records(&scratch.bytes);
         }
         output.scratch = scratch;
         wrote
@@ -991,5 +1023,44 @@ mod tests {
         assert!(trace.damage.is_none(), "{:?}", trace.damage);
         assert_eq!(trace.threads.len(), 2, "{:?}", trace.threads);
         assert_eq!(by_thread.into_values().collect::<Vec<_>>(), [vec![0, 1], vec![10, 11]]);
+    }
+
+    #[test]
+    fn a_ring_that_drains_to_more_than_a_record_holds_is_written_as_several_records() {
+        // The format's 64 MiB, scaled down: records of at most 100 bytes hold one
+        // allocation (9 words, 72 bytes) each, so a drain of many is cut between events.
+        let (bytes, mut shared) = recording(256);
+        shared.output.get_mut().unwrap().max_record = 100;
+        let tenant = shared.register_tenant(Tenant::new(0, DeviceKey::host(2), "t"));
+        for id in 0..40u64 {
+            let block = Block::new(id, id << 12, 64, 64);
+            let role = memory_governor::MemoryRole::Other;
+            shared.emit_compact(&event::compact_allocate(shared.stamp(), tenant, role, &block).unwrap());
+        }
+        shared.closed.store(true, Ordering::Release);
+        let summary = write_loop(&shared, Duration::ZERO).expect("a drain larger than a record is no write error");
+        assert_eq!(summary.events, 40);
+        let written = bytes.0.lock().unwrap().clone();
+        let mut ids = Vec::new();
+        let trace = crate::scan_trace(&written[..], |event| match event.what {
+            What::Allocate(block) => ids.push(block.id),
+            other => panic!("only allocations were recorded: {other:?}"),
+        })
+        .unwrap();
+        assert!(trace.damage.is_none(), "{:?}", trace.damage);
+        assert_eq!(ids, (0..40).collect::<Vec<u64>>(), "every event, in order");
+        // The records: header 32 bytes, then (16-byte header + payload) each.
+        let mut at = 32;
+        let mut events_records = 0;
+        while at < written.len() {
+            let kind = u32::from_le_bytes(written[at..at + 4].try_into().unwrap());
+            let length = u32::from_le_bytes(written[at + 4..at + 8].try_into().unwrap()) as usize;
+            if kind == record::EVENTS {
+                assert!(length <= 100 && length.is_multiple_of(72), "an events record of {length} bytes");
+                events_records += 1;
+            }
+            at += 16 + length;
+        }
+        assert_eq!(events_records, 40, "one allocation a record");
     }
 }
