@@ -211,8 +211,12 @@ pub enum NodeError {
         /// Bytes that were available.
         available: u64,
     },
-    /// The device is governed by these books already (through this member).
-    #[error("{device} is governed by the node books already")]
+    /// The device is governed by node books already (through this member, or another
+    /// member of the same governor).
+    #[error(
+        "{device} is governed by node books already, through this member or another member of the same \
+         governor: govern each device of a governor through one member"
+    )]
     AlreadyGoverned {
         /// The device.
         device: DeviceKey,

@@ -172,11 +172,6 @@ pub(crate) struct MemberInner {
     devices: Mutex<Vec<Arc<DeviceGrant>>>,
     tenants: Mutex<Vec<Arc<TenantGrant>>>,
     counters: Counters,
-    /// Held through [`Member::govern_device`] and [`Member::bind_tenant`], so that the
-    /// look for a device governed (an account bound) already and the record of a new one
-    /// are one step: threads racing between them each drew an initial grant and each
-    /// recorded the device or the account (counting its charges twice).
-    setup: Mutex<()>,
     /// Set when the member leaves, before its grants are given back: a shortfall still
     /// being served then draws nothing (its slot may be freed and claimed by another).
     left: AtomicBool,
@@ -219,6 +214,13 @@ pub struct LeaveReport {
     /// Whether the slot was freed (nothing was held).
     pub slot_freed: bool,
 }
+
+/// Held through [`Member::govern_device`] and [`Member::bind_tenant`], so that the look
+/// for a device governed (an account bound) already and the record of a new one are one
+/// step: threads racing between them each drew an initial grant and each recorded the
+/// device or the account (counting its charges twice). One for the process, since two
+/// members of one governor race on the governor's device the same way.
+static SETUP: Mutex<()> = Mutex::new(());
 
 std::thread_local! {
     /// A grant [`NodePolicy::on_shortfall`] just drew on this thread, for the
@@ -274,7 +276,6 @@ impl NodeBooks {
             devices: Mutex::new(Vec::new()),
             tenants: Mutex::new(Vec::new()),
             counters: Counters::default(),
-            setup: Mutex::new(()),
             left: AtomicBool::new(false),
             stop: Mutex::new(false),
             wake: Condvar::new(),
@@ -320,8 +321,20 @@ impl Member {
     pub fn govern_device(&self, device: DeviceKey, inner: Arc<dyn AdmissionPolicy>) -> Result<(), NodeError> {
         let member = &self.inner;
         member.books.check_not_forked()?;
-        let _setup = lock(&member.setup);
+        let _setup = lock(&SETUP);
         if lock(&member.devices).iter().any(|grant| grant.key == device) {
+            return Err(NodeError::AlreadyGoverned { device });
+        }
+        // Another member of this governor (joined to these books or others) governs the
+        // device already: its node holder is registered there. Two members would each
+        // set the one local limit to their own grant, and bind the device's accounts
+        // twice (their charges counted twice in a tenant's node quota).
+        let governed_elsewhere = member
+            .governor
+            .snapshot()
+            .device(device)
+            .is_some_and(|snapshot| snapshot.holders.iter().any(|holder| holder.name == NODE_HOLDER));
+        if governed_elsewhere {
             return Err(NodeError::AlreadyGoverned { device });
         }
         let books = &member.books;
@@ -390,7 +403,7 @@ impl Member {
     pub fn bind_tenant(&self, authority: AuthorityIdentity, tenant: &str) -> Result<(), NodeError> {
         let member = &self.inner;
         member.books.check_not_forked()?;
-        let _setup = lock(&member.setup);
+        let _setup = lock(&SETUP);
         if let Some(bound) = member.tenant(authority) {
             return Err(NodeError::AlreadyBound { authority, tenant: bound.name.clone() });
         }
@@ -819,6 +832,9 @@ impl AdmissionPolicy for NodePolicy {
     }
 }
 
+/// The name of a member's reclaim holder on each device it governs.
+const NODE_HOLDER: &str = "node-books";
+
 /// The first reclaim holder of a governed device: it hands the governor the grant its
 /// [`NodePolicy`] just drew on this thread, and on the recovery ladder (no policy call
 /// before it) draws a device grant for what the ladder misses.
@@ -829,7 +845,7 @@ struct NodeHolder {
 
 impl ReclaimHolder for NodeHolder {
     fn name(&self) -> &str {
-        "node-books"
+        NODE_HOLDER
     }
 
     fn reclaimable(&self, _device: DeviceKey) -> u64 {

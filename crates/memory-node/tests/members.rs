@@ -566,3 +566,33 @@ fn durations_too_long_to_add_to_the_clock_mean_never_and_panic_nowhere() {
     drop(a);
     assert_eq!(books_a.snapshot().device(GPU).unwrap().granted, 0);
 }
+
+#[test]
+fn a_governor_joined_twice_governs_each_device_through_one_member() {
+    // Two members of one governor (two libraries of a process, each joining the books
+    // with the process's governor) each governed the device: each set the one local
+    // limit to its own grant, and each could bind the device's accounts.
+    use memory_governor::{AccountConfig, Governor, HardLimit};
+    let books = NodeBooks::open(fresh_config("joined-twice")).unwrap();
+    let _cleanup = Cleanup(books.path().to_owned());
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    let governor = Governor::new();
+    let authority =
+        memory_governor::BindingRegistry::new().register_authority(GPU, Arc::new("tenant-a".to_owned())).unwrap();
+    governor.open_account(AccountConfig::new(GPU, authority)).unwrap();
+    let first = books.join(&governor).unwrap();
+    let second = books.join(&governor).unwrap();
+    first.govern_device(GPU, Arc::new(HardLimit)).unwrap();
+    let error = second.govern_device(GPU, Arc::new(HardLimit)).unwrap_err();
+    assert!(matches!(error, NodeError::AlreadyGoverned { device } if device == GPU), "{error:?}");
+    assert!(error.to_string().contains("another member of the same governor"), "{error}");
+    first.bind_tenant(authority, "tenant-a").unwrap();
+    let error = second.bind_tenant(authority, "tenant-a").unwrap_err();
+    assert!(matches!(error, NodeError::NotGoverned { .. }), "{error:?}");
+    assert_eq!(governor.snapshot().device(GPU).unwrap().policy, "node(hard-limit)");
+    // Once the first leaves, the second may govern the device.
+    drop(first);
+    second.govern_device(GPU, Arc::new(HardLimit)).unwrap();
+    drop(second);
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
+}
