@@ -6,7 +6,7 @@
 //!                           [--compare A,B,...] [--no-quotas] [--html REPORT.html]
 //! memory-trace info TRACE
 //! memory-trace chrome TRACE OUT.json
-//! memory-trace rmm TRACE OUT.csv [--device INDEX]
+//! memory-trace rmm TRACE OUT.csv [--device INDEX|TIER:INDEX]
 //! ```
 #![forbid(unsafe_code)]
 
@@ -31,8 +31,9 @@ usage:
       --html           also write one self-contained page with the timeline
   memory-trace info TRACE             what the trace holds, and any damage
   memory-trace chrome TRACE OUT.json  the Chrome trace-event format (chrome://tracing, Perfetto)
-  memory-trace rmm TRACE OUT.csv [--device INDEX]
-                                      RMM's replay log (Thread,Time,Action,Pointer,Size,Stream)";
+  memory-trace rmm TRACE OUT.csv [--device INDEX|TIER:INDEX]
+                                      RMM's replay log (Thread,Time,Action,Pointer,Size,Stream)
+                                      of one device (0, device:0, host:1) or all";
 
 /// What `replay` was asked.
 #[derive(Debug, PartialEq)]
@@ -146,6 +147,30 @@ fn info(trace: &Trace) -> String {
     out
 }
 
+/// The trace's device that `--device` names: an index (`0`), or a device as the trace
+/// names it (`device:0`, `host:1`). A device the trace does not have was taken as
+/// `device:INDEX`, and the log came out as its header alone, without a word.
+fn pick_device(trace: &Trace, asked: &str) -> Result<DeviceKey, String> {
+    let devices = trace.devices();
+    let names: Vec<String> = devices.iter().map(ToString::to_string).collect();
+    let known = if names.is_empty() { "none".to_owned() } else { names.join(", ") };
+    let matching: Vec<DeviceKey> = match asked.parse::<u32>() {
+        Ok(index) => devices.iter().copied().filter(|device| device.index() == index).collect(),
+        Err(_) => devices.iter().copied().filter(|device| device.to_string() == asked).collect(),
+    };
+    match matching[..] {
+        [device] => Ok(device),
+        [] => Err(format!(
+            "--device {asked}: the trace has no such device (its devices: {known}); pass one of those, or leave \
+             --device out for all of them"
+        )),
+        _ => Err(format!(
+            "--device {asked}: the index names several of the trace's devices ({}); pass one of them as written",
+            matching.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
 fn run(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         Some("replay") => {
@@ -174,18 +199,13 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         Some("rmm") => {
             let (path, out) = (args.get(1).ok_or("rmm needs a TRACE")?, args.get(2).ok_or("rmm needs OUT.csv")?);
-            let device = match args.get(3).map(String::as_str) {
-                Some("--device") => {
-                    let index = args.get(4).ok_or("--device needs an index")?;
-                    Some(index.parse::<u32>().map_err(|_| format!("--device {index}: not an index"))?)
-                }
+            let asked = match args.get(3).map(String::as_str) {
+                Some("--device") => Some(args.get(4).ok_or("--device needs an index or a device (device:0)")?),
                 Some(other) => return Err(format!("unexpected argument {other}")),
                 None => None,
             };
             let trace = load(path)?;
-            let device = device.map(|index| {
-                trace.devices().into_iter().find(|device| device.index() == index).unwrap_or(DeviceKey::device(index))
-            });
+            let device = asked.map(|asked| pick_device(&trace, asked)).transpose()?;
             write(out, &memory_trace::convert::rmm_csv(&trace, device))
         }
         Some("-h" | "--help" | "help") => {
@@ -227,6 +247,27 @@ mod tests {
         let replay = parse_replay(&args("t.mtrace --no-quotas --html out.html")).unwrap();
         assert_eq!(replay.configs, [ReplayConfig::new(AllocatorKind::Pooled).without_quotas()]);
         assert_eq!(replay.html, Some(PathBuf::from("out.html")));
+    }
+
+    #[test]
+    fn rmm_device_names_a_device_the_trace_has_or_is_refused_with_the_ones_it_has() {
+        use memory_governor::MemoryRole;
+        use memory_trace::{Block, Event, TraceWriter, What};
+        let mut writer = TraceWriter::new(Vec::new(), 0).unwrap();
+        for (ts, device) in [(1, DeviceKey::device(0)), (2, DeviceKey::host(0)), (3, DeviceKey::device(2))] {
+            let block = Block::new(ts, ts << 12, 64, 64);
+            writer.event(&Event::new(ts, 1, device, 1, Some(MemoryRole::Other), What::Allocate(block))).unwrap();
+        }
+        let trace = read_trace(&writer.finish().unwrap()[..]).unwrap();
+        assert_eq!(pick_device(&trace, "2"), Ok(DeviceKey::device(2)));
+        assert_eq!(pick_device(&trace, "host:0"), Ok(DeviceKey::host(0)));
+        assert_eq!(pick_device(&trace, "device:0"), Ok(DeviceKey::device(0)));
+        let missing = pick_device(&trace, "1").unwrap_err();
+        assert!(missing.contains("no such device") && missing.contains("device:0, device:2, host:0"), "{missing}");
+        let missing = pick_device(&trace, "gpu7").unwrap_err();
+        assert!(missing.contains("--device gpu7: the trace has no such device"), "{missing}");
+        let several = pick_device(&trace, "0").unwrap_err();
+        assert!(several.contains("names several") && several.contains("device:0, host:0"), "{several}");
     }
 
     #[test]
