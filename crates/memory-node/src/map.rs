@@ -272,8 +272,10 @@ impl Drop for Mapping {
 }
 
 /// Backs every page of the books `file` (whose name is `path`) with space of its file
-/// system: [`OpenError::NoSpace`] when there is not enough. A file system that cannot
-/// reserve space ahead (`EOPNOTSUPP`) is left as it is.
+/// system: [`OpenError::NoSpace`] when there is not enough. Where space cannot be
+/// reserved ahead (`EOPNOTSUPP`, `ENOSYS` on some FUSE and network file systems, an
+/// append-only file...) the file is left as it is: the reservation is a safeguard, and
+/// books that worked there before keep working.
 fn reserve(file: &File, path: &Path) -> Result<(), OpenError> {
     #[cfg(target_os = "linux")]
     loop {
@@ -283,8 +285,10 @@ fn reserve(file: &File, path: &Path) -> Result<(), OpenError> {
             Err(rustix::io::Errno::NOSPC | rustix::io::Errno::DQUOT) => {
                 return Err(OpenError::NoSpace { path: path.to_owned(), needed: LAYOUT_SIZE as u64 });
             }
-            Err(rustix::io::Errno::OPNOTSUPP) => return Ok(()),
-            Err(errno) => return Err(io(path, "reserve space for")(errno.into())),
+            Err(errno) => {
+                tracing::debug!(path = %path.display(), %errno, "the node books' space could not be reserved ahead");
+                return Ok(());
+            }
         }
     }
     #[cfg(not(target_os = "linux"))]
