@@ -122,7 +122,7 @@ impl Mapping {
     /// with plain reads, then maps it.
     fn join(path: &Path, file: File, mode: u32) -> Result<Mapping, OpenError> {
         let metadata = file.metadata().map_err(io(path, "stat"))?;
-        let uid = rustix::process::getuid().as_raw();
+        let uid = rustix::process::geteuid().as_raw();
         // Books of this user only (no group or other bits asked for) are this user's
         // file: one another user made first is theirs, and they would be a peer.
         if mode & 0o077 == 0 && metadata.uid() != uid {
@@ -315,7 +315,7 @@ fn directory_error(path: &Path, name: String, error: std::io::Error) -> OpenErro
         },
         _ => return io(path, "create")(error),
     };
-    OpenError::Directory { directory, name, found, uid: rustix::process::getuid().as_raw(), source: error }
+    OpenError::Directory { directory, name, found, uid: rustix::process::geteuid().as_raw(), source: error }
 }
 
 /// The permission error for `path`, with its owner and mode when they can be read.
@@ -323,7 +323,7 @@ fn permission(path: &Path) -> OpenError {
     let metadata = std::fs::metadata(path).ok();
     OpenError::Permission {
         path: PathBuf::from(path),
-        uid: rustix::process::getuid().as_raw(),
+        uid: rustix::process::geteuid().as_raw(),
         owner: metadata.as_ref().map_or(u32::MAX, MetadataExt::uid),
         mode: metadata.as_ref().map_or(0, |m| m.mode() & 0o7777),
     }
