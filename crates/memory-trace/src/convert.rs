@@ -11,9 +11,13 @@
 //!   `allocate` row per allocation and a `free` row when a block leaves the books (a
 //!   complete release, or a block lost with its device). Time is seconds since the Unix
 //!   epoch with microseconds; Pointer is hexadecimal; Size is the size asked for (the
-//!   free row repeats its allocation's); Stream is the caller tag. Refusals and failures
-//!   have no row (RMM's parser accepts only `allocate` and `free`), and a quarantined
-//!   release is not a free (the block is still held).
+//!   free row repeats its allocation's); Stream is 0, the default stream: the replay
+//!   refuses a log with any stream but the default and per-thread ones ("Non-default
+//!   streams not currently supported."), and a caller tag is no CUDA stream (it was
+//!   written there, so a trace with caller tags gave a log RMM would not replay).
+//!   Refusals and failures have no row (RMM's parser accepts only `allocate` and
+//!   `free`; its replay takes any other action for a free), and a quarantined release is
+//!   not a free (the block is still held).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -125,6 +129,10 @@ pub fn chrome_trace(trace: &Trace) -> Value {
 /// The column header of [`rmm_csv`].
 pub const RMM_CSV_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
+/// The Stream of every [`rmm_csv`] row: CUDA's default stream, the one RMM's replay
+/// takes (with the per-thread default stream, 2).
+pub const RMM_DEFAULT_STREAM: u64 = 0;
+
 /// The trace as RMM's replay CSV log; only `device`'s events when one is given (RMM
 /// replays one device).
 pub fn rmm_csv(trace: &Trace, device: Option<DeviceKey>) -> String {
@@ -137,14 +145,16 @@ pub fn rmm_csv(trace: &Trace, device: Option<DeviceKey>) -> String {
         if device.is_some_and(|device| device != event.device) {
             continue;
         }
-        let (action, address, size, stream) = match (&event.what, change) {
-            (What::Allocate(block), Change::Opened(_)) => ("allocate", block.address, block.requested, block.caller),
+        let (action, address, size) = match (&event.what, change) {
+            (What::Allocate(block), Change::Opened(_)) => ("allocate", block.address, block.requested),
             (What::Release { block, .. }, Change::Freed { live, closed: true, .. }) => {
-                ("free", block.address, live.requested, block.caller)
+                ("free", block.address, live.requested)
             }
-            (What::Lost(block), Change::Freed { live, closed: true, .. }) => ("free", block.address, live.requested, 0),
+            (What::Lost(block), Change::Freed { live, closed: true, .. }) => ("free", block.address, live.requested),
             _ => continue,
         };
+        // The default stream (see the module docs).
+        let stream = RMM_DEFAULT_STREAM;
         let time_ns = trace.origin_unix_ns.saturating_add(event.ts_ns);
         let (seconds, micros) = (time_ns / 1_000_000_000, time_ns % 1_000_000_000 / 1_000);
         let _ = writeln!(csv, "{},{seconds}.{micros:06},{action},{address:#x},{size},{stream}", event.thread);

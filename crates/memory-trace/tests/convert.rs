@@ -95,3 +95,26 @@ fn the_rmm_csv_of_one_device_leaves_the_others_out() {
     let csv = rmm_csv(&trace, Some(memory_governor::DeviceKey::device(3)));
     assert_eq!(csv.lines().count(), 1, "header only");
 }
+
+/// RMM's REPLAY_BENCHMARK (benchmarks/replay/replay.cpp, parse_per_thread_events) reads
+/// Stream as a decimal number and refuses a log with any stream but CUDA's default (0)
+/// and per-thread default (2) ones: "Non-default streams not currently supported." The
+/// caller tag was written there, so the log of a trace with caller tags (the synthetic
+/// trace's request ids) was one RMM would not replay. It reads Pointer with
+/// `std::stoll(.., 16)`, Thread and Size as decimal numbers.
+#[test]
+fn the_rmm_csv_is_one_rmms_replay_accepts_whatever_the_caller_tags() {
+    let trace = synthetic();
+    assert!(
+        trace.events.iter().any(|event| matches!(&event.what, memory_trace::What::Allocate(block) if block.caller > 2)),
+        "the trace has caller tags that are no stream"
+    );
+    let csv = rmm_csv(&trace, None);
+    for line in csv.lines().skip(1) {
+        let cells: Vec<&str> = line.split(',').collect();
+        let stream: u64 = cells[5].parse().unwrap_or_else(|_| panic!("Stream is decimal: {line}"));
+        assert!(stream == 0 || stream == 2, "RMM replays the default streams only: {line}");
+        assert!(i64::from_str_radix(cells[3].strip_prefix("0x").unwrap(), 16).is_ok(), "{line}");
+        assert!(cells[0].parse::<u64>().is_ok() && cells[4].parse::<u64>().is_ok(), "{line}");
+    }
+}
