@@ -116,8 +116,8 @@ pub struct OrtAllocatorStats {
     pub trims: u64,
     /// Bytes those trims returned to the cache's source (`TrimmedBytes`).
     pub trimmed_bytes: u64,
-    /// Trims after which the C library handed free heap pages back to the operating
-    /// system (`NumHeapReturns`; see
+    /// Commits and trims after which the C library handed free heap pages back to the
+    /// operating system (`NumHeapReturns`; see
     /// [`OrtAllocatorConfig::return_free_heap_pages`](crate::OrtAllocatorConfig::return_free_heap_pages)).
     pub heap_returns: u64,
 }
@@ -580,10 +580,18 @@ impl GovernedBlocks {
             counters.trims.fetch_add(1, Ordering::Relaxed);
             counters.trimmed_bytes.fetch_add(trimmed as u64, Ordering::Relaxed);
         });
+        self.return_heap_pages(caller);
+        trimmed
+    }
+
+    /// Hands the C heap's free pages back to the operating system, as configured
+    /// ([`OrtAllocatorConfig::return_free_heap_pages`]): after a trim and after a commit
+    /// (ONNX Runtime has freed what it loaded the model with). Counted when the C library
+    /// gave some back.
+    pub(crate) fn return_heap_pages(&self, caller: &Counters) {
         if self.config.returns_free_heap_pages() && crate::heap::return_free_pages() {
             both(&self.counters, caller, |counters| _ = counters.heap_returns.fetch_add(1, Ordering::Relaxed));
         }
-        trimmed
     }
 
     /// The quota `GetStats` reports as the limit.

@@ -150,24 +150,25 @@ impl OrtAllocatorConfig {
         self.trim_new_shapes
     }
 
-    /// Whether every trim of the allocator's cache (after a new shape's first run, and
-    /// ONNX Runtime's `Shrink`) also hands the C heap's free pages back to the operating
-    /// system (on by default; glibc's `malloc_trim`, a no-op on C libraries without it).
-    /// glibc keeps freed memory resident for later `malloc`s: the blocks a trimmed cache
-    /// took from the heap, and ONNX Runtime's own buffers of the first run (its
-    /// allocations outside any `OrtAllocator`), would stay in the process's footprint
-    /// though nothing uses them until a later request happens to fit. The price is one
-    /// `malloc_trim` per trim: it takes each heap arena's lock in turn (other threads'
-    /// `malloc` in that arena wait meanwhile), measured at 0.1-0.3 ms typically and up to
-    /// 8 ms after a large page's worth of frees on PP-OCRv4 (a new shape's first run takes
-    /// 10-300 ms there), and the page faults of a later `malloc` that reuses the pages.
+    /// Whether a commit and every trim of the allocator's cache (after a new shape's
+    /// first run, and ONNX Runtime's `Shrink`) also hand the C heap's free pages back to
+    /// the operating system (on by default; glibc's `malloc_trim`, a no-op on C libraries
+    /// without it). glibc keeps freed memory resident for later `malloc`s: what ONNX
+    /// Runtime loaded the model with, the blocks a trimmed cache took from the heap, and
+    /// ONNX Runtime's own buffers of a shape's first run (its allocations outside any
+    /// `OrtAllocator`) would stay in the process's footprint though nothing uses them
+    /// until a later request happens to fit. The price is one `malloc_trim` per commit
+    /// and trim: it takes each heap arena's lock in turn (other threads' `malloc` in that
+    /// arena wait meanwhile), measured at 0.1-0.3 ms typically and up to 8 ms after many
+    /// frees on PP-OCRv4 (a new shape's first run takes 10-300 ms there), and the page
+    /// faults of a later `malloc` that reuses the pages.
     ///
     /// Measured with `cargo xtask bench --ort -- --configs
     /// arena,governed-pool,governed-pool-keep-heap` (peak RSS against ONNX Runtime's
-    /// arena, governed pool, without / with, one run of 3 rounds): PP-OCRv4 recognition
-    /// over a width sweep 0.912x / 0.828x; detection over a size sweep 0.786x / 0.747x;
-    /// the direction classifier over batch sizes 0.924x / 0.883x; Silero VAD 1.002x /
-    /// 0.996x.
+    /// arena, governed pool, without / with, one run of 3 rounds): Silero VAD 1.008x /
+    /// 0.984x; PP-OCRv4 detection at one size 0.664x / 0.620x, over a size sweep 0.787x /
+    /// 0.748x; recognition over a width sweep 0.913x / 0.828x; the direction classifier
+    /// over batch sizes 0.923x / 0.879x.
     #[must_use]
     pub fn return_free_heap_pages(mut self, enabled: bool) -> OrtAllocatorConfig {
         self.return_heap_pages = enabled;

@@ -334,6 +334,9 @@ impl OrtEnvironment {
                         return Err(runtime("create the session's run options", &err));
                     }
                 };
+                // What ONNX Runtime loaded the model with is free now: it leaves the process
+                // rather than stay resident under the runs' peak.
+                crate::heap::own_work(|| core.blocks.return_heap_pages(&core.caller.counters));
                 tracing::info!(binding = %allocator.binding().identity(), serial, "governed ort session committed");
                 Ok(GovernedSession {
                     session: ManuallyDrop::new(session),

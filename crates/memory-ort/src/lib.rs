@@ -131,11 +131,11 @@
 //! first run and one planned block per run after it, so a caching allocator would keep
 //! the first run's buffers for good. A session therefore trims its allocator after the
 //! first run of each new shape ([`OrtAllocatorConfig::trim_on_new_shapes`]), and each
-//! trim (also ONNX Runtime's `Shrink`) then hands the C heap's free pages back to the
-//! operating system ([`OrtAllocatorConfig::return_free_heap_pages`]; glibc keeps freed
-//! memory resident otherwise, the trimmed blocks and ONNX Runtime's own first-run
-//! buffers with it). Both are counted ([`OrtAllocatorStats::trims`],
-//! [`OrtAllocatorStats::heap_returns`]).
+//! trim (also ONNX Runtime's `Shrink`) and each commit then hands the C heap's free
+//! pages back to the operating system ([`OrtAllocatorConfig::return_free_heap_pages`];
+//! glibc keeps freed memory resident otherwise: what the model was loaded with, the
+//! trimmed blocks, ONNX Runtime's own first-run buffers). Both are counted
+//! ([`OrtAllocatorStats::trims`], [`OrtAllocatorStats::heap_returns`]).
 //!
 //! # Correctness
 //! - **Lifetimes across the boundary.** ONNX Runtime never says when it stops calling

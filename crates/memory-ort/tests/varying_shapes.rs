@@ -208,12 +208,12 @@ fn a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trim
     assert_books_hold_only_the_weights(&tenant, &allocator, weights, "after the runs");
 }
 
-/// A new shape's trim also hands the C heap's free pages back to the operating system
-/// (glibc's `malloc_trim`), counted in the session's figures and the adapter's; with
-/// that off, trims are counted and no heap pages are returned.
+/// A commit and a new shape's trim also hand the C heap's free pages back to the
+/// operating system (glibc's `malloc_trim`), counted in the session's figures and the
+/// adapter's; with that off, trims are counted and no heap pages are returned.
 #[test]
-fn a_new_shapes_trim_returns_the_c_heaps_free_pages_unless_configured_off() {
-    let name = "a_new_shapes_trim_returns_the_c_heaps_free_pages_unless_configured_off";
+fn commits_and_new_shapes_trims_return_the_c_heaps_free_pages_unless_configured_off() {
+    let name = "commits_and_new_shapes_trims_return_the_c_heaps_free_pages_unless_configured_off";
     let Some((env, assets)) = common::ort(name) else { return };
     let widths = [80, 320, 800];
     for returning in [true, false] {
@@ -224,6 +224,8 @@ fn a_new_shapes_trim_returns_the_c_heaps_free_pages_unless_configured_off() {
         let allocator =
             memory_ort::GovernedOrtAllocator::cpu(env, binding, Some(tenant.account.clone()), config).unwrap();
         let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_rec).unwrap();
+        let committed = session.stats();
+        assert_eq!(committed.trims, 0, "a commit does not trim the cache: {committed:?}");
         for (seed, width) in widths.into_iter().enumerate() {
             recognize_text(&mut session, ocr_lines(seed as u64, 1, width), 1, width).unwrap();
         }
@@ -238,8 +240,10 @@ fn a_new_shapes_trim_returns_the_c_heaps_free_pages_unless_configured_off() {
         if !returning {
             assert_eq!(mine.heap_returns, 0, "configured off: the heap keeps its pages: {mine:?}");
         } else if cfg!(all(target_os = "linux", target_env = "gnu")) {
-            // The first run of each shape frees hundreds of ONNX Runtime's buffers.
-            assert!(mine.heap_returns >= 1, "glibc handed free pages back after a new shape: {mine:?}");
+            // Loading the model, and the first run of each shape, free hundreds of ONNX
+            // Runtime's buffers.
+            assert!(committed.heap_returns >= 1, "glibc handed free pages back after the commit: {committed:?}");
+            assert!(mine.heap_returns > committed.heap_returns, "and after a new shape's trim: {mine:?}");
         }
     }
 }
