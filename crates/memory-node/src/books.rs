@@ -444,6 +444,67 @@ impl NodeBooks {
         Err(NodeError::Forked { path: self.inner.path.clone(), opened_by: self.inner.me.pid, pid })
     }
 
+    /// The lease file of `slot`: `.<name>.slot-<slot>.lease` beside the books (see
+    /// [`format::SLOT_LEASE_GENERATION`](crate::format::SLOT_LEASE_GENERATION)).
+    pub(crate) fn lease_path(&self, slot: usize) -> PathBuf {
+        self.inner.path.with_file_name(format!(".{}.slot-{slot}.lease", self.inner.config.name))
+    }
+
+    /// Takes `slot`'s lease for a new owner (the caller holds the books' lock): the lease
+    /// file, made if there is none, `flock`ed. `None` when it cannot be had (then the
+    /// slot records no lease, and is judged by its pid alone).
+    pub(crate) fn take_lease(&self, slot: usize) -> Option<std::fs::File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.lease_path(slot);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(self.inner.config.mode)
+            .open(&path)
+            .map_err(|error| tracing::debug!(path = %path.display(), %error, "no lease for the slot"))
+            .ok()?;
+        // Only a lease file of this user: one another user made first (a world-writable
+        // directory lets them) they could unlink and replace with one nobody locks, and
+        // survivors of other namespaces would take this live process for dead.
+        let own = file.metadata().is_ok_and(|metadata| {
+            use std::os::unix::fs::MetadataExt;
+            metadata.uid() == rustix::process::geteuid().as_raw()
+        });
+        if !own {
+            tracing::debug!(path = %path.display(), "the slot's lease file is another user's: no lease");
+            return None;
+        }
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+            .map_err(|errno| tracing::debug!(path = %path.display(), %errno, "the slot's lease is held"))
+            .ok()?;
+        Some(file)
+    }
+
+    /// Whether `slot`'s lease is free (the caller holds the books' lock): its owner's
+    /// process, which held it locked, is gone. `false` when it is held, or cannot be
+    /// looked at (no evidence).
+    fn lease_released(&self, slot: usize, owner_uid: u64) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(file) = std::fs::File::open(self.lease_path(slot)) else { return false };
+        // A lease file of the slot's user (or this process's): another user's file is no
+        // evidence (see `take_lease`).
+        let trusted = file.metadata().is_ok_and(|metadata| {
+            u64::from(metadata.uid()) == owner_uid || metadata.uid() == rustix::process::geteuid().as_raw()
+        });
+        if !trusted {
+            return false;
+        }
+        // Locked (and unlocked again as `file` closes): nobody holds it.
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok()
+    }
+
+    /// Removes `slot`'s lease file (the slot was freed; the caller holds the books' lock,
+    /// so no judge has it open and no claimer is making it).
+    pub(crate) fn remove_lease(&self, slot: usize) {
+        let _ = std::fs::remove_file(self.lease_path(slot));
+    }
+
     /// Runs `f` holding the books' lock (the process's mutex, then `flock`).
     pub(crate) fn with_lock<R>(&self, f: impl FnOnce(&Shared) -> R) -> Result<R, NodeError> {
         // A fork shares the parent's open file, and so the parent's `flock`: taking it
@@ -629,11 +690,25 @@ impl NodeBooks {
                     protocol::SLOT_CLAIMING | protocol::SLOT_REFUNDING => "it died holding the books' lock",
                     _ => match identity_of(shared, slot).verdict(&me) {
                         Verdict::Dead(reason) => reason.name(),
-                        Verdict::Alive | Verdict::Foreign => continue,
+                        Verdict::Alive => continue,
+                        // Its pid means nothing here; the lease its owner held locked
+                        // tells, where it took one.
+                        Verdict::Foreign => {
+                            let leased =
+                                generation_of(word) != 0 && entry.lease_generation.load(SeqCst) == generation_of(word);
+                            if !(leased && self.lease_released(slot, entry.uid.load(SeqCst))) {
+                                continue;
+                            }
+                            "it ran in another pid namespace, and its slot's lease is no longer held"
+                        }
                     },
                 };
                 let pid = entry.pid.load(SeqCst);
+                let leased = entry.lease_generation.load(SeqCst) != 0;
                 if let Some(bytes) = refund_slot(shared, slot, word) {
+                    if leased {
+                        self.remove_lease(slot);
+                    }
                     tracing::warn!(path = %self.inner.path.display(), slot, pid, reason, bytes,
                         "refunded a dead process's node grants");
                     refunds.push(Refund { slot, pid, reason: reason.to_owned(), bytes });
@@ -802,6 +877,7 @@ pub(crate) fn refund_slot(shared: &Shared, slot: usize, expected: u64) -> Option
     }
     entry.pidfd_inode.store(0, SeqCst);
     entry.pidfd_generation.store(0, SeqCst);
+    entry.lease_generation.store(0, SeqCst);
     Some(held)
 }
 

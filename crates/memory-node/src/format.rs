@@ -6,7 +6,7 @@
 //! | header | 128 bytes | [`MAGIC`], [`VERSION`], the layout size in bytes, the table sizes, a check word over those six, the slot high-water mark, who created the file and when |
 //! | devices | [`MAX_DEVICES`] × 128 bytes | per device: its key (0: free), the node limit (`u64::MAX`: none), a pressure counter |
 //! | tenants | [`MAX_TENANTS`] × 128 bytes | per tenant of a device: its key (device entry and name length; 0: free), the node quota, a pressure counter, the name (at most [`TENANT_NAME_BYTES`] bytes of UTF-8) |
-//! | slots | [`MAX_SLOTS`] × 1,536 bytes | per process: state and generation, a sequence word (odd while the owner changes its grants), pid, start time, boot id, pid namespace, uid, join time, the process's pidfs inode and the generation it was written for (see [`SLOT_PIDFD_INODE`]); then per device the bytes granted, allocated and reserved, and per tenant the bytes granted and allocated |
+//! | slots | [`MAX_SLOTS`] × 1,536 bytes | per process: state and generation, a sequence word (odd while the owner changes its grants), pid, start time, boot id, pid namespace, uid, join time, the process's pidfs inode and the generation it was written for (see [`SLOT_PIDFD_INODE`]), the generation whose owner holds the slot's lease (see [`SLOT_LEASE_GENERATION`]); then per device the bytes granted, allocated and reserved, and per tenant the bytes granted and allocated |
 //!
 //! Words are native-endian (the file never leaves the node). The constants below give
 //! the offsets so a tool can read the file without this crate; the crate checks the
@@ -90,7 +90,10 @@ pub(crate) struct SlotEntry {
     pub(crate) pidfd_inode: AtomicU64,
     /// The generation of the claim that wrote `pidfd_inode` (0: none).
     pub(crate) pidfd_generation: AtomicU64,
-    _reserved: [AtomicU64; 5],
+    /// The generation of the claim whose owner holds the slot's lease file locked (0:
+    /// none; see [`SLOT_LEASE_GENERATION`]).
+    pub(crate) lease_generation: AtomicU64,
+    _reserved: [AtomicU64; 4],
     pub(crate) device_grant: [AtomicU64; MAX_DEVICES],
     pub(crate) device_allocated: [AtomicU64; MAX_DEVICES],
     pub(crate) device_reserved: [AtomicU64; MAX_DEVICES],
@@ -133,6 +136,8 @@ pub const SLOT_START_TIME: usize = offset_of!(SlotEntry, start_time);
 pub const SLOT_BOOT: usize = offset_of!(SlotEntry, boot);
 /// Offset of a slot's pid-namespace word (the inode of `/proc/self/ns/pid`), inside the slot.
 pub const SLOT_PID_NS: usize = offset_of!(SlotEntry, pid_ns);
+/// Offset of a slot's uid word (the owner's uid), inside the slot.
+pub const SLOT_UID: usize = offset_of!(SlotEntry, uid);
 /// Offset of a slot's pidfs-inode word, inside the slot: the inode of a pidfd of its owner
 /// (Linux 6.9 and later give every process of a boot its own), 0 where the kernel has no
 /// pidfs. A start time counts clock ticks (10 ms), so a pid reused within one tick
@@ -142,6 +147,12 @@ pub const SLOT_PID_NS: usize = offset_of!(SlotEntry, pid_ns);
 pub const SLOT_PIDFD_INODE: usize = offset_of!(SlotEntry, pidfd_inode);
 /// Offset of the generation the slot's pidfs inode was written for, inside the slot.
 pub const SLOT_PIDFD_GENERATION: usize = offset_of!(SlotEntry, pidfd_generation);
+/// Offset of the generation of the claim whose owner holds the slot's lease, inside the
+/// slot. The lease is the file `.<books name>.slot-<slot>.lease` beside the books, which
+/// the owner holds `flock`ed for as long as it holds the slot (the kernel drops the lock
+/// when the process dies): a survivor of another pid namespace, which cannot judge the
+/// owner's pid, takes a lease it can lock as its owner's death.
+pub const SLOT_LEASE_GENERATION: usize = offset_of!(SlotEntry, lease_generation);
 /// Offset of a slot's per-device grants, inside the slot (one word per device entry).
 pub const SLOT_DEVICE_GRANT: usize = offset_of!(SlotEntry, device_grant);
 /// Offset of a slot's per-tenant grants, inside the slot (one word per tenant entry).

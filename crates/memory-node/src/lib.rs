@@ -25,7 +25,9 @@
 //!   holds a copy, so a survivor that finds the slot's process gone (its pid has no
 //!   process, or a process that started at another time: a reused pid never inherits a
 //!   slot, even one reused within the clock tick start times count in, where the kernel
-//!   has pidfs: the process's pidfs inode tells it apart) zeroes the slot and frees it.
+//!   has pidfs: the process's pidfs inode tells it apart; or, for a process of another
+//!   pid namespace, whose pid means nothing here, the slot's lease file it held locked is
+//!   free) zeroes the slot and frees it.
 //!   Members look on every refusal and on their timer (every
 //!   [`NodeConfig::with_refund_interval`], 100 ms by default): a dead process's
 //!   memory is back within [`NodeConfig::refund_bound`] while any member runs.

@@ -10,8 +10,11 @@
 //! `kill(pid, 0)` says no such process, or the process with that pid is another one (its
 //! pidfs inode or its start time differs), or the slot is from another boot. A slow or stopped process is alive,
 //! and so is one whose `/proc` entry this user cannot read or see (`hidepid`).
-//! A slot of another pid namespace cannot be judged from here (its pid means something
-//! else) and is left to a peer of its own namespace.
+//! A slot of another pid namespace cannot be judged from here by its pid (which means
+//! something else); its owner's lease can (the books' `refund_locked`: a lease file the
+//! owner holds `flock`ed, which the kernel unlocks when the owner dies, see
+//! [`format::SLOT_LEASE_GENERATION`](crate::format::SLOT_LEASE_GENERATION)), and a slot
+//! with no lease is left to a peer of its own namespace.
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;

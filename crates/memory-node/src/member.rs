@@ -172,6 +172,9 @@ pub(crate) struct MemberInner {
     devices: Mutex<Vec<Arc<DeviceGrant>>>,
     tenants: Mutex<Vec<Arc<TenantGrant>>>,
     counters: Counters,
+    /// The slot's lease file, `flock`ed while this process holds the slot (see
+    /// [`format::SLOT_LEASE_GENERATION`](crate::format::SLOT_LEASE_GENERATION)).
+    lease: Mutex<Option<std::fs::File>>,
     /// Set when the member leaves, before its grants are given back: a shortfall still
     /// being served then draws nothing (its slot may be freed and claimed by another).
     left: AtomicBool,
@@ -250,6 +253,7 @@ impl NodeBooks {
         let me = self.inner.me;
         let uid = u64::from(rustix::process::getuid().as_raw());
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let mut lease = None;
         let claimed = self.with_lock(|shared| {
             protocol::claim(shared, |slot| {
                 let entry = &shared.slots[slot];
@@ -263,6 +267,10 @@ impl NodeBooks {
                 // The generation this claim is writing (the state word says CLAIMING with it).
                 entry.pidfd_inode.store(me.pidfd_inode, SeqCst);
                 entry.pidfd_generation.store(protocol::generation_of(entry.state.load(SeqCst)), SeqCst);
+                // The lease, for survivors of other pid namespaces (see `format`).
+                lease = self.take_lease(slot);
+                let leased = if lease.is_some() { protocol::generation_of(entry.state.load(SeqCst)) } else { 0 };
+                entry.lease_generation.store(leased, SeqCst);
             })
         })?;
         let (slot, generation) = claimed
@@ -276,6 +284,7 @@ impl NodeBooks {
             devices: Mutex::new(Vec::new()),
             tenants: Mutex::new(Vec::new()),
             counters: Counters::default(),
+            lease: Mutex::new(lease),
             left: AtomicBool::new(false),
             stop: Mutex::new(false),
             wake: Condvar::new(),
@@ -529,6 +538,12 @@ impl Member {
         let still_held = devices.iter().map(|grant| lock(&grant.state).held).sum::<u64>();
         let tenants_held = lock(&member.tenants).iter().map(|grant| lock(&grant.state).held).sum::<u64>();
         let slot_freed = still_held == 0 && tenants_held == 0 && member.free_slot();
+        if !slot_freed && let Some(lease) = lock(&member.lease).take() {
+            // The slot stays until the process exits: so does the lease's lock (the
+            // kernel drops it then), or a survivor of another pid namespace would take
+            // the slot for dead while the process still uses its grants.
+            std::mem::forget(lease);
+        }
         if still_held > 0 {
             member.publish(&member.governor.snapshot());
             tracing::warn!(path = %member.books.path().display(), slot = member.slot, still_held,
@@ -566,7 +581,20 @@ impl MemberInner {
     /// Frees this member's slot (nothing is held). `false` if it was not ours any more.
     fn free_slot(&self) -> bool {
         let expected = state_word(SLOT_LIVE, self.generation);
-        self.books.with_lock(|shared| refund_slot(shared, self.slot, expected).is_some()).unwrap_or(false)
+        self.books
+            .with_lock(|shared| {
+                let freed = refund_slot(shared, self.slot, expected).is_some();
+                if let Some(lease) = lock(&self.lease).take() {
+                    // Removed while the books' lock is held: no judge has it open, and
+                    // the slot's next owner makes it anew.
+                    if freed {
+                        self.books.remove_lease(self.slot);
+                    }
+                    drop(lease);
+                }
+                freed
+            })
+            .unwrap_or(false)
     }
 
     /// Draws at least `missing` bytes (a chunk if it can) for `target`, raising the

@@ -596,3 +596,68 @@ fn a_governor_joined_twice_governs_each_device_through_one_member() {
     drop(second);
     assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
 }
+
+#[test]
+fn a_slot_of_another_pid_namespace_is_refunded_once_its_lease_is_free_and_not_before() {
+    // A survivor cannot judge a pid of another pid namespace (containers sharing the
+    // books): such slots were never refunded, however dead their processes, unless a
+    // peer of that very namespace ran, and a container that crashed and restarted runs
+    // in a new one. The lease its owner holds locked tells, from any namespace.
+    let config = fresh_config("lease").with_refund_interval(Duration::from_secs(3600));
+    let books = NodeBooks::open(config.clone()).unwrap();
+    let path = books.path().to_owned();
+    let _cleanup = Cleanup(path.clone());
+    let lease = |slot: usize| {
+        path.with_file_name(format!(".{}.slot-{slot}.lease", path.file_name().unwrap().to_str().unwrap()))
+    };
+    books.set_device_limit(GPU, 16 * MIB).unwrap();
+    let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
+    let me = a.member.slot();
+    // This member holds its lease: locked, recorded for the slot's generation.
+    assert_eq!(read_word(&path, format::slot_offset(me, format::SLOT_LEASE_GENERATION)), 1);
+    let try_lock = |slot: usize| {
+        let file = std::fs::File::open(lease(slot)).unwrap();
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok()
+    };
+    assert!(!try_lock(me), "a live member's lease is locked");
+    let pid_ns = read_word(&path, format::slot_offset(me, format::SLOT_PID_NS));
+    // Slots of another pid namespace (a pid that means something else there): 50 with a
+    // lease nobody holds (its process died), 51 with a lease held (by this test, as its
+    // live owner would), 52 with no lease recorded (an older build's slot).
+    let held = std::fs::File::create(lease(51)).unwrap();
+    rustix::fs::flock(&held, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+    std::fs::File::create(lease(50)).unwrap();
+    for (slot, leased) in [(50, 1), (51, 1), (52, 0)] {
+        forge_slot(&path, me, slot, 1, 1, 2 * MIB, 0);
+        write_word(&path, format::slot_offset(slot, format::SLOT_PID_NS), pid_ns ^ 1);
+        write_word(&path, format::slot_offset(slot, format::SLOT_LEASE_GENERATION), leased);
+    }
+    let refunds = books.refund_dead().unwrap();
+    assert_eq!(refunds.iter().map(|r| (r.slot, r.bytes)).collect::<Vec<_>>(), [(50, 2 * MIB)], "{refunds:?}");
+    assert!(refunds[0].reason.contains("another pid namespace"), "{}", refunds[0].reason);
+    assert!(!lease(50).exists(), "a refunded slot's lease file is removed");
+    // Its owner gone, the held lease is free: refunded on the next look.
+    drop(held);
+    let refunds = books.refund_dead().unwrap();
+    assert_eq!(refunds.iter().map(|r| r.slot).collect::<Vec<_>>(), [51], "{refunds:?}");
+    // The slot with no lease stays (no evidence): this test cleans it up.
+    write_word(&path, format::slot_offset(52, format::SLOT_DEVICE_GRANT), 0);
+    write_word(&path, format::slot_offset(52, format::SLOT_STATE), 1 << 8);
+    // A lease file of another user (who could have made it, unlocked, to have a live
+    // slot taken for dead) is no evidence either.
+    if rustix::process::getuid().is_root() {
+        std::fs::File::create(lease(53)).unwrap();
+        std::os::unix::fs::chown(lease(53), Some(65534), Some(65534)).unwrap();
+        forge_slot(&path, me, 53, 1, 1, 2 * MIB, 0);
+        write_word(&path, format::slot_offset(53, format::SLOT_PID_NS), pid_ns ^ 1);
+        write_word(&path, format::slot_offset(53, format::SLOT_LEASE_GENERATION), 1);
+        write_word(&path, format::slot_offset(53, format::SLOT_UID), 1000);
+        assert!(books.refund_dead().unwrap().is_empty(), "another user's lease file was taken as evidence");
+        write_word(&path, format::slot_offset(53, format::SLOT_DEVICE_GRANT), 0);
+        write_word(&path, format::slot_offset(53, format::SLOT_STATE), 1 << 8);
+    }
+    // Leaving frees the slot, unlocks the lease and removes its file.
+    drop(a);
+    assert!(!lease(me).exists(), "the lease of a freed slot is removed");
+    assert_eq!(books.snapshot().device(GPU).unwrap().granted, 0);
+}

@@ -535,6 +535,62 @@ fn a_pid_reused_by_a_new_process_never_inherits_the_dead_ones_slot() {
     assert_settled(&books);
 }
 
+#[test]
+fn a_process_of_another_pid_namespace_killed_holding_grants_is_refunded() {
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    // The engine runs as pid 1 of a pid namespace of its own (a container's), which no
+    // survivor here can judge by pid: its slot stayed held after it died, until reboot.
+    let config = fresh_config("pidns");
+    let mut command = Command::new("unshare");
+    command
+        .args(["--pid", "--fork", "--kill-child", "--mount-proc"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "stall")
+        .env("MEMORY_NODE_BOOKS", config.path().file_name().unwrap())
+        .env("MEMORY_NODE_DIR", config.path().parent().unwrap())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let usable = rustix::process::getuid().is_root()
+        && Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "true"])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !usable {
+        println!("skipped a_process_of_another_pid_namespace_killed_holding_grants_is_refunded: no unshare --pid here");
+        return;
+    }
+    let (books, _, _cleanup) = setup("pidns-books", 32 * MIB, 32 * MIB);
+    let config = books.config().clone();
+    command.env("MEMORY_NODE_BOOKS", config.path().file_name().unwrap());
+    let mut child = command.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.any(|line| line.unwrap().contains("STALLED")), "the engine did not stall");
+    let snapshot = books.snapshot();
+    let slot = snapshot.slots.first().cloned().expect("the engine holds a slot");
+    assert_eq!(slot.pid, 1, "the engine is pid 1 of its namespace: {}", snapshot.to_json());
+    assert!(books.refund_dead().unwrap().is_empty(), "a live process of another namespace was taken for dead");
+    // unshare dies, and --kill-child kills the engine with it (SIGKILL).
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refunds = loop {
+        let refunds = books.refund_dead().unwrap();
+        if !refunds.is_empty() {
+            break refunds;
+        }
+        assert!(Instant::now() < deadline, "the dead engine's slot was never refunded: {}", books.snapshot().to_json());
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(refunds.len(), 1, "{refunds:?}");
+    assert!(refunds[0].reason.contains("another pid namespace"), "{}", refunds[0].reason);
+    assert!(refunds[0].bytes >= 12 * MIB, "{refunds:?}");
+    assert_settled(&books);
+}
+
 /// The engines' side (runs only as a child).
 #[test]
 fn child_role() {

@@ -55,6 +55,17 @@ pub struct Cleanup(pub PathBuf);
 impl Drop for Cleanup {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+        // And the slots' lease files beside it (a slot kept by a member that left while
+        // holding memory keeps its lease until someone refunds it).
+        let (Some(dir), Some(name)) = (self.0.parent(), self.0.file_name().and_then(|name| name.to_str())) else {
+            return;
+        };
+        let prefix = format!(".{name}.slot-");
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if entry.file_name().to_str().is_some_and(|file| file.starts_with(&prefix) && file.ends_with(".lease")) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 }
 
