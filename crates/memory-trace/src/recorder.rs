@@ -37,7 +37,8 @@ use crate::writer::{self, Cold};
 pub struct RecorderConfig {
     /// Words (8 bytes each) of each thread's ring; an allocation or release is 5 to 7
     /// words there, other events 7 to 18. Rounded up to a power of two. Default 32768
-    /// (256 KiB, about 6,500 allocations and releases without caller tags).
+    /// (256 KiB, about 6,500 allocations and releases without caller tags); at most
+    /// [`RecorderConfig::MAX_RING_WORDS`].
     pub ring_words: usize,
     /// How often the writer drains the rings when no ring asks sooner. Default 2 ms.
     pub flush_interval: Duration,
@@ -50,6 +51,13 @@ impl Default for RecorderConfig {
 }
 
 impl RecorderConfig {
+    /// The most words a ring may have: 2^30 (8 GiB for each recording thread).
+    /// [`Recorder::to_writer`] refuses more: a ring is allocated by a thread's first
+    /// event, on its allocation path, where a size past what rounds up to a power of two
+    /// panicked (or, in release, made a ring of no words, on which every event of the
+    /// thread spun until the recording finished) and one past memory aborted.
+    pub const MAX_RING_WORDS: usize = 1 << 30;
+
     /// The same settings with rings of `words` words.
     #[must_use]
     pub fn with_ring_words(self, words: usize) -> RecorderConfig {
@@ -461,8 +469,24 @@ impl Recorder {
     /// Records to `out` with `config`.
     ///
     /// # Errors
-    /// The error of writing the header or starting the writer thread.
+    /// The error of writing the header or starting the writer thread;
+    /// [`io::ErrorKind::InvalidInput`] for rings of more than
+    /// [`RecorderConfig::MAX_RING_WORDS`] words.
     pub fn to_writer(out: impl Write + Send + 'static, config: RecorderConfig) -> io::Result<Recorder> {
+        if config.ring_words > RecorderConfig::MAX_RING_WORDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "RecorderConfig::ring_words is {} words ({} bytes for each recording thread), more than the {} \
+                     (8 GiB) a ring may have; ring_words counts 8-byte words, not bytes: ask for fewer (the default \
+                     is {})",
+                    config.ring_words,
+                    (config.ring_words as u128) * 8,
+                    RecorderConfig::MAX_RING_WORDS,
+                    RecorderConfig::default().ring_words
+                ),
+            ));
+        }
         let origin_unix_ns =
             SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_nanos() as u64);
         // Smaller than a drained ring's events record (half a ring, 128 KiB by default),

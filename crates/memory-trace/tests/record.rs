@@ -484,3 +484,27 @@ fn a_full_disk_is_an_io_error_that_says_how_many_bytes_reached_the_file() {
         drop(s);
     }
 }
+
+/// A ring is allocated by a thread's first event, on its allocation path: ring_words
+/// past what rounds up to a power of two panicked there (or made a ring of no words on
+/// which the thread spun until the recording finished, in release), and past memory
+/// aborted. `to_writer` refuses them, saying what the number counts.
+#[test]
+fn rings_too_large_to_allocate_are_refused_when_the_recorder_is_made() {
+    for words in [usize::MAX, (1 << 63) + 1, RecorderConfig::MAX_RING_WORDS + 1] {
+        let Err(error) = Recorder::to_writer(std::io::sink(), RecorderConfig::default().with_ring_words(words)) else {
+            panic!("{words} words accepted")
+        };
+        assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput);
+        let message = error.to_string();
+        assert!(
+            message.contains(&format!("ring_words is {words} words")) && message.contains("8-byte words, not bytes"),
+            "{message}"
+        );
+    }
+    // The largest is taken (no ring exists before a thread records).
+    let recorder =
+        Recorder::to_writer(std::io::sink(), RecorderConfig::default().with_ring_words(RecorderConfig::MAX_RING_WORDS))
+            .unwrap();
+    assert_eq!(recorder.finish().unwrap().events, 0);
+}
