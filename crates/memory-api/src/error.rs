@@ -190,7 +190,9 @@ pub enum CapabilityError {
     /// The range does not lie inside the allocation.
     #[error(
         "range at offset {offset} of {len} bytes lies outside the {allocation_bytes}-byte allocation; \
-         keep offset + len within the allocation"
+         keep offset + len within the allocation (ranges are checked against the bytes allocated, so the \
+         rest of a last page past them cannot be committed or mapped: to use whole pages, allocate a \
+         multiple of the granularity)"
     )]
     OutOfBounds {
         /// Start of the range.
@@ -216,7 +218,9 @@ pub enum CapabilityError {
     /// The range is not aligned to the capability's granularity.
     #[error(
         "range at offset {offset} of {len} bytes is not aligned to the {granularity}-byte granularity; \
-         round offset and len to multiples of {granularity}"
+         round offset and len to multiples of {granularity} (where the range ends at an allocation whose \
+         size is not such a multiple, its last partial page cannot be used: allocate a multiple of \
+         {granularity})"
     )]
     Misaligned {
         /// Start of the range.
@@ -344,6 +348,14 @@ mod tests {
         assert!(text.contains("backing_offset + len"), "says what to change: {text}");
         let text = CapabilityError::Misaligned { offset: 1, len: 2, granularity: 4096 }.to_string();
         assert!(text.contains("4096-byte granularity") && text.contains("round"), "{text}");
+        // Both refusals a caller meets with a 100-byte reservation name the way out, so
+        // rounding one way is never answered by the other refusal alone.
+        assert!(text.contains("allocate a multiple of 4096"), "{text}");
+        let text = CapabilityError::OutOfBounds { offset: 0, len: 4096, allocation_bytes: 100 }.to_string();
+        assert!(
+            text.contains("100-byte allocation") && text.contains("allocate a multiple of the granularity"),
+            "{text}"
+        );
     }
 
     #[test]
