@@ -29,8 +29,10 @@ pub(crate) struct Live {
 /// What one event did to the books.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Change {
-    /// A block became live.
-    Opened(Live),
+    /// A block became live; `replaced`: the trace held a block of the same identity
+    /// already, whose release is missing (a damaged or merged trace), and it left the
+    /// books for this one.
+    Opened { live: Live, replaced: Option<Live> },
     /// A block's charge went down by `freed` bytes; `closed` when it left the books.
     Freed { live: Live, freed: u64, closed: bool },
     /// A release or lost block that names no live block (its allocation is not in the
@@ -62,8 +64,8 @@ impl Books {
                     requested: block.requested,
                     event: index,
                 };
-                self.live.insert(Books::key(event, block.address, block.id), live);
-                Change::Opened(live)
+                let replaced = self.live.insert(Books::key(event, block.address, block.id), live);
+                Change::Opened { live, replaced }
             }
             What::Release { outcome: ReleaseKind::Failed, .. } => Change::None,
             What::Release { block, outcome: ReleaseKind::Quarantined, residual } => {

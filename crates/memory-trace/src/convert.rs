@@ -17,7 +17,9 @@
 //!   written there, so a trace with caller tags gave a log RMM would not replay).
 //!   Refusals and failures have no row (RMM's parser accepts only `allocate` and
 //!   `free`; its replay takes any other action for a free), and a quarantined release is
-//!   not a free (the block is still held).
+//!   not a free (the block is still held). A trace that allocates a block it still holds
+//!   (its release missing: a damaged or merged trace) gets a `free` of the earlier block
+//!   first, as replay gives it back and the Chrome counters take it down.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -60,7 +62,7 @@ pub fn chrome_trace(trace: &Trace) -> Value {
     for (index, event) in trace.events.iter().enumerate() {
         let change = books.apply(index, event);
         let role = match change {
-            Change::Opened(live) | Change::Freed { live, .. } => Some(live.role),
+            Change::Opened { live, .. } | Change::Freed { live, .. } => Some(live.role),
             _ => event.role,
         };
         let name = match (&event.what, role) {
@@ -102,15 +104,22 @@ pub fn chrome_trace(trace: &Trace) -> Value {
             "name": name, "cat": "memory", "ph": "i", "s": "t", "ts": ts_us,
             "pid": pid(event.device), "tid": event.thread, "args": args,
         }));
-        let moved = match change {
-            Change::Opened(live) => Some((live.role, live.bytes, true)),
-            Change::Freed { live, freed, .. } => Some((live.role, freed, false)),
-            _ => None,
+        // What the event moved on the counters: a block that left the books without
+        // its release (replaced by one of the same identity) goes down first.
+        let moved: &[(MemoryRole, u64, bool)] = match change {
+            Change::Opened { live, replaced: None } => &[(live.role, live.bytes, true)],
+            Change::Opened { live, replaced: Some(gone) } => {
+                &[(gone.role, gone.bytes, false), (live.role, live.bytes, true)]
+            }
+            Change::Freed { live, freed, .. } => &[(live.role, freed, false)],
+            _ => &[],
         };
-        if let Some((role, bytes, up)) = moved {
+        if !moved.is_empty() {
             let counts = held.entry(event.device).or_insert([0; ROLES]);
-            let slot = &mut counts[role.ordinal()];
-            *slot = if up { slot.saturating_add(bytes) } else { slot.saturating_sub(bytes) };
+            for &(role, bytes, up) in moved {
+                let slot = &mut counts[role.ordinal()];
+                *slot = if up { slot.saturating_add(bytes) } else { slot.saturating_sub(bytes) };
+            }
             let args: Map<String, Value> =
                 MemoryRole::ALL.iter().map(|role| (role.name().to_owned(), json!(counts[role.ordinal()]))).collect();
             out.push(json!({
@@ -145,18 +154,28 @@ pub fn rmm_csv(trace: &Trace, device: Option<DeviceKey>) -> String {
         if device.is_some_and(|device| device != event.device) {
             continue;
         }
+        let time_ns = trace.origin_unix_ns.saturating_add(event.ts_ns);
+        let (seconds, micros) = (time_ns / 1_000_000_000, time_ns % 1_000_000_000 / 1_000);
+        // The default stream (see the module docs).
+        let stream = RMM_DEFAULT_STREAM;
         let (action, address, size) = match (&event.what, change) {
-            (What::Allocate(block), Change::Opened(_)) => ("allocate", block.address, block.requested),
+            (What::Allocate(block), Change::Opened { replaced, .. }) => {
+                if let Some(gone) = replaced {
+                    // The trace allocates a block it still holds (its release is missing):
+                    // the earlier one is freed first, as replay gives it back, or RMM's
+                    // replay, which keeps the first allocation of a pointer, would free
+                    // that one at the next free and leak this one.
+                    let (address, size) = (block.address, gone.requested);
+                    let _ = writeln!(csv, "{},{seconds}.{micros:06},free,{address:#x},{size},{stream}", event.thread);
+                }
+                ("allocate", block.address, block.requested)
+            }
             (What::Release { block, .. }, Change::Freed { live, closed: true, .. }) => {
                 ("free", block.address, live.requested)
             }
             (What::Lost(block), Change::Freed { live, closed: true, .. }) => ("free", block.address, live.requested),
             _ => continue,
         };
-        // The default stream (see the module docs).
-        let stream = RMM_DEFAULT_STREAM;
-        let time_ns = trace.origin_unix_ns.saturating_add(event.ts_ns);
-        let (seconds, micros) = (time_ns / 1_000_000_000, time_ns % 1_000_000_000 / 1_000);
         let _ = writeln!(csv, "{},{seconds}.{micros:06},{action},{address:#x},{size},{stream}", event.thread);
     }
     csv

@@ -118,3 +118,46 @@ fn the_rmm_csv_is_one_rmms_replay_accepts_whatever_the_caller_tags() {
         assert!(cells[0].parse::<u64>().is_ok() && cells[4].parse::<u64>().is_ok(), "{line}");
     }
 }
+
+/// A trace that allocates a block it still holds (its release missing: a damaged or
+/// merged recording). The RMM log had two `allocate` rows for one pointer: RMM's replay
+/// keeps the first allocation of a pointer (`unordered_map::insert`), so the next free
+/// gave back the first block and the second leaked; and the Chrome counters counted
+/// both, never coming back to zero. The earlier block leaves the books when the trace
+/// allocates again (as replay gives it back): a free row first, the counter down first.
+#[test]
+fn a_block_allocated_again_while_held_is_freed_first_in_the_rmm_log_and_the_counters() {
+    use memory_governor::MemoryRole;
+    use memory_trace::{Block, Event, ReleaseKind, Tenant, TraceWriter, What};
+    let block = Block::new(1, 0x10_0000, 4096, 256);
+    let allocate = |ts| Event::new(ts, 1, GPU, 1, Some(MemoryRole::KvCache), What::Allocate(block));
+    let release = Event::new(3, 1, GPU, 1, None, What::Release { block, outcome: ReleaseKind::Complete, residual: 0 });
+    let mut writer = TraceWriter::new(Vec::new(), 0).unwrap();
+    writer.tenant(&Tenant::new(1, GPU, "chat")).unwrap();
+    for event in [allocate(1), allocate(2), release] {
+        writer.event(&event).unwrap();
+    }
+    let trace = read_trace(&writer.finish().unwrap()[..]).unwrap();
+    let csv = rmm_csv(&trace, None);
+    let actions: Vec<&str> = csv.lines().skip(1).map(|line| line.split(',').nth(2).unwrap()).collect();
+    assert_eq!(actions, ["allocate", "free", "allocate", "free"], "{csv}");
+    // RMM's replay: a pointer's first allocation is kept; a free takes it out.
+    let mut held: HashMap<&str, &str> = HashMap::new();
+    for line in csv.lines().skip(1) {
+        let cells: Vec<&str> = line.split(',').collect();
+        match cells[2] {
+            "allocate" => assert!(held.insert(cells[3], cells[4]).is_none(), "allocated while held: {csv}"),
+            _ => assert_eq!(held.remove(cells[3]), Some(cells[4]), "a free of what was allocated: {csv}"),
+        }
+    }
+    assert!(held.is_empty(), "nothing leaks in RMM's replay: {csv}");
+    let json = chrome_trace(&trace);
+    let counters: Vec<u64> = json["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "C")
+        .map(|e| e["args"]["kv-cache"].as_u64().unwrap())
+        .collect();
+    assert_eq!(counters, [4096, 4096, 0], "one block held at a time, none at the end");
+}
