@@ -228,3 +228,25 @@ fn events_the_recordings_books_cannot_pair_are_reported_and_leave_nothing_charge
         assert!(replay::replay(&synthetic(), &ReplayConfig::new(kind)).devices[0].unpaired.is_empty());
     }
 }
+
+/// `--compare` runs the configurations one after another in one process: the books of
+/// each do not depend on which ran before it (each replay has its own governor and
+/// stacks; the host allocator's addresses differ run to run, and nothing in the books
+/// may follow them).
+#[test]
+fn the_books_of_a_configuration_do_not_depend_on_the_compare_order() {
+    let trace = synthetic();
+    let mut configs: Vec<ReplayConfig> = AllocatorKind::ALL
+        .iter()
+        .flat_map(|&kind| [ReplayConfig::new(kind), ReplayConfig::new(kind).with_device_limit(150 * MIB)])
+        .collect();
+    let forward = replay::replay_all(&trace, &configs);
+    configs.reverse();
+    let backward = replay::replay_all(&trace, &configs);
+    for report in &forward {
+        let other = backward.iter().find(|other| other.config == report.config).unwrap();
+        assert_eq!(report.devices[0].books(), other.devices[0].books(), "{}", report.config.label());
+        assert_eq!(report.devices[0].timeline, other.devices[0].timeline, "{}", report.config.label());
+        assert_eq!(report.devices[0].unpaired, other.devices[0].unpaired);
+    }
+}
