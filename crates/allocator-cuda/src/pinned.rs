@@ -90,9 +90,24 @@ impl DeviceAllocator for PinnedHostAllocator {
         Some(self.book.counters.snapshot())
     }
 
+    /// The blocks live on [`DeviceKey::HOST`]: a loss of the host key (a registry's
+    /// `invalidate_device`) leaves them pinned by a context that is still alive, and
+    /// nothing else would ever free them, so they are freed here as their owner would
+    /// have (`cuMemFreeHost`; a block this allocator does not hold is left alone with a
+    /// warning). Only if the pinning context is lost itself is the memory gone with it,
+    /// and the books are all that is dropped.
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
-        let forgotten = self.book.forget(lost);
-        tracing::info!(forgotten, "forgot pinned blocks lost with their context");
+        if self.device.inner().ensure_alive("cuMemFreeHost").is_err() {
+            let forgotten = self.book.forget(lost);
+            tracing::info!(forgotten, "forgot pinned blocks lost with their context");
+            return;
+        }
+        for block in lost {
+            let outcome = self.release(block);
+            if !outcome.is_complete() {
+                tracing::warn!(outcome = %outcome.summary(), "a lost pinned block handed to forget_lost was not freed");
+            }
+        }
     }
 }
 

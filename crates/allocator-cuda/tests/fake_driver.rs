@@ -912,7 +912,7 @@ mod pinned {
     use crate::common::fake::control;
     use crate::common::{complete, pattern, request};
     use allocator_cuda::{CudaDevice, CudaErrorCode, PinnedHostAllocator};
-    use memory_api::{AllocError, DeviceAllocator, DeviceKey};
+    use memory_api::{AllocError, DeviceAllocator, DeviceKey, RawAllocation};
 
     fake_test! {
         fn pinned_blocks_are_aligned_host_memory_that_holds_data() {
@@ -936,6 +936,26 @@ mod pinned {
                 complete(pinned.release(block));
             }
             assert_eq!(control::calls("cuMemHostAlloc"), control::calls("cuMemFreeHost"));
+        }
+    }
+
+    fake_test! {
+        fn lost_pinned_blocks_are_freed_while_their_context_lives_and_only_forgotten_once_it_is_lost() {
+            let device = CudaDevice::open(0).unwrap();
+            let pinned = PinnedHostAllocator::new(&device);
+            // The host key lost (its context alive): nothing else would free the memory.
+            let (a, b) = (pinned.allocate(&request(8192, 64)).unwrap(), pinned.allocate(&request(64, 8)).unwrap());
+            let stale = RawAllocation::new(b.address(), b.bytes(), b.align(), b.device(), b.provider_tag());
+            pinned.forget_lost(vec![a, b, stale]);
+            assert_eq!(control::calls("cuMemFreeHost"), 2, "each lost block freed once, the stale copy refused");
+            assert_eq!(pinned.stats().unwrap().live_allocations, 0);
+            // The pinning context lost: the memory went with it; only the books go.
+            let c = pinned.allocate(&request(4096, 64)).unwrap();
+            control::set_sticky(CudaErrorCode::ERROR_ILLEGAL_ADDRESS);
+            assert!(pinned.allocate(&request(64, 8)).is_err(), "the sticky error marks the context lost");
+            pinned.forget_lost(vec![c]);
+            assert_eq!(control::calls("cuMemFreeHost"), 2, "no driver call on a lost context");
+            assert_eq!(pinned.stats().unwrap().live_allocations, 0, "forgotten blocks leave the books");
         }
     }
 
