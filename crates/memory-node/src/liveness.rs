@@ -94,23 +94,30 @@ impl Identity {
         };
         // The pidfs inode names one process of this boot: another one is another process
         // (a pid reused, even within the clock tick that start times count in).
+        // The same inode is the same process: its start time is not compared then (a
+        // reader in another time namespace sees start times shifted by its offset, and
+        // would take a live process for a reused pid).
+        let mut start_time = Some(self.start_time);
         if self.pidfd_inode != 0
             && let Ok(Some(inode)) = pidfs_inode(self.pid)
-            && inode != self.pidfd_inode
         {
-            return Verdict::Dead(DeathReason::PidReused);
+            if inode != self.pidfd_inode {
+                return Verdict::Dead(DeathReason::PidReused);
+            }
+            start_time = None;
         }
         // EPERM: it exists, under another user. Any other answer: not evidence.
         let exists = || !matches!(test_kill_process(pid), Err(Errno::SRCH));
-        judge(self.start_time, exists, || stat_of(self.pid), || threads(self.pid))
+        judge(start_time, exists, || stat_of(self.pid), || threads(self.pid))
     }
 }
 
 /// The verdict on a process of this boot and pid namespace, from what can be seen of it:
 /// `exists` (`kill(pid, 0)` found it, perhaps under another user), its `stat` and its
-/// thread count. Declares it dead only on evidence.
+/// thread count; `start_time` the one the slot records, `None` where the process is
+/// known to be the slot's (its pidfs inode matched). Declares it dead only on evidence.
 fn judge(
-    start_time: u64,
+    start_time: Option<u64>,
     exists: impl Fn() -> bool,
     stat: impl FnOnce() -> std::io::Result<Option<Stat>>,
     threads: impl FnOnce() -> usize,
@@ -119,7 +126,9 @@ fn judge(
         return Verdict::Dead(DeathReason::NoProcess);
     }
     match stat() {
-        Ok(Some(stat)) if stat.start_time != start_time => Verdict::Dead(DeathReason::PidReused),
+        Ok(Some(stat)) if start_time.is_some_and(|start_time| stat.start_time != start_time) => {
+            Verdict::Dead(DeathReason::PidReused)
+        }
         // Exited, not yet reaped by its parent: it holds nothing any more. (A leader
         // thread that exited while other threads run shows `Z` too: those threads
         // are still listed under `task/`, and the process is alive.)
@@ -222,28 +231,34 @@ mod tests {
         // `hidepid=2`: another user's process answers `kill(pid, 0)` with EPERM (it
         // exists) while its `/proc/PID` is not there for us (ENOENT). Not evidence of death.
         let hidden = || Err(std::io::Error::from(std::io::ErrorKind::NotFound));
-        assert_eq!(judge(7, || true, hidden, || 1), Verdict::Alive);
+        assert_eq!(judge(Some(7), || true, hidden, || 1), Verdict::Alive);
         // Gone between the two looks: the second `kill` says so.
         let looks = std::cell::Cell::new(0);
         let gone_after_first_look = || {
             looks.set(looks.get() + 1);
             looks.get() == 1
         };
-        assert_eq!(judge(7, gone_after_first_look, hidden, || 1), Verdict::Dead(DeathReason::NoProcess));
+        assert_eq!(judge(Some(7), gone_after_first_look, hidden, || 1), Verdict::Dead(DeathReason::NoProcess));
         // A zombie with no thread left is dead; one whose other threads run is not.
         let zombie = || Ok(Some(Stat { state: 'Z', start_time: 7 }));
-        assert_eq!(judge(7, || true, zombie, || 1), Verdict::Dead(DeathReason::Exited));
-        assert_eq!(judge(7, || true, zombie, || 3), Verdict::Alive);
+        assert_eq!(judge(Some(7), || true, zombie, || 1), Verdict::Dead(DeathReason::Exited));
+        assert_eq!(judge(Some(7), || true, zombie, || 3), Verdict::Alive);
         let reused = || Ok(Some(Stat { state: 'S', start_time: 8 }));
-        assert_eq!(judge(7, || true, reused, || 1), Verdict::Dead(DeathReason::PidReused));
+        assert_eq!(judge(Some(7), || true, reused, || 1), Verdict::Dead(DeathReason::PidReused));
     }
 
     #[test]
     fn the_calling_process_is_alive_and_a_forged_start_time_is_a_reused_pid() {
         let me = Identity::current().unwrap();
         assert_eq!(me.verdict(&me), Verdict::Alive);
-        let reused = Identity { start_time: me.start_time + 1, ..me };
+        let reused = Identity { start_time: me.start_time + 1, pidfd_inode: 0, ..me };
         assert_eq!(reused.verdict(&me), Verdict::Dead(DeathReason::PidReused));
+        // Its own pidfs inode with a start time read in another time namespace (shifted
+        // by that namespace's offset): the same process, alive.
+        if me.pidfd_inode != 0 {
+            let shifted = Identity { start_time: me.start_time + 1000, ..me };
+            assert_eq!(shifted.verdict(&me), Verdict::Alive);
+        }
         let other_boot = Identity { boot: [me.boot[0] ^ 1, me.boot[1]], ..me };
         assert_eq!(other_boot.verdict(&me), Verdict::Dead(DeathReason::OtherBoot));
         let foreign = Identity { pid_ns: me.pid_ns ^ 1, ..me };

@@ -591,6 +591,65 @@ fn a_process_of_another_pid_namespace_killed_holding_grants_is_refunded() {
     assert_settled(&books);
 }
 
+#[test]
+fn a_member_in_another_time_namespace_takes_no_live_peer_for_dead() {
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    // /proc/PID/stat gives start times relative to the reader's time namespace: a
+    // survivor in one with a boot-time offset (a restored or time-shifted container
+    // sharing the pid namespace) read every live peer's start time shifted and refunded
+    // them all as reused pids, while they went on using the grants.
+    let usable = rustix::process::getuid().is_root()
+        && Command::new("unshare")
+            .args(["--time", "--boottime", "1000", "--fork", "true"])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !usable {
+        println!("skipped a_member_in_another_time_namespace_takes_no_live_peer_for_dead: no unshare --time here");
+        return;
+    }
+    let (books, _, _cleanup) = setup("timens", 32 * MIB, 32 * MIB);
+    let peer = common::engine(&books, GPU, &TENANTS, || system(GPU));
+    let held = allocate(&peer.tenants[0], 2 * MIB).unwrap();
+    let slot = peer.member.slot();
+    let path = books.path().to_owned();
+    let inode = {
+        let file = OpenOptions::new().read(true).open(&path).unwrap();
+        let mut word = [0u8; 8];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &file,
+            &mut word,
+            memory_node::format::slot_offset(slot, memory_node::format::SLOT_PIDFD_INODE) as u64,
+        )
+        .unwrap();
+        u64::from_ne_bytes(word)
+    };
+    if inode == 0 {
+        println!("skipped a_member_in_another_time_namespace_takes_no_live_peer_for_dead: no pidfs (Linux 6.9 on)");
+        return;
+    }
+    let output = Command::new("unshare")
+        .args(["--time", "--boottime", "1000", "--fork"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "judge")
+        .env("MEMORY_NODE_BOOKS", path.file_name().unwrap())
+        .env("MEMORY_NODE_DIR", path.parent().unwrap())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "the judge failed: {stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("REFUNDS []"), "the judge in another time namespace refunded a live member: {stdout}");
+    let snapshot = books.snapshot();
+    assert!(snapshot.slots.iter().any(|s| s.slot == slot && s.alive), "{}", snapshot.to_json());
+    assert_eq!(slot_grants(&snapshot, std::process::id())[0], peer.member.device_grant(GPU).unwrap());
+    drop(held);
+    drop(peer);
+    assert_settled(&books);
+}
+
 /// The engines' side (runs only as a child).
 #[test]
 fn child_role() {
@@ -599,6 +658,7 @@ fn child_role() {
         Ok("stall") => stall(),
         Ok("forker") => forker(),
         Ok("opener") => opener(),
+        Ok("judge") => judge_slots(),
         Ok("newcomer") => newcomer(),
         _ => {}
     }
@@ -898,4 +958,11 @@ fn opener() {
     println!("RESULT {}", serde_json::json!({ "created": books.created(), "slot": engine.member.slot() }));
     while std::io::stdin().read_line(&mut line).is_ok_and(|read| read > 0) {}
     drop(engine);
+}
+
+/// Opens the books, refunds what it finds dead, and prints the refunds.
+fn judge_slots() {
+    let books = NodeBooks::open_existing(config_from_env()).unwrap();
+    let refunds = books.refund_dead().unwrap();
+    println!("REFUNDS {:?}", refunds.iter().map(|refund| (refund.slot, refund.reason.clone())).collect::<Vec<_>>());
 }
