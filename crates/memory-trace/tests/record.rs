@@ -508,3 +508,20 @@ fn rings_too_large_to_allocate_are_refused_when_the_recorder_is_made() {
             .unwrap();
     assert_eq!(recorder.finish().unwrap().events, 0);
 }
+
+/// A recorder dropped without `finish` (an early return, a `?`) finishes on drop: its
+/// events are in the file with the end record, and the traced allocator it made, still
+/// in use, records nothing more (counted, not written).
+#[test]
+fn a_recorder_dropped_without_finish_writes_a_finished_trace() {
+    let (recorder, bytes) = recorder(RecorderConfig::default());
+    let s = setup(&recorder, Arc::new(SystemAllocator::for_device(DEV)), None);
+    let block = s.binding.allocate(request(4096, MemoryRole::Weights)).unwrap();
+    drop(recorder);
+    s.binding.release(block).unwrap();
+    let trace = read_trace(&bytes.lock().unwrap()[..]).unwrap();
+    assert!(trace.damage.is_none(), "{:?}", trace.damage);
+    assert_eq!(trace.end.map(|end| end.events), Some(1));
+    assert_eq!(trace.events.len(), 1, "the allocation; the release came after the recording finished");
+    drop(s);
+}
