@@ -444,10 +444,13 @@ impl NodeBooks {
         Err(NodeError::Forked { path: self.inner.path.clone(), opened_by: self.inner.me.pid, pid })
     }
 
-    /// The lease file of `slot`: `.<name>.slot-<slot>.lease` beside the books (see
+    /// The lease file of `slot`: `.<name>.<inode>.slot-<slot>.lease` beside the books,
+    /// the books file's inode in it so that books removed and made anew (which split the
+    /// processes) never share a lease (see
     /// [`format::SLOT_LEASE_GENERATION`](crate::format::SLOT_LEASE_GENERATION)).
     pub(crate) fn lease_path(&self, slot: usize) -> PathBuf {
-        self.inner.path.with_file_name(format!(".{}.slot-{slot}.lease", self.inner.config.name))
+        let inode = self.inner.map.inode();
+        self.inner.path.with_file_name(format!(".{}.{inode}.slot-{slot}.lease", self.inner.config.name))
     }
 
     /// Takes `slot`'s lease for a new owner (the caller holds the books' lock): the lease

@@ -148,7 +148,7 @@ pub const SLOT_PIDFD_INODE: usize = offset_of!(SlotEntry, pidfd_inode);
 /// Offset of the generation the slot's pidfs inode was written for, inside the slot.
 pub const SLOT_PIDFD_GENERATION: usize = offset_of!(SlotEntry, pidfd_generation);
 /// Offset of the generation of the claim whose owner holds the slot's lease, inside the
-/// slot. The lease is the file `.<books name>.slot-<slot>.lease` beside the books, which
+/// slot. The lease is the file `.<books name>.<books inode>.slot-<slot>.lease` beside the books, which
 /// the owner holds `flock`ed for as long as it holds the slot (the kernel drops the lock
 /// when the process dies): a survivor of another pid namespace, which cannot judge the
 /// owner's pid, takes a lease it can lock as its owner's death.

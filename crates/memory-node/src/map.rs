@@ -230,6 +230,11 @@ impl Mapping {
         unsafe { self.ptr.as_ref() }
     }
 
+    /// The inode of the books file this mapping maps (0 if it cannot be read).
+    pub(crate) fn inode(&self) -> u64 {
+        self.file.metadata().map_or(0, |metadata| metadata.ino())
+    }
+
     /// Takes the books' cross-process lock (waiting for it). The caller also holds the
     /// process's own lock: `flock` is per open file, so two threads of one process would
     /// both "hold" it.

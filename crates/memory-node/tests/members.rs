@@ -607,8 +607,9 @@ fn a_slot_of_another_pid_namespace_is_refunded_once_its_lease_is_free_and_not_be
     let books = NodeBooks::open(config.clone()).unwrap();
     let path = books.path().to_owned();
     let _cleanup = Cleanup(path.clone());
+    let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&path).unwrap());
     let lease = |slot: usize| {
-        path.with_file_name(format!(".{}.slot-{slot}.lease", path.file_name().unwrap().to_str().unwrap()))
+        path.with_file_name(format!(".{}.{inode}.slot-{slot}.lease", path.file_name().unwrap().to_str().unwrap()))
     };
     books.set_device_limit(GPU, 16 * MIB).unwrap();
     let a = engine(&books, GPU, &["tenant-a"], || system(GPU));
@@ -656,6 +657,15 @@ fn a_slot_of_another_pid_namespace_is_refunded_once_its_lease_is_free_and_not_be
         write_word(&path, format::slot_offset(53, format::SLOT_DEVICE_GRANT), 0);
         write_word(&path, format::slot_offset(53, format::SLOT_STATE), 1 << 8);
     }
+    // Books removed and made anew split the processes: the new books' member has a
+    // lease of its own (not the old books' one, which the old member still holds).
+    std::fs::remove_file(&path).unwrap();
+    let renewed = NodeBooks::open(config).unwrap();
+    assert!(renewed.created());
+    let b = engine(&renewed, GPU, &["tenant-a"], || system(GPU));
+    assert_eq!(b.member.slot(), 0, "the new books' first slot");
+    assert_eq!(read_word(&path, format::slot_offset(0, format::SLOT_LEASE_GENERATION)), 1, "b holds a lease");
+    drop(b);
     // Leaving frees the slot, unlocks the lease and removes its file.
     drop(a);
     assert!(!lease(me).exists(), "the lease of a freed slot is removed");

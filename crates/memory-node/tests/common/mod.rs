@@ -60,9 +60,10 @@ impl Drop for Cleanup {
         let (Some(dir), Some(name)) = (self.0.parent(), self.0.file_name().and_then(|name| name.to_str())) else {
             return;
         };
-        let prefix = format!(".{name}.slot-");
+        let prefix = format!(".{name}.");
         for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            if entry.file_name().to_str().is_some_and(|file| file.starts_with(&prefix) && file.ends_with(".lease")) {
+            let lease = |file: &str| file.starts_with(&prefix) && file.contains(".slot-") && file.ends_with(".lease");
+            if entry.file_name().to_str().is_some_and(lease) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
