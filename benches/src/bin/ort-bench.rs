@@ -39,7 +39,9 @@
 //! the resident memory once every model was committed (and the peak above it, what the
 //! runs added), p50/p99 per request (each over the baseline's median for the same
 //! session and input) and the governor's allocated and reserved peaks. Targets: (b)
-//! total peak RSS <= 0.7x (a), p50 <= 1.05x.
+//! total peak RSS <= 0.7x (a), p50 <= 1.05x. (`--child-multi N
+//! shared-governed-pool-keep-heap REQUESTS` runs (b) with the C heap's free pages kept
+//! resident after commits and trims, for comparison.)
 //!
 //! Options: `--rounds N`, `--vad-iters N`, `--ocr-iters N` (runs of the fixed-size
 //! page), `--sweeps N` (timed passes over each sweep), `--sessions 2,4` (the Ns of the
@@ -755,12 +757,12 @@ fn child_multi(args: &[String]) -> Result<(), String> {
             let (timed, faults) = run_sessions(models, requests)?;
             (timed, faults, committed, (0, 0))
         }
-        "shared-governed-pool" => {
+        "shared-governed-pool" | "shared-governed-pool-keep-heap" => {
             let (registry, governor, tenant, account) = governed_tenant()?;
             let backing = governor.cache_backing(Arc::new(SystemAllocator::for_caches(DeviceKey::HOST)));
             let pool: Arc<dyn DeviceAllocator> = Arc::new(PooledAllocator::new(backing));
-            let allocator =
-                governed_allocator(&env, &registry, &governor, tenant, account, pool, OrtAllocatorConfig::default())?;
+            let adapter = OrtAllocatorConfig::default().return_free_heap_pages(config == "shared-governed-pool");
+            let allocator = governed_allocator(&env, &registry, &governor, tenant, account, pool, adapter)?;
             let commit =
                 |path: &std::path::Path| env.commit_from_file(&allocator, builder()?, path).map_err(|e| e.to_string());
             let models = (0..sessions)
