@@ -53,9 +53,9 @@ pub enum OpenError {
     },
     /// This user may not open the file (its owner and mode are the trust boundary).
     #[error(
-        "this process (uid {uid}) may not open the node books at {path} (owner uid {owner}, mode {mode:04o}): \
-         run it as the owner, or have the owner create the books with a mode that admits this user's group \
-         (NodeConfig::with_mode) and add the user to that group"
+        "this process (uid {uid}) may not open the node books at {} (owner uid {owner}, mode {mode:04o}): {}",
+        path.display(),
+        permission_advice(*uid, *owner)
     )]
     Permission {
         /// The file.
@@ -150,6 +150,18 @@ pub enum OpenError {
     /// Another I/O error ("open", "map", "create", ...).
     #[error(transparent)]
     Io(#[from] BooksIoError),
+}
+
+/// What to do about a books file this process may not open: the owner's process whose
+/// file's mode locks out its owner, or another user's.
+fn permission_advice(uid: u32, owner: u32) -> &'static str {
+    if uid == owner {
+        "this user owns them, but their mode does not let the owner read and write them: give the owner read and \
+         write again (chmod u+rw), or remove them"
+    } else {
+        "run it as the owner, or have the owner create the books with a mode that admits this user's group \
+         (NodeConfig::with_mode) and add the user to that group"
+    }
 }
 
 /// A books operation after opening failed.

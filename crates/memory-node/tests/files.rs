@@ -130,6 +130,7 @@ fn another_users_file_with_mode_0600_is_refused_as_a_permission_problem() {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
         let error = refusal(&config);
         assert!(matches!(error, OpenError::Permission { .. }), "{error:?}");
+        assert!(error.to_string().contains("chmod u+rw"), "{error}");
     }
 }
 
@@ -343,4 +344,17 @@ fn books_another_user_made_first_are_refused_to_a_process_that_asked_for_its_own
     // Books meant to be shared (a mode that admits a group) are joined as before.
     let shared = NodeBooks::open(config.with_mode(0o660)).expect("books shared between users are joined");
     assert!(!shared.created());
+}
+
+#[test]
+fn a_permission_refusal_advises_the_owner_and_another_user_differently() {
+    // Its own file with a mode that locks its owner out told the owner to "run it as
+    // the owner" and to create the books with a group mode.
+    let own = OpenError::Permission { path: PathBuf::from("/dev/shm/books"), uid: 1000, owner: 1000, mode: 0o400 };
+    let message = own.to_string();
+    assert!(message.contains("chmod u+rw") && !message.contains("run it as the owner"), "{message}");
+    let foreign = OpenError::Permission { path: PathBuf::from("/dev/shm/books"), uid: 1000, owner: 0, mode: 0o600 };
+    let message = foreign.to_string();
+    assert!(message.contains("run it as the owner") && message.contains("with_mode"), "{message}");
+    assert!(message.contains("/dev/shm/books (owner uid 0, mode 0600)"), "{message}");
 }
