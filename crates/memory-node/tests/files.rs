@@ -32,6 +32,14 @@ fn write_word(path: &Path, offset: usize, value: u64) {
     file.write_all_at(&value.to_ne_bytes(), offset as u64).unwrap();
 }
 
+/// The tests that start processes, one at a time: the permission test copies this
+/// binary and executes the copy, which fails with ETXTBSY when another test's thread
+/// forks while the copy is open for writing (the fork holds the descriptor until exec).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SPAWNING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SPAWNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn refusal(config: &NodeConfig) -> OpenError {
     NodeBooks::open(config.clone()).expect_err("a bad books file was accepted")
 }
@@ -91,6 +99,7 @@ fn another_users_file_with_mode_0600_is_refused_as_a_permission_problem() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
+    let _serial = one_at_a_time();
     let (config, _cleanup) = good_file("permission");
     let path = config.path();
     let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
@@ -211,6 +220,7 @@ fn books_on_a_full_file_system_are_refused_as_no_space_not_a_sigbus() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
+    let _serial = one_at_a_time();
     // A sized file is sparse on tmpfs: its pages were mapped unbacked, and the first
     // write to one (the header, here) killed the opener with SIGBUS.
     let Some(tmpfs) = SmallTmpfs::mount("full", "size=64k") else {
@@ -262,6 +272,7 @@ fn opener_role() {
 
 #[test]
 fn a_books_directory_that_is_missing_or_read_only_and_a_bad_name_are_refused_naming_them() {
+    let _serial = one_at_a_time();
     // The directory's problems were reported on the temporary file (".NAME.PID.NANOS.tmp")
     // as an I/O error, or as a permission problem of that file "owner uid 4294967295,
     // mode 0000" with advice about the books' mode.
