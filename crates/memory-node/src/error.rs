@@ -196,7 +196,12 @@ pub enum NodeError {
         max: usize,
     },
     /// A tenant name is empty or too long.
-    #[error("the tenant name {tenant:?} is not usable in the node books: {reason}")]
+    #[error(
+        "the tenant name {tenant:?} ({} bytes) is not usable in the node books: {reason}; give a name of 1 to {} \
+         bytes of UTF-8",
+        tenant.len(),
+        crate::format::TENANT_NAME_BYTES
+    )]
     TenantName {
         /// The name.
         tenant: String,

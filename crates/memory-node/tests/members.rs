@@ -290,7 +290,11 @@ fn set_limits_report_the_old_value_and_names_are_checked() {
     assert_eq!(books.device_limit(GPU), Some(5 * MIB));
     assert!(matches!(books.set_tenant_quota(GPU, "", 1), Err(NodeError::TenantName { .. })));
     let long = "x".repeat(49);
-    assert!(matches!(books.set_tenant_quota(GPU, &long, 1), Err(NodeError::TenantName { .. })));
+    let error = books.set_tenant_quota(GPU, &long, 1).unwrap_err();
+    assert!(matches!(error, NodeError::TenantName { .. }), "{error:?}");
+    // What was asked, what was found, what to do.
+    let message = error.to_string();
+    assert!(message.contains("(49 bytes)") && message.contains("give a name of 1 to 48 bytes"), "{message}");
     assert_eq!(books.set_tenant_quota(GPU, "tenant-a", MIB).unwrap(), None);
     assert_eq!(books.tenant_quota(GPU, "tenant-a"), Some(MIB));
     assert_eq!(books.tenant_quota(DeviceKey::host(41), "tenant-a"), None);
