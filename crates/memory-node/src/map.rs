@@ -80,6 +80,7 @@ impl Mapping {
     fn create(path: &Path, mode: u32) -> Result<Option<Mapping>, OpenError> {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let name = path.file_name().map_or_else(|| "books".into(), |name| name.to_string_lossy().into_owned());
+        sweep_abandoned(path, &name);
         let temporary = path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
         let file = OpenOptions::new()
             .read(true)
@@ -273,6 +274,36 @@ impl Drop for Mapping {
         // SAFETY: `ptr` and `LAYOUT_SIZE` are exactly what `mmap` returned and was asked
         // for; no reference into the mapping outlives `self` (`shared` borrows `self`).
         let _ = unsafe { munmap(self.ptr.as_ptr().cast(), LAYOUT_SIZE) };
+    }
+}
+
+/// Removes the temporary files (`.<name>.<pid>.<nanos>.tmp`) that creators of the books
+/// at `path` left when they died mid-create (killed between making and linking it): its
+/// creator's pid has no process and it is over a minute old (a create takes
+/// milliseconds; a creator of another pid namespace, whose pid means nothing here, is
+/// not kept waiting that long).
+fn sweep_abandoned(path: &Path, name: &str) {
+    let Some(directory) = path.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(directory) else { return };
+    let prefix = format!(".{name}.");
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some((pid, nanos)) =
+            file.to_str().and_then(|file| file.strip_prefix(&prefix)?.strip_suffix(".tmp")?.split_once('.'))
+        else {
+            continue;
+        };
+        let (Ok(pid), Ok(_)) = (pid.parse::<i32>(), nanos.parse::<u128>()) else { continue };
+        let gone = rustix::process::Pid::from_raw(pid)
+            .is_some_and(|pid| matches!(rustix::process::test_kill_process(pid), Err(rustix::io::Errno::SRCH)));
+        let abandoned = entry
+            .metadata()
+            .ok()
+            .and_then(|metadata| metadata.modified().ok()?.elapsed().ok())
+            .is_some_and(|age| age > std::time::Duration::from_secs(60));
+        if gone && abandoned && std::fs::remove_file(entry.path()).is_ok() {
+            tracing::info!(path = %entry.path().display(), "removed a temporary books file its dead creator left");
+        }
     }
 }
 

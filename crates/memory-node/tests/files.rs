@@ -369,3 +369,41 @@ fn a_permission_refusal_advises_the_owner_and_another_user_differently() {
     assert!(message.contains("run it as the owner") && message.contains("with_mode"), "{message}");
     assert!(message.contains("/dev/shm/books (owner uid 0, mode 0600)"), "{message}");
 }
+
+#[test]
+fn temporary_files_of_creators_that_died_mid_create_are_removed_by_the_next_creator() {
+    // A creator killed between making its temporary file and linking it left the file
+    // (the whole layout, reserved) in /dev/shm for good, one per such death.
+    let _serial = one_at_a_time();
+    let config = fresh_config("abandoned");
+    let _cleanup = Cleanup(config.path());
+    let dir = config.path().parent().unwrap().to_owned();
+    let name = config.path().file_name().unwrap().to_str().unwrap().to_owned();
+    let dead = {
+        let mut child = Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    };
+    let temporary = |pid: u32, nanos: u64| dir.join(format!(".{name}.{pid}.{nanos}.tmp"));
+    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let make = |path: &Path, old: bool| {
+        let file = std::fs::File::create(path).unwrap();
+        if old {
+            file.set_modified(an_hour_ago).unwrap();
+        }
+    };
+    let abandoned = temporary(dead, 1);
+    let fresh = temporary(dead, 2);
+    let live = temporary(std::process::id(), 3);
+    make(&abandoned, true);
+    make(&fresh, false);
+    make(&live, true);
+    let books = NodeBooks::open(config).unwrap();
+    assert!(books.created());
+    assert!(!abandoned.exists(), "an hour-old temporary file of a dead creator was left");
+    assert!(fresh.exists(), "a fresh temporary file may be a creator's of another pid namespace, mid-create");
+    assert!(live.exists(), "a live creator's temporary file was removed");
+    let _ = std::fs::remove_file(fresh);
+    let _ = std::fs::remove_file(live);
+}
