@@ -10,7 +10,7 @@
 //! |-----------|------------------|
 //! | `system`  | `SystemAllocator` (no cache: reserved = allocated) |
 //! | `pooled`  | `PooledAllocator` over `governor.cache_backing(SystemAllocator)`: the device limit bounds what the pool holds (docs/ACCOUNTING.md, "Allocated and reserved") |
-//! | `virtual` | `VirtualHostAllocator`, each block reserved and then committed whole |
+//! | `virtual` | `VirtualHostAllocator`, each block reserved and then committed whole (its size rounded up to the page, as a runtime on reserve/commit memory asks; a block whose commit fails goes back, a failure) |
 //!
 //! The events run in the trace's order on one thread, so the same trace and
 //! configuration give the same books ([`DeviceReport::books`]) every time; only the
@@ -628,20 +628,28 @@ fn attempt(
     requested: u64,
     align: u64,
 ) -> Attempt {
-    let Ok(request) = AllocationRequest::new(requested as usize, align as usize) else { return Attempt::Failed };
+    // Reserve/commit memory is used in whole pages: the last partial page of a block
+    // could never be committed (ranges are checked against the bytes allocated), so a
+    // runtime on it asks for page multiples, and so does the replay.
+    let backing = if stack.virtual_commit { tenant.governed.virtual_backing() } else { None };
+    let granularity = backing.map_or(1, |backing| backing.granularity().max(1) as u64);
+    let Some(asked) = requested.checked_next_multiple_of(granularity) else { return Attempt::Failed };
+    let Ok(request) = AllocationRequest::new(asked as usize, align as usize) else { return Attempt::Failed };
     let request = request.with_role(role);
     let started = Instant::now();
     let result = tenant.governed.try_allocate(&request);
     let outcome = match result {
-        Ok(raw) => {
-            if stack.virtual_commit
-                && raw.bytes() > 0
-                && let Some(backing) = tenant.governed.virtual_backing()
-            {
-                let _ = backing.commit(&raw, ByteRange::new(0, raw.bytes()));
-            }
-            Attempt::Admitted(raw)
-        }
+        Ok(raw) => match backing {
+            Some(backing) if raw.bytes() > 0 => match backing.commit(&raw, ByteRange::new(0, raw.bytes())) {
+                Ok(_) => Attempt::Admitted(raw),
+                // A block that cannot be backed is of no use: it goes back, a failure.
+                Err(_) => {
+                    let _ = tenant.governed.release(raw);
+                    Attempt::Failed
+                }
+            },
+            _ => Attempt::Admitted(raw),
+        },
         Err(GovernedAllocError::Refused(refusal)) => Attempt::Refused(refusal.to_string()),
         Err(_) => Attempt::Failed,
     };

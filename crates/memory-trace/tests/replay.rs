@@ -250,3 +250,25 @@ fn the_books_of_a_configuration_do_not_depend_on_the_compare_order() {
         assert_eq!(report.devices[0].unpaired, other.devices[0].unpaired);
     }
 }
+
+/// The virtual stack commits every block whole: a block whose size is not a page
+/// multiple is reserved as whole pages and committed as such (it used to be refused as
+/// misaligned, the error ignored, and the block counted though nothing was committed).
+#[cfg(unix)]
+#[test]
+fn the_virtual_stack_rounds_blocks_to_whole_pages_and_commits_them() {
+    use memory_trace::{Block, Event, Tenant, TraceWriter, What};
+    let blocks = [Block::new(1, 0x10_0000, 100, 64), Block::new(2, 0x20_0000, 5000, 64)];
+    let mut writer = TraceWriter::new(Vec::new(), 0).unwrap();
+    writer.tenant(&Tenant::new(1, GPU, "chat")).unwrap();
+    for (ts, block) in blocks.into_iter().enumerate() {
+        writer.event(&Event::new(ts as u64, 1, GPU, 1, Some(MemoryRole::KvCache), What::Allocate(block))).unwrap();
+    }
+    let trace = read_trace(&writer.finish().unwrap()[..]).unwrap();
+    let page = 4096;
+    let device = replay::replay(&trace, &ReplayConfig::new(AllocatorKind::Virtual)).devices.remove(0);
+    assert_eq!(device.failures, 0, "both blocks committed");
+    assert_eq!(device.peak_allocated, page + 2 * page, "whole pages: {device:?}");
+    let device = replay::replay(&trace, &ReplayConfig::new(AllocatorKind::System)).devices.remove(0);
+    assert_eq!(device.peak_allocated, 5100, "other stacks hold what was asked");
+}
