@@ -74,7 +74,7 @@ fn on_exit() {
 
 #[cfg(all(target_os = "linux", not(memory_loom)))]
 mod imp {
-    use std::ffi::{c_int, c_uint, c_void};
+    use std::ffi::{c_char, c_int, c_uint, c_void};
     use std::sync::OnceLock;
 
     /// `pthread_key_t` on Linux (glibc and musl).
@@ -88,18 +88,67 @@ mod imp {
     /// The process's key, made on first use (`None` if the system refused one).
     static KEY: OnceLock<Option<Key>> = OnceLock::new();
 
+    /// `Dl_info` of `<dlfcn.h>` (glibc and musl).
+    #[repr(C)]
+    struct DlInfo {
+        fname: *const c_char,
+        fbase: *mut c_void,
+        sname: *const c_char,
+        saddr: *mut c_void,
+    }
+
+    /// `RTLD_LAZY`, `RTLD_NOLOAD` and `RTLD_NODELETE` on Linux (glibc and musl).
+    const RTLD_LAZY: c_int = 0x1;
+    const RTLD_NOLOAD: c_int = 0x4;
+    const RTLD_NODELETE: c_int = 0x1000;
+
+    unsafe extern "C" {
+        fn dladdr(address: *const c_void, info: *mut DlInfo) -> c_int;
+        fn dlopen(file: *const c_char, flags: c_int) -> *mut c_void;
+    }
+
     /// The key's destructor: the thread is exiting.
     unsafe extern "C" fn destructor(_value: *mut c_void) {
         // Nothing may unwind into the C library that called us.
         let _ = std::panic::catch_unwind(super::on_exit);
     }
 
+    /// Keeps the shared object holding this code mapped for the life of the process.
+    ///
+    /// glibc calls a key's destructor through the pointer given to `pthread_key_create`
+    /// whether or not the object that holds it is still mapped: a runtime that
+    /// `dlopen`s `libmemory_capi.so` (or a library of its own linking the static one),
+    /// calls it from a thread and `dlclose`s it while that thread runs had the thread
+    /// jump into unmapped memory as it exited (SIGSEGV in `__nptl_deallocate_tsd`).
+    /// The handle tables and hazard slots are kept for the life of the process anyway
+    /// (docs/C-ABI.md §2), so the object is made undeletable (`RTLD_NODELETE`) before
+    /// the key exists: a `dlclose` then leaves it mapped. In an executable (no shared
+    /// object to pin) the `dlopen` finds nothing and nothing changes.
+    fn pin_this_object() {
+        let mut info = DlInfo {
+            fname: std::ptr::null(),
+            fbase: std::ptr::null_mut(),
+            sname: std::ptr::null(),
+            saddr: std::ptr::null_mut(),
+        };
+        // SAFETY: `destructor` is code of this object; `info` is a live, writable local.
+        let found = unsafe { dladdr(destructor as *const c_void, &mut info) } != 0;
+        if !found || info.fname.is_null() {
+            return;
+        }
+        // SAFETY: `fname` is the NUL-terminated path the loader keeps for the mapped
+        // object; with RTLD_NOLOAD nothing new is loaded, only the object already mapped
+        // gets RTLD_NODELETE. The reference it returns is deliberately never closed.
+        let _ = unsafe { dlopen(info.fname, RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE) };
+    }
+
     pub(super) fn arm() -> bool {
         let key = KEY.get_or_init(|| {
+            pin_this_object();
             let mut key: Key = 0;
             // SAFETY: `key` is a live local; the destructor is an `extern "C"` function
-            // that lives as long as the process (this library is never unloaded while a
-            // thread it armed runs, as for any thread-local destructor).
+            // that lives as long as the process (`pin_this_object` keeps the object
+            // holding it mapped, whatever `dlclose` the runtime makes).
             (unsafe { pthread_key_create(&mut key, Some(destructor)) } == 0).then_some(key)
         });
         let Some(key) = *key else { return false };

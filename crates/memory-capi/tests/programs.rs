@@ -157,8 +157,24 @@ fn the_cpp_program_has_no_memory_errors_or_leaks_under_valgrind() {
     valgrind(&build(Language::Cpp("c++17"), "tests/cpp/smoke.cpp", "smoke-cpp"));
 }
 
-/// memory-plugin's example plugin (`crates/memory-plugin/tests/c/example_plugin.c`), built
-/// once as a shared library; its configuration scripts its faults.
+/// A runtime that `dlopen`s `libmemory_capi.so`, calls it from a worker thread and
+/// `dlclose`s it while the thread runs (`tests/c/dlclose.c`): the library's pthread key
+/// destructor runs as the thread exits, so the library must stay mapped. Before the fix
+/// the thread's exit jumped into the unmapped destructor (SIGSEGV).
+#[test]
+fn a_library_dlclosed_while_a_thread_that_called_it_runs_stays_mapped_for_its_exit() {
+    let shared = static_library().with_file_name("libmemory_capi.so");
+    assert!(shared.exists(), "cargo built no {} (memory-capi's crate-type keeps \"cdylib\")", shared.display());
+    let program = NativeBuild::new(Language::C("c11"))
+        .source(manifest().join("tests/c/dlclose.c"))
+        .include(manifest().join("../../include"))
+        .arg("-lpthread")
+        .arg("-ldl")
+        .executable(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("programs"), "dlclose-c");
+    let stdout = run_with(&program, &[shared.to_str().expect("the target directory's path is UTF-8")]);
+    assert!(stdout.contains("still mapped after dlclose") && stdout.contains("checks passed"), "{stdout}");
+}
+
 /// A program that exits with one of every kind of handle still live, under valgrind
 /// with the leak kinds that mean a leak (definite, indirect) as errors: none of its
 /// blocks is lost, and the program ran to the end (docs/C-ABI.md section 2).
@@ -185,6 +201,8 @@ fn handles_live_at_exit_leak_nothing_definitely_or_indirectly() {
     assert!(report.contains("still reachable") || report.contains("possibly lost"), "{report}");
 }
 
+/// memory-plugin's example plugin (`crates/memory-plugin/tests/c/example_plugin.c`), built
+/// once as a shared library; its configuration scripts its faults.
 fn example_plugin() -> &'static Path {
     static PLUGIN: OnceLock<PathBuf> = OnceLock::new();
     PLUGIN.get_or_init(|| {
