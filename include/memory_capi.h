@@ -572,7 +572,9 @@ McStatus mc_mechanism_retry_quarantined(struct McRegistry *registry, struct McMe
 // `out` is null or writable.
 McStatus mc_mechanism_retry_suspects(struct McRegistry *registry, struct McMechanism *mechanism, struct McSuspectRetry *out);
 
-// Loads a plugin library.
+// Loads a plugin library. An empty path is `MC_ERR_INVALID_ARGUMENT` (the dynamic
+// loader would open this program itself); a library the loader cannot open is
+// `MC_ERR_PLUGIN`, with the loader's reason in the message.
 //
 // # Safety
 // `path` is null or NUL-terminated; `out` is null or writable. Loading runs the

@@ -446,3 +446,20 @@ fn a_destroy_whose_finish_cannot_write_is_mc_err_backend_and_a_second_destroy_su
     assert_eq!(mc_recorder_destroy(r.recorder), MC_ERR_STALE_HANDLE);
     teardown(r);
 }
+
+/// `mc_plugin_load("")` is refused as an invalid argument (`dlopen("")` would open the
+/// program itself), and a path the loader cannot open is `MC_ERR_PLUGIN` with the
+/// loader's reason; neither writes a handle.
+#[test]
+fn a_plugin_load_of_an_empty_or_missing_path_says_why() {
+    let mut library: *mut McPluginLibrary = null_mut();
+    // SAFETY: a NUL-terminated path and a live out-pointer.
+    assert_eq!(unsafe { mc_plugin_load(c"".as_ptr(), &mut library) }, MC_ERR_INVALID_ARGUMENT);
+    assert!(message().contains("path is empty") && message().contains("pass the path of the plugin"), "{}", message());
+    assert!(library.is_null());
+    // SAFETY: as above.
+    let status = unsafe { mc_plugin_load(c"/nonexistent/libno-plugin.so".as_ptr(), &mut library) };
+    assert_eq!(status, MC_ERR_PLUGIN, "{}", message());
+    assert!(message().contains("No such file or directory"), "{}", message());
+    assert!(library.is_null());
+}

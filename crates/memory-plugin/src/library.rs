@@ -181,12 +181,28 @@ unsafe extern "C" fn host_log(host_data: *mut c_void, level: i32, message: *cons
     }));
 }
 
+/// What the dynamic loader said: libloading's error reads "dlopen failed" and keeps the
+/// loader's own reason (`dlerror()`: the file not found, a dependency or symbol that does
+/// not resolve) as its source, which a message must carry.
+#[cold]
+fn loader_detail(error: &libloading::Error) -> String {
+    let mut detail = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        detail.push_str(": ");
+        detail.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    detail
+}
+
 impl PluginLibrary {
     /// Loads the plugin library at `path` and resolves its entry point (and its
     /// optional tally).
     ///
     /// # Errors
-    /// [`PluginError::Load`] when the dynamic loader fails, [`PluginError::MissingEntry`]
+    /// [`PluginError::Load`] when the path is empty (the dynamic loader would open the
+    /// program itself) or the loader fails (with its reason), [`PluginError::MissingEntry`]
     /// when the library exports no `mp_plugin_entry`.
     ///
     /// # Safety
@@ -197,9 +213,18 @@ impl PluginLibrary {
     pub unsafe fn load(path: impl AsRef<Path>) -> Result<PluginLibrary, PluginError> {
         let path_ref = path.as_ref();
         let path = path_ref.display().to_string();
+        if path_ref.as_os_str().is_empty() {
+            // dlopen("") is the program itself, not a library: never a plugin to load.
+            return Err(PluginError::Load {
+                path: "\"\"".to_owned(),
+                detail: "an empty path names this program itself to the dynamic loader, not a plugin library; \
+                         pass the plugin's file"
+                    .to_owned(),
+            });
+        }
         // SAFETY: the caller trusts the library (see `# Safety`).
         let library = unsafe { libloading::Library::new(path_ref) }
-            .map_err(|error| PluginError::Load { path: path.clone(), detail: error.to_string() })?;
+            .map_err(|error| PluginError::Load { path: path.clone(), detail: loader_detail(&error) })?;
         // SAFETY: the symbol is declared by the ABI with exactly this signature.
         let entry = unsafe { library.get::<MpEntryFn>(MP_ENTRY_SYMBOL.as_bytes()) }
             .map(|symbol| *symbol)

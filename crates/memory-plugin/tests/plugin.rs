@@ -861,3 +861,28 @@ fn the_plugin_allocator_passes_the_conformance_suite() {
     let report = memory_testkit::conformance::Suite::new(|| library.instantiate(&structured_only).unwrap()).run();
     report.assert_passed();
 }
+
+// ---------------------------------------------------------------------------------
+// Loading
+
+/// A library the loader cannot open is refused with the loader's own reason (libloading
+/// says only "dlopen failed" and keeps `dlerror()` as its source), and an empty path,
+/// which `dlopen` takes as the program itself, is refused before the loader runs.
+#[test]
+fn a_load_that_fails_says_what_the_loader_said_and_an_empty_path_is_refused() {
+    let missing = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("no-such-plugin.so");
+    // SAFETY: nothing is loaded: the file does not exist.
+    let error = unsafe { PluginLibrary::load(&missing) }.expect_err("a missing file does not load");
+    let text = error.to_string();
+    assert!(matches!(error, PluginError::Load { .. }), "{text}");
+    assert!(text.contains("No such file or directory") && text.contains("no-such-plugin.so"), "{text}");
+    // A directory: the loader says what is wrong with it.
+    // SAFETY: a directory is never mapped.
+    let error = unsafe { PluginLibrary::load(env!("CARGO_TARGET_TMPDIR")) }.expect_err("a directory does not load");
+    assert!(error.to_string().contains("dlopen failed: "), "{error}");
+    // SAFETY: refused before the loader runs.
+    let error = unsafe { PluginLibrary::load("") }.expect_err("an empty path does not load");
+    let text = error.to_string();
+    assert!(matches!(error, PluginError::Load { .. }), "{text}");
+    assert!(text.contains("empty path names this program itself"), "{text}");
+}

@@ -6,7 +6,7 @@ use memory_plugin::PluginLibrary;
 
 use super::{borrow, check_out, fill, handle_failure, text, vacancy, write};
 use crate::handles::{Scheme, number};
-use crate::status::{Failure, MC_ERR_SUSPECT_BLOCKS, MC_ERR_UNLOAD_REFUSED, McStatus, guard};
+use crate::status::{Failure, MC_ERR_INVALID_ARGUMENT, MC_ERR_SUSPECT_BLOCKS, MC_ERR_UNLOAD_REFUSED, McStatus, guard};
 use crate::types::*;
 
 pub(crate) const KIND_LIBRARY: u8 = 0xa8;
@@ -15,7 +15,9 @@ tables! {
     LIBRARIES in LIBRARY_CELLS: PluginLibrary = (KIND_LIBRARY, Scheme::Hazard, "plugin library", FREE_LIBRARIES);
 }
 
-/// Loads a plugin library.
+/// Loads a plugin library. An empty path is `MC_ERR_INVALID_ARGUMENT` (the dynamic
+/// loader would open this program itself); a library the loader cannot open is
+/// `MC_ERR_PLUGIN`, with the loader's reason in the message.
 ///
 /// # Safety
 /// `path` is null or NUL-terminated; `out` is null or writable. Loading runs the
@@ -26,6 +28,14 @@ pub unsafe extern "C" fn mc_plugin_load(path: *const c_char, out: *mut *mut McPl
         check_out(out, "out")?;
         // SAFETY: null or NUL-terminated (the caller's contract).
         let path = unsafe { text(path, "path") }?;
+        if path.is_empty() {
+            return Err(Failure::new(
+                MC_ERR_INVALID_ARGUMENT,
+                "path is empty, which names this program itself to the dynamic loader, not a plugin library; \
+                 pass the path of the plugin's shared library"
+                    .to_owned(),
+            ));
+        }
         let cell = vacancy(&LIBRARIES)?;
         // SAFETY: the caller trusts the library (documented above).
         let library = unsafe { PluginLibrary::load(path) }?;
