@@ -69,6 +69,24 @@ fn capability_failure(
     Failure::new(status, message)
 }
 
+/// A backing size off the granularity, refused before the allocator runs: the
+/// allocator's own refusal speaks of a range "at offset 0" and of "offset and len", which
+/// `mc_backing_create` has not (its one number is the size).
+#[cold]
+fn backing_size_failure(bytes: usize, granularity: usize) -> Failure {
+    let advice = match bytes.checked_next_multiple_of(granularity) {
+        Some(rounded) => format!("ask for {rounded} bytes (rounded up) or another multiple of {granularity}"),
+        None => format!("ask for a multiple of {granularity} bytes"),
+    };
+    Failure::new(
+        MC_ERR_INVALID_ARGUMENT,
+        format!(
+            "a backing of {bytes} bytes is not a multiple of the {granularity}-byte granularity of this binding's \
+             shared mapping (mc_shared_granularity); {advice}"
+        ),
+    )
+}
+
 /// A range `offset .. offset + length` of an allocation, as host sizes.
 fn range(offset: u64, length: u64) -> Result<ByteRange, Failure> {
     Ok(ByteRange::new(host_size(offset, "offset")?, host_size(length, "length")?))
@@ -227,6 +245,10 @@ pub unsafe extern "C" fn mc_backing_create(binding: *mut McBinding, bytes: u64, 
         let bytes = host_size(bytes, "bytes")?;
         let binding = borrow(&BINDINGS, binding)?;
         let mapping = binding.shared_mapping().map_err(unsupported)?;
+        let granularity = mapping.granularity();
+        if granularity != 0 && !bytes.is_multiple_of(granularity) {
+            return Err(backing_size_failure(bytes, granularity));
+        }
         let cell = vacancy(&BACKINGS)?;
         let backing = mapping.create_backing(bytes).map_err(|e| capability_failure(e, None, 0))?;
         let handle = fill(cell, backing);

@@ -256,6 +256,14 @@ static void run_kind(const char *kind) {
         OK(mc_allocation_info(b, &info_b));
         OK(mc_backing_create(binding, 2 * granule, &backing));
         EXPECT(mc_backing_create(binding, granule + 1, &backing), MC_ERR_INVALID_ARGUMENT);
+        /* The refusal is about the backing's size, the one number given: no "range", no
+         * "offset and len", no "allocation". */
+        SAYS("a backing of");
+        SAYS("is not a multiple of the");
+        SAYS("mc_shared_granularity");
+        TRUE(strstr(mc_last_error_message(), "offset") == NULL);
+        EXPECT(mc_backing_create(binding, UINT64_MAX, &backing), MC_ERR_INVALID_ARGUMENT);
+        SAYS("a backing of 18446744073709551615 bytes");
         OK(mc_shared_map(binding, backing, a, 0, 2 * granule, 0, MC_ACCESS_READ_WRITE));
         OK(mc_shared_map(binding, backing, b, 2 * granule, granule, granule, MC_ACCESS_READ_ONLY));
         write_and_read(info.address, 2 * granule, 0x77);
