@@ -106,6 +106,24 @@ pub enum PluginError {
         /// Why it is needed.
         why: &'static str,
     },
+    /// A minor-0 table claims capabilities that need slots (virtual backing, shared
+    /// mapping, deferred release): those slots came with minor 1, past the end of a
+    /// minor-0 table, so the host never reads them (they are not "left null").
+    #[error(
+        "plugin {plugin} claims capabilities {claimed:#x} in a minor-{minor} table, but a minor-{minor} table \
+         ends before the capability slots (they came with minor {needed_minor}), so the host cannot read them; \
+         build the table as minor {needed_minor} or later (MP_ABI_MINOR) with the slots filled, or claim no capability"
+    )]
+    CapabilitiesNeedNewerMinor {
+        /// The library or table.
+        plugin: String,
+        /// The capability bits claimed that need slots.
+        claimed: u64,
+        /// The table's negotiated minor.
+        minor: u16,
+        /// The first minor with capability slots.
+        needed_minor: u16,
+    },
     /// The plugin claims capabilities the host did not offer (or does not know).
     #[error(
         "plugin {plugin} claims capabilities {claimed:#x} but the host offered only {offered:#x}; \

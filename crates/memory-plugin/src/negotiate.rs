@@ -93,7 +93,7 @@ pub(crate) unsafe fn negotiate(
     let table = unsafe { copy.assume_init() };
     // SAFETY: the caller guarantees a null or NUL-terminated name.
     let name = unsafe { read_name(table.name) }.unwrap_or_else(|| label.to_owned());
-    match check_content(&table, offered, &name) {
+    match check_content(&table, offered, &name, minor) {
         Ok(device) => Ok(Negotiated { table, minor, name, device }),
         Err(error) => {
             if let (InstanceOrigin::Entry, Some(destroy)) = (origin, table.destroy) {
@@ -130,7 +130,7 @@ unsafe fn read_name(name: *const std::ffi::c_char) -> Option<String> {
     Some(text)
 }
 
-fn check_content(table: &MpAllocator, offered: u64, name: &str) -> Result<DeviceKey, PluginError> {
+fn check_content(table: &MpAllocator, offered: u64, name: &str, minor: u16) -> Result<DeviceKey, PluginError> {
     let missing =
         |slot: &'static str, why: &'static str| PluginError::MissingSlot { plugin: name.to_owned(), slot, why };
     if table.allocate.is_none() {
@@ -146,6 +146,18 @@ fn check_content(table: &MpAllocator, offered: u64, name: &str) -> Result<Device
     let unoffered = claimed & !(offered & MP_CAP_ALL);
     if unoffered != 0 {
         return Err(PluginError::UnofferedCapability { plugin: name.to_owned(), claimed: unoffered, offered });
+    }
+    // Every capability slot lies past a minor-0 table's prefix (not copied, never read),
+    // so a capability that needs slots cannot be claimed there; MP_CAP_STRUCTURED_RELEASE
+    // needs none (it shapes minor 0's own release).
+    let with_slots = claimed & (MP_CAP_VIRTUAL_BACKING | MP_CAP_SHARED_MAPPING | MP_CAP_DEFERRED_RELEASE);
+    if with_slots != 0 && minor == 0 {
+        return Err(PluginError::CapabilitiesNeedNewerMinor {
+            plugin: name.to_owned(),
+            claimed: with_slots,
+            minor,
+            needed_minor: 1,
+        });
     }
     if claimed & MP_CAP_VIRTUAL_BACKING != 0 {
         let why = "it claims MP_CAP_VIRTUAL_BACKING";

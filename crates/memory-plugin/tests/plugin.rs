@@ -127,10 +127,22 @@ fn older_minor_table_is_read_to_its_prefix_and_newer_slots_are_unsupported() {
     assert!(matches!(allocator.tally(), Err(PluginError::Unsupported { what: "tally", .. })));
     assert!(allocator.virtual_backing().is_none());
     assert!(matches!(allocator.release_queue(4), Err(PluginError::Unsupported { .. })));
-    // A minor-0 table that claims capabilities whose slots are minor 1 is refused.
+    // A minor-0 table that claims capabilities whose slots are minor 1 is refused, and
+    // the refusal says why: the slots lie past its end (the plugin wrote them: poison),
+    // not "left null".
     let error = instance(&library, "minor=0").unwrap_err();
-    assert!(matches!(error, PluginError::MissingSlot { slot: "commit", .. }), "{error}");
-    assert!(error.to_string().contains("MP_CAP_VIRTUAL_BACKING"), "{error}");
+    assert!(
+        matches!(error, PluginError::CapabilitiesNeedNewerMinor { claimed: 0x7, minor: 0, needed_minor: 1, .. }),
+        "{error}"
+    );
+    let text = error.to_string();
+    assert!(text.contains("in a minor-0 table") && text.contains("ends before the capability slots"), "{text}");
+    assert!(text.contains("build the table as minor 1") && !text.contains("null"), "{text}");
+    // A structured release needs no slot: a minor-0 table may claim it.
+    let structured = instance(&library, "minor=0 claim=8").unwrap();
+    assert_eq!(structured.capabilities(), MP_CAP_STRUCTURED_RELEASE);
+    let block = structured.allocate(&request(100)).unwrap();
+    assert!(structured.release(block).is_complete());
 }
 
 #[test]
