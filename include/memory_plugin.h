@@ -6,6 +6,13 @@
 
 #include <stddef.h>
 #include <stdint.h>
+/* The layouts below are the library's on 64-bit targets only (pointers and size_t of 8
+ * bytes, docs/C-ABI.md): elsewhere every struct holding a pointer would differ, silently. */
+#if (defined(UINTPTR_MAX) && defined(UINT64_MAX) && UINTPTR_MAX != UINT64_MAX) || \
+    (defined(__SIZEOF_POINTER__) && __SIZEOF_POINTER__ != 8)
+#error "memory_plugin.h and memory_capi.h are defined for 64-bit targets only (8-byte pointers); build for a 64-bit target"
+#endif
+
 /* The symbols a plugin library exports (MP_ENTRY_SYMBOL, MP_TALLY_SYMBOL in Rust). */
 #define MP_ENTRY_SYMBOL "mp_plugin_entry"
 #define MP_TALLY_SYMBOL "mp_plugin_tally"

@@ -112,3 +112,65 @@ fn headers_compile_as_c11_with_the_layouts_rust_uses() {
 fn headers_compile_as_cpp17_with_the_layouts_rust_uses() {
     compare(Language::Cpp("c++17"), "cpp");
 }
+
+/// Compiles `source` with the system C compiler (`cc`, or `$CC`) and `flags`, syntax
+/// only; returns whether it compiled and what the compiler said.
+fn syntax_check(extension: &str, source: &str, flags: &[&str]) -> (bool, String) {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("layout");
+    std::fs::create_dir_all(&dir).unwrap();
+    let name = format!("check-{}.{extension}", flags.join("").replace(['-', '=', '+'], ""));
+    let path = dir.join(name);
+    std::fs::write(&path, source).unwrap();
+    let compiler = match extension {
+        "cpp" => std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned()),
+        _ => std::env::var("CC").unwrap_or_else(|_| "cc".to_owned()),
+    };
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include");
+    let output = Command::new(&compiler)
+        .args(flags)
+        .arg("-fsyntax-only")
+        .arg("-I")
+        .arg(&include)
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|error| panic!("{compiler} starts: {error}"));
+    (output.status.success(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+const BOTH_HEADERS: &str = "#include \"memory_plugin.h\"\n#include \"memory_capi.h\"\nint main(void) { return 0; }\n";
+
+/// The strictest modes a runtime builds in: C99 (which the headers' comments and
+/// fixed-width integers promise) and C11 with prototypes required and undefined macros
+/// in `#if` warned about, and C++11 and C++17; every warning an error.
+#[test]
+fn headers_compile_as_strict_c99_c11_cpp11_and_cpp17() {
+    let c = ["-Wall", "-Wextra", "-Werror", "-pedantic", "-Wstrict-prototypes", "-Wundef", "-Wmissing-prototypes"];
+    let cpp =
+        ["-Wall", "-Wextra", "-Werror", "-pedantic", "-Wundef", "-Wold-style-cast", "-Wzero-as-null-pointer-constant"];
+    for (extension, standard, warnings) in [
+        ("c", "-std=c99", &c[..]),
+        ("c", "-std=c11", &c[..]),
+        ("cpp", "-std=c++11", &cpp[..]),
+        ("cpp", "-std=c++17", &cpp[..]),
+    ] {
+        let flags: Vec<&str> = std::iter::once(standard).chain(warnings.iter().copied()).collect();
+        let (compiled, said) = syntax_check(extension, BOTH_HEADERS, &flags);
+        assert!(compiled, "the headers do not compile with {flags:?}:\n{said}");
+    }
+}
+
+/// The headers' layouts are the library's on 64-bit targets only (docs/C-ABI.md): a
+/// 32-bit build (here gcc's `-m32`, freestanding so that no 32-bit C library is needed)
+/// stops at the header with a message saying so, instead of compiling structs whose
+/// pointers are 4 bytes (an `MpAllocator` of another size than the 184 bytes the library reads).
+#[test]
+fn a_32_bit_build_is_stopped_by_the_headers_with_a_message() {
+    let probe = syntax_check("c", "int main(void) { return 0; }\n", &["-m32", "-ffreestanding", "-std=c99"]);
+    if !probe.0 {
+        eprintln!("skipped: this compiler cannot build for a 32-bit target (-m32): {}", probe.1.trim());
+        return;
+    }
+    let (compiled, said) = syntax_check("c", BOTH_HEADERS, &["-m32", "-ffreestanding", "-std=c99", "-Wall", "-Wundef"]);
+    assert!(!compiled, "the headers compiled for a 32-bit target, with layouts the library does not use");
+    assert!(said.contains("defined for 64-bit targets only"), "{said}");
+}
