@@ -78,10 +78,16 @@ pub unsafe extern "C" fn mc_snapshot_json(
         // SAFETY: checked above.
         unsafe { write(length, text.len()) };
         if buffer.is_null() || capacity <= text.len() {
+            // A null buffer holds nothing, whatever `capacity` says.
+            let given = if buffer.is_null() {
+                format!("no buffer was given (buffer is null, capacity {capacity})")
+            } else {
+                format!("the buffer holds {capacity}")
+            };
             return Err(Failure::new(
                 MC_ERR_BUFFER_TOO_SMALL,
                 format!(
-                    "the snapshot is {} bytes (plus a NUL) and the buffer holds {capacity}; pass a buffer of at least {} bytes",
+                    "the snapshot is {} bytes (plus a NUL) and {given}; pass a buffer of at least {} bytes",
                     text.len(),
                     text.len() + 1
                 ),

@@ -465,6 +465,12 @@ static void every_refusal_speaks_c(void) {
     EXPECT(mc_allocation_info(block, &info), MC_ERR_STALE_HANDLE);
     EXPECT(mc_snapshot_json(registry, NULL, small, sizeof small, &length), MC_ERR_BUFFER_TOO_SMALL);
     SAYS("pass a buffer of at least");
+    SAYS("the buffer holds");
+    /* A null buffer with a capacity (a size query) holds nothing: the message says so
+     * rather than "the buffer holds 4096". */
+    EXPECT(mc_snapshot_json(registry, NULL, NULL, 4096, &length), MC_ERR_BUFFER_TOO_SMALL);
+    SAYS("no buffer was given (buffer is null, capacity 4096)");
+    TRUE(strstr(mc_last_error_message(), "the buffer holds") == NULL);
     /* A table too short to be a vtable is refused without a call. */
     MpAllocator table;
     memset(&table, 0, sizeof table);
