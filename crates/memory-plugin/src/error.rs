@@ -106,6 +106,18 @@ pub enum PluginError {
         /// Why it is needed.
         why: &'static str,
     },
+    /// The library's entry point asked the host for another instance of the same
+    /// library from inside its own entry call (a callback into the host): entry calls of
+    /// one library are serialised, so the nested one could never start.
+    #[error(
+        "plugin {plugin} was asked for an instance from inside its own entry point (mp_plugin_entry called back \
+         into the host, which asked the same library again); entry calls of one library run one at a time, so \
+         this one cannot run: ask for the second instance once mp_plugin_entry has returned"
+    )]
+    ReentrantEntry {
+        /// The library.
+        plugin: String,
+    },
     /// A minor-0 table claims capabilities that need slots (virtual backing, shared
     /// mapping, deferred release): those slots came with minor 1, past the end of a
     /// minor-0 table, so the host never reads them (they are not "left null").

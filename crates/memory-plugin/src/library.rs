@@ -25,6 +25,52 @@ use crate::error::{PluginError, StatusCode, UnloadRefused};
 use crate::negotiate::{InstanceOrigin, negotiate};
 use crate::tally::{HostTally, PluginTally, SuspectRetry};
 
+/// The most entry calls one thread tracks as nested (a plugin's entry point asking the
+/// host for an instance of another library, whose entry point asks again, ...); deeper
+/// ones are not tracked, only never refused.
+const MAX_NESTED_ENTRIES: usize = 8;
+
+std::thread_local! {
+    /// The libraries (by mapping) whose entry point this thread is inside, outermost
+    /// first. Plain cells without a destructor: an instance may be made from any thread,
+    /// one exiting included.
+    static ENTERING: [std::cell::Cell<usize>; MAX_NESTED_ENTRIES] =
+        const { [const { std::cell::Cell::new(0) }; MAX_NESTED_ENTRIES] };
+    /// How many entry calls this thread is inside.
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// This thread is inside the entry point of the library at `mapping` until dropped.
+struct Entering;
+
+impl Entering {
+    /// Records the entry call, or `None` if this thread is inside that library's entry
+    /// point already (its entry lock is this thread's: waiting for it would never end).
+    fn begin(mapping: usize) -> Option<Entering> {
+        let depth = DEPTH.with(std::cell::Cell::get);
+        let nested =
+            ENTERING.with(|entering| entering[..depth.min(MAX_NESTED_ENTRIES)].iter().any(|m| m.get() == mapping));
+        if nested {
+            return None;
+        }
+        if depth < MAX_NESTED_ENTRIES {
+            ENTERING.with(|entering| entering[depth].set(mapping));
+        }
+        DEPTH.with(|cell| cell.set(depth + 1));
+        Some(Entering)
+    }
+}
+
+impl Drop for Entering {
+    fn drop(&mut self) {
+        let depth = DEPTH.with(std::cell::Cell::get) - 1;
+        if depth < MAX_NESTED_ENTRIES {
+            ENTERING.with(|entering| entering[depth].set(0));
+        }
+        DEPTH.with(|cell| cell.set(depth));
+    }
+}
+
 /// What an instance is created with.
 #[derive(Clone, Debug)]
 pub struct InstanceOptions {
@@ -272,6 +318,11 @@ impl PluginLibrary {
             log: Some(host_log),
         };
         let mut table: *const MpAllocator = std::ptr::null();
+        // An entry point that called back into the host for another instance of its own
+        // library: this thread holds the entry lock, so the nested call is refused.
+        let Some(_entering) = Entering::begin(self.shared.mapping) else {
+            return Err(PluginError::ReentrantEntry { plugin: self.shared.path.clone() });
+        };
         // One entry call at a time per library, until its table has been copied.
         let entered = self.shared.entry_lock.lock().unwrap_or_else(PoisonError::into_inner);
         // SAFETY: the entry point has this signature (resolved at load); `host` and

@@ -898,3 +898,45 @@ fn a_load_that_fails_says_what_the_loader_said_and_an_empty_path_is_refused() {
     assert!(matches!(error, PluginError::Load { .. }), "{text}");
     assert!(text.contains("empty path names this program itself"), "{text}");
 }
+
+/// The library whose entry point [`instantiate_again`] re-enters, and what that nested
+/// call answered.
+static REENTERED: OnceLock<PluginLibrary> = OnceLock::new();
+static NESTED_ANSWER: std::sync::Mutex<Option<Result<u16, PluginError>>> = std::sync::Mutex::new(None);
+
+/// Called by the example plugin from inside its entry point (`reenter=ADDR`): asks the
+/// same library for a second instance, as a composite plugin asking its host would.
+extern "C" fn instantiate_again() {
+    let library = REENTERED.get().expect("set before the outer instantiate");
+    let answer = instance(library, "").map(|allocator| allocator.abi_minor());
+    *NESTED_ANSWER.lock().unwrap() = Some(answer);
+}
+
+/// An entry point that calls back into the host for another instance of its own library
+/// (a plugin calling back into the host from its callbacks) gets a typed refusal that
+/// says so; the outer instantiate then completes. Before the fix the nested call waited
+/// for the library's entry lock, which its own thread held: the thread hung for good.
+#[test]
+fn an_entry_point_that_asks_its_own_library_for_an_instance_is_refused_not_deadlocked() {
+    let (library, _) = load("reenter");
+    REENTERED.set(library).expect("set once");
+    let config = format!("reenter={:#x}", instantiate_again as extern "C" fn() as usize);
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let outer = REENTERED.get().expect("set above");
+        let _ = done.send(instance(outer, &config).map(|allocator| allocator.abi_minor()));
+    });
+    // A generous bound: only a hang (the defect) reaches it.
+    let outer = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the instantiate whose entry point re-entered its library never returned (deadlock)");
+    assert_eq!(outer, Ok(1));
+    let nested = NESTED_ANSWER.lock().unwrap().take().expect("the entry point called back");
+    let error = nested.expect_err("the nested instantiate is refused");
+    assert!(matches!(error, PluginError::ReentrantEntry { .. }), "{error}");
+    let text = error.to_string();
+    assert!(
+        text.contains("from inside its own entry point") && text.contains("once mp_plugin_entry has returned"),
+        "{text}"
+    );
+}

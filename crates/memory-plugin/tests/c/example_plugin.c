@@ -18,6 +18,8 @@
  *                              plugin keeps all it handed out
  *   defer_polls=N              polls before a deferred release is ready (default 1)
  *   refuse=1                   the entry point refuses the host
+ *   reenter=ADDR               the entry point calls the host's void (*)(void) at ADDR
+ *                              first (a plugin calling back into its host)
  *
  * Thread-safe: counters are atomics, per-block and per-instance state is under the
  * instance's mutex. A plain allocate/release pair (no fault scripted, no backing ever
@@ -720,6 +722,12 @@ MpStatus mp_plugin_entry(const MpHost *host, const MpAllocator **out) {
     if (config_number(config, "refuse", 0)) {
         log_line(host, MP_LOG_WARN, "example plugin: refusing the host as scripted");
         return MP_ERR_VERSION_MISMATCH;
+    }
+    /* reenter=ADDR: calls the host's function at ADDR (a void (*)(void)) from inside
+     * this entry call, as a plugin asking its host for a second instance of itself would. */
+    unsigned long long reenter = config_number(config, "reenter", 0);
+    if (reenter != 0) {
+        ((void (*)(void))(uintptr_t)reenter)();
     }
     Instance *self = calloc(1, sizeof *self);
     if (self == NULL) {
