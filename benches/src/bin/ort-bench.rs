@@ -182,13 +182,18 @@ impl Work {
         }
     }
 
-    /// Untimed runs first: enough to settle the VAD's state and the arena, and one
-    /// whole pass of a sweep (ONNX Runtime's first run of a shape plans its memory).
+    /// Untimed runs first: enough to settle the VAD's state and the arena, and two
+    /// whole passes of a sweep, so every configuration is timed in its steady state.
+    /// ONNX Runtime's first run of a shape allocates each buffer on its own to plan the
+    /// shape's memory; its second asks for the planned block, which a cache takes from
+    /// its source then (the arena grew for the first run's buffers already, a pool that
+    /// trimmed them grows now: with one pass, the pool's first timed pass paid the page
+    /// faults of that growth, about 180 a run on the classifier's sweep).
     fn warm_up(self) -> usize {
         match self {
             Work::Vad => 20,
             _ if self.cycle() == 1 => 2,
-            _ => self.cycle(),
+            _ => 2 * self.cycle(),
         }
     }
 
