@@ -108,6 +108,10 @@ mod imp {
     }
 
     /// The key's destructor: the thread is exiting.
+    ///
+    /// # Safety
+    /// Called only by the C library, as the destructor of [`KEY`] on the exiting thread;
+    /// `_value` is the marker [`arm`] set and is never dereferenced, so any value is sound.
     unsafe extern "C" fn destructor(_value: *mut c_void) {
         // Nothing may unwind into the C library that called us.
         let _ = std::panic::catch_unwind(super::on_exit);
