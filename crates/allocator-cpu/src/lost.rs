@@ -29,7 +29,7 @@ pub(crate) fn release_lost<A: DeviceAllocator + ?Sized>(allocator: &A, lost: Vec
 
 #[cfg(all(test, not(miri)))]
 mod tests {
-    use memory_api::{AllocationRequest, ByteRange, DeviceAllocator, DeviceKey, RawAllocation};
+    use memory_api::{AllocationRequest, DeviceAllocator, DeviceKey, RawAllocation};
 
     use crate::SystemAllocator;
 
@@ -78,7 +78,7 @@ mod tests {
         let arena = crate::VirtualHostAllocator::new();
         let reservation = arena.allocate(&AllocationRequest::new(1 << 20, 4096).unwrap()).unwrap();
         let backing = arena.virtual_backing().expect("virtual");
-        assert_eq!(backing.commit(&reservation, ByteRange::new(0, 64 << 10)).unwrap(), 64 << 10);
+        assert_eq!(backing.commit(&reservation, memory_api::ByteRange::new(0, 64 << 10)).unwrap(), 64 << 10);
         let copy = RawAllocation::new(
             reservation.address(),
             reservation.bytes(),
