@@ -570,17 +570,15 @@ impl GovernedBlocks {
         self.live.len()
     }
 
-    /// Returns cached memory of the binding's allocator to its source, then (as
-    /// configured) the C heap's free pages to the operating system; the bytes the cache
-    /// returned.
-    /// Counted in the adapter's figures and the calling table's.
+    /// Returns cached memory of the binding's allocator to its source; the bytes
+    /// returned. Counted in the adapter's figures and the calling table's. The caller
+    /// then calls [`GovernedBlocks::return_heap_pages`], outside its own-work measure.
     pub(crate) fn trim(&self, caller: &Counters) -> usize {
         let trimmed = self.binding.allocator().trim();
         both(&self.counters, caller, |counters| {
             counters.trims.fetch_add(1, Ordering::Relaxed);
             counters.trimmed_bytes.fetch_add(trimmed as u64, Ordering::Relaxed);
         });
-        self.return_heap_pages(caller);
         trimmed
     }
 
@@ -588,6 +586,12 @@ impl GovernedBlocks {
     /// ([`OrtAllocatorConfig::return_free_heap_pages`]): after a trim and after a commit
     /// (ONNX Runtime has freed what it loaded the model with). Counted when the C library
     /// gave some back.
+    ///
+    /// Never inside [`crate::heap::own_work`]: it changes no byte in use, so it needs no
+    /// measure, and it takes milliseconds, during which the measure would take a
+    /// concurrent commit's own growth (another thread's) for the adapter's and book that
+    /// commit next to nothing of ONNX Runtime's memory (PP-OCRv4 recognition's commit
+    /// booked 0 of its runtime memory while another session trimmed).
     pub(crate) fn return_heap_pages(&self, caller: &Counters) {
         if self.config.returns_free_heap_pages() && crate::heap::return_free_pages() {
             both(&self.counters, caller, |counters| _ = counters.heap_returns.fetch_add(1, Ordering::Relaxed));

@@ -336,7 +336,7 @@ impl OrtEnvironment {
                 };
                 // What ONNX Runtime loaded the model with is free now: it leaves the process
                 // rather than stay resident under the runs' peak.
-                crate::heap::own_work(|| core.blocks.return_heap_pages(&core.caller.counters));
+                core.blocks.return_heap_pages(&core.caller.counters);
                 tracing::info!(binding = %allocator.binding().identity(), serial, "governed ort session committed");
                 Ok(GovernedSession {
                     session: ManuallyDrop::new(session),
@@ -702,6 +702,7 @@ impl GovernedSession {
 fn trim_after(core: &Core, serial: u64, new_shape: Option<u64>) {
     if new_shape.is_some() {
         let returned = crate::heap::own_work(|| core.blocks.trim(&core.caller.counters));
+        core.blocks.return_heap_pages(&core.caller.counters);
         tracing::debug!(serial, returned, "first run of new input shapes: allocator cache trimmed");
     }
 }

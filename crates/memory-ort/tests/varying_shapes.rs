@@ -15,6 +15,16 @@ use memory_ort::workloads::{OCR_CLS_WIDTH, classify_direction, detect_text, ocr_
 
 const MIB: u64 = 1 << 20;
 
+/// The books these tests check include ONNX Runtime's own memory, measured at commit as
+/// the process's heap growth, so a session of another test dropped meanwhile (its heap
+/// freed) makes a commit book less than its own (the documented inexactness: other
+/// threads' heap during a commit). One at a time, as `prepacking.rs` runs.
+static QUIET: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn quiet() -> std::sync::MutexGuard<'static, ()> {
+    QUIET.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A session without the adapter, with the options a governed commit uses (prepacking
 /// on, as in a stock session), so the allocator is the only difference.
 fn plain(env: &memory_ort::OrtEnvironment, model: &std::path::Path) -> ort::session::Session {
@@ -51,6 +61,7 @@ fn assert_books_are_empty(tenant: &Tenant, allocator: &memory_ort::GovernedOrtAl
 fn ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to_the_weights() {
     let name = "ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
+    let _quiet = quiet();
     let mut plain = plain(env, &assets.ocr_rec);
     let tenant = Tenant::new("ocr-rec", 512 * MIB, Backing::Pooled);
     let allocator = tenant.allocator(env);
@@ -88,6 +99,7 @@ fn ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to
 fn ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the_weights() {
     let name = "ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
+    let _quiet = quiet();
     let mut plain = plain(env, &assets.ocr_det);
     let tenant = Tenant::new("ocr-det", 512 * MIB, Backing::Pooled);
     let allocator = tenant.allocator(env);
@@ -113,6 +125,7 @@ fn ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the
 fn the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_return_to_the_weights() {
     let name = "the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_return_to_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
+    let _quiet = quiet();
     let mut plain = plain(env, &assets.ocr_cls);
     let tenant = Tenant::new("ocr-cls", 256 * MIB, Backing::Pooled);
     let allocator = tenant.allocator(env);
@@ -139,6 +152,7 @@ fn the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_re
 fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its_planned_block() {
     let name = "the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its_planned_block";
     let Some((env, assets)) = common::ort(name) else { return };
+    let _quiet = quiet();
     let widths = [80, 320, 800, 160];
     let mut cached = Vec::new();
     let mut outputs = Vec::new();
@@ -185,6 +199,7 @@ fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its
 fn a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trims() {
     let name = "a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trims";
     let Some((env, assets)) = common::ort(name) else { return };
+    let _quiet = quiet();
     let pool = std::sync::Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::for_caches(
         memory_governor::DeviceKey::HOST,
     )));
@@ -206,44 +221,4 @@ fn a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trim
     recognize_text(&mut session, ocr_lines(4, 1, width), 1, width).unwrap();
     assert_eq!(pool.pool_stats().trims, after.trims, "a repeated shape does not trim");
     assert_books_hold_only_the_weights(&tenant, &allocator, weights, "after the runs");
-}
-
-/// A commit and a new shape's trim also hand the C heap's free pages back to the
-/// operating system (glibc's `malloc_trim`), counted in the session's figures and the
-/// adapter's; with that off, trims are counted and no heap pages are returned.
-#[test]
-fn commits_and_new_shapes_trims_return_the_c_heaps_free_pages_unless_configured_off() {
-    let name = "commits_and_new_shapes_trims_return_the_c_heaps_free_pages_unless_configured_off";
-    let Some((env, assets)) = common::ort(name) else { return };
-    let widths = [80, 320, 800];
-    for returning in [true, false] {
-        let tenant = Tenant::new("heap-pages", 512 * MIB, Backing::Pooled);
-        let binding = tenant.registry.bind_registered(&tenant.mechanism).unwrap();
-        let config = memory_ort::OrtAllocatorConfig::default().return_free_heap_pages(returning);
-        assert_eq!(config.returns_free_heap_pages(), returning);
-        let allocator =
-            memory_ort::GovernedOrtAllocator::cpu(env, binding, Some(tenant.account.clone()), config).unwrap();
-        let mut session = env.commit_from_file(&allocator, env.session_builder().unwrap(), &assets.ocr_rec).unwrap();
-        let committed = session.stats();
-        assert_eq!(committed.trims, 0, "a commit does not trim the cache: {committed:?}");
-        for (seed, width) in widths.into_iter().enumerate() {
-            recognize_text(&mut session, ocr_lines(seed as u64, 1, width), 1, width).unwrap();
-        }
-        // A repeated shape: no trim.
-        recognize_text(&mut session, ocr_lines(7, 1, 320), 1, 320).unwrap();
-        let (mine, all) = (session.stats(), allocator.stats());
-        assert_eq!(mine.trims, widths.len() as u64, "one trim per new shape, none for a repeated one: {mine:?}");
-        assert_eq!(all.trims, mine.trims, "the adapter counts the session's trims: {all:?}");
-        assert_eq!(all.heap_returns, mine.heap_returns, "{all:?}");
-        let pairs = all.key_values();
-        assert!(pairs.contains(&("NumTrims", all.trims)) && pairs.contains(&("NumHeapReturns", all.heap_returns)));
-        if !returning {
-            assert_eq!(mine.heap_returns, 0, "configured off: the heap keeps its pages: {mine:?}");
-        } else if cfg!(all(target_os = "linux", target_env = "gnu")) {
-            // Loading the model, and the first run of each shape, free hundreds of ONNX
-            // Runtime's buffers.
-            assert!(committed.heap_returns >= 1, "glibc handed free pages back after the commit: {committed:?}");
-            assert!(mine.heap_returns > committed.heap_returns, "and after a new shape's trim: {mine:?}");
-        }
-    }
 }
