@@ -160,7 +160,7 @@ impl OrtAllocatorConfig {
     /// until a later request happens to fit. The price is one `malloc_trim` per commit
     /// and trim: it takes each heap arena's lock in turn (other threads' `malloc` in that
     /// arena wait meanwhile), measured at 0.1-0.3 ms typically and up to 8 ms after many
-    /// frees on PP-OCRv4 (a new shape's first run takes 10-300 ms there), and the page
+    /// frees on PP-OCRv4 (on a loaded 2-core machine) (a new shape's first run takes 10-300 ms there), and the page
     /// faults of a later `malloc` that reuses the pages.
     ///
     /// Measured with `cargo xtask bench --ort -- --configs
@@ -175,7 +175,8 @@ impl OrtAllocatorConfig {
         self
     }
 
-    /// Whether trims also hand the C heap's free pages back to the operating system.
+    /// Whether commits and trims also hand the C heap's free pages back to the
+    /// operating system.
     pub fn returns_free_heap_pages(&self) -> bool {
         self.return_heap_pages
     }
