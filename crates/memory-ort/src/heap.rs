@@ -126,13 +126,19 @@ mod imp {
     static ENTRY: OnceLock<Option<Mallinfo2>> = OnceLock::new();
     static TRIM: OnceLock<Option<MallocTrim>> = OnceLock::new();
 
+    /// The address of the C library's `name`, or `None` where it has none.
+    fn lookup(name: &std::ffi::CStr) -> Option<*mut c_void> {
+        // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only looks the
+        // symbol up in the objects already loaded.
+        let symbol: *mut c_void = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        (!symbol.is_null()).then_some(symbol)
+    }
+
     pub(super) fn return_free_pages() -> bool {
         let trim = *TRIM.get_or_init(|| {
-            // SAFETY: as in `entry`: a lookup in the objects already loaded.
-            let symbol: *mut c_void = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc_trim".as_ptr()) };
             // SAFETY: glibc's `malloc_trim` is `int malloc_trim(size_t pad)` (malloc.h);
             // the symbol lives as long as libc.
-            (!symbol.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, MallocTrim>(symbol) })
+            lookup(c"malloc_trim").map(|symbol| unsafe { std::mem::transmute::<*mut c_void, MallocTrim>(symbol) })
         });
         // SAFETY: `malloc_trim` takes each arena's own lock in turn and only returns
         // pages of chunks that are free; it may be called from any thread at any time.
@@ -141,13 +147,10 @@ mod imp {
 
     fn entry() -> Option<Mallinfo2> {
         *ENTRY.get_or_init(|| {
-            // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only looks the
-            // symbol up in the objects already loaded.
-            let symbol: *mut c_void = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
-            if symbol.is_null() {
+            let Some(symbol) = lookup(c"mallinfo2") else {
                 tracing::warn!("the C library has no mallinfo2: onnx runtime's own memory cannot be measured");
                 return None;
-            }
+            };
             // SAFETY: glibc's `mallinfo2` is `struct mallinfo2 mallinfo2(void)` (malloc.h),
             // which is what `libc::mallinfo2` lays out; the symbol lives as long as libc.
             Some(unsafe { std::mem::transmute::<*mut c_void, Mallinfo2>(symbol) })

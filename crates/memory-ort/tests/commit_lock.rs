@@ -13,10 +13,6 @@ use common::{Backing, Tenant, tiny_model};
 use memory_governor::{DeviceKey, ReclaimHolder, ReclaimRequest, ReclaimThenFail};
 use memory_ort::{GovernedOrtAllocator, GovernedSession, OrtAllocatorConfig};
 
-/// While a commit is stalled, releases on other threads are deferred, which the other
-/// test's books would see: one at a time.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
 fn allocator_with(
     env: &memory_ort::OrtEnvironment,
     tenant: &Tenant,
@@ -58,7 +54,9 @@ impl ReclaimHolder for EvictUnderLock {
 /// commit gets its room from the cache.
 #[test]
 fn a_session_dropped_under_a_lock_a_reclaim_holder_takes_does_not_deadlock_a_commit() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // While a commit is stalled, releases on other threads are deferred, which the
+    // other test's books would see.
+    let _one = common::one_at_a_time();
     let Some((env, _)) = common::ort("a_session_dropped_under_a_lock_a_reclaim_holder_takes") else { return };
     let tenant = Arc::new(Tenant::new("cached", 1 << 30, Backing::Pooled));
     let allocator = allocator_with(env, &tenant, OrtAllocatorConfig::default().charge_runtime_memory(false));
@@ -155,7 +153,9 @@ impl ReclaimHolder for SharedCache {
 /// eviction is released once the commit is done), and nothing stays booked.
 #[test]
 fn a_run_and_a_commit_asking_one_cache_for_room_at_once_do_not_deadlock() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // While a commit is stalled, releases on other threads are deferred, which the
+    // other test's books would see.
+    let _one = common::one_at_a_time();
     let Some((env, _)) = common::ort("a_run_and_a_commit_asking_one_cache_for_room_at_once") else { return };
     let tenant = Arc::new(Tenant::new("contended", 1 << 30, Backing::Pooled));
     let allocator = allocator_with(env, &tenant, OrtAllocatorConfig::default().charge_runtime_memory(false));

@@ -16,7 +16,7 @@
 mod common;
 
 use std::path::Path;
-use std::sync::{Mutex, Once, PoisonError};
+use std::sync::Once;
 
 use common::{Backing, Tenant};
 use memory_governor::MemoryRole;
@@ -25,9 +25,6 @@ use memory_ort::{GovernedOrtAllocator, OrtAdapterError, OrtAllocatorConfig, OrtE
 use ort::session::builder::SessionBuilder;
 
 const MIB: u64 = 1 << 20;
-
-/// The tests of this binary measure the process's heap: one at a time.
-static QUIET: Mutex<()> = Mutex::new(());
 
 #[repr(C)]
 struct Mallinfo2 {
@@ -140,7 +137,7 @@ struct Commit {
 fn with_prepacking_on_the_books_hold_every_byte_a_stock_session_holds_in_every_executor() {
     let name = "with_prepacking_on_the_books_hold_every_byte_a_stock_session_holds_in_every_executor";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = QUIET.lock().unwrap_or_else(PoisonError::into_inner);
+    let _quiet = common::one_at_a_time();
     warm(env, assets);
     for model in [Model::Vad, Model::Detection, Model::Classifier] {
         for parallel in [false, true] {
@@ -214,7 +211,7 @@ fn with_prepacking_on_the_books_hold_every_byte_a_stock_session_holds_in_every_e
 fn prepacking_off_books_every_byte_too_and_holds_a_second_copy_of_the_weights() {
     let name = "prepacking_off_books_every_byte_too_and_holds_a_second_copy_of_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = QUIET.lock().unwrap_or_else(PoisonError::into_inner);
+    let _quiet = common::one_at_a_time();
     warm(env, assets);
     for model in [Model::Vad, Model::Detection] {
         let path = model.path(assets);
@@ -255,7 +252,7 @@ fn prepacking_off_books_every_byte_too_and_holds_a_second_copy_of_the_weights() 
 fn a_quota_too_small_for_onnx_runtimes_own_memory_fails_the_commit_with_the_governors_reason() {
     let name = "a_quota_too_small_for_onnx_runtimes_own_memory_fails_the_commit_with_the_governors_reason";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = QUIET.lock().unwrap_or_else(PoisonError::into_inner);
+    let _quiet = common::one_at_a_time();
     warm(env, assets);
     // PP-OCRv4 detection with prepacking on: about 11 KB of blocks reach the adapter, the
     // rest (7 MB) is ONNX Runtime's own. A quota of 1 MiB admits the blocks and refuses

@@ -5,7 +5,9 @@
 //! allocates each buffer on its own, later runs of that shape one planned block), so a
 //! sweep that comes back to a shape takes both paths. At every step the outputs equal
 //! a plain session's bit for bit, and the books hold exactly the weights between runs;
-//! after the session drops they hold nothing.
+//! after the session drops they hold nothing. The tests run one at a time: their books
+//! include ONNX Runtime's own memory, measured at commit as the process's heap growth,
+//! which another test's sessions coming and going would disturb.
 
 mod common;
 
@@ -14,16 +16,6 @@ use memory_governor::MemoryRole;
 use memory_ort::workloads::{OCR_CLS_WIDTH, classify_direction, detect_text, ocr_image, ocr_lines, recognize_text};
 
 const MIB: u64 = 1 << 20;
-
-/// The books these tests check include ONNX Runtime's own memory, measured at commit as
-/// the process's heap growth, so a session of another test dropped meanwhile (its heap
-/// freed) makes a commit book less than its own (the documented inexactness: other
-/// threads' heap during a commit). One at a time, as `prepacking.rs` runs.
-static QUIET: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn quiet() -> std::sync::MutexGuard<'static, ()> {
-    QUIET.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// A session without the adapter, with the options a governed commit uses (prepacking
 /// on, as in a stock session), so the allocator is the only difference.
@@ -61,7 +53,7 @@ fn assert_books_are_empty(tenant: &Tenant, allocator: &memory_ort::GovernedOrtAl
 fn ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to_the_weights() {
     let name = "ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = quiet();
+    let _one = common::one_at_a_time();
     let mut plain = plain(env, &assets.ocr_rec);
     let tenant = Tenant::new("ocr-rec", 512 * MIB, Backing::Pooled);
     let allocator = tenant.allocator(env);
@@ -99,7 +91,7 @@ fn ocr_recognition_over_a_width_sweep_equals_a_plain_session_and_books_return_to
 fn ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the_weights() {
     let name = "ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = quiet();
+    let _one = common::one_at_a_time();
     let mut plain = plain(env, &assets.ocr_det);
     let tenant = Tenant::new("ocr-det", 512 * MIB, Backing::Pooled);
     let allocator = tenant.allocator(env);
@@ -125,7 +117,7 @@ fn ocr_detection_over_image_sizes_equals_a_plain_session_and_books_return_to_the
 fn the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_return_to_the_weights() {
     let name = "the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_return_to_the_weights";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = quiet();
+    let _one = common::one_at_a_time();
     let mut plain = plain(env, &assets.ocr_cls);
     let tenant = Tenant::new("ocr-cls", 256 * MIB, Backing::Pooled);
     let allocator = tenant.allocator(env);
@@ -152,7 +144,7 @@ fn the_direction_classifier_over_batch_sizes_equals_a_plain_session_and_books_re
 fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its_planned_block() {
     let name = "the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its_planned_block";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = quiet();
+    let _one = common::one_at_a_time();
     let widths = [80, 320, 800, 160];
     let mut cached = Vec::new();
     let mut outputs = Vec::new();
@@ -199,7 +191,7 @@ fn the_first_run_of_each_new_shape_trims_the_pool_and_a_repeated_shape_keeps_its
 fn a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trims() {
     let name = "a_refused_first_run_of_a_shape_leaves_it_new_so_its_first_good_run_still_trims";
     let Some((env, assets)) = common::ort(name) else { return };
-    let _quiet = quiet();
+    let _one = common::one_at_a_time();
     let pool = std::sync::Arc::new(allocator_cpu::PooledAllocator::new(allocator_cpu::SystemAllocator::for_caches(
         memory_governor::DeviceKey::HOST,
     )));

@@ -14,6 +14,14 @@ use memory_governor::{
 };
 use memory_ort::{GovernedOrtAllocator, OrtAllocatorConfig, OrtAssets, OrtEnvironment};
 
+/// Holds the test binary's one-at-a-time lock: for tests whose books include what a
+/// commit measures of the process's heap, or that stall a commit, which another test
+/// running meanwhile would disturb (its sessions' heap, or its deferred releases).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The environment and assets, or `None` after printing that `test` was skipped.
 /// Under `cargo xtask test` (`MEMORY_ORT_REQUIRED=1`) a missing asset fails the test.
 pub fn ort(test: &str) -> Option<(&'static OrtEnvironment, &'static OrtAssets)> {
