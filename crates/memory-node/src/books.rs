@@ -465,7 +465,11 @@ impl NodeBooks {
             .create(true)
             .mode(self.inner.config.mode)
             .open(&path)
-            .map_err(|error| tracing::debug!(path = %path.display(), %error, "no lease for the slot"))
+            .map_err(|error| {
+                tracing::warn!(path = %path.display(), %error,
+                    "no lease file for the slot: a survivor in another pid namespace cannot refund it if this \
+                     process dies; make the books' directory writable by this user")
+            })
             .ok()?;
         // Only a lease file of this user: one another user made first (a world-writable
         // directory lets them) they could unlink and replace with one nobody locks, and
@@ -475,7 +479,9 @@ impl NodeBooks {
             metadata.uid() == rustix::process::geteuid().as_raw()
         });
         if !own {
-            tracing::debug!(path = %path.display(), "the slot's lease file is another user's: no lease");
+            tracing::warn!(path = %path.display(),
+                "the slot's lease file belongs to another user: no lease (a survivor in another pid namespace \
+                 cannot refund this slot); remove the file, or keep the books in a directory only this user writes");
             return None;
         }
         rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)

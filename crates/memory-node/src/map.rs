@@ -25,6 +25,9 @@ use crate::protocol::{SLOT_REFUNDING, state_of};
 pub(crate) struct Mapping {
     ptr: NonNull<Shared>,
     file: File,
+    /// The books file's inode, read once when it was mapped: it names the slots' lease
+    /// files, which every process must name alike.
+    inode: u64,
 }
 
 // SAFETY: the mapping is plain shared memory that every thread may read and write
@@ -207,6 +210,10 @@ impl Mapping {
     }
 
     fn map(path: &Path, file: File) -> Result<Mapping, OpenError> {
+        let inode = {
+            use std::os::unix::fs::MetadataExt;
+            file.metadata().map_err(io(path, "stat"))?.ino()
+        };
         // SAFETY: a fresh shared read-write mapping of `LAYOUT_SIZE` bytes of `file`,
         // whose size was checked (or set) to exactly that; the kernel chooses the address
         // (no hint), so no existing mapping is replaced. The pointer is kept for `drop`.
@@ -216,7 +223,7 @@ impl Mapping {
         .map_err(|errno| io(path, "map")(errno.into()))?;
         let ptr = NonNull::new(raw.cast::<Shared>())
             .ok_or_else(|| io(path, "map")(std::io::Error::other("mmap returned a null address")))?;
-        Ok(Mapping { ptr, file })
+        Ok(Mapping { ptr, file, inode })
     }
 
     /// The books.
@@ -231,9 +238,9 @@ impl Mapping {
         unsafe { self.ptr.as_ref() }
     }
 
-    /// The inode of the books file this mapping maps (0 if it cannot be read).
+    /// The inode of the books file this mapping maps.
     pub(crate) fn inode(&self) -> u64 {
-        self.file.metadata().map_or(0, |metadata| metadata.ino())
+        self.inode
     }
 
     /// Takes the books' cross-process lock (waiting for it). The caller also holds the
