@@ -93,19 +93,19 @@ impl DeviceAllocator for PinnedHostAllocator {
     /// The blocks live on [`DeviceKey::HOST`]: a loss of the host key (a registry's
     /// `invalidate_device`) leaves them pinned by a context that is still alive, and
     /// nothing else would ever free them, so they are freed here as their owner would
-    /// have (`cuMemFreeHost`; a block this allocator does not hold is left alone with a
-    /// warning). Only if the pinning context is lost itself is the memory gone with it,
-    /// and the books are all that is dropped.
+    /// have (`cuMemFreeHost`). A block the free does not complete (the pinning context is
+    /// lost itself, and the memory went with it; or the driver refused) leaves the books
+    /// instead, so nothing stays recorded that nobody can release.
     fn forget_lost(&self, lost: Vec<RawAllocation>) {
-        if self.device.inner().ensure_alive("cuMemFreeHost").is_err() {
-            let forgotten = self.book.forget(lost);
-            tracing::info!(forgotten, "forgot pinned blocks lost with their context");
-            return;
-        }
         for block in lost {
-            let outcome = self.release(block);
-            if !outcome.is_complete() {
-                tracing::warn!(outcome = %outcome.summary(), "a lost pinned block handed to forget_lost was not freed");
+            match self.release(block) {
+                ReleaseOutcome::Complete(_) => {}
+                ReleaseOutcome::Failed(failed) => {
+                    let (block, error) = failed.into_parts();
+                    let forgotten = self.book.forget(vec![block]);
+                    tracing::info!(forgotten, %error, "a lost pinned block could not be freed: forgotten");
+                }
+                outcome => tracing::warn!(outcome = %outcome.summary(), "a lost pinned block was not freed"),
             }
         }
     }
