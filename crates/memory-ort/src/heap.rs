@@ -231,6 +231,7 @@ mod tests {
         assert!(resident_share(&pages, BLOCK) > 0.9, "the blocks were touched");
         drop(blocks);
         let before = resident_share(&pages, BLOCK);
+        assert!(before > 0.9, "freed, the blocks stay resident until the pages are returned: {before:.2}");
         assert!(return_free_pages(), "glibc gave pages back");
         let after = resident_share(&pages, BLOCK);
         // Other threads of this binary may reuse a few of the freed blocks meanwhile.
