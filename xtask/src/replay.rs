@@ -4,7 +4,7 @@
 //! directory `cargo xtask` was called from first: it means what it says from anywhere in
 //! the tree (`crates/memory-trace$ cargo xtask replay traces/demo.mtrace`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::flags;
 use crate::step::Cmd;
@@ -17,18 +17,13 @@ pub(crate) fn replay_cmd(flags: &flags::Replay) -> Cmd {
     replay_cmd_from(flags, &cwd)
 }
 
-/// `path` as the caller meant it from `cwd`.
-fn from(cwd: &Path, path: &Path) -> PathBuf {
-    if path.is_absolute() { path.to_path_buf() } else { cwd.join(path) }
-}
-
 /// The command that replays as `flags` asks, called from `cwd`.
 fn replay_cmd_from(flags: &flags::Replay, cwd: &Path) -> Cmd {
     let mut args: Vec<String> =
         ["run", "--release", "-q", "-p", "memory-trace", "--bin", "memory-trace", "--", "replay"]
             .map(String::from)
             .to_vec();
-    args.push(from(cwd, &flags.trace).display().to_string());
+    args.push(cwd.join(&flags.trace).display().to_string());
     if let Some(allocator) = flags.allocator {
         args.extend(["--allocator".to_owned(), allocator.name().to_owned()]);
     }
@@ -42,7 +37,7 @@ fn replay_cmd_from(flags: &flags::Replay, cwd: &Path) -> Cmd {
         args.push("--no-quotas".to_owned());
     }
     if let Some(html) = &flags.html {
-        args.extend(["--html".to_owned(), from(cwd, html).display().to_string()]);
+        args.extend(["--html".to_owned(), cwd.join(html).display().to_string()]);
     }
     Cmd::cargo(args)
 }

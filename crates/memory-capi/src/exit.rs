@@ -105,6 +105,7 @@ mod imp {
     unsafe extern "C" {
         fn dladdr(address: *const c_void, info: *mut DlInfo) -> c_int;
         fn dlopen(file: *const c_char, flags: c_int) -> *mut c_void;
+        fn dlerror() -> *mut c_char;
     }
 
     /// The key's destructor: the thread is exiting.
@@ -127,7 +128,9 @@ mod imp {
     /// The handle tables and hazard slots are kept for the life of the process anyway
     /// (docs/C-ABI.md §2), so the object is made undeletable (`RTLD_NODELETE`) before
     /// the key exists: a `dlclose` then leaves it mapped. In an executable (no shared
-    /// object to pin) the `dlopen` finds nothing and nothing changes.
+    /// object to pin; `dladdr` names the program, often as `argv[0]`) the `dlopen` finds
+    /// nothing and nothing changes, and the loader's message of that failed lookup is
+    /// cleared, so a host that reads `dlerror()` after calls of its own never sees it.
     fn pin_this_object() {
         let mut info = DlInfo {
             fname: std::ptr::null(),
@@ -143,7 +146,11 @@ mod imp {
         // SAFETY: `fname` is the NUL-terminated path the loader keeps for the mapped
         // object; with RTLD_NOLOAD nothing new is loaded, only the object already mapped
         // gets RTLD_NODELETE. The reference it returns is deliberately never closed.
-        let _ = unsafe { dlopen(info.fname, RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE) };
+        let pinned = unsafe { dlopen(info.fname, RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE) };
+        if pinned.is_null() {
+            // SAFETY: `dlerror` only reads and clears this thread's last loader message.
+            let _ = unsafe { dlerror() };
+        }
     }
 
     pub(super) fn arm() -> bool {

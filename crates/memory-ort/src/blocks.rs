@@ -571,14 +571,22 @@ impl GovernedBlocks {
     }
 
     /// Returns cached memory of the binding's allocator to its source; the bytes
-    /// returned. Counted in the adapter's figures and the calling table's. The caller
-    /// then calls [`GovernedBlocks::return_heap_pages`], outside its own-work measure.
+    /// returned. Counted in the adapter's figures and the calling table's.
     pub(crate) fn trim(&self, caller: &Counters) -> usize {
         let trimmed = self.binding.allocator().trim();
         both(&self.counters, caller, |counters| {
             counters.trims.fetch_add(1, Ordering::Relaxed);
             counters.trimmed_bytes.fetch_add(trimmed as u64, Ordering::Relaxed);
         });
+        trimmed
+    }
+
+    /// [`GovernedBlocks::trim`] measured as the adapter's own work, then the C heap's
+    /// free pages returned outside the measure: what a new shape's trim and ONNX
+    /// Runtime's `Shrink` do. The bytes the cache returned.
+    pub(crate) fn trim_and_return_heap_pages(&self, caller: &Counters) -> usize {
+        let trimmed = crate::heap::own_work(|| self.trim(caller));
+        self.return_heap_pages(caller);
         trimmed
     }
 

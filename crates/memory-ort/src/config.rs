@@ -45,7 +45,10 @@ impl Default for OrtAllocatorConfig {
 impl OrtAllocatorConfig {
     /// The defaults for the CUDA allocator: the same roles, aligned to
     /// [`CUDA_MIN_ALIGNMENT`], without booking ONNX Runtime's own (host) memory to the
-    /// device's account (see [`OrtAllocatorConfig::charge_runtime_memory`]).
+    /// device's account (see [`OrtAllocatorConfig::charge_runtime_memory`]). Commits and
+    /// trims still hand the C heap's free pages back
+    /// ([`OrtAllocatorConfig::return_free_heap_pages`]): ONNX Runtime loads the model and
+    /// plans a new shape in host memory with any execution provider.
     pub fn cuda() -> OrtAllocatorConfig {
         OrtAllocatorConfig { alignment: CUDA_MIN_ALIGNMENT, runtime_memory: false, ..OrtAllocatorConfig::default() }
     }

@@ -701,8 +701,7 @@ impl GovernedSession {
 /// ONNX Runtime will not ask for again.
 fn trim_after(core: &Core, serial: u64, new_shape: Option<u64>) {
     if new_shape.is_some() {
-        let returned = crate::heap::own_work(|| core.blocks.trim(&core.caller.counters));
-        core.blocks.return_heap_pages(&core.caller.counters);
+        let returned = core.blocks.trim_and_return_heap_pages(&core.caller.counters);
         tracing::debug!(serial, returned, "first run of new input shapes: allocator cache trimmed");
     }
 }

@@ -425,12 +425,7 @@ unsafe extern "system" fn shrink(this: *mut OrtAllocator) -> OrtStatusPtr {
     }
     // SAFETY: as `alloc`.
     let core = unsafe { core(this) };
-    let shrunk = catch_unwind(AssertUnwindSafe(|| {
-        let bytes = own_work(|| core.blocks.trim(&core.caller.counters));
-        core.blocks.return_heap_pages(&core.caller.counters);
-        bytes
-    }));
-    match shrunk {
+    match catch_unwind(AssertUnwindSafe(|| core.blocks.trim_and_return_heap_pages(&core.caller.counters))) {
         Ok(bytes) => {
             tracing::debug!(bytes, "ort allocator shrunk: cached memory returned");
             OrtStatusPtr(ptr::null_mut::<OrtStatus>())
